@@ -12,6 +12,10 @@ from workers.identity import CacheNamespace
 
 FinishReason = Literal["stop", "length", "abort"]
 
+DECODE_HORIZON = 128
+"""Output tokens a request is counted for when load is measured in tokens: a request with a
+large ``max_tokens`` rarely uses it all, so load counts at most this many (tokens)."""
+
 
 class InvalidRequestError(ValueError):
     """A request the engine cannot serve as asked; ``param`` names the offending field."""

@@ -1,0 +1,56 @@
+"""Builds the Serve application: ingress → prefix-aware router → N worker replicas."""
+
+from __future__ import annotations
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.deployment import Application
+
+from cluster.config import INDEX_ACTOR_NAMESPACE, ClusterConfig
+from cluster.ingress_deployment import NalarIngress
+from cluster.worker_deployment import NalarWorker
+from router.request_router import PrefixAwareRequestRouter
+
+APP_NAME = "nalar"
+WORKER_DEPLOYMENT = "NalarWorker"
+INGRESS_DEPLOYMENT = "NalarIngress"
+
+
+def router_config(config: ClusterConfig) -> RequestRouterConfig:
+    """Attach the prefix-aware router to the worker deployment's handles."""
+    return RequestRouterConfig(
+        request_router_class=PrefixAwareRequestRouter,
+        request_router_kwargs={
+            "redis_url": config.redis_url,
+            "key_prefix": config.key_prefix,
+            "index_actor_name": config.index_actor_name,
+            "index_actor_namespace": INDEX_ACTOR_NAMESPACE,
+            "block_size": config.block_size,
+            "worker_ttl_s": config.worker_ttl_s,
+        },
+        request_routing_stats_period_s=config.routing_stats_period_s,
+    )
+
+
+def build_app(config: ClusterConfig) -> Application:
+    """The application ``serve.run`` deploys.
+
+    Workers get fractional CPUs (a 2-core machine still fits two) and a bounded queue, so
+    overload is refused with 503 instead of queued without limit (DESIGN §5c).
+    """
+    workers = serve.deployment(NalarWorker).options(
+        name=WORKER_DEPLOYMENT,
+        num_replicas=config.num_workers,
+        ray_actor_options={"num_cpus": config.worker_cpus},
+        max_ongoing_requests=config.worker_max_ongoing_requests,
+        max_queued_requests=config.worker_max_queued_requests,
+        request_router_config=router_config(config),
+        health_check_period_s=5,
+    )
+    ingress = serve.deployment(NalarIngress).options(
+        name=INGRESS_DEPLOYMENT,
+        num_replicas=1,
+        ray_actor_options={"num_cpus": 0.1},
+        max_ongoing_requests=1024,
+    )
+    return ingress.bind(workers.bind(config), config)

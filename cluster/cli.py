@@ -1,0 +1,125 @@
+"""``nalar``: serve the cluster, or chat with a running one."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+import time
+
+import httpx
+
+from cluster.config import ClusterConfig
+
+
+def _serve_parser(commands) -> None:
+    serve_cmd = commands.add_parser("serve", help="serve a model on an OpenAI-compatible API")
+    serve_cmd.add_argument("--model", default="embedded",
+                           help="'embedded' (SmolLM2-135M-Instruct), a .gguf file, a model "
+                                "directory or a locally cached hub id")
+    serve_cmd.add_argument("--served-model-name", default=None)
+    serve_cmd.add_argument("--dtype", default="auto",
+                           help="auto (bf16 where native, else fp32), bfloat16, float16, float32")
+    serve_cmd.add_argument("--workers", type=int, default=2, dest="num_workers")
+    serve_cmd.add_argument("--redis-url", default=None,
+                           help="Redis digest index (default: $REDIS_URL, else embedded)")
+    serve_cmd.add_argument("--host", default="127.0.0.1")
+    serve_cmd.add_argument("--port", type=int, default=8000)
+    serve_cmd.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    serve_cmd.add_argument("--kv-memory-mib", type=int, default=512, dest="kv_cache_mib",
+                           help="KV cache budget per worker, MiB")
+    serve_cmd.add_argument("--max-model-len", type=int, default=None)
+    serve_cmd.add_argument("--max-num-seqs", type=int, default=64)
+    serve_cmd.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    serve_cmd.add_argument("--worker-threads", type=int, default=None,
+                           help="torch threads per worker (default: torch's)")
+
+
+def _chat_parser(commands) -> None:
+    chat_cmd = commands.add_parser("chat", help="send one chat message to a running server")
+    chat_cmd.add_argument("text")
+    chat_cmd.add_argument("--url", default="http://127.0.0.1:8000")
+    chat_cmd.add_argument("--api-key", default=None)
+    chat_cmd.add_argument("--max-tokens", type=int, default=128)
+    chat_cmd.add_argument("--temperature", type=float, default=0.0)
+    chat_cmd.add_argument("--system", default=None, help="optional system prompt")
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    from cluster.runtime import PortInUseError, start_cluster, stop_cluster
+
+    options = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
+    config = ClusterConfig(**options)
+    index = f"Redis at {config.redis_url}" if config.redis_url else "embedded"
+    print(f"starting Nalar Serve: model {config.model}, {config.num_workers} workers, "
+          f"index {index} ...", flush=True)
+    try:
+        start_cluster(config)
+    except PortInUseError as exc:
+        print(f"nalar: cannot serve: {exc}. Stop the other server or pass --port.",
+              file=sys.stderr)
+        return 1
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    print(f"Nalar Serve is ready: http://{config.host}:{config.port}/v1 "
+          "(Ctrl-C to stop)", flush=True)
+    stop.wait()
+    print("stopping ...", flush=True)
+    stop_cluster()
+    print("stopped.", flush=True)
+    return 0
+
+
+def chat_command(args: argparse.Namespace) -> int:
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages.append({"role": "user", "content": args.text})
+    body = {"messages": messages, "max_tokens": args.max_tokens,
+            "temperature": args.temperature, "stream": True,
+            "stream_options": {"include_usage": True}}
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    started = time.perf_counter()
+    ttft = None
+    usage = {}
+    try:
+        with httpx.stream("POST", f"{args.url}/v1/chat/completions", json=body,
+                          headers=headers, timeout=300) as response:
+            if response.status_code != 200:
+                response.read()
+                print(f"error {response.status_code}: {response.text}", file=sys.stderr)
+                return 1
+            worker = response.headers.get("x-nalar-worker", "?")
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices", []):
+                    text = choice.get("delta", {}).get("content") or ""
+                    if text and ttft is None:
+                        ttft = time.perf_counter() - started
+                    print(text, end="", flush=True)
+    except httpx.HTTPError as exc:
+        print(f"nalar: cannot reach {args.url}: {exc}", file=sys.stderr)
+        return 1
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    ttft_text = f"{ttft * 1000:.0f} ms" if ttft is not None else "n/a"
+    print(f"\n--\nworker {worker} | prompt {usage.get('prompt_tokens', '?')} tokens, "
+          f"cached {cached} | completion {usage.get('completion_tokens', '?')} tokens | "
+          f"TTFT {ttft_text}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="nalar", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(commands)
+    _chat_parser(commands)
+    args = parser.parse_args(argv)
+    return serve_command(args) if args.command == "serve" else chat_command(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

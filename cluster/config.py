@@ -1,0 +1,60 @@
+"""The cluster's configuration schema: one validated object from the CLI to every deployment."""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+from pydantic import BaseModel, Field, field_validator
+
+from workers.config import EngineConfig, MiB
+
+INDEX_ACTOR_NAMESPACE = "nalar"
+"""Ray namespace of the embedded index actor, so the driver and Serve replicas find one actor."""
+
+
+class ClusterConfig(BaseModel):
+    """Everything ``nalar serve`` can be told.
+
+    Sizes are in tokens unless named ``*_bytes``/``*_mib``; times in seconds.
+    """
+
+    model: str = "embedded"
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    device: str | None = None
+    num_workers: int = Field(2, ge=1)
+    redis_url: str | None = Field(default_factory=lambda: os.environ.get("REDIS_URL") or None)
+    key_prefix: str = "nalar"
+    index_actor_name: str = "nalar-digest-index"
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    block_size: int = Field(16, ge=1)
+    kv_cache_mib: int = Field(512, ge=1)
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_model_len: int | None = Field(None, ge=2)
+    worker_cpus: float = Field(0.5, gt=0)
+    worker_threads: int | None = Field(None, ge=1)
+    worker_max_ongoing_requests: int = Field(128, ge=1)
+    worker_max_queued_requests: int = Field(256, ge=1)
+    routing_stats_period_s: float = Field(0.5, gt=0)
+    worker_ttl_s: float = Field(30.0, gt=0)
+    namespace_secret: str = Field(
+        default_factory=lambda: os.environ.get("NALAR_NAMESPACE_SECRET") or secrets.token_hex(32))
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        known = {"auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32"}
+        if value not in known:
+            raise ValueError(f"dtype must be one of {sorted(known)}")
+        return value
+
+    def engine_config(self) -> EngineConfig:
+        """The per-worker engine configuration."""
+        return EngineConfig(
+            model=self.model, dtype=self.dtype, device=self.device, block_size=self.block_size,
+            kv_cache_bytes=self.kv_cache_mib * MiB, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len, num_threads=self.worker_threads)

@@ -1,0 +1,86 @@
+"""The ingress: the OpenAI HTTP API as a Serve deployment, talking to the workers through a
+handle whose requests the prefix-aware router places."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+
+from cluster.config import ClusterConfig
+from router.errors import OverloadedError
+from router.openai_app import build_openai_app
+from workers.identity import AdapterRef, CacheIdentity, CacheNamespace
+from workers.model_loader import load_tokenizer
+from workers.request import GenerationChunk, GenerationRequest
+
+log = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 5.0
+
+
+def identity_from_dict(fields: dict) -> CacheIdentity:
+    """Rebuild a CacheIdentity from ``dataclasses.asdict`` output."""
+    adapter = fields.get("adapter")
+    return CacheIdentity(
+        model_digest=fields["model_digest"], numerics=fields["numerics"],
+        block_size=fields["block_size"], adapter=AdapterRef(**adapter) if adapter else None,
+        namespace=CacheNamespace(**fields.get("namespace") or {}))
+
+
+@serve.ingress()
+class NalarIngress:
+    """Implements ``router.openai_app.ServingBackend`` over the worker deployment.
+
+    The identity and tokenizer come from a worker at start-up, so the ingress tokenizes and
+    hashes exactly as the workers do (all replicas of one deployment share them).
+
+    Args:
+        workers: handle to the worker deployment.
+        config: the cluster configuration.
+    """
+
+    async def __init__(self, workers: DeploymentHandle, config: ClusterConfig):
+        self.workers = workers
+        description = await workers.describe.remote()
+        self.identity = identity_from_dict(description["identity"])
+        self.max_model_len = description["max_model_len"]
+        self.served_model_name = config.served_model_name or description["served_name"]
+        self.namespace_secret = bytes.fromhex(config.namespace_secret)
+        source = Path(description["source_path"])
+        # Same machine: read the worker's converted copy; elsewhere, resolve the source again.
+        self.tokenizer = load_tokenizer(str(source) if source.is_dir() else config.model)
+
+    def __serve_build_asgi_app__(self):
+        return build_openai_app(self)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Stream a request from whichever worker the router picks; closing cancels it.
+
+        Raises:
+            OverloadedError: the workers' queues are full (mapped to 503 with Retry-After).
+        """
+        stream = self.workers.options(stream=True).generate.remote(request)
+        finished = False
+        try:
+            async for chunk in stream:
+                finished = chunk.finish_reason is not None
+                yield chunk
+        except BackPressureError as exc:
+            raise OverloadedError(str(exc)) from exc
+        finally:
+            if not finished:
+                stream.cancel()  # reaches the worker as cancellation: it frees the blocks
+
+    async def is_ready(self) -> bool:
+        try:
+            await asyncio.wait_for(self.workers.describe.remote(), HEALTH_TIMEOUT_S)
+        except Exception as exc:
+            log.warning("health check failed: %s", exc)
+            return False
+        return True

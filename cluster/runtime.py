@@ -1,0 +1,77 @@
+"""Starting and stopping a Nalar cluster on Ray (used by the CLI, tests and benchmarks)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import ray
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from cluster.app import APP_NAME, build_app
+from cluster.config import INDEX_ACTOR_NAMESPACE, ClusterConfig
+
+OBJECT_STORE_BYTES = 256 << 20
+
+
+class PortInUseError(OSError):
+    """The HTTP port is taken by another process."""
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raises :class:`PortInUseError` when ``host:port`` cannot be bound."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise PortInUseError(f"{host}:{port} is already in use ({exc.strerror})") from exc
+
+
+def init_ray(num_cpus: int | None = None) -> None:
+    """Start a local Ray sized for a small machine (no dashboard, small object store)."""
+    if not ray.is_initialized():
+        ray.init(num_cpus=num_cpus, include_dashboard=False,
+                 object_store_memory=OBJECT_STORE_BYTES, namespace=INDEX_ACTOR_NAMESPACE)
+
+
+def start_index_actor(config: ClusterConfig) -> None:
+    """Create the embedded index actor from this long-lived process, which then owns it, so
+    the index survives any single replica. Nothing to do with Redis."""
+    if config.redis_url:
+        return
+    from router.index import ActorIndex
+
+    index = ActorIndex(config.index_actor_name, config.worker_ttl_s,
+                       namespace=INDEX_ACTOR_NAMESPACE)
+    asyncio.run(index.heartbeat("", "driver"))
+
+
+def start_cluster(config: ClusterConfig, http: bool = True) -> DeploymentHandle:
+    """Deploy the application and wait until every replica is up.
+
+    Args:
+        config: the cluster configuration.
+        http: serve HTTP on ``config.host:config.port`` (off for handle-only tests).
+
+    Returns:
+        A handle to the ingress deployment.
+
+    Raises:
+        PortInUseError: the HTTP port is taken.
+    """
+    if http:
+        check_port_free(config.host, config.port)
+    init_ray()
+    start_index_actor(config)
+    http_options = {"host": config.host, "port": config.port} if http else None
+    serve.start(http_options=http_options)
+    return serve.run(build_app(config), name=APP_NAME, route_prefix="/" if http else None)
+
+
+def stop_cluster() -> None:
+    """Tear down Serve and Ray, leaving no processes behind."""
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()

@@ -1,0 +1,120 @@
+"""The worker: a Ray Serve replica that owns one engine (one GPU in production, CPU here)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from ray import serve
+
+from cluster.config import INDEX_ACTOR_NAMESPACE, ClusterConfig
+from cluster.event_publisher import EventPublisher
+from router.index import make_index
+from workers.async_engine import AsyncEngine
+from workers.engine import LLMEngine
+from workers.request import GenerationChunk, GenerationRequest
+
+log = logging.getLogger(__name__)
+
+
+def replica_worker_id() -> str:
+    """The id the router knows this replica by (Ray Serve gives a replacement a new one)."""
+    return serve.get_replica_context().replica_id.unique_id
+
+
+class NalarWorker:
+    """One engine behind a Serve replica; publishes its KV digests to the index.
+
+    Args:
+        config: the cluster configuration.
+    """
+
+    async def __init__(self, config: ClusterConfig):
+        started = time.perf_counter()
+        self.worker_id = replica_worker_id()
+        self.engine = LLMEngine(config.engine_config())
+        self.identity = self.engine.identity
+        index = make_index(config.redis_url, config.key_prefix, config.worker_ttl_s,
+                           config.index_actor_name, actor_namespace=INDEX_ACTOR_NAMESPACE)
+        self.publisher = EventPublisher(index, self.identity.model_key, self.worker_id,
+                                        self.engine.pool.cached_digests,
+                                        config.worker_ttl_s / 3)
+        self.async_engine = AsyncEngine(self.engine, self.publisher.submit_threadsafe)
+        self.startup_s = time.perf_counter() - started
+        log.info("worker %s ready in %.1f s: %d KV blocks of %d tokens, dtype %s", self.worker_id,
+                 self.startup_s, self.engine.pool.num_blocks, config.block_size,
+                 self.engine.loaded.dtype)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Stream the request's chunks, each stamped with this worker's id.
+
+        The first chunk carries no tokens: it confirms the request was accepted (an invalid one
+        raises InvalidRequestError instead) and names the worker before any token is ready.
+        """
+        self.engine.validate(request)
+        yield GenerationChunk(request.request_id, [], "", None, len(request.token_ids), 0, 0,
+                              self.worker_id)
+        async for chunk in self.async_engine.generate(request):
+            chunk.worker_id = self.worker_id
+            yield chunk
+
+    def describe(self) -> dict:
+        """What the ingress needs to tokenize and hash exactly as this worker does."""
+        loaded = self.engine.loaded
+        return {
+            "worker_id": self.worker_id,
+            "identity": dataclasses.asdict(self.identity),
+            "served_name": loaded.served_name,
+            "source_path": str(loaded.source_path),
+            "max_model_len": self.engine.max_model_len,
+            "vocab_size": self.engine.vocab_size,
+            "num_blocks": self.engine.pool.num_blocks,
+            "startup_s": self.startup_s,
+        }
+
+    def record_routing_stats(self) -> dict:
+        """Load report for the prefix-aware router, every ``routing_stats_period_s``.
+
+        ``queued_tokens`` is the work waiting or running here in tokens; ``time`` (wall clock,
+        seconds) lets the router drop its own count of requests this report already includes.
+        """
+        scheduler = self.engine.scheduler
+        return {
+            "queued_tokens": self.engine.load_tokens(),
+            "running": len(scheduler.running),
+            "waiting": len(scheduler.waiting),
+            "time": time.time(),
+            "model_key": self.identity.model_key,
+            "worker_id": self.worker_id,
+        }
+
+    def record_replica_metadata(self) -> dict:
+        """Static facts the router reads once: the key this worker's digests are indexed under."""
+        return {"model_key": self.identity.model_key, "worker_id": self.worker_id}
+
+    def engine_stats(self) -> dict:
+        """Counters for tests and metrics (all monotonic except the pool's block states)."""
+        pool = self.engine.pool
+        return {
+            "worker_id": self.worker_id,
+            "prefill_tokens": self.engine.counters.prefill_tokens,
+            "decode_tokens": self.engine.counters.decode_tokens,
+            "steps": self.engine.counters.steps,
+            "prefix_query_tokens": self.engine.scheduler.counters.prefix_query_tokens,
+            "prefix_hit_tokens": self.engine.scheduler.counters.prefix_hit_tokens,
+            "preemptions": self.engine.scheduler.counters.preemptions,
+            "blocks_total": pool.num_blocks,
+            "blocks_free": pool.num_free,
+            "blocks_evictable": pool.num_evictable,
+            "blocks_in_use": pool.num_in_use,
+        }
+
+    async def flush_events(self) -> None:
+        """Wait until every KV event so far reached the index (tests wait on this, not sleeps)."""
+        await self.publisher.flush()
+
+    async def __del__(self):
+        self.async_engine.shutdown()
+        await self.publisher.close()

@@ -1,0 +1,136 @@
+"""The digest index contract: which workers hold which KV block digests.
+
+Workers publish batches of :class:`workers.kv_events.KVEvent` (msgpack, see
+:func:`workers.kv_events.encode_events`); the router asks, for a prompt's digest chain, how many
+leading blocks each candidate worker already holds. Entries are grouped by
+:attr:`workers.identity.CacheIdentity.model_key`, so workers of different models never match.
+
+Semantics shared by every backend:
+
+* A worker's entries are a *set* of digests. ``stored`` adds, ``removed`` discards, ``cleared``
+  empties the set. Events of one batch are applied in order, and atomically: a malformed batch
+  raises :class:`ValueError` and changes nothing.
+* Duplicates (case R3). The block pool emits events at digest level, never per physical block
+  (``stored`` when the first block holding a digest becomes reusable, ``removed`` when the last
+  one is evicted), so the engine never sends "stored h" twice without a "removed h" in between.
+  A duplicate can therefore only be a redelivered event, and set semantics make it harmless:
+  "stored h, stored h, removed h" leaves h not held, which is the worker's real state. Were an
+  engine ever to emit per physical block, the same rule would at worst *under*-credit a worker
+  (one lost routing hint), never credit it with a block it lacks.
+* Liveness. Every publish and heartbeat refreshes the worker's expiry (``worker_ttl_s``). A worker
+  not heard from for that long is never credited again, and its entries are deleted, so a dead
+  worker stops costing memory within one TTL (case R2). ``forget`` drops them at once.
+* Events are lossy: a worker that failed to publish should republish its whole state as one
+  batch, ``[cleared, stored(all digests)]``, once the index answers again (case R7).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable
+
+from workers.identity import DIGEST_SIZE
+from workers.kv_events import KVEvent, decode_events
+
+
+class IndexUnavailableError(RuntimeError):
+    """The index backend cannot be reached (Redis down, index actor dead, or a call timed out).
+
+    Callers treat it as "no index answer": the router falls back to load-only routing, a worker
+    marks itself for a full resync.
+    """
+
+
+def decode_batch(payload: bytes) -> list[KVEvent]:
+    """Decode and fully validate one published batch before any of it is applied.
+
+    Stricter than :func:`workers.kv_events.decode_events`: every digest must also be a
+    ``bytes`` of exactly :data:`workers.identity.DIGEST_SIZE` (32) bytes.
+
+    Raises:
+        ValueError: the payload is not valid msgpack, not a batch of known events, or holds a
+            digest that is not 32 raw bytes.
+    """
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise ValueError(f"KV event batch must be bytes, got {type(payload).__name__}")
+    events = decode_events(bytes(payload))
+    for position, event in enumerate(events):
+        for digest in event.digests:
+            if not isinstance(digest, bytes) or len(digest) != DIGEST_SIZE:
+                raise ValueError(
+                    f"event {position} ({event.kind}): digests must be {DIGEST_SIZE} raw bytes, "
+                    f"got {digest!r:.80}"
+                )
+    return events
+
+
+def leading_hits(held: Iterable[object]) -> int:
+    """Number of leading truthy flags: how many blocks of the chain match before the first miss."""
+    count = 0
+    for flag in held:
+        if not flag:
+            break
+        count += 1
+    return count
+
+
+class DigestIndex(abc.ABC):
+    """Which workers hold which block digests, per model key.
+
+    All methods are coroutines. Besides the errors listed per method, every method may raise
+    :class:`IndexUnavailableError` when the backend cannot be reached.
+    """
+
+    @abc.abstractmethod
+    async def publish(self, model_key: str, worker_id: str, payload: bytes) -> None:
+        """Apply one event batch of a worker, in order, and refresh its liveness.
+
+        A worker must publish its batches one at a time, in the order its cache changed
+        (await each call), or a ``removed`` could overtake the ``stored`` it cancels.
+
+        Args:
+            model_key: :attr:`CacheIdentity.model_key` (hex) of the worker's model.
+            worker_id: stable id of the worker replica (e.g. its Ray Serve replica id).
+            payload: msgpack batch from :func:`workers.kv_events.encode_events`.
+
+        Raises:
+            ValueError: the payload is malformed; the index is left unchanged.
+        """
+
+    @abc.abstractmethod
+    async def heartbeat(self, model_key: str, worker_id: str) -> None:
+        """Refresh a worker's liveness for another ``worker_ttl_s`` seconds.
+
+        A worker with no entries has nothing to keep alive, so this is then a no-op.
+        """
+
+    @abc.abstractmethod
+    async def match(
+        self, model_key: str, digests: list[bytes], worker_ids: list[str]
+    ) -> dict[str, int]:
+        """How many leading digests of a chain each worker holds.
+
+        Args:
+            model_key: the model whose entries to consult.
+            digests: the prompt's chained block digests, block 0 first.
+            worker_ids: candidate workers.
+
+        Returns:
+            ``{worker_id: n}`` for every listed worker, where the worker holds ``digests[:n]``
+            and not ``digests[n]``; 0 for a worker with no live entries. Multiply by the block
+            size to get cached tokens.
+        """
+
+    @abc.abstractmethod
+    async def forget(self, model_key: str, worker_id: str) -> None:
+        """Drop all of a worker's entries now (its replica died or was replaced)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release connections or handles; the index must not be used afterwards."""
+
+    async def __aenter__(self) -> DigestIndex:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()

@@ -1,0 +1,111 @@
+"""In-process digest index: a set of digests and an expiry per (model key, worker)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from router.index.base import DigestIndex, decode_batch, leading_hits
+
+
+@dataclass
+class _Entry:
+    digests: set[bytes]
+    expires_at: float
+
+
+class MemoryIndex(DigestIndex):
+    """The embedded backend, for one process (or hosted in one Ray actor, see ``actor.py``).
+
+    Operations never await, so on one event loop each call is atomic.
+
+    Args:
+        worker_ttl_s: seconds a worker stays credited after its last publish or heartbeat.
+        clock: monotonic time source in seconds; tests inject a fake one.
+
+    Raises:
+        ValueError: ``worker_ttl_s`` is not positive.
+    """
+
+    def __init__(
+        self, worker_ttl_s: float = 30.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if not worker_ttl_s > 0:
+            raise ValueError(f"worker_ttl_s must be positive, got {worker_ttl_s}")
+        self._ttl = float(worker_ttl_s)
+        self._clock = clock
+        self._entries: dict[tuple[str, str], _Entry] = {}
+        # A lower bound of the earliest expiry, so most calls skip the purge scan. Refreshes only
+        # push expiries later, so the bound stays valid until the next scan recomputes it.
+        self._next_purge = math.inf
+
+    async def publish(self, model_key: str, worker_id: str, payload: bytes) -> None:
+        """See :meth:`DigestIndex.publish`. Raises ValueError on a malformed payload."""
+        events = decode_batch(payload)  # validate everything before touching state
+        now = self._tick()
+        key = (model_key, worker_id)
+        entry = self._entries.get(key)
+        digests = entry.digests if entry else set()
+        for event in events:
+            if event.kind == "stored":
+                digests.update(event.digests)
+            elif event.kind == "removed":
+                digests.difference_update(event.digests)
+            else:
+                digests.clear()
+        self._put(key, digests, now)
+
+    async def heartbeat(self, model_key: str, worker_id: str) -> None:
+        """See :meth:`DigestIndex.heartbeat`."""
+        now = self._tick()
+        entry = self._entries.get((model_key, worker_id))
+        if entry is not None:
+            entry.expires_at = now + self._ttl
+
+    async def match(
+        self, model_key: str, digests: list[bytes], worker_ids: list[str]
+    ) -> dict[str, int]:
+        """See :meth:`DigestIndex.match`."""
+        self._tick()
+        result = {}
+        for worker_id in worker_ids:
+            entry = self._entries.get((model_key, worker_id))
+            held = entry.digests if entry else ()
+            result[worker_id] = leading_hits(digest in held for digest in digests)
+        return result
+
+    async def forget(self, model_key: str, worker_id: str) -> None:
+        """See :meth:`DigestIndex.forget`."""
+        self._entries.pop((model_key, worker_id), None)
+
+    async def close(self) -> None:
+        """Drop every entry."""
+        self._entries.clear()
+
+    def entry_count(self) -> int:
+        """Live (model key, worker) entries held, after purging expired ones (for metrics)."""
+        self._tick()
+        return len(self._entries)
+
+    def _put(self, key: tuple[str, str], digests: set[bytes], now: float) -> None:
+        # An empty set is stored as no entry at all, as Redis does with an empty SET.
+        if not digests:
+            self._entries.pop(key, None)
+            return
+        expires_at = now + self._ttl
+        self._entries[key] = _Entry(digests, expires_at)
+        self._next_purge = min(self._next_purge, expires_at)
+
+    def _tick(self) -> float:
+        """Current time, after deleting every expired entry (keeps memory bounded)."""
+        now = self._clock()
+        if now >= self._next_purge:
+            expired = [key for key, entry in self._entries.items() if entry.expires_at <= now]
+            for key in expired:
+                del self._entries[key]
+            self._next_purge = min(
+                (entry.expires_at for entry in self._entries.values()), default=math.inf
+            )
+        return now

@@ -1,0 +1,176 @@
+"""Redis digest index: one SET of binary digests per (model key, worker), with a TTL.
+
+Layout: ``{key_prefix}:{model_key}:w:{worker_id}`` is a SET of 32-byte digests whose expiry is
+pushed to ``worker_ttl_s`` on every publish and heartbeat, so a dead worker's key vanishes on its
+own within one TTL (case R2) and Redis memory stays bounded by the live workers.
+
+A publish is one EVALSHA: the script decodes the msgpack batch with Redis's bundled ``cmsgpack``,
+validates all of it, then applies it (stored→SADD, removed→SREM, cleared→DEL) and sets the TTL,
+atomically. Redis's ``cmsgpack`` predates the msgpack *bin* types (0xc4-0xc6) and rejects them
+("Bad data format in input."), while :func:`workers.kv_events.encode_events` writes digests as
+bin; so the batch is validated here first (same rules as every backend) and re-packed in the
+legacy raw format, in which bytes travel as msgpack *str* and reach Lua as binary-safe strings.
+
+A match is one pipelined round trip: SMISMEMBER of the whole chain against each worker's SET.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import msgpack
+import redis.asyncio as aioredis
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError, ResponseError
+from redis.retry import Retry
+
+from router.index.base import DigestIndex, IndexUnavailableError, decode_batch, leading_hits
+from workers.identity import DIGEST_SIZE
+
+_BAD_BATCH = "BADBATCH"
+
+# KEYS[1]: the worker's SET. ARGV[1]: msgpack batch (raw format), ARGV[2]: TTL in ms,
+# ARGV[3]: digest size in bytes. Validates the whole batch before the first write, so a bad
+# batch leaves the SET as it was.
+_APPLY_LUA = """
+local function is_array(t)
+  if type(t) ~= 'table' then return false end
+  local n = 0
+  for _ in pairs(t) do n = n + 1 end
+  return n == #t
+end
+local function bad(msg) return redis.error_reply('BADBATCH ' .. msg) end
+local function count(...) return select('#', ...), {...} end
+
+local n, decoded = count(pcall(cmsgpack.unpack, ARGV[1]))
+if not decoded[1] then return bad('undecodable msgpack: ' .. tostring(decoded[2])) end
+if n ~= 2 then return bad('expected exactly one msgpack object, got ' .. (n - 1)) end
+local batch, size = decoded[2], tonumber(ARGV[3])
+if not is_array(batch) then return bad('batch is not an array') end
+for i = 1, #batch do
+  local row = batch[i]
+  if not is_array(row) or #row ~= 2 then return bad('event ' .. i .. ' is not [kind, digests]') end
+  local kind, digests = row[1], row[2]
+  if kind ~= 'stored' and kind ~= 'removed' and kind ~= 'cleared' then
+    return bad('event ' .. i .. ' has an unknown kind')
+  end
+  if not is_array(digests) then return bad('event ' .. i .. ' digests is not an array') end
+  for j = 1, #digests do
+    if type(digests[j]) ~= 'string' or #digests[j] ~= size then
+      return bad('event ' .. i .. ' digest ' .. j .. ' is not ' .. size .. ' bytes')
+    end
+  end
+end
+
+local key, chunk = KEYS[1], 1000  -- chunked: Lua's unpack() is limited to a few thousand values
+for i = 1, #batch do
+  local kind, digests = batch[i][1], batch[i][2]
+  if kind == 'cleared' then
+    redis.call('DEL', key)
+  else
+    local command = (kind == 'stored') and 'SADD' or 'SREM'
+    for first = 1, #digests, chunk do
+      redis.call(command, key, unpack(digests, first, math.min(first + chunk - 1, #digests)))
+    end
+  end
+end
+redis.call('PEXPIRE', key, ARGV[2])
+return 1
+"""
+
+
+class RedisIndex(DigestIndex):
+    """The Redis backend, shared by every process that uses the same URL and key prefix.
+
+    Args:
+        url: Redis URL, e.g. ``redis://127.0.0.1:6379/0``.
+        key_prefix: per-cluster prefix of every key (tests use a unique one per run).
+        worker_ttl_s: seconds a worker's SET lives after its last publish or heartbeat.
+        timeout_s: socket connect and read timeout in seconds, so a stopped Redis fails a call
+            fast (:class:`IndexUnavailableError`) instead of stalling routing.
+
+    Raises:
+        ValueError: empty ``key_prefix`` or non-positive ``worker_ttl_s``.
+    """
+
+    def __init__(
+        self, url: str, key_prefix: str, worker_ttl_s: float = 30.0, timeout_s: float = 1.0
+    ) -> None:
+        if not key_prefix:
+            raise ValueError("key_prefix must be non-empty")
+        if not worker_ttl_s > 0:
+            raise ValueError(f"worker_ttl_s must be positive, got {worker_ttl_s}")
+        self._prefix = key_prefix
+        self._ttl_ms = max(1, round(worker_ttl_s * 1000))
+        # One quick retry replaces a pooled connection that died while Redis restarted; the
+        # library's default (several retries with seconds of backoff) would stall the router.
+        self._client = aioredis.from_url(
+            url,
+            decode_responses=False,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 1),
+        )
+        self._apply_script = self._client.register_script(_APPLY_LUA)
+
+    def worker_key(self, model_key: str, worker_id: str) -> str:
+        """Redis key of a worker's digest SET."""
+        return f"{self._prefix}:{model_key}:w:{worker_id}"
+
+    async def publish(self, model_key: str, worker_id: str, payload: bytes) -> None:
+        """See :meth:`DigestIndex.publish`. Raises ValueError on a malformed payload."""
+        events = decode_batch(payload)
+        raw = msgpack.packb([[e.kind, e.digests] for e in events], use_bin_type=False)
+        await self._apply(model_key, worker_id, raw)
+
+    async def heartbeat(self, model_key: str, worker_id: str) -> None:
+        """See :meth:`DigestIndex.heartbeat` (PEXPIRE; a missing key stays missing)."""
+        async with _redis_errors():
+            await self._client.pexpire(self.worker_key(model_key, worker_id), self._ttl_ms)
+
+    async def match(
+        self, model_key: str, digests: list[bytes], worker_ids: list[str]
+    ) -> dict[str, int]:
+        """See :meth:`DigestIndex.match`: one pipelined round trip for all workers."""
+        if not digests or not worker_ids:
+            return dict.fromkeys(worker_ids, 0)  # SMISMEMBER needs at least one member
+        async with _redis_errors():
+            pipe = self._client.pipeline(transaction=False)
+            for worker_id in worker_ids:
+                pipe.smismember(self.worker_key(model_key, worker_id), digests)
+            replies = await pipe.execute()
+        return {w: leading_hits(flags) for w, flags in zip(worker_ids, replies, strict=True)}
+
+    async def forget(self, model_key: str, worker_id: str) -> None:
+        """See :meth:`DigestIndex.forget`."""
+        async with _redis_errors():
+            await self._client.delete(self.worker_key(model_key, worker_id))
+
+    async def close(self) -> None:
+        """Close the connection pool."""
+        await self._client.aclose()
+
+    async def _apply(self, model_key: str, worker_id: str, raw_batch: bytes) -> None:
+        """Run the apply script on a raw-format msgpack batch (validated again in Lua).
+
+        Raises:
+            ValueError: the script rejected the batch; nothing was written.
+        """
+        key = self.worker_key(model_key, worker_id)
+        async with _redis_errors():
+            await self._apply_script(keys=[key], args=[raw_batch, self._ttl_ms, DIGEST_SIZE])
+
+
+@contextlib.asynccontextmanager
+async def _redis_errors() -> AsyncIterator[None]:
+    """Map Redis errors to the index contract: a batch the script rejected is a ValueError;
+    anything else (connection refused, timeout, OOM, ...) means the index is unavailable."""
+    try:
+        yield
+    except ResponseError as exc:
+        if str(exc).startswith(_BAD_BATCH):
+            raise ValueError(f"malformed KV event batch: {exc}") from exc
+        raise IndexUnavailableError(f"Redis index error: {exc}") from exc
+    except (RedisError, OSError) as exc:
+        raise IndexUnavailableError(f"Redis index unavailable: {exc}") from exc

@@ -1,0 +1,719 @@
+"""Prefix-aware request routing for the worker deployment (a Ray Serve ``RequestRouter``).
+
+Each request goes to the replica where it costs the least work, counted in tokens:
+
+    score(replica) = prompt tokens the replica would still prefill
+                     (uncached, at least 1: the last token is always recomputed for its logits)
+                   + tokens of work already queued or running there
+
+The cached part comes from the digest index (which replicas hold the longest leading chain of the
+prompt's block digests); the load part from each replica's periodic routing stats plus the work
+this router itself has sent since that report. Weighing a cache hit against load in one unit is
+the cache-aware routing of SGLang's router and the vLLM production-stack router, with load and
+hit length expressed as the tokens they cost, so affinity never outweighs a large load gap.
+
+Equal scores are broken by "least recently chosen" so that equal candidates spread (a plain
+``min`` would pile everything on the first replica; a uniform random pick is too uneven). When
+the index does not answer, or the request cannot be read, the choice falls back to the power of
+two choices on load alone (M. Mitzenmacher, "The Power of Two Choices in Randomized Load
+Balancing", IEEE TPDS 12(10), 2001).
+
+The scoring core (:class:`PrefixScorer`, :class:`SentLedger`, :func:`routing_input`) has no Ray
+dependency; :class:`PrefixAwareRequestRouter` is the Ray glue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from workers.identity import DIGEST_SIZE
+from workers.request import DECODE_HORIZON
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BLOCK_SIZE = 16
+"""Tokens per KV block, as the workers use by default."""
+
+STATS_QUEUED_TOKENS = "queued_tokens"
+"""Routing-stats key: tokens of work queued or running on the replica (see ``SentLedger``)."""
+
+STATS_TIME = "time"
+"""Routing-stats key: the replica's ``time.time()`` when it took the snapshot, in seconds."""
+
+STATS_MODEL_KEY = "model_key"
+"""Replica-metadata (or routing-stats) key: the ``CacheIdentity.model_key`` (hex) the replica
+publishes its digests under."""
+
+
+# --------------------------------------------------------------------------------------------
+# Reading a request
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RoutingInput:
+    """What routing needs from one ``GenerationRequest``.
+
+    Attributes:
+        prompt_len: prompt length in tokens (at least 1).
+        digests: the prompt's 32-byte block digests, leading block first (may be empty when the
+            prompt is shorter than one block).
+        decode_tokens: output tokens the request counts for in load: ``sampling.max_tokens``
+            capped at ``workers.request.DECODE_HORIZON``, as the workers count it.
+    """
+
+    prompt_len: int
+    digests: list[bytes]
+    decode_tokens: int
+
+
+def routing_input(pending_request: Any) -> RoutingInput | None:
+    """Reads the ``GenerationRequest`` in ``pending_request.args[0]``, defensively.
+
+    Anything this router cannot route on its content (no pending request, no arguments, no
+    non-empty ``token_ids`` list, ``routing_digests`` missing or not a list of 32-byte
+    ``bytes``) yields ``None`` so the caller routes on load alone; the worker, not the router,
+    rejects malformed requests with a 4xx (case R6). Never raises.
+    """
+    args = getattr(pending_request, "args", None)
+    if not isinstance(args, (list, tuple)) or not args:
+        return None
+    request = args[0]
+    token_ids = getattr(request, "token_ids", None)
+    digests = getattr(request, "routing_digests", None)
+    if not isinstance(token_ids, (list, tuple)) or not token_ids:
+        return None
+    if not isinstance(digests, (list, tuple)):
+        return None
+    if not all(isinstance(d, bytes) and len(d) == DIGEST_SIZE for d in digests):
+        return None
+    max_tokens = getattr(getattr(request, "sampling", None), "max_tokens", 0)
+    decode_tokens = min(max_tokens, DECODE_HORIZON) if _is_count(max_tokens) else 0
+    return RoutingInput(len(token_ids), list(digests), decode_tokens)
+
+
+def _is_count(value: Any) -> bool:
+    """True for a finite non-negative int or float (``bool`` excluded)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return math.isfinite(value) and value >= 0
+
+
+def parse_routing_stats(stats: Any) -> tuple[int, float | None]:
+    """Reads a replica's routing stats: ``(queued tokens, snapshot time in seconds or None)``.
+
+    Missing or malformed values read as 0 queued tokens and no snapshot time. Never raises.
+    """
+    if not isinstance(stats, Mapping):
+        return 0, None
+    queued = stats.get(STATS_QUEUED_TOKENS)
+    taken_at = stats.get(STATS_TIME)
+    queued_tokens = int(queued) if _is_count(queued) else 0
+    snapshot = float(taken_at) if _is_count(taken_at) else None
+    return queued_tokens, snapshot
+
+
+# --------------------------------------------------------------------------------------------
+# Scoring core
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """What the scorer knows about one candidate replica.
+
+    Attributes:
+        worker_id: the replica's id (``ReplicaID.unique_id``).
+        cached_blocks: leading prompt blocks the replica holds per the index, or ``None`` when
+            the index did not answer.
+        load_tokens: tokens of work queued or running there (reported plus sent since).
+    """
+
+    worker_id: str
+    cached_blocks: int | None
+    load_tokens: int
+
+
+class PrefixScorer:
+    """Ranks candidate replicas by the work a request would cost there, in tokens.
+
+    Stateful only in what it needs for spreading: when each worker was last chosen.
+
+    Args:
+        block_size: tokens per KV block (positive).
+        rng: random source for the power-of-two sample and for ordering never-chosen ties;
+            seed it for reproducible tests.
+
+    Raises:
+        ValueError: ``block_size`` is not positive.
+    """
+
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, rng: random.Random | None = None):
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self._rng = rng or random.Random()
+        self._last_chosen: dict[str, int] = {}
+        self._choices = 0
+
+    def uncached_tokens(self, prompt_len: int, cached_blocks: int) -> int:
+        """Prompt tokens still to prefill when ``cached_blocks`` leading blocks are cached.
+
+        At least 1: a fully cached prompt still recomputes its last token to get logits.
+        """
+        return max(1, prompt_len - max(0, cached_blocks) * self.block_size)
+
+    def score(self, view: ReplicaView, prompt_len: int) -> int:
+        """Tokens of work ahead of this request's first output token on that replica."""
+        return self.uncached_tokens(prompt_len, view.cached_blocks or 0) + view.load_tokens
+
+    def rank(self, views: Sequence[ReplicaView], prompt_len: int) -> list[str]:
+        """Worker ids, best first.
+
+        By score when every view has an index answer; by the power of two choices on load when
+        any lacks one (the index did not answer, or the request could not be read).
+
+        Raises:
+            ValueError: ``views`` is empty.
+        """
+        if not views:
+            raise ValueError("no candidate replicas to rank")
+        if any(view.cached_blocks is None for view in views):
+            return self._two_choices(views)
+        return self._sorted(views, lambda view: self.score(view, prompt_len))
+
+    def choose(self, views: Sequence[ReplicaView], prompt_len: int) -> list[str]:
+        """:meth:`rank`, then records the best as just chosen."""
+        ranked = self.rank(views, prompt_len)
+        self.mark_chosen(ranked[0])
+        return ranked
+
+    def mark_chosen(self, worker_id: str) -> None:
+        """Records that a request went to ``worker_id`` now (for least-recently-chosen ties)."""
+        self._choices += 1
+        self._last_chosen[worker_id] = self._choices
+
+    def forget(self, worker_id: str) -> None:
+        """Drops what the scorer remembers of a worker that is gone."""
+        self._last_chosen.pop(worker_id, None)
+
+    def retain(self, worker_ids: set[str]) -> None:
+        """Drops what the scorer remembers of every worker not in ``worker_ids``."""
+        for worker_id in list(self._last_chosen):
+            if worker_id not in worker_ids:
+                del self._last_chosen[worker_id]
+
+    def _sorted(self, views: Sequence[ReplicaView], cost) -> list[str]:
+        # Ties go to the least recently chosen worker; among never-chosen workers the order is
+        # random, so "first in the candidate list" never wins by position.
+        keyed = [
+            (cost(view), self._last_chosen.get(view.worker_id, 0), self._rng.random(), view)
+            for view in views
+        ]
+        keyed.sort(key=lambda item: item[:3])
+        return [item[3].worker_id for item in keyed]
+
+    def _two_choices(self, views: Sequence[ReplicaView]) -> list[str]:
+        # Mitzenmacher's power of two choices: sample two, keep the less loaded. Sampling keeps
+        # several routers with the same stale view from all herding onto one replica.
+        sample = self._rng.sample(list(views), min(2, len(views)))
+        picked = self._sorted(sample, lambda view: view.load_tokens)
+        rest = [view for view in views if view.worker_id not in picked]
+        return picked + self._sorted(rest, lambda view: view.load_tokens)
+
+
+# --------------------------------------------------------------------------------------------
+# Work this router sent and has not yet seen reported
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Sent:
+    """One request this router sent (or is about to send) to a worker."""
+
+    worker_id: str
+    tokens: int
+    sent_at: float
+    plan: RoutingInput | None
+    cached: dict[str, int]
+
+
+class SentLedger:
+    """Tokens of work this router sent to each worker and has not yet seen in its stats.
+
+    A replica's ``queued_tokens`` arrives only every stats period, so without this ledger a
+    burst of requests would all see the same stale load. An entry leaves the ledger when the
+    request completes, when a stats snapshot taken after it was sent arrives (the snapshot
+    already counts it), or after ``max_age_s`` (a completion signal may be lost).
+
+    Work tokens of one request = prompt tokens the worker still has to prefill + ``max_tokens``;
+    this is the same unit the worker must report as ``queued_tokens`` (summed over its queued
+    and running requests, minus what it already prefilled or generated).
+
+    Args:
+        max_age_s: seconds after which an entry is dropped regardless (positive).
+    """
+
+    def __init__(self, max_age_s: float = 60.0):
+        self.max_age_s = max_age_s
+        self._by_key: dict[str, _Sent] = {}
+        self._by_worker: dict[str, dict[str, _Sent]] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def get(self, key: str) -> _Sent | None:
+        """The entry for request ``key``, if any."""
+        return self._by_key.get(key)
+
+    def record(self, key: str, entry: _Sent) -> None:
+        """Adds (or replaces: a retried request is routed again) the entry for ``key``."""
+        self.remove(key)
+        self._by_key[key] = entry
+        self._by_worker.setdefault(entry.worker_id, {})[key] = entry
+
+    def remove(self, key: str, worker_id: str | None = None) -> None:
+        """Drops the entry for ``key``; only if it is on ``worker_id`` when that is given."""
+        entry = self._by_key.get(key)
+        if entry is None or (worker_id is not None and entry.worker_id != worker_id):
+            return
+        del self._by_key[key]
+        on_worker = self._by_worker.get(entry.worker_id, {})
+        on_worker.pop(key, None)
+        if not on_worker:
+            self._by_worker.pop(entry.worker_id, None)
+
+    def outstanding(self, worker_id: str, snapshot_at: float | None) -> int:
+        """Tokens sent to ``worker_id`` that a snapshot taken at ``snapshot_at`` cannot count.
+
+        Entries sent before the snapshot are dropped: the snapshot includes them.
+        """
+        entries = self._by_worker.get(worker_id, {})
+        if snapshot_at is not None:
+            for key in [k for k, e in entries.items() if e.sent_at < snapshot_at]:
+                self.remove(key)
+            entries = self._by_worker.get(worker_id, {})
+        return sum(entry.tokens for entry in entries.values())
+
+    def expire(self, now: float) -> None:
+        """Drops entries older than ``max_age_s`` seconds at time ``now``."""
+        horizon = now - self.max_age_s
+        for key in [k for k, e in self._by_key.items() if e.sent_at < horizon]:
+            self.remove(key)
+
+    def drop_worker(self, worker_id: str) -> None:
+        """Drops every entry on ``worker_id``."""
+        for key in list(self._by_worker.get(worker_id, {})):
+            self.remove(key)
+
+    def retain(self, worker_ids: set[str]) -> None:
+        """Drops every entry on a worker not in ``worker_ids``."""
+        for worker_id in [w for w in self._by_worker if w not in worker_ids]:
+            self.drop_worker(worker_id)
+
+
+# --------------------------------------------------------------------------------------------
+# Ray glue
+# --------------------------------------------------------------------------------------------
+
+
+def worker_id_of(replica_id: Any) -> str:
+    """The worker id a replica publishes under: ``ReplicaID.unique_id`` (``str(...)`` else)."""
+    unique_id = getattr(replica_id, "unique_id", None)
+    return unique_id if isinstance(unique_id, str) else str(replica_id)
+
+
+def _request_key(pending_request: Any) -> str:
+    """Ray's ``internal_request_id`` (stable across retries), else the object's identity."""
+    metadata = getattr(pending_request, "metadata", None)
+    key = getattr(metadata, "internal_request_id", None)
+    return key if isinstance(key, str) and key else f"pending-{id(pending_request)}"
+
+
+async def _bounded(awaitable: Any, timeout_s: float) -> Any:
+    """Awaits ``awaitable`` for at most ``timeout_s`` seconds.
+
+    Unlike ``asyncio.wait_for``, it does not wait for a timed-out call to finish cancelling, so
+    an index call that ignores cancellation cannot stall routing.
+
+    Raises:
+        TimeoutError: no result within ``timeout_s``.
+        TypeError: ``awaitable`` is not awaitable.
+        Exception: whatever the call raised.
+    """
+    task = asyncio.ensure_future(awaitable)
+    task.add_done_callback(_consume_outcome)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    finally:
+        if not task.done():
+            task.cancel()  # on timeout, and when the caller itself is cancelled
+    if not done:
+        raise TimeoutError(f"no answer within {timeout_s * 1000:.0f} ms")
+    return task.result()
+
+
+def _consume_outcome(task: asyncio.Future) -> None:
+    # A call abandoned after the timeout may still fail later; retrieving its exception here
+    # keeps asyncio from logging "exception was never retrieved" for every such call.
+    if not task.cancelled():
+        task.exception()
+
+
+class PrefixAwareRequestRouter(RequestRouter):
+    """Ray Serve request router: prefix-cache affinity weighed against load, in tokens.
+
+    Attach to the worker deployment with
+    ``@serve.deployment(request_router_config=RequestRouterConfig(
+    request_router_class=PrefixAwareRequestRouter, request_router_kwargs={...},
+    request_routing_stats_period_s=...))``; the kwargs are those of :meth:`initialize_state`.
+    The worker deployment's ``record_routing_stats()`` must return
+    ``{"queued_tokens": int, "time": time.time()}`` (see :class:`SentLedger` for the unit), it
+    publishes its digests under ``serve.get_replica_context().replica_id.unique_id``, and, unless
+    ``model_key`` is configured, its ``record_replica_metadata()`` returns
+    ``{"model_key": identity.model_key}``.
+
+    Every hook here is failure-proof: routing never raises and never waits on the index for
+    longer than ``index_timeout_s`` (``index_first_timeout_s`` for the very first lookup).
+    """
+
+    def initialize_state(
+        self,
+        redis_url: str | None = None,
+        key_prefix: str = "nalar",
+        index_actor_name: str | None = None,
+        index_actor_namespace: str | None = None,
+        model_key: str | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        index_timeout_s: float = 0.05,
+        index_first_timeout_s: float = 1.0,
+        index_retry_s: float = 1.0,
+        worker_ttl_s: float = 30.0,
+        sent_max_age_s: float = 60.0,
+        seed: int | None = None,
+    ) -> None:
+        """Called by Ray Serve with ``RequestRouterConfig.request_router_kwargs``.
+
+        Args:
+            redis_url: Redis index URL; ``None`` uses the embedded (Ray actor) index.
+            key_prefix: per-cluster key prefix of the index.
+            index_actor_name: without Redis, the name of the shared embedded index actor
+                (``None``: ``router.index.DEFAULT_ACTOR_NAME``).
+            index_actor_namespace: Ray namespace of that actor (``None``: this process's).
+            model_key: ``CacheIdentity.model_key`` (hex) the workers publish digests under;
+                ``None`` reads it from each replica's ``replica_metadata`` or ``routing_stats``
+                (key ``"model_key"``), since it hashes weights only the replicas have loaded.
+            block_size: tokens per KV block; must equal the workers'.
+            index_timeout_s: seconds one index lookup may take before routing falls back to
+                load alone.
+            index_first_timeout_s: seconds the first lookup may take: it also connects to the
+                index (Redis, or the index actor's handle), which takes longer than a lookup.
+            index_retry_s: seconds to route on load alone after a failed lookup before asking
+                the index again (so an outage costs one timeout per period, not per request).
+            worker_ttl_s: seconds a worker's index entries live without a refresh.
+            sent_max_age_s: seconds after which work this router sent stops counting as load
+                even without a completion or a newer stats snapshot.
+            seed: seeds the random choices (tests).
+
+        Raises:
+            ValueError: ``block_size`` is not positive. A failure to build the index does not
+                raise: it is logged and routing uses load alone.
+        """
+        self._scorer = PrefixScorer(block_size, random.Random(seed))
+        self._ledger = SentLedger(sent_max_age_s)
+        self._model_key = model_key
+        self._worker_model_keys: dict[str, str] = {}
+        self._index_timeout_s = index_timeout_s
+        self._index_first_timeout_s = max(index_timeout_s, index_first_timeout_s)
+        self._index_tried = False
+        self._index_retry_s = index_retry_s
+        self._index_healthy = True
+        self._index_failures = 0
+        self._index_retry_at = 0.0
+        self._background: set[asyncio.Task] = set()
+        self._index = self._build_index(
+            redis_url=redis_url,
+            key_prefix=key_prefix,
+            worker_ttl_s=worker_ttl_s,
+            actor_name=index_actor_name,
+            actor_namespace=index_actor_namespace,
+        )
+
+    def _build_index(
+        self,
+        redis_url: str | None,
+        key_prefix: str,
+        worker_ttl_s: float,
+        actor_name: str | None,
+        actor_namespace: str | None,
+    ) -> Any | None:
+        """The digest index, or ``None`` (logged) when it cannot be built."""
+        try:
+            # Imported here, not at module level, so that this module loads without the index
+            # (and tests can put a fake ``router.index`` in ``sys.modules``).
+            index_module = importlib.import_module("router.index")
+            if not redis_url and not actor_name:
+                # Without Redis the router must reach the shared index actor the workers
+                # publish to; a private in-process index would never hold anything.
+                actor_name = getattr(index_module, "DEFAULT_ACTOR_NAME", "nalar-digest-index")
+            kwargs: dict[str, Any] = {"worker_ttl_s": worker_ttl_s, "actor_name": actor_name}
+            if actor_namespace is not None:
+                kwargs["actor_namespace"] = actor_namespace
+            return index_module.make_index(redis_url, key_prefix, **kwargs)
+        except Exception:
+            logger.exception("Could not build the digest index; routing on load only.")
+            return None
+
+    # ---- choosing ------------------------------------------------------------------------
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        """Ranked tiers: ``[[best], [the others, best first]]``.
+
+        Ray Serve tries the tiers in order and, within a tier, takes the replica with the
+        fewest ongoing requests that is not full; a one-replica first tier keeps that choice
+        ours, the second tier is the fallback when the best is full. Never raises.
+        """
+        self._enable_backoff(pending_request)
+        if not candidate_replicas:
+            return []
+        try:
+            ranked = await self._rank(candidate_replicas, pending_request)
+        except Exception:
+            logger.exception("Prefix-aware routing failed; routing this request on load only.")
+            return [list(candidate_replicas)]
+        return [tier for tier in (ranked[:1], ranked[1:]) if tier]
+
+    @staticmethod
+    def _enable_backoff(pending_request: PendingRequest | None) -> None:
+        # Without this flag Ray's routing loop retries immediately, spinning on the CPU while
+        # every replica is full.
+        context = getattr(pending_request, "routing_context", None)
+        if context is not None:
+            context.should_backoff = True
+
+    async def _rank(
+        self, replicas: list[RunningReplica], pending_request: PendingRequest | None
+    ) -> list[RunningReplica]:
+        now = self._get_curr_time_s()
+        self._ledger.expire(now)
+        by_id = {worker_id_of(replica.replica_id): replica for replica in replicas}
+        loads = {wid: self._load_tokens(wid, replica) for wid, replica in by_id.items()}
+        plan = routing_input(pending_request)
+        cached = await self._cached_blocks(plan, by_id) if plan is not None else None
+        views = [
+            ReplicaView(wid, None if cached is None else cached.get(wid, 0), loads[wid])
+            for wid in by_id
+        ]
+        ranked = self._scorer.choose(views, plan.prompt_len if plan else 0)
+        self._record_sent(_request_key(pending_request), ranked[0], plan, cached or {}, now)
+        return [by_id[wid] for wid in ranked]
+
+    def _load_tokens(self, worker_id: str, replica: RunningReplica) -> int:
+        """Reported queued tokens plus what this router sent since that report."""
+        queued, snapshot_at = parse_routing_stats(getattr(replica, "routing_stats", None))
+        return queued + self._ledger.outstanding(worker_id, snapshot_at)
+
+    async def _cached_blocks(
+        self, plan: RoutingInput, replicas: Mapping[str, RunningReplica]
+    ) -> dict[str, int] | None:
+        """Leading prompt blocks each worker holds, or ``None`` when the index did not answer.
+
+        One index lookup per model key among the candidates (normally exactly one); a worker
+        whose model key is not known yet is credited with nothing.
+        """
+        if not plan.digests:
+            return {}  # shorter than one block: nothing can be cached, nothing to ask
+        if self._index is None or self._get_curr_time_s() < self._index_retry_at:
+            return None
+        groups: dict[str, list[str]] = {}
+        for worker_id, replica in replicas.items():
+            model_key = self._model_key_of(replica)
+            if model_key:
+                groups.setdefault(model_key, []).append(worker_id)
+                self._worker_model_keys[worker_id] = model_key  # for forget() after its death
+        if not groups:
+            return {}
+        try:
+            answers = await _bounded(
+                asyncio.gather(
+                    *(self._index.match(key, plan.digests, ids) for key, ids in groups.items())
+                ),
+                self._index_timeout_s if self._index_tried else self._index_first_timeout_s,
+            )
+            cached: dict[str, int] = {}
+            for worker_ids, answer in zip(groups.values(), answers, strict=True):
+                held = self._validated(answer, len(plan.digests))
+                cached.update({wid: held.get(wid, 0) for wid in worker_ids})
+        except Exception as exc:  # includes the timeout; cancellation still propagates
+            self._on_index_failure(exc)
+            return None
+        self._on_index_success()
+        return cached
+
+    def _model_key_of(self, replica: RunningReplica) -> str | None:
+        """The configured model key, else the one the replica reports.
+
+        Read from ``replica_metadata`` (the deployment's ``record_replica_metadata()``), then
+        from ``routing_stats``: the key hashes the loaded weights, so only the replicas know it.
+        """
+        if self._model_key:
+            return self._model_key
+        for source in (
+            getattr(replica, "replica_metadata", None),
+            getattr(replica, "routing_stats", None),
+        ):
+            key = source.get(STATS_MODEL_KEY) if isinstance(source, Mapping) else None
+            if isinstance(key, str) and key:
+                return key
+        return None
+
+    @staticmethod
+    def _validated(answer: Any, max_blocks: int) -> dict[str, int]:
+        """The index answer as ``{worker id: blocks}``, clamped to ``[0, max_blocks]``.
+
+        Raises:
+            TypeError: the answer is not a mapping.
+        """
+        if not isinstance(answer, Mapping):
+            raise TypeError(f"index match returned {type(answer).__name__}, not a mapping")
+        return {
+            str(wid): min(int(blocks), max_blocks)
+            for wid, blocks in answer.items()
+            if _is_count(blocks)
+        }
+
+    def _on_index_failure(self, exc: BaseException) -> None:
+        self._index_tried = True  # only the very first lookup gets the longer bound
+        self._index_failures += 1
+        self._index_retry_at = self._get_curr_time_s() + self._index_retry_s
+        if self._index_healthy:  # once per outage, not once per request
+            self._index_healthy = False
+            logger.warning(
+                "Digest index lookup failed (%s: %s); routing on load only "
+                "(power of two choices) until it answers again.",
+                type(exc).__name__,
+                exc,
+            )
+
+    def _on_index_success(self) -> None:
+        self._index_tried = True
+        if not self._index_healthy:
+            logger.info(
+                "Digest index answering again after %d failed lookups; "
+                "prefix-aware routing resumed.",
+                self._index_failures,
+            )
+            self._index_healthy = True
+            self._index_failures = 0
+
+    # ---- accounting ----------------------------------------------------------------------
+
+    def _record_sent(
+        self,
+        key: str,
+        worker_id: str,
+        plan: RoutingInput | None,
+        cached: dict[str, int],
+        now: float,
+    ) -> None:
+        # Recorded at choice time, before Ray confirms the send: requests routed concurrently
+        # must already see each other's load.
+        tokens = self._work_tokens(plan, cached.get(worker_id, 0))
+        self._ledger.record(key, _Sent(worker_id, tokens, now, plan, cached))
+
+    def _work_tokens(self, plan: RoutingInput | None, cached_blocks: int) -> int:
+        """Work one request adds to a worker, in tokens (1 for an unreadable request)."""
+        if plan is None:
+            return 1
+        prefill = self._scorer.uncached_tokens(plan.prompt_len, cached_blocks)
+        return prefill + plan.decode_tokens
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
+    ) -> None:
+        """Ray Serve hook: the replica accepted the request. Moves the ledger entry there.
+
+        The send time is reset to now: the replica counted the request before accepting, so
+        any snapshot taken after this moment includes it. Never raises.
+        """
+        try:
+            worker_id = worker_id_of(replica_id)
+            key = _request_key(pending_request)
+            entry = self._ledger.get(key)
+            if entry is None:
+                return
+            if entry.worker_id != worker_id:  # the first choice was full; Ray fell back
+                self._scorer.mark_chosen(worker_id)
+                entry.tokens = self._work_tokens(entry.plan, entry.cached.get(worker_id, 0))
+                entry.worker_id = worker_id
+            entry.sent_at = self._get_curr_time_s()
+            self._ledger.record(key, entry)
+        except Exception:
+            logger.exception("on_request_routed failed; load accounting may drift briefly.")
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        """Ray Serve hook: the request finished (or was rejected or cancelled). Never raises."""
+        try:
+            self._ledger.remove(internal_request_id, worker_id_of(replica_id))
+        except Exception:
+            logger.exception("on_request_completed failed; the entry will age out.")
+
+    # ---- replica lifecycle ---------------------------------------------------------------
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Ray Serve hook: the replica set changed. Drops state of replicas that are gone."""
+        super().update_replicas(replicas)
+        live = {worker_id_of(replica.replica_id) for replica in replicas}
+        self._scorer.retain(live)
+        self._ledger.retain(live)
+        for worker_id in [w for w in self._worker_model_keys if w not in live]:
+            del self._worker_model_keys[worker_id]
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        """Ray Serve hook: the replica's actor died. Forgets it locally and in the index.
+
+        The index call runs in the background (fire and forget); its failure is logged, and the
+        index's worker TTL removes the entries anyway. Never raises.
+        """
+        super().on_replica_actor_died(replica_id)
+        try:
+            worker_id = worker_id_of(replica_id)
+            self._scorer.forget(worker_id)
+            self._ledger.drop_worker(worker_id)
+            self._forget_in_index(worker_id)
+        except Exception:
+            logger.exception("Could not forget dead replica %s.", replica_id)
+
+    def _forget_in_index(self, worker_id: str) -> None:
+        model_key = self._worker_model_keys.pop(worker_id, None) or self._model_key
+        if self._index is None or model_key is None:
+            return  # its model key is unknown here; the index TTL expires its entries
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            logger.info("No event loop to tell the index %s died; its TTL expires it.", worker_id)
+            return
+        task = loop.create_task(self._forget(model_key, worker_id))
+        self._background.add(task)  # keep a reference until done, or the task may vanish
+        task.add_done_callback(self._background.discard)
+
+    async def _forget(self, model_key: str, worker_id: str) -> None:
+        try:
+            await _bounded(self._index.forget(model_key, worker_id), 5.0)
+        except Exception as exc:
+            logger.warning(
+                "Index could not forget dead worker %s (%s); its TTL expires it.", worker_id, exc
+            )

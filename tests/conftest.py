@@ -1,0 +1,114 @@
+"""Shared test fixtures.
+
+Redis: tests never flush a shared Redis. Each test gets its own key prefix and deletes only the
+keys under it. The server comes from ``$REDIS_URL``, else a local one on 6379, else a private
+``redis-server`` started for the session; without any, Redis tests are skipped, unless
+``NALAR_REQUIRE_REDIS=1`` makes that a failure (for CI, where a skip would hide a gap).
+
+Ray: ``ray_session`` starts one small local Ray instance for the whole session, on demand.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+_LOCAL_REDIS = "redis://127.0.0.1:6379/0"
+
+
+def _answers_ping(url: str) -> bool:
+    client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5)
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start_redis_server(binary: str) -> tuple[subprocess.Popen[bytes], str]:
+    """Start a throwaway redis-server without persistence; wait (up to 10 s) for PING."""
+    port = _free_port()
+    process = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline and process.poll() is None:
+        if _answers_ping(url):
+            return process, url
+        time.sleep(0.05)
+    process.kill()
+    raise RuntimeError(f"redis-server on port {port} did not answer PING within 10 s")
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """URL of a reachable Redis server (see the module docstring for where it comes from)."""
+    if os.environ.get("REDIS_URL"):
+        yield os.environ["REDIS_URL"]
+        return
+    if _answers_ping(_LOCAL_REDIS):
+        yield _LOCAL_REDIS
+        return
+    binary = shutil.which("redis-server")
+    if binary is None:
+        reason = "no Redis: $REDIS_URL unset, nothing on 127.0.0.1:6379, no redis-server binary"
+        if os.environ.get("NALAR_REQUIRE_REDIS") == "1":
+            pytest.fail(f"{reason} (NALAR_REQUIRE_REDIS=1)")
+        pytest.skip(reason)
+    process, url = _start_redis_server(binary)
+    try:
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+@pytest.fixture
+def redis_key_prefix(redis_url: str) -> Iterator[str]:
+    """A key prefix unique to this test; afterwards deletes only the keys under it."""
+    prefix = f"nalar-test-{uuid.uuid4().hex[:8]}"
+    yield prefix
+    client = redis.Redis.from_url(redis_url)
+    try:
+        # The random prefix contains no glob characters, so MATCH selects exactly our keys.
+        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    """One small local Ray instance for the session (reused if a test already started one)."""
+    import ray  # imported here: most tests need no Ray and its import is slow
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(
+            num_cpus=1,
+            include_dashboard=False,
+            object_store_memory=100 * 1024 * 1024,
+            log_to_driver=False,
+        )
+    yield
+    if started:
+        ray.shutdown()

@@ -1,0 +1,429 @@
+"""Contract of the digest index (cases R1, R2, R3 of shared/cases/routing.md), run against the
+in-memory and the Redis backend alike, plus backend-specific checks and one Ray actor test."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import msgpack
+import pytest
+import redis
+
+from router.index import DigestIndex, IndexUnavailableError, MemoryIndex, make_index
+from router.index.redis_index import RedisIndex
+from workers.kv_events import KVEvent, encode_events
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def h(i: int) -> bytes:
+    """Digest number ``i`` of a test chain (32 bytes, like a real block digest)."""
+    return hashlib.sha256(f"h{i}".encode()).digest()
+
+
+def chain(n: int) -> list[bytes]:
+    """h1..hn."""
+    return [h(i) for i in range(1, n + 1)]
+
+
+def batch(*events: KVEvent) -> bytes:
+    return encode_events(list(events))
+
+
+def stored(*digests: bytes) -> KVEvent:
+    return KVEvent("stored", list(digests))
+
+
+def removed(*digests: bytes) -> KVEvent:
+    return KVEvent("removed", list(digests))
+
+
+def cleared() -> KVEvent:
+    return KVEvent("cleared", [])
+
+
+class FakeClock:
+    """Monotonic seconds that move only when a test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+# ---------------------------------------------------------------------------------- backends
+
+
+class MemoryBackend:
+    """MemoryIndex on a fake clock: time passes in steps of a quarter TTL."""
+
+    short_ttl_s = 30.0
+    max_ticks = 10
+
+    def __init__(self) -> None:
+        self.clock = FakeClock()
+        self.index: MemoryIndex | None = None
+
+    def open(self, ttl_s: float) -> DigestIndex:
+        self.ttl_s = ttl_s
+        self.index = MemoryIndex(ttl_s, clock=self.clock)
+        return self.index
+
+    async def tick(self) -> None:
+        self.clock.advance(self.ttl_s / 4)
+
+    async def stored_entries(self, model_key: str) -> int:
+        assert self.index is not None
+        return self.index.entry_count()
+
+
+class RedisBackend:
+    """RedisIndex under a per-test key prefix: real time, polled every 50 ms (10 s deadline)."""
+
+    short_ttl_s = 1.0
+    max_ticks = 200
+
+    def __init__(self, url: str, prefix: str) -> None:
+        self.url = url
+        self.prefix = prefix
+
+    def open(self, ttl_s: float) -> DigestIndex:
+        return RedisIndex(self.url, self.prefix, ttl_s)
+
+    async def tick(self) -> None:
+        await asyncio.sleep(0.05)
+
+    async def stored_entries(self, model_key: str) -> int:
+        """Keys of this model that still exist (expired keys are not returned by SCAN)."""
+        client = redis.Redis.from_url(self.url)
+        try:
+            return len(list(client.scan_iter(match=f"{self.prefix}:{model_key}:w:*")))
+        finally:
+            client.close()
+
+
+@pytest.fixture(params=["memory", "redis"])
+def backend(request: pytest.FixtureRequest) -> MemoryBackend | RedisBackend:
+    if request.param == "memory":
+        return MemoryBackend()
+    # Requested lazily so the memory half runs even where Redis is unavailable.
+    url = request.getfixturevalue("redis_url")
+    return RedisBackend(url, request.getfixturevalue("redis_key_prefix"))
+
+
+@pytest.fixture
+async def index(backend: MemoryBackend | RedisBackend) -> AsyncIterator[DigestIndex]:
+    idx = backend.open(30.0)
+    yield idx
+    await idx.close()
+
+
+@pytest.fixture
+def model_key() -> str:
+    return uuid.uuid4().hex
+
+
+# ---------------------------------------------------------------------------------- contract
+
+
+async def test_match_counts_leading_digests_only(index: DigestIndex, model_key: str) -> None:
+    await index.publish(model_key, "A", batch(stored(h(1), h(2), h(4))))
+    await index.publish(model_key, "B", batch(stored(h(2), h(3), h(4))))
+    await index.publish(model_key, "C", batch(stored(*chain(4))))
+
+    result = await index.match(model_key, chain(4), ["A", "B", "C", "unknown"])
+
+    assert result == {"A": 2, "B": 0, "C": 4, "unknown": 0}
+
+
+async def test_r1_clear_all_drops_only_that_worker(index: DigestIndex, model_key: str) -> None:
+    await index.publish(model_key, "A", batch(stored(*chain(4))))
+    await index.publish(model_key, "B", batch(stored(*chain(4))))
+
+    await index.publish(model_key, "A", batch(cleared()))
+
+    assert await index.match(model_key, chain(4), ["A", "B"]) == {"A": 0, "B": 4}
+    for digest in chain(4):  # not credited with any single one of h1..h4 either
+        assert await index.match(model_key, [digest], ["A"]) == {"A": 0}
+
+
+async def test_events_of_a_batch_apply_in_order(index: DigestIndex, model_key: str) -> None:
+    await index.publish(
+        model_key, "A", batch(stored(*chain(3)), removed(h(2)), cleared(), stored(h(1), h(2)))
+    )
+    await index.publish(model_key, "B", batch(stored(h(1)), removed(h(1))))
+    await index.publish(model_key, "C", batch(removed(h(1)), stored(h(1))))
+
+    assert await index.match(model_key, chain(3), ["A", "B", "C"]) == {"A": 2, "B": 0, "C": 1}
+
+
+async def test_r3_duplicate_stored_then_one_removed_is_not_held(
+    index: DigestIndex, model_key: str
+) -> None:
+    await index.publish(model_key, "A", batch(stored(h(1), h(2))))
+    await index.publish(model_key, "A", batch(stored(h(2))))  # duplicate, e.g. redelivered
+    assert await index.match(model_key, chain(2), ["A"]) == {"A": 2}
+
+    await index.publish(model_key, "A", batch(removed(h(2))))
+
+    assert await index.match(model_key, chain(2), ["A"]) == {"A": 1}
+    assert await index.match(model_key, [h(2)], ["A"]) == {"A": 0}
+
+
+async def test_r2_dead_worker_expires_and_frees_its_key(
+    backend: MemoryBackend | RedisBackend, model_key: str
+) -> None:
+    index = backend.open(backend.short_ttl_s)
+    try:
+        for worker in ("A", "B", "C"):
+            await index.publish(model_key, worker, batch(stored(*chain(4))))
+        assert await backend.stored_entries(model_key) == 3
+
+        # A dies (goes silent); B keeps alive by heartbeat, C by publishing (an empty batch).
+        for _ in range(backend.max_ticks):
+            await index.heartbeat(model_key, "B")
+            await index.publish(model_key, "C", batch())
+            if await backend.stored_entries(model_key) == 2:
+                break
+            await backend.tick()
+        else:
+            pytest.fail("A's entries did not expire within the deadline")
+
+        result = await index.match(model_key, chain(4), ["A", "B", "C"])
+        assert result == {"A": 0, "B": 4, "C": 4}
+
+        # A comes back empty under the same id: only what it publishes now counts.
+        await index.publish(model_key, "A", batch(stored(h(9))))
+        assert await index.match(model_key, chain(4), ["A"]) == {"A": 0}
+        assert await index.match(model_key, [h(9)], ["A"]) == {"A": 1}
+    finally:
+        await index.close()
+
+
+async def test_r2_restart_same_id_publishes_cleared(
+    index: DigestIndex, backend: MemoryBackend | RedisBackend, model_key: str
+) -> None:
+    await index.publish(model_key, "A", batch(stored(*chain(4))))
+    await index.publish(model_key, "B", batch(stored(*chain(4))))
+
+    await index.publish(model_key, "A", batch(cleared()))  # first batch of the restarted A
+
+    assert await index.match(model_key, chain(4), ["A", "B"]) == {"A": 0, "B": 4}
+    assert await backend.stored_entries(model_key) == 1  # an empty worker costs nothing
+
+
+async def test_forget_drops_a_worker_at_once(
+    index: DigestIndex, backend: MemoryBackend | RedisBackend, model_key: str
+) -> None:
+    await index.publish(model_key, "A", batch(stored(*chain(4))))
+    await index.publish(model_key, "B", batch(stored(*chain(4))))
+
+    await index.forget(model_key, "A")
+    await index.forget(model_key, "never-seen")  # not an error
+
+    assert await index.match(model_key, chain(4), ["A", "B"]) == {"A": 0, "B": 4}
+    assert await backend.stored_entries(model_key) == 1
+
+
+async def test_heartbeat_of_unknown_worker_creates_nothing(
+    index: DigestIndex, backend: MemoryBackend | RedisBackend, model_key: str
+) -> None:
+    await index.heartbeat(model_key, "A")
+
+    assert await index.match(model_key, chain(1), ["A"]) == {"A": 0}
+    assert await backend.stored_entries(model_key) == 0
+
+
+async def test_entries_are_scoped_by_model_key(index: DigestIndex, model_key: str) -> None:
+    other_model = uuid.uuid4().hex
+    await index.publish(model_key, "A", batch(stored(*chain(4))))
+    await index.publish(other_model, "A", batch(stored(h(1))))
+
+    await index.publish(other_model, "A", batch(cleared()))
+
+    assert await index.match(model_key, chain(4), ["A"]) == {"A": 4}
+    assert await index.match(other_model, chain(4), ["A"]) == {"A": 0}
+
+
+_HELD = [h(1), h(2)]
+_BAD_PAYLOADS = {
+    "empty": b"",
+    "not msgpack": b"\xc1",
+    "truncated": batch(stored(h(1)))[:-5],
+    "trailing data": batch(cleared()) + b"\x01",
+    "not a list": msgpack.packb(7),
+    "unknown kind": msgpack.packb([["evicted", [h(1)]]]),
+    "row too long": msgpack.packb([["stored", [h(1)], 3]]),
+    "row is a map": msgpack.packb([{"stored": [h(1)]}]),
+    "digests not a list": msgpack.packb([["stored", h(1)]]),
+    "digest not bytes": msgpack.packb([["stored", [17]]]),
+    "digest too short": msgpack.packb([["stored", [b"short"]]]),
+    "valid event then bad kind": msgpack.packb([["cleared", []], ["evicted", []]]),
+    "valid event then bad digest": msgpack.packb([["cleared", []], ["stored", [b"x"]]]),
+}
+
+
+@pytest.mark.parametrize("payload", _BAD_PAYLOADS.values(), ids=_BAD_PAYLOADS.keys())
+async def test_malformed_payload_raises_and_changes_nothing(
+    index: DigestIndex, model_key: str, payload: bytes
+) -> None:
+    await index.publish(model_key, "A", batch(stored(*_HELD)))
+
+    with pytest.raises(ValueError):
+        await index.publish(model_key, "A", payload)
+
+    assert await index.match(model_key, _HELD, ["A"]) == {"A": 2}
+
+
+async def test_match_of_empty_chain_or_no_workers(index: DigestIndex, model_key: str) -> None:
+    await index.publish(model_key, "A", batch(stored(h(1))))
+
+    assert await index.match(model_key, [], ["A", "B"]) == {"A": 0, "B": 0}
+    assert await index.match(model_key, chain(1), []) == {}
+
+
+async def test_many_workers_in_one_call(index: DigestIndex, model_key: str) -> None:
+    full = chain(64)
+    workers = [f"replica-{i}" for i in range(50)]
+    for i, worker in enumerate(workers):  # worker i holds the first i blocks of the chain
+        if i:
+            await index.publish(model_key, worker, batch(stored(*full[:i])))
+
+    result = await index.match(model_key, full, workers)
+
+    assert result == {worker: i for i, worker in enumerate(workers)}
+
+
+async def test_large_batch(index: DigestIndex, model_key: str) -> None:
+    big = [hashlib.sha256(i.to_bytes(4, "little")).digest() for i in range(5000)]
+    await index.publish(model_key, "A", batch(stored(*big)))
+    await index.publish(model_key, "A", batch(removed(*big[2500:])))
+
+    assert await index.match(model_key, big, ["A"]) == {"A": 2500}
+
+
+# ---------------------------------------------------------------------------------- Redis only
+
+
+async def test_redis_publish_and_heartbeat_refresh_the_key_ttl(
+    redis_url: str, redis_key_prefix: str, model_key: str
+) -> None:
+    index = RedisIndex(redis_url, redis_key_prefix, worker_ttl_s=30.0)
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        await index.publish(model_key, "A", batch(stored(h(1))))
+        key = index.worker_key(model_key, "A")
+        assert 29_000 < raw.pttl(key) <= 30_000
+
+        raw.pexpire(key, 100)  # as if A had been silent for almost a whole TTL
+        await index.heartbeat(model_key, "A")
+        assert 29_000 < raw.pttl(key) <= 30_000
+        assert raw.smembers(key) == {h(1)}  # binary digests stored as is
+    finally:
+        raw.close()
+        await index.close()
+
+
+_BAD_RAW_BATCHES = {
+    # What the Lua script itself rejects, should a caller skip the Python-side validation.
+    "bin format (unsupported by cmsgpack)": batch(stored(h(1))),
+    "not msgpack": b"\xc1",
+    "truncated": msgpack.packb([["stored", [h(1)]]], use_bin_type=False)[:-5],
+    "two objects": msgpack.packb([], use_bin_type=False) * 2,
+    "not a list": msgpack.packb(7),
+    "unknown kind": msgpack.packb([["evicted", [h(1)]]], use_bin_type=False),
+    "row is a map": msgpack.packb([{"stored": [h(1)]}], use_bin_type=False),
+    "digest too short": msgpack.packb([["cleared", []], ["stored", [b"x"]]], use_bin_type=False),
+}
+
+
+@pytest.mark.parametrize("raw_batch", _BAD_RAW_BATCHES.values(), ids=_BAD_RAW_BATCHES.keys())
+async def test_redis_script_rejects_bad_batches_atomically(
+    redis_url: str, redis_key_prefix: str, model_key: str, raw_batch: bytes
+) -> None:
+    index = RedisIndex(redis_url, redis_key_prefix)
+    try:
+        await index.publish(model_key, "A", batch(stored(*_HELD)))
+        with pytest.raises(ValueError, match="BADBATCH"):
+            await index._apply(model_key, "A", raw_batch)
+        assert await index.match(model_key, _HELD, ["A"]) == {"A": 2}
+    finally:
+        await index.close()
+
+
+async def test_redis_down_raises_index_unavailable_fast(model_key: str) -> None:
+    import socket
+
+    with socket.socket() as sock:  # a port nobody listens on: connection refused at once
+        sock.bind(("127.0.0.1", 0))
+        url = f"redis://127.0.0.1:{sock.getsockname()[1]}/0"
+    index = RedisIndex(url, "nalar-test-down", timeout_s=0.5)
+    started = time.monotonic()
+    try:
+        for call in (
+            index.publish(model_key, "A", batch(stored(h(1)))),
+            index.heartbeat(model_key, "A"),
+            index.match(model_key, chain(2), ["A"]),
+            index.forget(model_key, "A"),
+        ):
+            with pytest.raises(IndexUnavailableError):
+                await call
+    finally:
+        await index.close()
+    assert time.monotonic() - started < 5.0
+
+
+def test_make_index_picks_the_backend(redis_url: str, redis_key_prefix: str) -> None:
+    assert isinstance(make_index(None, "unused"), MemoryIndex)
+    assert isinstance(make_index(redis_url, redis_key_prefix, 5.0), RedisIndex)
+    with pytest.raises(ValueError):
+        make_index(None, "unused", worker_ttl_s=0)
+
+
+# ---------------------------------------------------------------------------------- Ray actor
+
+
+async def test_actor_index_is_shared_and_survives_actor_death(
+    ray_session: None, model_key: str
+) -> None:
+    import ray
+
+    from router.index.actor import ActorIndex
+
+    name = f"nalar-test-index-{uuid.uuid4().hex[:8]}"
+    first = make_index(None, "unused", 30.0, actor_name=name)
+    second = ActorIndex(name)  # another process of the cluster would do the same
+    assert isinstance(first, ActorIndex)
+
+    await first.publish(model_key, "A", batch(stored(*chain(4))))
+    await first.publish(model_key, "B", batch(stored(*chain(2))))
+    with pytest.raises(ValueError):
+        await first.publish(model_key, "A", b"\xc1")
+    assert await second.match(model_key, chain(4), ["A", "B"]) == {"A": 4, "B": 2}
+
+    await second.publish(model_key, "A", batch(cleared()))
+    await second.forget(model_key, "B")
+    assert await first.match(model_key, chain(4), ["A", "B"]) == {"A": 0, "B": 0}
+    assert await first.entry_count() == 0
+
+    ray.kill(ray.get_actor(name))  # e.g. its owner died: lossy by contract, then recreated
+    deadline = time.monotonic() + 30.0
+    while True:  # the kill is asynchronous: poll until a call sees the dead actor
+        try:
+            await first.heartbeat(model_key, "A")
+        except IndexUnavailableError:
+            break
+        assert time.monotonic() < deadline, "killing the index actor went unnoticed"
+        await asyncio.sleep(0.01)
+    await first.publish(model_key, "A", batch(stored(h(1))))
+    assert await first.match(model_key, chain(4), ["A"]) == {"A": 1}
+    await first.close()
+    await second.close()

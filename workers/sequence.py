@@ -1,0 +1,95 @@
+"""A request's state inside the engine: its tokens, its block table, how much KV is computed."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from workers.identity import block_digest
+from workers.request import FinishReason, GenerationRequest
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One request being served.
+
+    ``token_ids`` holds the prompt followed by every committed output token. The first
+    ``num_computed_tokens`` of them have their KV in the blocks of ``block_table``; the rest are
+    fed to the model in the coming steps (a whole prompt, a prefill chunk, or one decode token).
+
+    Attributes:
+        request: the request as received.
+        root_digest: the identity root its block digests chain from (model + namespace).
+        num_cached_tokens: prompt tokens reused from the prefix cache at first admission;
+            re-admission after preemption never changes it, so hits are counted once.
+        generator: per-request RNG when the request is seeded, so the output does not depend
+            on which other requests share its batch.
+    """
+
+    def __init__(self, request: GenerationRequest, root_digest: bytes, block_size: int,
+                 arrival_index: int):
+        self.request = request
+        self.request_id = request.request_id
+        self.sampling = request.sampling
+        self.root_digest = root_digest
+        self.block_size = block_size
+        self.arrival_index = arrival_index
+        self.token_ids: list[int] = list(request.token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_registered_blocks = 0
+        self.num_cached_tokens = 0
+        self.admitted = False
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self._digests: list[bytes] = []
+        self.generator: torch.Generator | None = None
+        if self.sampling.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.sampling.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def block_tokens(self, index: int) -> list[int]:
+        """Token ids of full block ``index``."""
+        start = index * self.block_size
+        return self.token_ids[start:start + self.block_size]
+
+    def digest(self, index: int) -> bytes:
+        """Chained digest of full block ``index``, extending the chain lazily."""
+        while len(self._digests) <= index:
+            parent = self._digests[-1] if self._digests else self.root_digest
+            self._digests.append(block_digest(parent, self.block_tokens(len(self._digests))))
+        return self._digests[index]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks to hold the KV of the first ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def finish(self, reason: FinishReason) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
