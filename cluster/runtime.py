@@ -29,10 +29,10 @@ def check_port_free(host: str, port: int) -> None:
             raise PortInUseError(f"{host}:{port} is already in use ({exc.strerror})") from exc
 
 
-def init_ray(num_cpus: int | None = None) -> None:
+def init_ray(num_cpus: int | None = None, log_to_driver: bool = True) -> None:
     """Start a local Ray sized for a small machine (no dashboard, small object store)."""
     if not ray.is_initialized():
-        ray.init(num_cpus=num_cpus, include_dashboard=False,
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver,
                  object_store_memory=OBJECT_STORE_BYTES, namespace=INDEX_ACTOR_NAMESPACE)
 
 

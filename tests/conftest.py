@@ -98,17 +98,10 @@ def redis_key_prefix(redis_url: str) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def ray_session() -> Iterator[None]:
-    """One small local Ray instance for the session (reused if a test already started one)."""
-    import ray  # imported here: most tests need no Ray and its import is slow
+    """One small local Ray instance for the whole session, shared by every test that needs Ray
+    (the cluster tests deploy their Serve application on it)."""
+    from cluster.runtime import init_ray, stop_cluster  # slow imports: only when Ray is needed
 
-    started = not ray.is_initialized()
-    if started:
-        ray.init(
-            num_cpus=1,
-            include_dashboard=False,
-            object_store_memory=100 * 1024 * 1024,
-            log_to_driver=False,
-        )
+    init_ray(num_cpus=2, log_to_driver=False)
     yield
-    if started:
-        ray.shutdown()
+    stop_cluster()

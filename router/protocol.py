@@ -1,0 +1,425 @@
+"""Request and response bodies of the OpenAI-compatible HTTP API.
+
+Request models forbid unknown fields and validate strictly (``"1"`` is not a number, ``true`` is
+not an integer), so a client never gets an answer to a question it did not ask. OpenAI
+parameters this server does not implement are declared here only so that a non-neutral value is
+refused by name (``unsupported_parameter``); sending their neutral value (``logprobs: false``,
+``n: 1``, ``tools: []`` ...) or ``null`` is allowed, because it asks for nothing we ignore.
+
+Validation errors are raised as ``PydanticCustomError`` whose *type* is the OpenAI error ``code``
+(``router.errors`` turns them into ``{"error": {...}}`` bodies with that code).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+)
+from pydantic_core import PydanticCustomError
+
+# Neutral values of the OpenAI parameters we accept but do not implement: any other non-null
+# value is refused by name. ``None`` (JSON null) always means "not given".
+_CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "logit_bias": ({},),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (),
+    "functions": ([],),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    "audio": (),
+    "modalities": (["text"],),
+    "prediction": (),
+    "web_search_options": (),
+    "reasoning_effort": (),
+    "verbosity": (),
+    "metadata": ({},),
+    "store": (False,),
+    "service_tier": ("auto", "default"),
+    "prompt_cache_key": (),
+}
+
+_COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (),
+    "logit_bias": ({},),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "echo": (False,),
+    "best_of": (1,),
+    "suffix": ("",),
+}
+
+# Message fields a text-only chat without tools cannot honour.
+_MESSAGE_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "name": (),
+    "tool_calls": ([],),
+    "tool_call_id": (),
+    "function_call": (),
+    "audio": (),
+    "refusal": (),
+    "annotations": ([],),
+}
+
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+"""Roles a chat message may have; ``developer`` is rendered as ``system`` (its OpenAI meaning)."""
+
+
+def _refuse_unless_neutral(value: Any, name: str, neutral: tuple[Any, ...]) -> Any:
+    """Returns ``value`` if it asks for nothing; otherwise raises ``unsupported_parameter``."""
+    if value is None or value in neutral:
+        return value
+    raise PydanticCustomError(
+        "unsupported_parameter", "{name} is not supported by this server", {"name": name}
+    )
+
+
+class _StrictModel(BaseModel):
+    """Base of request bodies: unknown fields are errors and types are not coerced."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_StrictModel):
+    """``stream_options``: only ``include_usage`` is implemented."""
+
+    include_usage: bool = False
+
+
+class ChatMessage(_StrictModel):
+    """One chat message; ``content`` is normalised to plain text by validation.
+
+    Content may be a string or a list of ``{"type": "text", "text": ...}`` parts, which are
+    joined with newlines (the model's chat template takes a string). Other part types (images,
+    audio, files) are refused: this server serves text-only models.
+    """
+
+    role: str
+    # Validated even when absent, so a missing content is an error rather than None.
+    content: Any = Field(default=None, validate_default=True)
+    name: Any = None
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    function_call: Any = None
+    audio: Any = None
+    refusal: Any = None
+    annotations: Any = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        if role in ("tool", "function"):
+            raise PydanticCustomError(
+                "unsupported_value", "messages with role '{role}' are not supported (no tools)",
+                {"role": role},
+            )
+        if role not in CHAT_ROLES:
+            raise PydanticCustomError(
+                "invalid_value", "role must be one of {roles}, got '{role}'",
+                {"roles": ", ".join(CHAT_ROLES), "role": role},
+            )
+        return role
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_content(cls, content: Any) -> str:
+        if isinstance(content, str):
+            return content
+        if isinstance(content, list):
+            return "\n".join(_text_of_part(part, index) for index, part in enumerate(content))
+        if content is None:
+            raise PydanticCustomError("missing_required_parameter", "content is required")
+        raise PydanticCustomError(
+            "invalid_type", "content must be a string or a list of text parts"
+        )
+
+    @field_validator(*_MESSAGE_UNSUPPORTED)
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless_neutral(value, info.field_name, _MESSAGE_UNSUPPORTED[info.field_name])
+
+    def template_dict(self) -> dict[str, str]:
+        """The message as the chat template expects it."""
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": self.content}
+
+
+def _text_of_part(part: Any, index: int) -> str:
+    """The text of one content part; anything but a text part is refused."""
+    if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+        raise PydanticCustomError(
+            "invalid_type", "content[{index}] must be an object with a 'type'", {"index": index}
+        )
+    if part["type"] != "text":
+        raise PydanticCustomError(
+            "unsupported_content_type",
+            "content[{index}] has type '{type}'; only 'text' parts are supported",
+            {"index": index, "type": part["type"]},
+        )
+    if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+        raise PydanticCustomError(
+            "invalid_value", "content[{index}] must be {{\"type\": \"text\", \"text\": <string>}}",
+            {"index": index},
+        )
+    return part["text"]
+
+
+class _GenerationBody(_StrictModel):
+    """Fields shared by chat and text completions.
+
+    ``top_k``, ``stop_token_ids``, ``ignore_eos`` and ``cache_salt`` are extensions (vLLM spells
+    them the same way). ``user`` and ``safety_identifier`` are end-user identifiers for abuse
+    monitoring; they never change the output, so accepting them ignores nothing a client relies
+    on.
+    """
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)
+    user: str | None = None
+    safety_identifier: str | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, stop: Any) -> Any:
+        return [stop] if isinstance(stop, str) else stop
+
+    @field_validator("n")
+    @classmethod
+    def _single_choice(cls, n: int | None) -> int | None:
+        if n is not None and n < 1:
+            raise PydanticCustomError("invalid_value", "n must be at least 1")
+        if n is not None and n > 1:
+            raise PydanticCustomError("unsupported_value", "only n=1 is supported")
+        return n
+
+
+class ChatCompletionRequest(_GenerationBody):
+    """Body of ``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    prompt_cache_key: Any = None
+
+    @field_validator("messages")
+    @classmethod
+    def _not_empty(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        if not messages:
+            raise PydanticCustomError("invalid_value", "messages must not be empty")
+        return messages
+
+    @field_validator(*_CHAT_UNSUPPORTED)
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless_neutral(value, info.field_name, _CHAT_UNSUPPORTED[info.field_name])
+
+
+class CompletionRequest(_GenerationBody):
+    """Body of ``POST /v1/completions``.
+
+    ``prompt`` is one string or one list of token ids; batches (a list of strings or of token
+    lists) are refused, one prompt per request.
+    """
+
+    prompt: Any
+    logprobs: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> str | list[int]:
+        if prompt is None:
+            raise PydanticCustomError("missing_required_parameter", "prompt is required")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise PydanticCustomError("invalid_value", "prompt must not be empty")
+            return prompt
+        if not isinstance(prompt, list):
+            raise PydanticCustomError(
+                "invalid_type", "prompt must be a string or a list of token ids"
+            )
+        return _token_id_prompt(prompt)
+
+    @field_validator(*_COMPLETION_UNSUPPORTED)
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        neutral = _COMPLETION_UNSUPPORTED[info.field_name]
+        return _refuse_unless_neutral(value, info.field_name, neutral)
+
+
+def _token_id_prompt(prompt: list[Any]) -> list[int]:
+    """Checks a list prompt is one sequence of token ids (range is checked by the app)."""
+    if not prompt:
+        raise PydanticCustomError("invalid_value", "prompt must not be empty")
+    if any(isinstance(item, (str, list)) for item in prompt):
+        raise PydanticCustomError(
+            "unsupported_value",
+            "batch prompts (a list of strings or of token-id lists) are not supported; "
+            "send one prompt per request",
+        )
+    # bool is an int subclass, but true/false are not token ids.
+    if not all(isinstance(item, int) and not isinstance(item, bool) for item in prompt):
+        raise PydanticCustomError("invalid_type", "a list prompt must hold integer token ids")
+    return prompt
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses. Built by the app and serialised with ``model_dump``; nullable OpenAI fields
+# (``finish_reason``, ``logprobs``) stay in the output as ``null``, as clients expect.
+
+
+class PromptTokensDetails(BaseModel):
+    """``usage.prompt_tokens_details``."""
+
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    """Token counts of one request; ``cached_tokens`` is the prefix-cache hit."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class AssistantMessage(BaseModel):
+    """``choices[0].message`` of a chat completion."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    """One choice of a chat completion."""
+
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletionResponse(BaseModel):
+    """Body of a non-streaming chat completion."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    """``choices[0].delta`` of a chat chunk; unset fields are left out of the JSON."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # OpenAI deltas carry only what changed: the last one is ``{}``.
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    """One choice of a chat completion chunk."""
+
+    index: int = 0
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One SSE event of a streaming chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    """One choice of a text completion (or of one of its chunks)."""
+
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class CompletionResponse(BaseModel):
+    """Body of a text completion, and of each of its SSE events when streaming."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    """One entry of ``GET /v1/models``."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "nalar-serve"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    """Body of ``GET /v1/models``."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
