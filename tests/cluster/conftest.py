@@ -1,0 +1,47 @@
+"""One Nalar cluster for the whole test session: two workers, the real Redis index, HTTP."""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import redis
+
+from cluster.config import ClusterConfig
+
+
+@dataclass
+class ClusterUnderTest:
+    config: ClusterConfig
+    base_url: str
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def cluster(ray_session, redis_url: str) -> Iterator[ClusterUnderTest]:
+    """Deploys the application once; its Redis keys live under a prefix of this run only."""
+    from ray import serve
+
+    from cluster.app import APP_NAME
+    from cluster.runtime import start_cluster
+
+    prefix = f"nalar-test-{uuid.uuid4().hex[:8]}"
+    config = ClusterConfig(num_workers=2, redis_url=redis_url, key_prefix=prefix,
+                           port=_free_port(), dtype="float32", kv_cache_mib=128,
+                           worker_threads=1, routing_stats_period_s=0.2, worker_ttl_s=10)
+    start_cluster(config)
+    yield ClusterUnderTest(config, f"http://127.0.0.1:{config.port}")
+    serve.delete(APP_NAME)
+    client = redis.Redis.from_url(redis_url)
+    keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()
