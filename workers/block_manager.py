@@ -72,8 +72,12 @@ class BlockManager:
         full_blocks = seq.num_computed_tokens // self.block_size
         for index in range(seq.num_registered_blocks, full_blocks):
             block = self.pool.blocks[seq.block_table[index]]
-            self.pool.register(block, seq.digest(index), seq.block_tokens(index))
-        seq.num_registered_blocks = max(seq.num_registered_blocks, full_blocks)
+            if not self.pool.register(block, seq.digest(index), seq.block_tokens(index)):
+                # A digest collision: this block and every later one chain from a digest whose
+                # cached copy holds other tokens, so none may be found under it. Retried on
+                # the next commit, in case the colliding copy has been evicted meanwhile.
+                break
+            seq.num_registered_blocks = index + 1
 
     def free(self, seq: Sequence) -> None:
         """Return all of ``seq``'s blocks, tail first, and forget its computed state."""

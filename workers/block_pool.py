@@ -130,19 +130,28 @@ class BlockPool:
                 else:
                     self._evictable[block_id] = None
 
-    def register(self, block: Block, digest: bytes, token_ids: Sequence[int]) -> None:
+    def register(self, block: Block, digest: bytes, token_ids: Sequence[int]) -> bool:
         """Mark a full block of committed tokens reusable under ``digest``.
 
         If another block already holds this digest (two sequences computed the same prefix
         at once), the first stays the cached copy and this one remains private, so the index
         sees one ``stored`` per digest.
+
+        Returns:
+            False when the digest is held by a block with other token ids: a digest collision.
+            The block stays private, and so must every later block of its sequence, whose KV
+            was computed after this block's tokens, not after the holder's.
         """
-        if digest in self._by_digest or block.digest is not None:
-            return
+        holder = self._by_digest.get(digest)
+        if holder is not None:
+            return self.blocks[holder].token_ids == tuple(token_ids)
+        if block.digest is not None:
+            return True
         block.digest = digest
         block.token_ids = tuple(token_ids)
         self._by_digest[digest] = block.block_id
         self._emit("stored", digest)
+        return True
 
     def reset_cache(self) -> None:
         """Forget every reusable prefix (blocks in use keep their KV, but become private).

@@ -32,13 +32,13 @@ async def stats_by_worker(rounds: int = 8) -> dict[str, dict]:
 async def test_client_disconnect_cancels_and_frees_blocks(cluster):
     body = {"prompt": "Count from one to one thousand: one, two,", "max_tokens": 400,
             "ignore_eos": True, "temperature": 0, "stream": True}
-    async with httpx.AsyncClient(base_url=cluster.base_url) as client:
-        async with client.stream("POST", "/v1/completions", json=body, timeout=60) as response:
-            assert response.status_code == 200
-            worker = response.headers["x-nalar-worker"]
-            async for line in response.aiter_lines():
-                if line.startswith("data: {"):
-                    break  # one token arrived; hang up mid-generation
+    async with (httpx.AsyncClient(base_url=cluster.base_url) as client,
+                client.stream("POST", "/v1/completions", json=body, timeout=60) as response):
+        assert response.status_code == 200
+        worker = response.headers["x-nalar-worker"]
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                break  # one token arrived; hang up mid-generation
     deadline = time.monotonic() + DEADLINE_S
     while True:
         stats = (await stats_by_worker()).get(worker)
