@@ -33,6 +33,9 @@ def _serve_parser(commands) -> None:
     serve_cmd.add_argument("--max-model-len", type=int, default=None)
     serve_cmd.add_argument("--max-num-seqs", type=int, default=64)
     serve_cmd.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    serve_cmd.add_argument("--gpus-per-worker", type=float, default=None, dest="worker_gpus",
+                           help="GPUs each worker replica asks Ray for (default: 1 when CUDA "
+                                "is available, else 0)")
     serve_cmd.add_argument("--worker-threads", type=int, default=None,
                            help="torch threads per worker (default: torch's)")
 

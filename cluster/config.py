@@ -13,6 +13,13 @@ INDEX_ACTOR_NAMESPACE = "nalar"
 """Ray namespace of the embedded index actor, so the driver and Serve replicas find one actor."""
 
 
+def _has_cuda() -> bool:
+    """In production each worker replica asks Ray for one GPU; on a CPU machine for none."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 class ClusterConfig(BaseModel):
     """Everything ``nalar serve`` can be told.
 
@@ -35,6 +42,7 @@ class ClusterConfig(BaseModel):
     max_num_batched_tokens: int = Field(2048, ge=1)
     max_model_len: int | None = Field(None, ge=2)
     worker_cpus: float = Field(0.5, gt=0)
+    worker_gpus: float = Field(default_factory=lambda: 1.0 if _has_cuda() else 0.0, ge=0)
     worker_threads: int | None = Field(None, ge=1)
     worker_max_ongoing_requests: int = Field(128, ge=1)
     worker_max_queued_requests: int = Field(256, ge=1)
