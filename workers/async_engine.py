@@ -60,6 +60,9 @@ class AsyncEngine:
             while not finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
+                    # Refused or failed: nothing of this request runs in the engine, so never
+                    # abort its id (another request may hold it: a refused duplicate id).
+                    finished = True
                     raise item
                 finished = item.finish_reason is not None
                 yield item

@@ -211,7 +211,8 @@ def test_two_choices_without_index_answer():
     assert scorer.rank([ReplicaView("solo", None, 9)], 50) == ["solo"]
 
 
-def test_routing_input_reads_generation_request():
+async def test_routing_input_reads_generation_request():
+    # PendingRequest makes a future: it needs a running loop whatever ran before.
     plan = routing_input(pending(gen_request(40, max_tokens=7)))
     assert plan is not None
     assert (plan.prompt_len, len(plan.digests), plan.decode_tokens) == (40, 2, 7)

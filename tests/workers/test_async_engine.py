@@ -1,0 +1,162 @@
+"""The asyncio front of the engine: concurrent streams, cancellation, validation, KV events.
+
+No sleeps: ordering comes from the engine thread's inbox, which applies commands in the order
+they were sent, so a request sent after an abort finishing proves the abort was applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from workers.async_engine import AsyncEngine
+from workers.identity import block_digests
+from workers.kv_events import KVEvent
+from workers.request import GenerationChunk, GenerationRequest, InvalidRequestError, SamplingParams
+
+BLOCK = 16
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return torch.randint(3, 1000, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def greedy(request_id: str, token_ids: list[int], max_tokens: int = 8,
+           **sampling) -> GenerationRequest:
+    return GenerationRequest(request_id, token_ids, SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **sampling))
+
+
+@pytest.fixture
+def events() -> list[KVEvent]:
+    return []
+
+
+@pytest.fixture
+def async_engine(tiny_qwen, make_engine, events) -> Iterator[AsyncEngine]:
+    engine = AsyncEngine(make_engine(tiny_qwen, num_blocks=32), on_events=events.extend)
+    yield engine
+    engine.shutdown()
+    assert not engine._thread.is_alive()
+
+
+async def collect(engine: AsyncEngine, request: GenerationRequest) -> list[GenerationChunk]:
+    return [chunk async for chunk in engine.generate(request)]
+
+
+def ids(chunks: list[GenerationChunk]) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+async def test_concurrent_streams_complete_and_match_the_sync_engine(
+        async_engine, tiny_qwen, make_engine):
+    requests = [greedy(f"s{i}", prompt(i, 20 + 6 * i), max_tokens=12 + 2 * i) for i in range(4)]
+    expected = make_engine(tiny_qwen, num_blocks=32).generate(requests)
+
+    results = await asyncio.gather(*(collect(async_engine, r) for r in requests))
+    for request, chunks in zip(requests, results, strict=True):
+        assert ids(chunks) == ids(expected[request.request_id])
+        assert [c.finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
+        assert [c.completion_tokens for c in chunks] == list(range(1, len(chunks) + 1))
+        assert len(chunks) == request.sampling.max_tokens
+    engine = async_engine.engine
+    assert max(engine.counters.batch_sizes) >= 2  # the streams shared steps
+    assert engine.pool.num_in_use == 0
+
+
+async def test_closing_the_stream_early_aborts_and_frees_blocks(async_engine):
+    engine = async_engine.engine
+    long = greedy("long", prompt(1, 40), max_tokens=400)
+    stream = async_engine.generate(long)
+    first = await stream.__anext__()
+    second = await stream.__anext__()
+    assert (first.finish_reason, second.finish_reason) == (None, None)
+    await stream.aclose()  # the client went away
+
+    # sent after the abort, so its last chunk proves the abort was applied before it
+    after = await collect(async_engine, greedy("after", prompt(2, 20), max_tokens=2))
+    assert after[-1].finish_reason == "length"
+    assert engine.sequence("long") is None
+    assert engine.pool.num_in_use == 0
+    assert engine.pool.num_free + engine.pool.num_evictable == engine.pool.num_blocks
+    assert not engine.has_work()
+    # the long request stopped short of its 400 tokens (finished, it alone would have
+    # computed 399 decode tokens)
+    assert engine.counters.decode_tokens < 399
+
+
+async def test_invalid_request_raises_before_any_chunk(async_engine):
+    bad = [
+        (GenerationRequest("empty", []), "prompt"),
+        (GenerationRequest("vocab", [5, 1000]), "prompt"),
+        (greedy("top-p", [5, 6], top_p=0.0), "top_p"),
+        (greedy("too-long", [5, 6], max_tokens=10_000), "max_tokens"),
+    ]
+    for request, param in bad:
+        stream = async_engine.generate(request)
+        with pytest.raises(InvalidRequestError) as error:
+            await stream.__anext__()
+        assert error.value.param == param
+    # a request id already streaming
+    running = async_engine.generate(greedy("dup", [5, 6, 7], max_tokens=300))
+    assert (await running.__anext__()).finish_reason is None
+    with pytest.raises(InvalidRequestError) as error:
+        await async_engine.generate(greedy("dup", [8, 9], max_tokens=2)).__anext__()
+    assert error.value.param == "id"
+    await running.aclose()
+    # the engine still serves afterwards
+    chunks = await collect(async_engine, greedy("ok", [5, 6, 7], max_tokens=3))
+    assert len(chunks) == 3
+    assert async_engine.engine.pool.num_in_use == 0
+
+
+async def test_kv_events_reach_the_callback(async_engine, events):
+    engine = async_engine.engine
+    token_ids = prompt(3, 2 * BLOCK + 8)
+    chunks = await collect(async_engine, greedy("ev", token_ids, max_tokens=4))
+    assert chunks[-1].finish_reason == "length"
+    # the prompt's two full blocks were stored at its first step, published before the last
+    # chunk was produced; 2 * 16 + 8 + 3 computed tokens fill no third block
+    expected = block_digests(engine.identity.root_digest, token_ids, BLOCK)
+    assert len(expected) == 2
+    assert events == [KVEvent("stored", expected)]
+
+
+async def test_duplicate_id_refused_in_the_engine_thread_leaves_the_first_request_alone(
+        tiny_qwen, make_engine):
+    """Both requests pass the off-thread check (neither is queued yet); the engine thread then
+    refuses the second. Its failure must not abort the first request under the same id."""
+    entered, release = threading.Event(), threading.Event()
+
+    def hold_engine_thread(events: list[KVEvent]) -> None:
+        entered.set()
+        release.wait(timeout=30)
+
+    async_engine = AsyncEngine(make_engine(tiny_qwen, num_blocks=32),
+                               on_events=hold_engine_thread)
+    try:
+        holder = asyncio.ensure_future(collect(async_engine, greedy("hold", prompt(9, 20), 2)))
+        assert await asyncio.to_thread(entered.wait, 30)  # engine thread parked in a callback
+        first = async_engine.generate(greedy("dup", prompt(10, 20), max_tokens=5))
+        second = async_engine.generate(greedy("dup", prompt(11, 20), max_tokens=5))
+        first_chunk = asyncio.ensure_future(first.__anext__())
+        second_chunk = asyncio.ensure_future(second.__anext__())
+        await asyncio.sleep(0)  # let both generators validate and queue their "add"
+        release.set()
+        with pytest.raises(InvalidRequestError) as error:
+            await asyncio.wait_for(second_chunk, timeout=30)
+        assert error.value.param == "id"
+
+        async def rest() -> list[GenerationChunk]:
+            return [await first_chunk] + [chunk async for chunk in first]
+
+        chunks = await asyncio.wait_for(rest(), timeout=30)  # a lost stream would hang here
+        assert [c.finish_reason for c in chunks] == [None] * 4 + ["length"]
+        await asyncio.wait_for(holder, timeout=30)
+    finally:
+        release.set()
+        async_engine.shutdown()

@@ -1,0 +1,246 @@
+"""The block pool: reference counts, verified lookup, LRU eviction and digest-level events."""
+
+from __future__ import annotations
+
+import pytest
+
+from workers.block_manager import BlockManager
+from workers.block_pool import BlockPool, NoFreeBlocksError
+from workers.identity import block_digests
+from workers.kv_events import KVEvent, decode_events, encode_events
+from workers.request import GenerationRequest
+from workers.sequence import Sequence
+
+BLOCK = 4
+
+
+def digest(n: int) -> bytes:
+    return bytes([n]) * 32
+
+
+def tokens(n: int) -> list[int]:
+    return [n] * BLOCK
+
+
+def assert_accounted(pool: BlockPool) -> None:
+    assert pool.num_free + pool.num_evictable + pool.num_in_use == pool.num_blocks
+    assert pool.num_in_use == sum(1 for b in pool.blocks if b.ref_count > 0)
+
+
+def cached_table(pool: BlockPool, first: int, count: int) -> list[int]:
+    """Allocate ``count`` blocks and register them under digests ``first, first + 1, ...``."""
+    table = []
+    for n in range(first, first + count):
+        block = pool.allocate()
+        pool.register(block, digest(n), tokens(n))
+        table.append(block.block_id)
+    return table
+
+
+def test_empty_budget_is_refused():
+    with pytest.raises(ValueError, match="holds no block"):
+        BlockPool(0, BLOCK)
+
+
+def test_allocate_references_blocks_and_runs_out():
+    pool = BlockPool(3, BLOCK)
+    blocks = [pool.allocate() for _ in range(3)]
+    assert [b.block_id for b in blocks] == [0, 1, 2]
+    assert [b.ref_count for b in blocks] == [1, 1, 1]
+    assert (pool.num_free, pool.num_evictable, pool.num_in_use) == (0, 0, 3)
+    with pytest.raises(NoFreeBlocksError):
+        pool.allocate()
+    assert_accounted(pool)
+
+
+def test_refcounts_keep_a_shared_block_in_use_until_the_last_release():
+    pool = BlockPool(4, BLOCK)
+    (block_id,) = cached_table(pool, 1, 1)
+    block = pool.lookup(digest(1), tokens(1))
+    assert block is pool.blocks[block_id]
+    pool.acquire(block)
+    assert block.ref_count == 2
+    pool.release([block_id])
+    assert (block.ref_count, pool.num_in_use, pool.num_evictable) == (1, 1, 0)
+    pool.release([block_id])
+    assert (block.ref_count, pool.num_in_use, pool.num_evictable) == (0, 0, 1)
+    assert_accounted(pool)
+    # an unreferenced cached block is revived by acquire and leaves the LRU
+    pool.acquire(block)
+    assert (block.ref_count, pool.num_in_use, pool.num_evictable) == (1, 1, 0)
+    assert_accounted(pool)
+
+
+def test_release_more_often_than_acquired_raises():
+    pool = BlockPool(2, BLOCK)
+    block = pool.allocate()
+    pool.release([block.block_id])
+    with pytest.raises(RuntimeError, match="released more often than acquired"):
+        pool.release([block.block_id])
+    with pytest.raises(RuntimeError, match="released more often than acquired"):
+        pool.release([1])  # never allocated
+
+
+def test_released_block_without_digest_is_free_not_cached():
+    pool = BlockPool(2, BLOCK)
+    block = pool.allocate()
+    pool.release([block.block_id])
+    assert (pool.num_free, pool.num_evictable) == (2, 0)
+    assert pool.drain_events() == []
+
+
+def test_lookup_verifies_token_ids():
+    pool = BlockPool(2, BLOCK)
+    cached_table(pool, 5, 1)
+    assert pool.lookup(digest(5), tokens(5)) is not None
+    assert pool.lookup(digest(5), tokens(6)) is None  # same digest, other tokens: a collision
+    assert pool.lookup(digest(6), tokens(5)) is None
+
+
+def test_tail_blocks_of_a_released_table_are_evicted_first():
+    pool = BlockPool(3, BLOCK)
+    table = cached_table(pool, 1, 3)
+    pool.drain_events()
+    pool.release(reversed(table))  # what BlockManager.free passes: tail first
+    assert pool.num_evictable == 3
+    evicted = []
+    for _ in range(3):
+        pool.allocate()
+        (event,) = pool.drain_events()
+        assert event.kind == "removed"
+        evicted.extend(event.digests)
+    assert evicted == [digest(3), digest(2), digest(1)]
+    assert pool.lookup(digest(1), tokens(1)) is None
+
+
+def test_lru_evicts_the_least_recently_released_table_first_and_hits_refresh():
+    pool = BlockPool(4, BLOCK)
+    a = cached_table(pool, 1, 2)
+    b = cached_table(pool, 3, 2)
+    pool.release(reversed(a))
+    pool.release(reversed(b))
+    # a hit on a's head moves it to the most recently used end
+    head = pool.lookup(digest(1), tokens(1))
+    pool.acquire(head)
+    pool.release([head.block_id])
+    pool.drain_events()
+    order = []
+    for _ in range(4):
+        pool.allocate()
+        order.extend(pool.drain_events()[0].digests)
+    assert order == [digest(2), digest(4), digest(3), digest(1)]
+
+
+def test_block_manager_free_releases_tail_first():
+    pool = BlockPool(8, BLOCK)
+    manager = BlockManager(pool)
+    root = b"\x01" * 32
+    prompt = list(range(1, 13))  # three full blocks
+    seq = Sequence(GenerationRequest("r", prompt), root, BLOCK, 0)
+    manager.admit(seq, [], len(prompt))
+    manager.commit(seq, len(prompt))
+    assert pool.drain_events() == [KVEvent("stored", block_digests(root, prompt, BLOCK))]
+    manager.free(seq)
+    assert (seq.block_table, seq.num_computed_tokens, pool.num_evictable) == ([], 0, 3)
+    evicted = []
+    for _ in range(8):
+        pool.allocate()
+        evicted.extend(d for e in pool.drain_events() for d in e.digests)
+    assert evicted == list(reversed(block_digests(root, prompt, BLOCK)))
+
+
+def test_events_are_per_digest_and_merged_in_order():
+    pool = BlockPool(3, BLOCK)
+    first = pool.allocate()
+    twin = pool.allocate()
+    pool.register(first, digest(1), tokens(1))
+    pool.register(twin, digest(1), tokens(1))  # same prefix computed twice at once
+    pool.register(first, digest(9), tokens(9))  # an already registered block keeps its digest
+    assert twin.digest is None and first.digest == digest(1)
+    other = pool.allocate()
+    pool.register(other, digest(2), tokens(2))
+    assert pool.drain_events() == [KVEvent("stored", [digest(1), digest(2)])]
+    assert pool.drain_events() == []
+
+    pool.release([twin.block_id, first.block_id, other.block_id])
+    # the private twin is simply free; the two cached blocks are evictable
+    assert (pool.num_free, pool.num_evictable, pool.num_in_use) == (1, 2, 0)
+    pool.allocate()  # takes the free block: no event
+    assert pool.drain_events() == []
+    pool.allocate()
+    pool.allocate()
+    assert pool.drain_events() == [KVEvent("removed", [digest(1), digest(2)])]
+    assert_accounted(pool)
+
+
+def test_stored_again_only_after_removed():
+    pool = BlockPool(1, BLOCK)
+    (block_id,) = cached_table(pool, 1, 1)
+    pool.release([block_id])
+    block = pool.allocate()  # evicts digest 1
+    pool.register(block, digest(1), tokens(1))
+    assert pool.drain_events() == [KVEvent("stored", [digest(1)]), KVEvent("removed", [digest(1)]),
+                                   KVEvent("stored", [digest(1)])]
+
+
+def test_reset_cache_forgets_every_prefix_with_one_cleared_event():
+    pool = BlockPool(4, BLOCK)
+    table = cached_table(pool, 1, 3)
+    pool.release([table[0]])  # one evictable, two in use
+    pool.drain_events()
+    pool.reset_cache()
+    assert pool.drain_events() == [KVEvent("cleared")]
+    assert (pool.num_free, pool.num_evictable, pool.num_in_use) == (2, 0, 2)
+    assert all(pool.lookup(digest(n), tokens(n)) is None for n in (1, 2, 3))
+    pool.release(table[1:])  # in-use blocks became private: they come back free, no events
+    assert (pool.num_free, pool.num_evictable) == (4, 0)
+    assert pool.drain_events() == []
+
+
+def test_event_batches_round_trip_through_msgpack():
+    events = [KVEvent("stored", [digest(1), digest(2)]), KVEvent("removed", [digest(1)]),
+              KVEvent("cleared")]
+    assert decode_events(encode_events(events)) == events
+    with pytest.raises(ValueError, match="unknown KV event kind"):
+        decode_events(encode_events([KVEvent("bogus", [])]))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="malformed"):
+        decode_events(b"\xc1")
+
+
+def test_register_reports_a_digest_collision():
+    pool = BlockPool(3, BLOCK)
+    holder, same, other = pool.allocate(), pool.allocate(), pool.allocate()
+    assert pool.register(holder, digest(1), tokens(1))
+    assert pool.register(same, digest(1), tokens(1))  # an identical prefix: not a collision
+    assert not pool.register(other, digest(1), tokens(2))  # same digest, other tokens
+    assert (same.digest, other.digest) == (None, None)
+    assert pool.drain_events() == [KVEvent("stored", [digest(1)])]
+
+
+def test_blocks_after_a_collision_are_not_registered_until_it_is_gone():
+    """A block computed after a colliding block must not be found under the colliding chain."""
+    pool = BlockPool(8, BLOCK)
+    manager = BlockManager(pool)
+    root = b"\x02" * 32
+    prompt = list(range(1, 13))
+    chain = block_digests(root, prompt, BLOCK)
+    squatter = pool.allocate()  # holds block 0's digest with other tokens: a collision
+    pool.register(squatter, chain[0], tokens(99))
+    pool.drain_events()
+
+    seq = Sequence(GenerationRequest("r", prompt), root, BLOCK, 0)
+    manager.admit(seq, manager.cached_prefix(seq), len(prompt))
+    assert seq.num_computed_tokens == 0  # the token comparison refused the hit
+    manager.commit(seq, len(prompt))
+    assert seq.num_registered_blocks == 0
+    assert pool.drain_events() == []  # neither block 0 nor blocks 1, 2 chained from it
+    assert pool.lookup(chain[1], prompt[4:8]) is None
+
+    pool.release([squatter.block_id])
+    for _ in range(5):  # 4 free blocks, then the squatter is evicted
+        pool.allocate()
+    assert pool.drain_events() == [KVEvent("removed", [chain[0]])]
+    manager.commit(seq, 0)  # the next commit retries: the chain is the sequence's own now
+    assert seq.num_registered_blocks == 3
+    assert pool.drain_events() == [KVEvent("stored", chain)]
+    assert [b.block_id for b in manager.cached_prefix(seq)] == seq.block_table[:2]

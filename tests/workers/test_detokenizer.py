@@ -1,0 +1,125 @@
+"""Incremental detokenization: stop strings held back and cut, multi-byte characters, flush."""
+
+from __future__ import annotations
+
+import pytest
+
+from workers.detokenizer import IncrementalDetokenizer
+from workers.request import GenerationRequest, SamplingParams
+
+TEXT = "Hello world, this is the end."
+
+
+@pytest.fixture(scope="module")
+def ids(smollm_tokenizer) -> list[int]:
+    ids = smollm_tokenizer.encode(TEXT, add_special_tokens=False)
+    # the cases below rely on this split: "Hello", " world", ",", " this", " is", " the", ...
+    assert [smollm_tokenizer.decode([i]) for i in ids] == [
+        "Hello", " world", ",", " this", " is", " the", " end", "."]
+    return ids
+
+
+def feed(tokenizer, token_ids: list[int], stop: list[str]) -> tuple[list[str], bool, str]:
+    detok = IncrementalDetokenizer(tokenizer, stop)
+    deltas = [detok.add(t) for t in token_ids]
+    return deltas, detok.stopped, detok.flush()
+
+
+def test_no_stop_strings_streams_every_token(smollm_tokenizer, ids):
+    deltas, stopped, tail = feed(smollm_tokenizer, ids, [])
+    assert deltas == ["Hello", " world", ",", " this", " is", " the", " end", "."]
+    assert (stopped, tail) == (False, "")
+
+
+def test_stop_string_split_across_tokens_is_held_back_and_cut(smollm_tokenizer, ids):
+    # ", this" spans the "," token and the " this" token
+    deltas, stopped, tail = feed(smollm_tokenizer, ids, [", this"])
+    assert deltas == ["Hello", " world", "", "", "", "", "", ""]
+    assert (stopped, tail) == (True, "")
+    assert "".join(deltas) == "Hello world"
+
+
+def test_partial_stop_match_inside_a_token_is_cut_mid_token(smollm_tokenizer, ids):
+    # "s is t" starts inside " this" and ends inside " the"
+    deltas, stopped, tail = feed(smollm_tokenizer, ids, ["s is t"])
+    assert deltas == ["Hello", " world", ",", " thi", "", "", "", ""]
+    assert (stopped, "".join(deltas) + tail) == (True, "Hello world, thi")
+
+
+def test_held_back_prefix_is_released_when_the_stop_does_not_follow(smollm_tokenizer, ids):
+    deltas, stopped, tail = feed(smollm_tokenizer, ids, [", that"])
+    assert deltas == ["Hello", " world", "", ", this", " is", " the", " end", "."]
+    assert (stopped, tail) == (False, "")
+    assert "".join(deltas) == TEXT
+
+
+def test_flush_returns_the_held_back_tail_only_without_a_stop(smollm_tokenizer, ids):
+    deltas, stopped, tail = feed(smollm_tokenizer, ids[:7], [" end."])
+    assert deltas == ["Hello", " world", ",", " this", " is", " the", ""]
+    assert (stopped, tail) == (False, " end")
+    detok = IncrementalDetokenizer(smollm_tokenizer, [" end."])
+    for token in ids:
+        detok.add(token)
+    assert detok.stopped
+    assert detok.flush() == ""
+    assert detok.add(ids[0]) == ""  # nothing after a stop
+
+
+def test_earliest_of_several_stop_strings_wins(smollm_tokenizer, ids):
+    deltas, stopped, _ = feed(smollm_tokenizer, ids, [" the end", "world"])
+    assert stopped
+    assert "".join(deltas) == "Hello "
+
+
+def test_stop_string_at_the_very_start_emits_nothing(smollm_tokenizer, ids):
+    deltas, stopped, tail = feed(smollm_tokenizer, ids, ["Hello"])
+    assert deltas == [""] * len(ids)
+    assert (stopped, tail) == (True, "")
+
+
+def test_multi_byte_characters_are_emitted_only_when_complete(smollm_tokenizer):
+    text = "I love 🦀 and 日本語!"
+    ids = smollm_tokenizer.encode(text, add_special_tokens=False)
+    deltas, stopped, tail = feed(smollm_tokenizer, ids, [])
+    assert deltas == ["I", " love", "", "", " 🦀", " and", "", "", " 日", "本", "", "", "語",
+                      "!"]
+    assert "".join(deltas) + tail == text
+    assert not any("\ufffd" in d for d in deltas)
+    assert not stopped
+
+
+def test_stop_string_made_of_a_multi_byte_character(smollm_tokenizer):
+    ids = smollm_tokenizer.encode("I love 🦀 and 日本語!", add_special_tokens=False)
+    deltas, stopped, tail = feed(smollm_tokenizer, ids, ["🦀"])
+    assert (stopped, "".join(deltas) + tail) == (True, "I love ")
+    deltas, stopped, tail = feed(smollm_tokenizer, ids, ["本語"])
+    assert (stopped, "".join(deltas) + tail) == (True, "I love 🦀 and 日")
+
+
+def test_special_tokens_produce_no_text(smollm_tokenizer, ids):
+    im_end = smollm_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    deltas, _, _ = feed(smollm_tokenizer, [ids[0], im_end, ids[1]], [])
+    assert deltas == ["Hello", "", " world"]
+
+
+def test_engine_cuts_a_stop_string_and_reports_stop(smollm, make_engine):
+    """The engine end to end: greedy " Paris.\\n\\nThe answer ..." stops before "\\n\\nThe"."""
+    prompt = smollm.tokenizer.encode("The capital of France is", add_special_tokens=False)
+    engine = make_engine(smollm, num_blocks=8)
+    chunks = engine.generate([
+        GenerationRequest("stop-str", prompt, SamplingParams(
+            temperature=0.0, max_tokens=16, stop=["\n\nThe"])),
+        GenerationRequest("stop-id", prompt, SamplingParams(
+            temperature=0.0, max_tokens=16, stop_token_ids=[30])),  # 30 is "."
+    ])
+    by_string = chunks["stop-str"]
+    assert [t for c in by_string for t in c.token_ids] == [7042, 30, 198, 198, 504]
+    assert [c.text for c in by_string] == [" Paris", ".", "", "", ""]
+    assert by_string[-1].finish_reason == "stop"
+    assert [c.finish_reason for c in by_string[:-1]] == [None] * 4
+    assert by_string[-1].completion_tokens == 5
+    by_id = chunks["stop-id"]
+    assert [t for c in by_id for t in c.token_ids] == [7042, 30]
+    assert "".join(c.text for c in by_id) == " Paris"
+    assert by_id[-1].finish_reason == "stop"
+    assert engine.pool.num_in_use == 0

@@ -1,0 +1,130 @@
+"""Sampling: greedy, temperature / top-k / top-p filtering, per-request seeds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from workers.request import GenerationRequest, SamplingParams
+from workers.sampler import filtered_probs, sample
+
+LOGITS = torch.tensor([2.0, 1.5, 1.2, 0.9, 0.3, 0.0, -0.4, -1.0, -2.0, -3.0])
+
+
+def expected_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """Reference filter, written independently: softmax(logits / T) over the top k, then the
+    smallest set of most likely tokens whose mass reaches top_p, renormalised."""
+    scaled = logits.astype(np.float64) / temperature
+    order = np.argsort(-scaled, kind="stable")
+    keep = order[:top_k] if top_k > 0 else order
+    probs = np.exp(scaled[keep] - scaled[keep].max())
+    probs /= probs.sum()
+    cumulative = np.cumsum(probs)
+    nucleus = int(np.searchsorted(cumulative, top_p) + 1)  # first index where mass >= top_p
+    out = np.zeros_like(scaled)
+    out[keep[:nucleus]] = probs[:nucleus] / probs[:nucleus].sum()
+    return out
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [
+    (1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.8), (0.8, 6, 0.9), (1.0, -1, 0.5)])
+def test_filtered_probs_match_the_reference_filter(temperature, top_k, top_p):
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    got = filtered_probs(LOGITS.unsqueeze(0), [params])[0].double().numpy()
+    want = expected_probs(LOGITS.numpy(), temperature, top_k, top_p)
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    assert np.array_equal(got > 0, want > 0)
+
+
+def test_top_p_keeps_the_minimal_nucleus():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().unsqueeze(0)
+
+    def kept(top_p: float) -> list[int]:
+        row = filtered_probs(logits, [SamplingParams(top_p=top_p)])[0]
+        return torch.nonzero(row).flatten().tolist()
+
+    assert kept(0.45) == [0]  # the first token alone already reaches it
+    assert kept(0.75) == [0, 1]  # 0.8 >= 0.75 without the third
+    assert kept(0.85) == [0, 1, 2]
+    assert kept(0.99) == [0, 1, 2, 3]
+    assert kept(1.0) == [0, 1, 2, 3]
+    row = filtered_probs(logits, [SamplingParams(top_p=0.75)])[0]
+    torch.testing.assert_close(row, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+
+
+def test_rows_are_filtered_independently():
+    logits = torch.stack([LOGITS, LOGITS.flip(0)])
+    params = [SamplingParams(top_k=1), SamplingParams(top_k=2, temperature=0.5)]
+    probs = filtered_probs(logits, params)
+    assert torch.nonzero(probs[0]).flatten().tolist() == [0]
+    assert torch.nonzero(probs[1]).flatten().tolist() == [8, 9]
+
+
+def test_sampling_matches_the_filtered_distribution_chi_square():
+    params = SamplingParams(temperature=0.8, top_k=6, top_p=0.9)
+    draws = 20_000
+    generator = torch.Generator().manual_seed(1234)
+    tokens = sample(LOGITS.expand(draws, -1).clone(), [params] * draws, [None] * draws,
+                    generator)
+    counts = np.bincount(tokens, minlength=len(LOGITS))
+    want = expected_probs(LOGITS.numpy(), 0.8, 6, 0.9)
+    support = want > 0
+    assert support.sum() == 4  # top-k 6 then the 0.9 nucleus leaves four tokens
+    assert counts[~support].sum() == 0  # filtered-out tokens are never drawn
+    result = stats.chisquare(counts[support], want[support] * draws)
+    assert result.pvalue > 0.01, (counts, want * draws)
+
+
+def test_greedy_rows_take_the_argmax_and_top_k_1_equals_greedy():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 500, generator=generator)
+    argmax = logits.argmax(dim=-1).tolist()
+    greedy = sample(logits, [SamplingParams(temperature=0.0)] * 64, [None] * 64, generator)
+    top1 = sample(logits, [SamplingParams(temperature=1.5, top_k=1)] * 64, [None] * 64,
+                  generator)
+    assert greedy == argmax
+    assert top1 == argmax
+
+
+def test_seeded_row_does_not_depend_on_its_batch_neighbours():
+    logits = torch.randn(4, 200, generator=torch.Generator().manual_seed(7))
+    seeded = SamplingParams(temperature=1.0, seed=42)
+
+    def draw_seeded(rows: list[int], params: list[SamplingParams], steps: int = 30) -> list[int]:
+        own = torch.Generator().manual_seed(42)
+        shared = torch.Generator().manual_seed(99)
+        generators = [own if p is seeded else None for p in params]
+        index = next(i for i, p in enumerate(params) if p is seeded)
+        return [sample(logits[rows], params, generators, shared)[index] for _ in range(steps)]
+
+    alone = draw_seeded([0], [seeded])
+    neighbours = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0),
+                  SamplingParams(temperature=0.9, top_p=0.5)]
+    crowded = draw_seeded([1, 0, 2, 3], [neighbours[0], seeded, neighbours[1], neighbours[2]])
+    assert crowded == alone
+    assert len(set(alone)) > 5  # really random draws, not a degenerate distribution
+
+
+def test_seeded_request_reproduces_in_the_engine_regardless_of_batch(tiny_qwen, make_engine):
+    prompt = list(range(100, 130))
+    seeded = SamplingParams(temperature=1.0, seed=2024, max_tokens=12, ignore_eos=True)
+
+    def run(with_neighbours: bool) -> list[int]:
+        engine = make_engine(tiny_qwen, num_blocks=32)
+        requests = [GenerationRequest("seeded", prompt, seeded)]
+        if with_neighbours:
+            requests += [GenerationRequest(f"n{i}", list(range(200 + i, 240 + i)),
+                                           SamplingParams(temperature=1.0, max_tokens=12,
+                                                          ignore_eos=True))
+                         for i in range(3)]
+        chunks = engine.generate(requests)
+        if with_neighbours:
+            assert engine.counters.batch_sizes[4] >= 11
+        return [t for c in chunks["seeded"] for t in c.token_ids]
+
+    alone = run(False)
+    assert len(alone) == 12
+    assert run(True) == alone
