@@ -77,12 +77,16 @@ class NalarWorker:
     def record_routing_stats(self) -> dict:
         """Load report for the prefix-aware router, every ``routing_stats_period_s``.
 
-        ``queued_tokens`` is the work waiting or running here in tokens; ``time`` (wall clock,
-        seconds) lets the router drop its own count of requests this report already includes.
+        ``queued_tokens`` is the work waiting or running here in tokens, ``requests`` its
+        breakdown by request id (so the router can discount requests it has since seen finish);
+        ``time`` (wall clock, seconds) lets the router drop its own count of requests this
+        report already includes.
         """
         scheduler = self.engine.scheduler
+        per_request = self.engine.load_by_request()
         return {
-            "queued_tokens": self.engine.load_tokens(),
+            "queued_tokens": sum(per_request.values()),
+            "requests": per_request,
             "running": len(scheduler.running),
             "waiting": len(scheduler.waiting),
             "time": time.time(),

@@ -46,6 +46,9 @@ DEFAULT_BLOCK_SIZE = 16
 STATS_QUEUED_TOKENS = "queued_tokens"
 """Routing-stats key: tokens of work queued or running on the replica (see ``SentLedger``)."""
 
+STATS_REQUESTS = "requests"
+"""Routing-stats key: request id → tokens of work, for every request queued or running."""
+
 STATS_TIME = "time"
 """Routing-stats key: the replica's ``time.time()`` when it took the snapshot, in seconds."""
 
@@ -69,11 +72,13 @@ class RoutingInput:
             prompt is shorter than one block).
         decode_tokens: output tokens the request counts for in load: ``sampling.max_tokens``
             capped at ``workers.request.DECODE_HORIZON``, as the workers count it.
+        request_id: the request's id, as the worker lists it in its routing stats.
     """
 
     prompt_len: int
     digests: list[bytes]
     decode_tokens: int
+    request_id: str | None = None
 
 
 def routing_input(pending_request: Any) -> RoutingInput | None:
@@ -98,7 +103,9 @@ def routing_input(pending_request: Any) -> RoutingInput | None:
         return None
     max_tokens = getattr(getattr(request, "sampling", None), "max_tokens", 0)
     decode_tokens = min(max_tokens, DECODE_HORIZON) if _is_count(max_tokens) else 0
-    return RoutingInput(len(token_ids), list(digests), decode_tokens)
+    request_id = getattr(request, "request_id", None)
+    return RoutingInput(len(token_ids), list(digests), decode_tokens,
+                        request_id if isinstance(request_id, str) else None)
 
 
 def _is_count(value: Any) -> bool:
@@ -120,6 +127,18 @@ def parse_routing_stats(stats: Any) -> tuple[int, float | None]:
     queued_tokens = int(queued) if _is_count(queued) else 0
     snapshot = float(taken_at) if _is_count(taken_at) else None
     return queued_tokens, snapshot
+
+
+def parse_request_tokens(stats: Any) -> dict[str, int] | None:
+    """The per-request breakdown of ``queued_tokens`` (request id → tokens), if reported.
+
+    Malformed entries are skipped; a missing or malformed breakdown is None. Never raises.
+    """
+    requests = stats.get(STATS_REQUESTS) if isinstance(stats, Mapping) else None
+    if not isinstance(requests, Mapping):
+        return None
+    return {rid: int(tokens) for rid, tokens in requests.items()
+            if isinstance(rid, str) and _is_count(tokens)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -251,9 +270,9 @@ class SentLedger:
     """Tokens of work this router sent to each worker and has not yet seen in its stats.
 
     A replica's ``queued_tokens`` arrives only every stats period, so without this ledger a
-    burst of requests would all see the same stale load. An entry leaves the ledger when the
-    request completes, when a stats snapshot taken after it was sent arrives (the snapshot
-    already counts it), or after ``max_age_s`` (a completion signal may be lost).
+    burst of requests would all see the same stale load. An entry stops counting once a stats
+    snapshot taken after it was sent arrives (the snapshot already counts it), and leaves the
+    ledger when the request completes or after ``max_age_s`` (a completion signal may be lost).
 
     Work tokens of one request = prompt tokens the worker still has to prefill + ``max_tokens``;
     this is the same unit the worker must report as ``queued_tokens`` (summed over its queued
@@ -295,14 +314,12 @@ class SentLedger:
     def outstanding(self, worker_id: str, snapshot_at: float | None) -> int:
         """Tokens sent to ``worker_id`` that a snapshot taken at ``snapshot_at`` cannot count.
 
-        Entries sent before the snapshot are dropped: the snapshot includes them.
+        Entries sent before the snapshot are not counted (the snapshot includes them), but stay
+        until completion, so that the completion can still name the request.
         """
-        entries = self._by_worker.get(worker_id, {})
-        if snapshot_at is not None:
-            for key in [k for k, e in entries.items() if e.sent_at < snapshot_at]:
-                self.remove(key)
-            entries = self._by_worker.get(worker_id, {})
-        return sum(entry.tokens for entry in entries.values())
+        entries = self._by_worker.get(worker_id, {}).values()
+        return sum(entry.tokens for entry in entries
+                   if snapshot_at is None or entry.sent_at >= snapshot_at)
 
     def expire(self, now: float) -> None:
         """Drops entries older than ``max_age_s`` seconds at time ``now``."""
@@ -430,6 +447,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         """
         self._scorer = PrefixScorer(block_size, random.Random(seed))
         self._ledger = SentLedger(sent_max_age_s)
+        # Request id → when it finished; reports older than that still list it.
+        self._finished: dict[str, float] = {}
         self._model_key = model_key
         self._worker_model_keys: dict[str, str] = {}
         self._index_timeout_s = index_timeout_s
@@ -509,6 +528,7 @@ class PrefixAwareRequestRouter(RequestRouter):
     ) -> list[RunningReplica]:
         now = self._get_curr_time_s()
         self._ledger.expire(now)
+        self._forget_finished_before(now - self._ledger.max_age_s)
         by_id = {worker_id_of(replica.replica_id): replica for replica in replicas}
         loads = {wid: self._load_tokens(wid, replica) for wid, replica in by_id.items()}
         plan = routing_input(pending_request)
@@ -521,9 +541,25 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._record_sent(_request_key(pending_request), ranked[0], plan, cached or {}, now)
         return [by_id[wid] for wid in ranked]
 
+    def _forget_finished_before(self, horizon: float) -> None:
+        # Insertion order is completion order: the oldest come first.
+        while self._finished and next(iter(self._finished.values())) < horizon:
+            del self._finished[next(iter(self._finished))]
+
     def _load_tokens(self, worker_id: str, replica: RunningReplica) -> int:
-        """Reported queued tokens plus what this router sent since that report."""
-        queued, snapshot_at = parse_routing_stats(getattr(replica, "routing_stats", None))
+        """Reported queued tokens, less requests seen finishing since, plus what this router
+        sent since that report.
+
+        A report can be a whole stats period old: without the per-request breakdown, a worker
+        that just finished a long prefill would still look busy with it, and the next request
+        sharing that prefix would be sent away from the only worker holding it.
+        """
+        stats = getattr(replica, "routing_stats", None)
+        queued, snapshot_at = parse_routing_stats(stats)
+        per_request = parse_request_tokens(stats)
+        if per_request is not None:
+            queued = sum(tokens for rid, tokens in per_request.items()
+                         if rid not in self._finished)
         return queued + self._ledger.outstanding(worker_id, snapshot_at)
 
     async def _cached_blocks(
@@ -667,6 +703,9 @@ class PrefixAwareRequestRouter(RequestRouter):
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         """Ray Serve hook: the request finished (or was rejected or cancelled). Never raises."""
         try:
+            entry = self._ledger.get(internal_request_id)
+            if entry is not None and entry.plan is not None and entry.plan.request_id:
+                self._finished[entry.plan.request_id] = self._get_curr_time_s()
             self._ledger.remove(internal_request_id, worker_id_of(replica_id))
         except Exception:
             logger.exception("on_request_completed failed; the entry will age out.")

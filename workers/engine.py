@@ -157,12 +157,12 @@ class LLMEngine:
         """Forget every cached prefix; the index is told with a ``cleared`` event."""
         self.pool.reset_cache()
 
-    def load_tokens(self) -> int:
-        """Work queued or running here, in tokens: uncomputed tokens plus the output tokens
-        each request may still produce, capped at :data:`DECODE_HORIZON` per request."""
-        return sum(seq.num_uncomputed_tokens
-                   + min(seq.sampling.max_tokens - seq.num_output_tokens, DECODE_HORIZON)
-                   for seq in self._seqs.values())
+    def load_by_request(self) -> dict[str, int]:
+        """Work queued or running here, in tokens, per request id: uncomputed tokens plus the
+        output tokens the request may still produce, capped at :data:`DECODE_HORIZON`."""
+        return {rid: seq.num_uncomputed_tokens
+                + min(seq.sampling.max_tokens - seq.num_output_tokens, DECODE_HORIZON)
+                for rid, seq in list(self._seqs.items())}
 
     def sequence(self, request_id: str) -> Sequence | None:
         return self._seqs.get(request_id)

@@ -26,6 +26,7 @@ from router.request_router import (
     ReplicaView,
     SentLedger,
     _Sent,
+    parse_request_tokens,
     parse_routing_stats,
     routing_input,
 )
@@ -255,7 +256,7 @@ def test_ledger_snapshot_and_age_clear_entries():
     ledger.record("r2", _Sent("a", 50, 3.0, None, {}))
     assert ledger.outstanding("a", None) == 150
     assert ledger.outstanding("a", 2.0) == 50  # the snapshot at t=2 already counts r1
-    assert ledger.get("r1") is None
+    assert ledger.get("r1") is not None  # kept until completion, which must name the request
     ledger.expire(now=20.0)
     assert ledger.outstanding("a", None) == 0
     assert len(ledger) == 0
@@ -297,6 +298,37 @@ async def test_r4_through_router():
     busy = {"queued_tokens": 20 * 600, "time": clock.now - 1}
     replicas = [FakeReplica("A", busy), FakeReplica("B", {"queued_tokens": 0, "time": clock.now})]
     assert await route(router, replicas, pending(gen_request(600))) == "B"
+
+
+async def test_stale_report_of_finished_prefill_does_not_send_the_next_hit_away():
+    # A just prefilled a 1,024-token prompt; its last report (taken mid-prefill) still lists
+    # that request. Once the router has seen it finish, the follow-up sharing 992 of those
+    # tokens must go to A, the only holder, not to idle B.
+    clock = Clock()
+    index = FakeIndex()
+    router = make_router(index, clock)
+    first = pending(gen_request(1024, max_tokens=1, salt="long"))
+    idle = {"queued_tokens": 0, "requests": {}, "time": clock.now}
+    replicas = [FakeReplica("A", dict(idle)), FakeReplica("B", dict(idle))]
+    holder = await route(router, replicas, first)
+    replicas_by_id = {r.replica_id.unique_id: r for r in replicas}
+    replicas_by_id[holder].routing_stats = {
+        "queued_tokens": 1025, "requests": {"r-long": 1025}, "time": clock.now + 0.1}
+    clock.now += 3.0
+    complete(router, first, holder)
+    index.held[holder] = 992 // BLOCK
+    follow_up = pending(gen_request(1024, n_blocks=1024 // BLOCK, max_tokens=1, salt="next"))
+    assert await route(router, replicas, follow_up) == holder
+    # Without the breakdown, the same stale report would (wrongly) send it away.
+    replicas_by_id[holder].routing_stats = {"queued_tokens": 1025, "time": clock.now - 2.9}
+    other = await route(router, replicas, pending(gen_request(1024, max_tokens=1, salt="x")))
+    assert other != holder
+
+
+def test_parse_request_tokens_skips_malformed_entries():
+    assert parse_request_tokens({"requests": {"a": 5, "b": -1, 3: 4, "c": "x"}}) == {"a": 5}
+    assert parse_request_tokens({"queued_tokens": 3}) is None
+    assert parse_request_tokens(None) is None
 
 
 async def test_longer_prefix_hit_wins_through_router():

@@ -281,4 +281,4 @@ def test_p8_block_accounting_at_rest(tiny_qwen, make_engine):
     assert all(block.digest is None for block in pool.blocks if not pool.is_evictable(block))
     assert {block.digest for block in cached} == live  # the index view equals the pool
     assert all(engine.sequence(r.request_id) is None for r in requests)
-    assert engine.load_tokens() == 0
+    assert engine.load_by_request() == {}
