@@ -43,7 +43,8 @@ def _serve_parser(commands) -> None:
 def _chat_parser(commands) -> None:
     chat_cmd = commands.add_parser("chat", help="send one chat message to a running server")
     chat_cmd.add_argument("text")
-    chat_cmd.add_argument("--url", default="http://127.0.0.1:8000")
+    chat_cmd.add_argument("--url", default="http://127.0.0.1:8000",
+                          help="the server, as printed by nalar serve (with or without /v1)")
     chat_cmd.add_argument("--api-key", default=None)
     chat_cmd.add_argument("--max-tokens", type=int, default=128)
     chat_cmd.add_argument("--temperature", type=float, default=0.0)
@@ -76,6 +77,13 @@ def serve_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _api_base(url: str) -> str:
+    """Accepts the server root or the ``/v1`` URL ``nalar serve`` prints, with or without a
+    trailing slash."""
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else f"{url}/v1"
+
+
 def chat_command(args: argparse.Namespace) -> int:
     messages = [{"role": "system", "content": args.system}] if args.system else []
     messages.append({"role": "user", "content": args.text})
@@ -87,7 +95,7 @@ def chat_command(args: argparse.Namespace) -> int:
     ttft = None
     usage = {}
     try:
-        with httpx.stream("POST", f"{args.url}/v1/chat/completions", json=body,
+        with httpx.stream("POST", f"{_api_base(args.url)}/chat/completions", json=body,
                           headers=headers, timeout=300) as response:
             if response.status_code != 200:
                 response.read()

@@ -288,7 +288,7 @@ class _Ingress:
             cache_salt=body.cache_salt,
         )
         token_ids, digests = await anyio.to_thread.run_sync(self._tokens_and_digests, tokenize,
-                                                            namespace)
+                                                            namespace, prompt_param)
         sampling = self._fit_context(sampling, len(token_ids), max_tokens is not None,
                                      prompt_param, max_param)
         request = GenerationRequest(f"{id_prefix}-{uuid.uuid4().hex}", token_ids, sampling,
@@ -343,12 +343,21 @@ class _Ingress:
                 max_param, "context_length_exceeded")
         return sampling
 
-    def _tokens_and_digests(self, tokenize: Callable[[], list[int]],
-                            namespace: CacheNamespace) -> tuple[list[int], list[bytes]]:
+    def _tokens_and_digests(self, tokenize: Callable[[], list[int]], namespace: CacheNamespace,
+                            prompt_param: str) -> tuple[list[int], list[bytes]]:
         """Runs in a worker thread: tokenization and hashing are CPU work the event loop
-        should not wait on."""
+        should not wait on.
+
+        Raises:
+            APIError: 400 naming ``prompt_param`` when the tokenizer rejects the text (e.g. a
+                lone UTF-16 surrogate, which no UTF-8 encoding can carry): case R6.
+        """
         with self._tokenizer_lock:
-            token_ids = tokenize()
+            try:
+                token_ids = tokenize()
+            except (TypeError, ValueError, UnicodeError) as exc:
+                raise invalid_request(f"the tokenizer rejected the {prompt_param}: {exc}",
+                                      prompt_param) from exc
         identity = self.backend.identity
         root = identity.with_namespace(namespace).root_digest
         return token_ids, block_digests(root, token_ids, identity.block_size)

@@ -59,7 +59,8 @@ class ModelRunner:
             input_ids=torch.tensor([input_ids], device=self.device),
             position_ids=torch.tensor([positions], device=self.device),
             use_cache=False,
-            logits_to_keep=torch.tensor(sample_index, device=self.device),
+            # int64 even when empty: a step that only runs a middle prefill chunk samples nothing.
+            logits_to_keep=torch.tensor(sample_index, dtype=torch.long, device=self.device),
             paged=metadata,
         )
         return output.logits[0].float()

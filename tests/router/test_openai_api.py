@@ -450,6 +450,21 @@ async def test_invalid_requests_are_refused_by_name(client, backend, path, body,
     assert backend.requests == []
 
 
+@pytest.mark.parametrize(("path", "field", "param"), [
+    (COMPLETIONS, '"prompt": "\\udc00 x"', "prompt"),
+    ("/v1/chat/completions", '"messages": [{"role": "user", "content": "\\ud800 lone"}]',
+     "messages"),
+])
+async def test_text_the_tokenizer_rejects_is_a_400(client, backend, path, field, param):
+    # Case R6: a lone UTF-16 surrogate is valid JSON but no tokenizer can encode it.
+    response = await client.post(path, content=("{" + field + ', "max_tokens": 2}').encode(),
+                                 headers={"content-type": "application/json"})
+    assert_error(response, 400, param, "invalid_value")
+    assert backend.requests == []
+    ok = await client.post(COMPLETIONS, json={"prompt": "fine", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
 async def test_prompt_exactly_filling_the_context_with_output_is_accepted(client, backend):
     response = await client.post(COMPLETIONS, json={"prompt": [1] * 100, "max_tokens": 28})
     assert response.status_code == 200, response.text

@@ -132,3 +132,18 @@ def test_batched_cold_then_warm_requests_match_hf(case, make_engine):
     assert engine.scheduler.counters.prefix_query_tokens == 2 * total_prompt
     assert engine.counters.batch_sizes[4] >= 2 * NEW_TOKENS
     assert engine.pool.num_in_use == 0
+
+
+def test_prompts_longer_than_the_token_budget_are_prefilled_in_chunks(case, make_engine):
+    """A step budget of 8 tokens splits every prompt into chunks; steps that run only a middle
+    chunk sample nothing. Output still equals HF, alone and batched."""
+    engine = make_engine(case.loaded, max_num_batched_tokens=8)
+    alone = engine.generate([greedy_request("alone", case.prompts[-1])])
+    assert output_ids(alone["alone"]) == case.references[-1]
+    assert engine.counters.prefill_tokens == len(case.prompts[-1])
+    assert engine.counters.steps >= len(case.prompts[-1]) // 8 + len(case.references[-1]) - 1
+
+    requests = [greedy_request(f"c{i}", p) for i, p in enumerate(case.prompts[:4])]
+    outputs = engine.generate(requests)
+    assert [output_ids(outputs[r.request_id]) for r in requests] == case.references[:4]
+    assert max(engine.counters.batch_sizes) >= 2  # chunks and decodes shared steps

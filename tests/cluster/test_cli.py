@@ -1,0 +1,28 @@
+"""The ``nalar`` CLI without a cluster."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.cli import _api_base, main
+
+
+@pytest.mark.parametrize("url", ["http://h:1", "http://h:1/", "http://h:1/v1", "http://h:1/v1/"])
+def test_chat_accepts_the_url_serve_prints(url):
+    assert _api_base(url) == "http://h:1/v1"
+
+
+def test_chat_says_plainly_when_no_server_answers(capsys):
+    assert main(["chat", "hi", "--url", "http://127.0.0.1:9"]) == 1
+    assert "cannot reach http://127.0.0.1:9" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_taken_port(capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 1
+    assert f"127.0.0.1:{port} is already in use" in capsys.readouterr().err
