@@ -1,0 +1,68 @@
+"""The default path of ``nalar serve``: no Redis, the embedded index in one shared Ray actor.
+
+A second, small application on the session's Ray cluster, driven through a worker handle (the
+prefix-aware router runs inside it) rather than HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from ray import serve
+
+from cluster.app import WORKER_DEPLOYMENT, build_app
+from cluster.config import INDEX_ACTOR_NAMESPACE, ClusterConfig
+from cluster.ingress_deployment import identity_from_dict
+from cluster.runtime import start_index_actor
+from router.index import ActorIndex
+from workers.identity import CacheNamespace, block_digests
+from workers.request import GenerationRequest, SamplingParams
+
+APP = "nalar-embedded-test"
+PROMPT = list(range(2000, 2000 + 16 * 12 + 3))
+
+
+@pytest.fixture(scope="module")
+def embedded_app(ray_session):
+    config = ClusterConfig(num_workers=2, redis_url=None, dtype="float32", kv_cache_mib=32,
+                           worker_cpus=0.25, worker_threads=1, routing_stats_period_s=0.2,
+                           index_actor_name=f"{APP}-index")
+    start_index_actor(config)
+    serve.run(build_app(config), name=APP, route_prefix=None)
+    yield config
+    serve.delete(APP)
+
+
+async def generate(handle, request_id: str, prompt: list[int], identity) -> tuple[str, int]:
+    """Worker id and cached tokens of one request routed by the prefix-aware router, with
+    the routing digests the ingress would compute."""
+    root = identity.with_namespace(CacheNamespace()).root_digest
+    request = GenerationRequest(request_id, prompt, SamplingParams(temperature=0, max_tokens=2),
+                                routing_digests=block_digests(root, prompt, identity.block_size))
+    worker, cached = "", -1
+    async for chunk in handle.options(stream=True).generate.remote(request):
+        worker, cached = chunk.worker_id, chunk.cached_tokens
+    return worker, cached
+
+
+async def test_embedded_index_routes_a_shared_prefix_to_its_holder(embedded_app):
+    handle = serve.get_deployment_handle(WORKER_DEPLOYMENT, APP)
+    identity = identity_from_dict((await handle.describe.remote())["identity"])
+    digests = block_digests(identity.with_namespace(CacheNamespace()).root_digest, PROMPT,
+                            identity.block_size)
+    index = ActorIndex(embedded_app.index_actor_name, namespace=INDEX_ACTOR_NAMESPACE)
+
+    holder, cold_cached = await generate(handle, "first", PROMPT, identity)
+    deadline = time.monotonic() + 30
+    while (await index.match(identity.model_key, digests, [holder]))[holder] < len(digests):
+        assert time.monotonic() < deadline, "the holder's blocks never reached the index"
+        await asyncio.sleep(0.05)
+
+    follow_ups = [await generate(handle, f"again-{i}", PROMPT[:-3] + [7, 8, 9, i],
+                                   identity)
+                  for i in range(4)]
+    assert cold_cached == 0
+    assert all(worker == holder for worker, _ in follow_ups)
+    assert all(cached == len(digests) * identity.block_size for _, cached in follow_ups)
