@@ -311,15 +311,19 @@ class SentLedger:
         if not on_worker:
             self._by_worker.pop(entry.worker_id, None)
 
-    def outstanding(self, worker_id: str, snapshot_at: float | None) -> int:
-        """Tokens sent to ``worker_id`` that a snapshot taken at ``snapshot_at`` cannot count.
+    def outstanding(self, worker_id: str, snapshot_at: float | None,
+                    listed: Mapping[str, int] | None = None) -> int:
+        """Tokens sent to ``worker_id`` that the worker's last snapshot does not count.
 
-        Entries sent before the snapshot are not counted (the snapshot includes them), but stay
-        until completion, so that the completion can still name the request.
+        With the snapshot's per-request breakdown (``listed``), an entry counts until the
+        snapshot lists its request: a replica may accept a request well before its engine
+        queues it. Without one, entries sent before ``snapshot_at`` are taken as counted.
+        Entries stay until completion either way, so that the completion can still name the
+        request.
         """
         entries = self._by_worker.get(worker_id, {}).values()
         return sum(entry.tokens for entry in entries
-                   if snapshot_at is None or entry.sent_at >= snapshot_at)
+                   if not _counted_by_snapshot(entry, snapshot_at, listed))
 
     def expire(self, now: float) -> None:
         """Drops entries older than ``max_age_s`` seconds at time ``now``."""
@@ -336,6 +340,14 @@ class SentLedger:
         """Drops every entry on a worker not in ``worker_ids``."""
         for worker_id in [w for w in self._by_worker if w not in worker_ids]:
             self.drop_worker(worker_id)
+
+
+def _counted_by_snapshot(entry: _Sent, snapshot_at: float | None,
+                         listed: Mapping[str, int] | None) -> bool:
+    request_id = entry.plan.request_id if entry.plan is not None else None
+    if listed is not None and request_id:
+        return request_id in listed
+    return snapshot_at is not None and entry.sent_at < snapshot_at
 
 
 # --------------------------------------------------------------------------------------------
@@ -560,7 +572,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         if per_request is not None:
             queued = sum(tokens for rid, tokens in per_request.items()
                          if rid not in self._finished)
-        return queued + self._ledger.outstanding(worker_id, snapshot_at)
+        return queued + self._ledger.outstanding(worker_id, snapshot_at, per_request)
 
     async def _cached_blocks(
         self, plan: RoutingInput, replicas: Mapping[str, RunningReplica]
@@ -669,6 +681,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         # must already see each other's load.
         tokens = self._work_tokens(plan, cached.get(worker_id, 0))
         self._ledger.record(key, _Sent(worker_id, tokens, now, plan, cached))
+        if plan is not None and plan.request_id:
+            self._finished.pop(plan.request_id, None)  # routed again: live work once more
 
     def _work_tokens(self, plan: RoutingInput | None, cached_blocks: int) -> int:
         """Work one request adds to a worker, in tokens (1 for an unreadable request)."""
@@ -682,20 +696,24 @@ class PrefixAwareRequestRouter(RequestRouter):
     ) -> None:
         """Ray Serve hook: the replica accepted the request. Moves the ledger entry there.
 
-        The send time is reset to now: the replica counted the request before accepting, so
-        any snapshot taken after this moment includes it. Never raises.
+        A replica that rejected the request first has already reported it completed, which
+        removed its entry; it is recorded again here, as live work on the accepting replica.
+        Never raises.
         """
         try:
             worker_id = worker_id_of(replica_id)
             key = _request_key(pending_request)
             entry = self._ledger.get(key)
+            now = self._get_curr_time_s()
             if entry is None:
+                plan = routing_input(pending_request)
+                self._record_sent(key, worker_id, plan, {}, now)
                 return
             if entry.worker_id != worker_id:  # the first choice was full; Ray fell back
                 self._scorer.mark_chosen(worker_id)
                 entry.tokens = self._work_tokens(entry.plan, entry.cached.get(worker_id, 0))
                 entry.worker_id = worker_id
-            entry.sent_at = self._get_curr_time_s()
+            entry.sent_at = now
             self._ledger.record(key, entry)
         except Exception:
             logger.exception("on_request_routed failed; load accounting may drift briefly.")
@@ -704,9 +722,12 @@ class PrefixAwareRequestRouter(RequestRouter):
         """Ray Serve hook: the request finished (or was rejected or cancelled). Never raises."""
         try:
             entry = self._ledger.get(internal_request_id)
-            if entry is not None and entry.plan is not None and entry.plan.request_id:
+            if entry is None or entry.worker_id != worker_id_of(replica_id):
+                return
+            # A rejected attempt lands here too; on_request_routed then records it again.
+            if entry.plan is not None and entry.plan.request_id:
                 self._finished[entry.plan.request_id] = self._get_curr_time_s()
-            self._ledger.remove(internal_request_id, worker_id_of(replica_id))
+            self._ledger.remove(internal_request_id)
         except Exception:
             logger.exception("on_request_completed failed; the entry will age out.")
 

@@ -52,6 +52,8 @@ class AsyncEngine:
             InvalidRequestError: before the first chunk, if the request is invalid.
             RuntimeError: if the engine failed while serving it.
         """
+        if self._stopped.is_set():
+            raise RuntimeError("the engine is shut down")
         self.engine.validate(request)  # reads only immutable limits: safe off-thread
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._inbox.put(("add", request, stream))
@@ -87,7 +89,8 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 self._fail_all(exc)
                 continue
-            # Events first: whoever sees a request finish can already find its blocks indexed.
+            # Events are queued for publishing before the chunks are delivered, so a flush
+            # requested after a request finished covers its blocks.
             self._publish(self.engine.drain_events())
             for chunk in chunks:
                 self._deliver(chunk)

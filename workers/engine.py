@@ -115,6 +115,8 @@ class LLMEngine:
         self.validate(request)
         root = self.identity.with_namespace(request.namespace).root_digest
         seq = Sequence(request, root, self.config.block_size, self._arrivals)
+        if not request.sampling.ignore_eos:
+            seq.stop_token_ids |= self.eos_token_ids
         self._arrivals += 1
         self._seqs[seq.request_id] = seq
         self._detokenizers[seq.request_id] = IncrementalDetokenizer(
@@ -181,11 +183,9 @@ class LLMEngine:
         seq.token_ids.append(token)
         sampling = seq.sampling
         detokenizer = self._detokenizers[seq.request_id]
-        stop_ids = set(sampling.stop_token_ids)
-        if not sampling.ignore_eos:
-            stop_ids |= self.eos_token_ids
-        text = "" if token in stop_ids else detokenizer.add(token)
-        if token in stop_ids or detokenizer.stopped:
+        is_stop_token = token in seq.stop_token_ids
+        text = "" if is_stop_token else detokenizer.add(token)
+        if is_stop_token or detokenizer.stopped:
             seq.finish("stop")
         elif (seq.num_output_tokens >= sampling.max_tokens
               or seq.num_tokens >= self.max_model_len):

@@ -44,13 +44,14 @@ class ModelRunner:
             ``[len(sample_rows), vocab_size]`` float32 logits.
         """
         input_ids, positions, sample_index = [], [], []
+        sampled = set(sample_rows)
         offset = 0
         for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
             start = seq.num_computed_tokens
             input_ids.extend(seq.token_ids[start:start + num_new])
             positions.extend(range(start, start + num_new))
             offset += num_new
-            if i in sample_rows:
+            if i in sampled:
                 sample_index.append(offset - 1)
         metadata = build_metadata(
             self.kv_cache, [seq.block_table for seq in batch.seqs],

@@ -12,6 +12,9 @@ from workers.identity import CacheNamespace
 
 FinishReason = Literal["stop", "length", "abort"]
 
+GREEDY_TEMPERATURE = 1e-5
+"""Below this temperature sampling is argmax (vLLM draws the same line)."""
+
 DECODE_HORIZON = 128
 """Output tokens a request is counted for when load is measured in tokens: a request with a
 large ``max_tokens`` rarely uses it all, so load counts at most this many (tokens)."""
@@ -53,7 +56,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below :data:`GREEDY_TEMPERATURE` are greedy: dividing logits by them
+        overflows to inf and would make sampling fail."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self) -> None:
         """Raises :class:`InvalidRequestError` naming the first out-of-range field."""

@@ -49,6 +49,7 @@ class Sequence:
         self.admitted = False
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
+        self.stop_token_ids = frozenset(self.sampling.stop_token_ids)
         self._digests: list[bytes] = []
         self.generator: torch.Generator | None = None
         if self.sampling.seed is not None:

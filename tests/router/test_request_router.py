@@ -325,6 +325,38 @@ async def test_stale_report_of_finished_prefill_does_not_send_the_next_hit_away(
     assert other != holder
 
 
+async def test_rejected_attempt_does_not_hide_the_request_where_it_runs():
+    # Ray fires on_request_completed for the replica that rejected a send; the request then
+    # runs on the fallback replica, whose report must still count it.
+    clock = Clock()
+    router = make_router(FakeIndex(), clock)
+    pr = pending(gen_request(160, max_tokens=4, salt="x"))
+    replicas = [FakeReplica("A"), FakeReplica("B")]
+    first_choice = (await router.choose_replicas(replicas, pr))[0][0].replica_id.unique_id
+    fallback = "B" if first_choice == "A" else "A"
+    complete(router, pr, first_choice)  # the rejection
+    router.on_request_routed(pr, ReplicaID(unique_id=fallback, deployment_id=DEPLOYMENT), None)
+    by_id = {r.replica_id.unique_id: r for r in replicas}
+    by_id[fallback].routing_stats = {"queued_tokens": 164, "requests": {"r-x": 164},
+                                     "time": clock.now + 1}
+    assert router._load_tokens(fallback, by_id[fallback]) == 164
+
+
+async def test_accepted_request_counts_until_a_report_lists_it():
+    # A replica accepts a request before its engine queues it; a report taken in between
+    # (newer than the send) must not make the request's work vanish.
+    clock = Clock()
+    router = make_router(FakeIndex(), clock)
+    replicas = [FakeReplica("A"), FakeReplica("B")]
+    worker = await route(router, replicas, pending(gen_request(160, max_tokens=4, salt="y")))
+    replica = {r.replica_id.unique_id: r for r in replicas}[worker]
+    replica.routing_stats = {"queued_tokens": 0, "requests": {}, "time": clock.now + 1}
+    assert router._load_tokens(worker, replica) == 160 + 4
+    replica.routing_stats = {"queued_tokens": 164, "requests": {"r-y": 164},
+                             "time": clock.now + 2}
+    assert router._load_tokens(worker, replica) == 164  # counted once, by the report
+
+
 def test_parse_request_tokens_skips_malformed_entries():
     assert parse_request_tokens({"requests": {"a": 5, "b": -1, 3: 4, "c": "x"}}) == {"a": 5}
     assert parse_request_tokens({"queued_tokens": 3}) is None

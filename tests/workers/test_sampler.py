@@ -128,3 +128,21 @@ def test_seeded_request_reproduces_in_the_engine_regardless_of_batch(tiny_qwen, 
     alone = run(False)
     assert len(alone) == 12
     assert run(True) == alone
+
+
+def test_a_vanishing_temperature_is_greedy_and_harms_no_neighbour(tiny_qwen, make_engine):
+    """Dividing logits by 1e-45 overflows to inf; such a request must decode greedily, not
+    crash the step that also serves other requests."""
+    assert SamplingParams(temperature=1e-45).greedy
+    assert not SamplingParams(temperature=1e-4).greedy
+    prompt = list(range(100, 130))
+    engine = make_engine(tiny_qwen, num_blocks=32)
+    chunks = engine.generate([
+        GenerationRequest("tiny-t", prompt, SamplingParams(temperature=1e-45, max_tokens=8,
+                                                           ignore_eos=True)),
+        GenerationRequest("greedy", prompt, SamplingParams(temperature=0.0, max_tokens=8,
+                                                           ignore_eos=True)),
+    ])
+    outputs = {rid: [t for c in got for t in c.token_ids] for rid, got in chunks.items()}
+    assert len(outputs["greedy"]) == 8
+    assert outputs["tiny-t"] == outputs["greedy"]
