@@ -115,10 +115,6 @@ class NalarWorker:
             "blocks_in_use": pool.num_in_use,
         }
 
-    async def flush_events(self) -> None:
-        """Wait until every KV event so far reached the index (tests wait on this, not sleeps)."""
-        await self.publisher.flush()
-
     async def __del__(self):
         self.async_engine.shutdown()
         await self.publisher.close()

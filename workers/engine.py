@@ -82,7 +82,6 @@ class LLMEngine:
         self.counters = EngineCounters()
         self._seqs: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._arrivals = 0
         self._generator = torch.Generator().manual_seed(config.seed)
 
     def validate(self, request: GenerationRequest) -> None:
@@ -114,10 +113,9 @@ class LLMEngine:
         """Validate and queue a request (raises as :meth:`validate`)."""
         self.validate(request)
         root = self.identity.with_namespace(request.namespace).root_digest
-        seq = Sequence(request, root, self.config.block_size, self._arrivals)
+        seq = Sequence(request, root, self.config.block_size)
         if not request.sampling.ignore_eos:
             seq.stop_token_ids |= self.eos_token_ids
-        self._arrivals += 1
         self._seqs[seq.request_id] = seq
         self._detokenizers[seq.request_id] = IncrementalDetokenizer(
             self.tokenizer, request.sampling.stop)

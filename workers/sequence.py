@@ -32,14 +32,12 @@ class Sequence:
             on which other requests share its batch.
     """
 
-    def __init__(self, request: GenerationRequest, root_digest: bytes, block_size: int,
-                 arrival_index: int):
+    def __init__(self, request: GenerationRequest, root_digest: bytes, block_size: int):
         self.request = request
         self.request_id = request.request_id
         self.sampling = request.sampling
         self.root_digest = root_digest
         self.block_size = block_size
-        self.arrival_index = arrival_index
         self.token_ids: list[int] = list(request.token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.block_table: list[int] = []
@@ -62,10 +60,6 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -136,7 +136,7 @@ def test_block_manager_free_releases_tail_first():
     manager = BlockManager(pool)
     root = b"\x01" * 32
     prompt = list(range(1, 13))  # three full blocks
-    seq = Sequence(GenerationRequest("r", prompt), root, BLOCK, 0)
+    seq = Sequence(GenerationRequest("r", prompt), root, BLOCK)
     manager.admit(seq, [], len(prompt))
     manager.commit(seq, len(prompt))
     assert pool.drain_events() == [KVEvent("stored", block_digests(root, prompt, BLOCK))]
@@ -228,7 +228,7 @@ def test_blocks_after_a_collision_are_not_registered_until_it_is_gone():
     pool.register(squatter, chain[0], tokens(99))
     pool.drain_events()
 
-    seq = Sequence(GenerationRequest("r", prompt), root, BLOCK, 0)
+    seq = Sequence(GenerationRequest("r", prompt), root, BLOCK)
     manager.admit(seq, manager.cached_prefix(seq), len(prompt))
     assert seq.num_computed_tokens == 0  # the token comparison refused the hit
     manager.commit(seq, len(prompt))

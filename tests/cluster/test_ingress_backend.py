@@ -1,0 +1,68 @@
+"""The ingress's backend over a worker handle, with a fake handle: overload becomes
+OverloadedError (503 + Retry-After at the API), and an early close cancels the worker call."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from ray.serve.exceptions import BackPressureError
+
+from cluster.ingress_deployment import NalarIngress
+from router.errors import OverloadedError
+from workers.request import GenerationChunk, GenerationRequest
+
+
+class FakeStream:
+    """What ``handle.options(stream=True).generate.remote()`` returns."""
+
+    def __init__(self, chunks: list[GenerationChunk], error: Exception | None = None):
+        self._chunks = list(chunks)
+        self._error = error
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> GenerationChunk:
+        if self._error is not None:
+            raise self._error
+        if not self._chunks:
+            raise StopAsyncIteration
+        return self._chunks.pop(0)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def ingress_over(stream: FakeStream) -> SimpleNamespace:
+    method = SimpleNamespace(remote=lambda request: stream)
+    handle = SimpleNamespace(options=lambda stream: SimpleNamespace(generate=method))
+    return SimpleNamespace(workers=handle)
+
+
+def chunk(finish: str | None = None) -> GenerationChunk:
+    return GenerationChunk("r", [5], "x", finish, 3, 0, 1, "w1")
+
+
+async def test_full_worker_queues_become_overloaded_error():
+    stream = FakeStream([], BackPressureError(num_queued_requests=9, max_queued_requests=8))
+    with pytest.raises(OverloadedError):
+        async for _ in NalarIngress.generate(ingress_over(stream), GenerationRequest("r", [1])):
+            pass
+
+
+async def test_closing_early_cancels_the_worker_call():
+    stream = FakeStream([chunk(), chunk(), chunk("length")])
+    generator = NalarIngress.generate(ingress_over(stream), GenerationRequest("r", [1]))
+    assert (await generator.__anext__()).token_ids == [5]
+    await generator.aclose()
+    assert stream.cancelled
+
+
+async def test_a_finished_stream_is_not_cancelled():
+    stream = FakeStream([chunk(), chunk("stop")])
+    got = [c async for c in NalarIngress.generate(ingress_over(stream),
+                                                  GenerationRequest("r", [1]))]
+    assert [c.finish_reason for c in got] == [None, "stop"]
+    assert not stream.cancelled
