@@ -69,7 +69,7 @@ class NalarIngress:
         finished = False
         try:
             async for chunk in stream:
-                finished = chunk.finish_reason is not None
+                finished = chunk.is_last
                 yield chunk
         except BackPressureError as exc:
             raise OverloadedError(str(exc)) from exc

@@ -66,7 +66,7 @@ class AsyncEngine:
                     # abort its id (another request may hold it: a refused duplicate id).
                     finished = True
                     raise item
-                finished = item.finish_reason is not None
+                finished = item.is_last
                 yield item
         finally:
             if not finished:
@@ -121,7 +121,7 @@ class AsyncEngine:
         stream = self._streams.get(chunk.request_id)
         if stream is None:
             return
-        if chunk.finish_reason is not None:
+        if chunk.is_last:
             del self._streams[chunk.request_id]
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, chunk)
 

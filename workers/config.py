@@ -22,7 +22,9 @@ class EngineConfig:
         max_model_len: longest prompt + output in tokens; None uses the model's limit (always
             capped by what the KV budget holds, so a lone request can always finish).
         num_threads: torch CPU threads; None leaves torch's default.
-        seed: seeds the generator of unseeded sampled requests.
+        seed: seeds the generator of unseeded sampled requests; None (the default) seeds it
+            from OS entropy, so unseeded requests differ across workers and restarts. Set
+            it only for reproducible tests.
     """
 
     model: str = "embedded"
@@ -34,4 +36,4 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     num_threads: int | None = None
-    seed: int = 0
+    seed: int | None = None

@@ -18,12 +18,17 @@ class IncrementalDetokenizer:
     Args:
         tokenizer: a transformers fast tokenizer (its ``_tokenizer`` backend is used).
         stop: stop strings; the first one found ends the text, exclusive.
+        min_tokens: stop strings are looked for only once more than this many tokens were
+            added, and only ending in text added since (vLLM's ``min_tokens`` semantics).
     """
 
-    def __init__(self, tokenizer: Any, stop: list[str]):
+    def __init__(self, tokenizer: Any, stop: list[str], min_tokens: int = 0):
         self._backend = tokenizer._tokenizer
         self._stream = DecodeStream(skip_special_tokens=True)
         self._stop = stop
+        self._min_tokens = min_tokens
+        self._num_tokens = 0
+        self._stop_floor = 0  # a stop string must end after this text offset
         self._text = ""
         self._emitted = 0
         self.stopped = False
@@ -36,6 +41,11 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         piece = self._stream.step(self._backend, token_id)
+        self._num_tokens += 1
+        if self._num_tokens <= self._min_tokens:
+            self._text += piece or ""
+            self._stop_floor = len(self._text)
+            return self._take(len(self._text))
         if piece:
             self._text += piece
         cut = self._find_stop()
@@ -57,7 +67,12 @@ class IncrementalDetokenizer:
     def _find_stop(self) -> int | None:
         # A stop string can only end inside the unemitted tail, plus its own length before it.
         window_start = max(0, self._emitted - max((len(s) for s in self._stop), default=0))
-        found = [i for s in self._stop if (i := self._text.find(s, window_start)) >= 0]
+        found = []
+        for stop in self._stop:
+            # Earliest start whose match ends after the floor (past min_tokens).
+            start = max(window_start, self._stop_floor - len(stop) + 1)
+            if (i := self._text.find(stop, start)) >= 0:
+                found.append(i)
         return min(found) if found else None
 
     def _held_back(self) -> int:

@@ -25,8 +25,9 @@ from workers.request import (
     GenerationChunk,
     GenerationRequest,
     InvalidRequestError,
+    TokenLogprob,
 )
-from workers.sampler import sample
+from workers.sampler import SampledToken, SamplingRow, sample
 from workers.scheduler import ScheduledBatch, Scheduler
 from workers.sequence import Sequence
 
@@ -81,8 +82,15 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self.counters = EngineCounters()
         self._seqs: dict[str, Sequence] = {}
+        self._choices: dict[str, list[Sequence]] = {}
+        self._held_siblings: dict[str, list[Sequence]] = {}
+        self._choice_index: dict[Sequence, int] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._generator = torch.Generator().manual_seed(config.seed)
+        self._generator = torch.Generator()
+        if config.seed is None:
+            self._generator.seed()  # OS entropy: unseeded requests differ across workers
+        else:
+            self._generator.manual_seed(config.seed)
 
     def validate(self, request: GenerationRequest) -> None:
         """Check a request before it is queued.
@@ -100,34 +108,53 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt")
         request.sampling.validate()
+        self._validate_token_params(request)
         total = len(prompt) + request.sampling.max_tokens
         if len(prompt) >= self.max_model_len or total > self.max_model_len:
             raise InvalidRequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the "
                 f"request has {len(prompt)} prompt tokens and asks for up to "
                 f"{request.sampling.max_tokens} more", "max_tokens", "context_length_exceeded")
-        if request.request_id in self._seqs:
+        if request.request_id in self._choices:
             raise InvalidRequestError(f"request id {request.request_id!r} is in use", "id")
 
     def add_request(self, request: GenerationRequest) -> None:
-        """Validate and queue a request (raises as :meth:`validate`)."""
+        """Validate and queue a request (raises as :meth:`validate`).
+
+        A request with ``n > 1`` becomes ``n`` sibling sequences ``{request_id}#{i}``. The
+        first prefills the prompt; the others are held back until its full prompt blocks are
+        registered, then admitted as prefix-cache hits, so the prompt's KV is computed once
+        (plus each sibling's recomputed tail) and its blocks are shared by reference count.
+        """
         self.validate(request)
         root = self.identity.with_namespace(request.namespace).root_digest
-        seq = Sequence(request, root, self.config.block_size)
-        if not request.sampling.ignore_eos:
-            seq.stop_token_ids |= self.eos_token_ids
-        self._seqs[seq.request_id] = seq
-        self._detokenizers[seq.request_id] = IncrementalDetokenizer(
-            self.tokenizer, request.sampling.stop)
-        self.scheduler.add(seq)
+        num_choices = request.sampling.n
+        choices = []
+        for index in range(num_choices):
+            seq = Sequence(request, root, self.config.block_size)
+            if num_choices > 1:
+                _make_sibling(seq, index)
+                self._choice_index[seq] = index
+            if not request.sampling.ignore_eos:
+                seq.stop_token_ids |= self.eos_token_ids
+            self._seqs[seq.request_id] = seq
+            self._detokenizers[seq.request_id] = IncrementalDetokenizer(
+                self.tokenizer, request.sampling.stop, request.sampling.min_tokens)
+            choices.append(seq)
+        self._choices[request.request_id] = choices
+        self.scheduler.add(choices[0])
+        if num_choices > 1:
+            self._held_siblings[request.request_id] = choices[1:]
 
     def abort(self, request_id: str) -> GenerationChunk | None:
         """Stop a request and free its blocks; returns its last chunk, or None if unknown."""
-        seq = self._seqs.get(request_id)
-        if seq is None:
+        choices = self._choices.get(request_id)
+        if not choices:
             return None
-        seq.finish("abort")
-        return self._finish(seq, "")
+        for seq in list(choices):
+            seq.finish("abort")
+            chunk = self._finish(seq, "")
+        return chunk
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -144,10 +171,12 @@ class LLMEngine:
         self._count(batch)
         for seq, num_new in _pairs(batch):
             self.block_manager.commit(seq, num_new)
+        self._release_siblings()
         sampled_seqs = [batch.seqs[i] for i in sample_rows]
-        tokens = sample(logits, [s.sampling for s in sampled_seqs],
-                        [s.generator for s in sampled_seqs], self._generator)
-        return [self._append(seq, token) for seq, token in zip(sampled_seqs, tokens, strict=True)]
+        rows = [SamplingRow(s.sampling, s.token_ids, s.num_prompt_tokens, s.stop_token_ids,
+                            s.generator) for s in sampled_seqs]
+        sampled = sample(logits, rows, self._generator)
+        return [self._append(seq, token) for seq, token in zip(sampled_seqs, sampled, strict=True)]
 
     def drain_events(self) -> list[KVEvent]:
         """KV events (stored / removed / cleared digests) since the last call."""
@@ -160,9 +189,12 @@ class LLMEngine:
     def load_by_request(self) -> dict[str, int]:
         """Work queued or running here, in tokens, per request id: uncomputed tokens plus the
         output tokens the request may still produce, capped at :data:`DECODE_HORIZON`."""
-        return {rid: seq.num_uncomputed_tokens
-                + min(seq.sampling.max_tokens - seq.num_output_tokens, DECODE_HORIZON)
-                for rid, seq in list(self._seqs.items())}
+        load: dict[str, int] = {}
+        for seq in list(self._seqs.values()):
+            rid = seq.request.request_id
+            load[rid] = load.get(rid, 0) + seq.num_uncomputed_tokens + min(
+                seq.sampling.max_tokens - seq.num_output_tokens, DECODE_HORIZON)
+        return load
 
     def sequence(self, request_id: str) -> Sequence | None:
         return self._seqs.get(request_id)
@@ -177,32 +209,73 @@ class LLMEngine:
                 chunks[chunk.request_id].append(chunk)
         return chunks
 
-    def _append(self, seq: Sequence, token: int) -> GenerationChunk:
+    def _append(self, seq: Sequence, sampled: SampledToken) -> GenerationChunk:
+        """Commits one sampled token and decides, as OpenAI defines ``finish_reason``:
+        "stop" when it is EOS / a stop token or completes a stop string (even on the
+        ``max_tokens``-th token), else "length" at ``max_tokens`` or the context limit."""
+        token = sampled.token_id
         seq.token_ids.append(token)
         sampling = seq.sampling
         detokenizer = self._detokenizers[seq.request_id]
-        is_stop_token = token in seq.stop_token_ids
+        # min_tokens: the sampler masks stop tokens until then; a logit_bias cannot unmask them.
+        is_stop_token = (token in seq.stop_token_ids
+                         and seq.num_output_tokens > sampling.min_tokens)
         text = "" if is_stop_token else detokenizer.add(token)
         if is_stop_token or detokenizer.stopped:
             seq.finish("stop")
         elif (seq.num_output_tokens >= sampling.max_tokens
               or seq.num_tokens >= self.max_model_len):
             seq.finish("length")
+        logprobs = None if sampled.logprobs is None else [sampled.logprobs]
         if seq.is_finished:
-            return self._finish(seq, text + detokenizer.flush())
-        return self._chunk(seq, [token], text)
+            return self._finish(seq, text + detokenizer.flush(), logprobs)
+        return self._chunk(seq, [token], text, logprobs)
 
-    def _finish(self, seq: Sequence, text: str) -> GenerationChunk:
+    def _finish(self, seq: Sequence, text: str,
+                logprobs: list[TokenLogprob] | None = None) -> GenerationChunk:
         self.scheduler.finish(seq)
         del self._seqs[seq.request_id]
         del self._detokenizers[seq.request_id]
+        index = self._choice_index.pop(seq, 0)
+        rid = seq.request.request_id
+        choices = self._choices[rid]
+        choices.remove(seq)
+        if not choices:
+            del self._choices[rid]
+            self._held_siblings.pop(rid, None)
+        self._release_siblings()
         tokens = [seq.token_ids[-1]] if seq.finish_reason != "abort" else []
-        return self._chunk(seq, tokens, text)
+        return self._chunk(seq, tokens, text, logprobs, index)
 
-    def _chunk(self, seq: Sequence, tokens: list[int], text: str) -> GenerationChunk:
-        return GenerationChunk(seq.request_id, tokens, text, seq.finish_reason,
+    def _chunk(self, seq: Sequence, tokens: list[int], text: str,
+               logprobs: list[TokenLogprob] | None = None,
+               index: int | None = None) -> GenerationChunk:
+        rid = seq.request.request_id
+        index = self._choice_index.get(seq, 0) if index is None else index
+        return GenerationChunk(rid, tokens, text, seq.finish_reason,
                                seq.num_prompt_tokens, seq.num_cached_tokens,
-                               seq.num_output_tokens)
+                               seq.num_output_tokens, index=index,
+                               logprobs=logprobs, choices_left=len(self._choices.get(rid, ())))
+
+    def _release_siblings(self) -> None:
+        """Queues the held siblings of every request whose first choice has registered its
+        full prompt blocks (or finished), so they admit as prefix-cache hits."""
+        for rid, siblings in list(self._held_siblings.items()):
+            leader = self._seqs.get(f"{rid}#0")
+            # The last prompt token is always recomputed, so only these blocks can be hits.
+            full_blocks = (siblings[0].num_prompt_tokens - 1) // self.config.block_size
+            if leader is None or leader.num_registered_blocks >= full_blocks:
+                del self._held_siblings[rid]
+                for sibling in siblings:
+                    self.scheduler.add(sibling)
+
+    def _validate_token_params(self, request: GenerationRequest) -> None:
+        """``logit_bias`` keys must be token ids of this model's vocabulary."""
+        bad = [t for t in request.sampling.logit_bias if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"logit_bias: token id {bad[0]} is outside the vocabulary "
+                f"[0, {self.vocab_size})", "logit_bias")
 
     def _count(self, batch: ScheduledBatch) -> None:
         self.counters.steps += 1
@@ -219,6 +292,15 @@ class LLMEngine:
             value = getattr(source, "eos_token_id", None)
             ids.update(value if isinstance(value, list) else [] if value is None else [value])
         return ids
+
+
+def _make_sibling(seq: Sequence, index: int) -> None:
+    """Turns ``seq`` into choice ``index`` of its request: its own id and, for a seeded
+    request, its own generator seeded with ``seed + index``."""
+    seq.request_id = f"{seq.request.request_id}#{index}"
+    seq.sampling = seq.request.sampling.for_choice(index)
+    if seq.sampling.seed is not None:
+        seq.generator = torch.Generator().manual_seed(seq.sampling.seed)
 
 
 def _pairs(batch: ScheduledBatch):

@@ -5,7 +5,7 @@ These cross process boundaries (ingress → router → worker replica) as plain 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from workers.identity import CacheNamespace
@@ -14,6 +14,15 @@ FinishReason = Literal["stop", "length", "abort"]
 
 GREEDY_TEMPERATURE = 1e-5
 """Below this temperature sampling is argmax (vLLM draws the same line)."""
+
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives ``logprobs``/``top_logprobs`` may ask for (OpenAI's limit)."""
+
+MAX_CHOICES = 128
+"""Most choices (``n``) one request may ask for (OpenAI's limit)."""
+
+MAX_REPETITION_PENALTY = 10.0
+"""Largest accepted ``repetition_penalty``; beyond it every seen token is all but banned."""
 
 DECODE_HORIZON = 128
 """Output tokens a request is counted for when load is measured in tokens: a request with a
@@ -31,28 +40,58 @@ class InvalidRequestError(ValueError):
 
 @dataclass
 class SamplingParams:
-    """How to pick each next token.
+    """How to pick each next token (the semantics of vLLM's ``SamplingParams``).
+
+    Logits are processed in vLLM v1's order: ``min_tokens`` masking and ``logit_bias``, then
+    the repetition/presence/frequency penalties, then (sampled rows only) temperature,
+    ``min_p``, ``top_k``, ``top_p``. Greedy rows take the argmax after the penalties.
 
     Attributes:
         temperature: 0 means greedy (argmax); otherwise logits are divided by it.
         top_p: nucleus sampling mass in (0, 1]; 1 disables it.
         top_k: keep the k most likely tokens; 0 or -1 disables it.
+        min_p: drop tokens whose probability is below ``min_p`` times the most likely one's
+            (Nguyen et al. 2024, "min-p sampling"); 0 disables it.
+        repetition_penalty: CTRL's penalty (Keskar et al. 2019) as in transformers and vLLM:
+            the logit of every token present in the prompt or the output is divided by it when
+            positive and multiplied by it when negative; 1 disables it.
+        presence_penalty: OpenAI's: subtracted once from the logit of every token already in
+            the output, in [-2, 2].
+        frequency_penalty: OpenAI's: subtracted from a token's logit once per occurrence in
+            the output, in [-2, 2].
+        logit_bias: token id -> value in [-100, 100] added to that token's logit.
         seed: seeds a per-request generator, so the output does not depend on batch neighbours.
+            With ``n > 1``, choice ``i`` uses ``seed + i``.
+        n: independent choices generated from the one prompt (they share its KV blocks).
         max_tokens: most tokens to generate.
+        min_tokens: EOS and ``stop_token_ids`` are masked out until this many tokens are
+            generated (vLLM semantics; stop strings still apply).
         stop: strings that end generation; the matched string is not returned.
         stop_token_ids: token ids that end generation (the model's EOS is added unless
             ``ignore_eos``); the stop token is not returned as text.
         ignore_eos: keep generating past the model's end-of-sequence token.
+        logprobs: None for no log-probabilities; otherwise the sampled token's log-probability
+            is returned along with this many most likely alternatives (0..20). They are of the
+            raw model distribution, before penalties, bias, temperature and filtering (vLLM's
+            default, ``raw_logprobs``).
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None
+    n: int = 1
     max_tokens: int = 16
+    min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -72,6 +111,33 @@ class SamplingParams:
             raise InvalidRequestError("max_tokens must be at least 1", "max_tokens")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty", "stop")
+        self._validate_extras()
+
+    def _validate_extras(self) -> None:
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError("min_p must be in [0, 1]", "min_p")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise InvalidRequestError(
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}]",
+                "repetition_penalty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2]", name)
+        if any(not -100.0 <= bias <= 100.0 for bias in self.logit_bias.values()):
+            raise InvalidRequestError("logit_bias values must be in [-100, 100]", "logit_bias")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise InvalidRequestError(f"n must be in [1, {MAX_CHOICES}]", "n")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError("min_tokens must be in [0, max_tokens]", "min_tokens")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]",
+                                      "logprobs")
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of choice ``index`` of an ``n > 1`` request: seed + index."""
+        if self.seed is None or index == 0:
+            return self
+        return replace(self, seed=self.seed + index)
 
 
 @dataclass
@@ -95,6 +161,22 @@ class GenerationRequest:
 
 
 @dataclass
+class TokenLogprob:
+    """Log-probabilities of one output token, of the raw model distribution (natural log).
+
+    Attributes:
+        token_id: the token that was generated.
+        logprob: its log-probability.
+        top: the most likely tokens as ``(token_id, logprob)``, most likely first (as many as
+            the request's ``logprobs``; may or may not include ``token_id``).
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
 class GenerationChunk:
     """What one engine step produced for one request.
 
@@ -109,6 +191,10 @@ class GenerationChunk:
             request's first admission only.
         completion_tokens: output tokens so far (equals the tokens returned).
         worker_id: the replica that served it (filled by the worker deployment).
+        index: the choice this chunk belongs to (0 .. n-1).
+        logprobs: one entry per token of ``token_ids`` when the request asked for logprobs.
+        choices_left: choices of the request still running after this chunk; the request's
+            stream ends with the chunk that has a finish reason and no choice left.
     """
 
     request_id: str
@@ -119,3 +205,11 @@ class GenerationChunk:
     cached_tokens: int
     completion_tokens: int
     worker_id: str = ""
+    index: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    choices_left: int = 0
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this chunk ends the request's stream (every choice has finished)."""
+        return self.finish_reason is not None and self.choices_left == 0

@@ -1,58 +1,231 @@
-"""Next-token selection for a batch: greedy, temperature, top-k, top-p, per-request seeds."""
+"""Next-token selection for a batch: logits processors, greedy, filtered sampling, logprobs.
+
+Per step, for the rows that sample a token (vLLM v1's order):
+
+1. raw log-probabilities, for rows that asked for logprobs (before anything below);
+2. ``min_tokens`` masking of EOS / stop token ids, and ``logit_bias``;
+3. repetition (prompt + output), presence and frequency (output) penalties;
+4. greedy rows: argmax. Sampled rows: temperature, then ``min_p``, ``top_k`` and ``top_p``
+   (nucleus, Holtzman et al. 2019), then one draw.
+
+The draw is an exponential race (equivalent to the Gumbel-max trick): with independent
+``E_v ~ Exp(1)``, ``argmax_v p_v / E_v`` is distributed exactly as ``Categorical(p)``. It needs
+no sort and no cumulative sum, and each seeded row draws its ``V`` exponentials from its own
+generator, so its tokens do not depend on which rows share its batch. The vocabulary is sorted
+only for rows with ``top_p < 1``; ``top_k`` alone uses ``torch.topk``.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
-from workers.request import SamplingParams
+from workers.request import SamplingParams, TokenLogprob
+
+_TINY = torch.finfo(torch.float32).tiny
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one sampled sequence.
+
+    Attributes:
+        params: the request's sampling parameters.
+        token_ids: prompt followed by the output so far.
+        num_prompt_tokens: length of the prompt within ``token_ids``.
+        stop_token_ids: ids that end generation (EOS included unless ``ignore_eos``); they
+            are masked while the output is shorter than ``params.min_tokens``.
+        generator: the request's own RNG (seeded requests), or None for the engine's.
+    """
+
+    params: SamplingParams
+    token_ids: Sequence[int] = ()
+    num_prompt_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+    generator: torch.Generator | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass
+class SampledToken:
+    """One row's result: the token and, when asked for, its log-probabilities."""
+
+    token_id: int
+    logprobs: TokenLogprob | None = None
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow],
+           default_generator: torch.Generator) -> list[SampledToken]:
+    """One token per row.
+
+    Args:
+        logits: ``[B, V]`` float32 logits, one row per entry of ``rows`` (not modified).
+        rows: per-row parameters and history.
+        default_generator: CPU RNG of rows without their own generator.
+
+    Returns:
+        ``B`` sampled tokens, with raw-distribution logprobs for rows that asked for them.
+    """
+    raw_logprobs = _raw_logprobs(logits, rows)
+    logits = process_logits(logits, rows)
+    tokens = logits.argmax(dim=-1).tolist()
+    random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
+    if random_rows:
+        probs = filtered_probs(logits[random_rows], [rows[i].params for i in random_rows])
+        drawn = _exponential_race(probs, [rows[i].generator for i in random_rows],
+                                  default_generator)
+        for row, token in zip(random_rows, drawn, strict=True):
+            tokens[row] = token
+    return [SampledToken(token, _token_logprob(raw_logprobs.get(i), token, rows[i].params))
+            for i, token in enumerate(tokens)]
+
+
+def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Logits after ``min_tokens`` masking, ``logit_bias`` and the penalties.
+
+    Returns ``logits`` itself when no row asks for any of them, else a processed copy.
+    """
+    touched = [i for i, row in enumerate(rows) if _needs_processing(row)]
+    if not touched:
+        return logits
+    logits = logits.clone()
+    for i in touched:
+        _process_row(logits[i], rows[i])
+    return logits
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Probabilities after temperature, top-k and top-p (nucleus, Holtzman et al. 2019).
+    """Probabilities after temperature, ``min_p``, ``top_k`` and ``top_p``.
 
     Args:
-        logits: ``[B, V]`` float32.
+        logits: ``[B, V]`` float32 (already processed by :func:`process_logits`).
         params: one per row; rows must not be greedy (temperature > 0).
 
     Returns:
-        ``[B, V]`` float32 probabilities; filtered-out tokens have probability 0.
+        ``[B, V]`` float32 probabilities; filtered-out tokens have probability 0. Tokens tied
+        with the k-th most likely one are all kept by ``top_k`` (as vLLM does).
     """
     temperature = torch.tensor([p.temperature for p in params], device=logits.device)
     logits = logits / temperature.unsqueeze(1)
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    _apply_min_p(logits, params)
+    _apply_top_k(logits, params)
+    _apply_top_p(logits, params)
+    return logits.softmax(dim=-1)
+
+
+# -- logits processors ------------------------------------------------------------------------
+
+
+def _needs_processing(row: SamplingRow) -> bool:
+    p = row.params
+    return bool(p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty
+                or p.frequency_penalty
+                or (row.num_output_tokens < p.min_tokens and row.stop_token_ids))
+
+
+def _process_row(logits: torch.Tensor, row: SamplingRow) -> None:
+    """Applies ``row``'s processors to its ``[V]`` logits in place."""
+    p = row.params
+    vocab = logits.shape[0]
+    if row.num_output_tokens < p.min_tokens and row.stop_token_ids:
+        logits[[t for t in row.stop_token_ids if t < vocab]] = float("-inf")
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), device=logits.device)
+        logits.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()),
+                                               dtype=logits.dtype, device=logits.device))
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(row.token_ids)), dtype=torch.long, device=logits.device)
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / p.repetition_penalty,
+                                   values * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and row.num_output_tokens:
+        output = torch.tensor(list(row.token_ids[row.num_prompt_tokens:]), device=logits.device)
+        counts = torch.bincount(output, minlength=vocab)[:vocab].to(logits.dtype)
+        logits -= counts * p.frequency_penalty + (counts > 0).to(logits.dtype) * p.presence_penalty
+
+
+# -- filters (on temperature-scaled logits, in place) -----------------------------------------
+
+
+def _apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    rows = [i for i, p in enumerate(params) if p.min_p > 0]
+    if not rows:
+        return
+    probs = logits[rows].softmax(dim=-1)
+    min_p = torch.tensor([params[i].min_p for i in rows], device=logits.device)
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+    logits[rows] = logits[rows].masked_fill(probs < threshold, float("-inf"))
+
+
+def _apply_top_k(logits: torch.Tensor, params: list[SamplingParams]) -> None:
     vocab = logits.shape[-1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params],
-                         device=logits.device)
-    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
+    rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
+    if not rows:
+        return
+    top_k = torch.tensor([params[i].top_k for i in rows], device=logits.device)
+    values = logits[rows].topk(int(top_k.max()), dim=-1).values
+    kth = values.gather(-1, (top_k - 1).unsqueeze(1))
+    logits[rows] = logits[rows].masked_fill(logits[rows] < kth, float("-inf"))
+
+
+def _apply_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    if not rows:
+        return
+    sorted_logits, order = logits[rows].sort(dim=-1, descending=True)
     sorted_probs = sorted_logits.softmax(dim=-1)
-    top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+    top_p = torch.tensor([params[i].top_p for i in rows], device=logits.device)
     # Drop a token when the mass before it already reaches top_p; the first always stays.
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p.unsqueeze(1), 0.0)
-    sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
-    return torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
+    drop_sorted = mass_before >= top_p.unsqueeze(1)
+    drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+    logits[rows] = logits[rows].masked_fill(drop, float("-inf"))
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None],
-           default_generator: torch.Generator) -> list[int]:
-    """One token id per row.
+# -- drawing and logprobs ---------------------------------------------------------------------
 
-    Args:
-        logits: ``[B, V]`` float32 logits.
-        params: sampling parameters per row.
-        generators: per-row RNG (seeded requests) or None to use ``default_generator``. A
-            seeded row draws only from its own generator, so its tokens do not depend on its
-            batch neighbours.
-        default_generator: RNG for unseeded rows.
+
+def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None],
+                      default_generator: torch.Generator) -> list[int]:
+    """One draw per row of ``probs`` ``[B, V]``: ``argmax(p / E)`` with ``E ~ Exp(1)``.
+
+    The exponentials are drawn on the CPU from the row's generator (or, for all rows without
+    one together, from ``default_generator``), so a seeded row consumes exactly ``V`` draws of
+    its own generator per step whatever the batch and the device.
     """
-    tokens = logits.argmax(dim=-1).tolist()
-    random_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if not random_rows:
-        return tokens
-    probs = filtered_probs(logits[random_rows].cpu(), [params[i] for i in random_rows])
-    for row, row_probs in zip(random_rows, probs, strict=True):
-        generator = generators[row] or default_generator
-        tokens[row] = int(torch.multinomial(row_probs, 1, generator=generator))
-    return tokens
+    noise = torch.empty(probs.shape, dtype=torch.float32)
+    shared = [i for i, g in enumerate(generators) if g is None]
+    if shared:
+        noise[shared] = torch.empty(len(shared), probs.shape[1]).exponential_(
+            generator=default_generator)
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            noise[i].exponential_(generator=generator)
+    # An exact 0 would turn a filtered token's 0 / 0 into NaN, which argmax would pick.
+    noise = noise.clamp_min_(_TINY).to(probs.device)
+    return (probs / noise).argmax(dim=-1).tolist()
+
+
+def _raw_logprobs(logits: torch.Tensor, rows: list[SamplingRow]) -> dict[int, torch.Tensor]:
+    """``log_softmax`` of the unprocessed logits of the rows that asked for logprobs."""
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    if not wanted:
+        return {}
+    logprobs = logits[wanted].float().log_softmax(dim=-1).cpu()
+    return dict(zip(wanted, logprobs, strict=True))
+
+
+def _token_logprob(logprobs: torch.Tensor | None, token: int,
+                   params: SamplingParams) -> TokenLogprob | None:
+    if logprobs is None:
+        return None
+    top: list[tuple[int, float]] = []
+    if params.logprobs:
+        values, ids = logprobs.topk(params.logprobs)
+        top = list(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprob(token, float(logprobs[token]), top)

@@ -8,9 +8,16 @@ import torch
 from scipy import stats
 
 from workers.request import GenerationRequest, SamplingParams
-from workers.sampler import filtered_probs, sample
+from workers.sampler import SamplingRow, filtered_probs, sample
 
 LOGITS = torch.tensor([2.0, 1.5, 1.2, 0.9, 0.3, 0.0, -0.4, -1.0, -2.0, -3.0])
+
+
+def draw(logits: torch.Tensor, params: list[SamplingParams],
+         generators: list[torch.Generator | None], default: torch.Generator) -> list[int]:
+    """Token ids of one :func:`sample` call over rows without history."""
+    rows = [SamplingRow(p, generator=g) for p, g in zip(params, generators, strict=True)]
+    return [s.token_id for s in sample(logits, rows, default)]
 
 
 def expected_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
@@ -67,7 +74,7 @@ def test_sampling_matches_the_filtered_distribution_chi_square():
     params = SamplingParams(temperature=0.8, top_k=6, top_p=0.9)
     draws = 20_000
     generator = torch.Generator().manual_seed(1234)
-    tokens = sample(LOGITS.expand(draws, -1).clone(), [params] * draws, [None] * draws,
+    tokens = draw(LOGITS.expand(draws, -1).clone(), [params] * draws, [None] * draws,
                     generator)
     counts = np.bincount(tokens, minlength=len(LOGITS))
     want = expected_probs(LOGITS.numpy(), 0.8, 6, 0.9)
@@ -82,8 +89,8 @@ def test_greedy_rows_take_the_argmax_and_top_k_1_equals_greedy():
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(64, 500, generator=generator)
     argmax = logits.argmax(dim=-1).tolist()
-    greedy = sample(logits, [SamplingParams(temperature=0.0)] * 64, [None] * 64, generator)
-    top1 = sample(logits, [SamplingParams(temperature=1.5, top_k=1)] * 64, [None] * 64,
+    greedy = draw(logits, [SamplingParams(temperature=0.0)] * 64, [None] * 64, generator)
+    top1 = draw(logits, [SamplingParams(temperature=1.5, top_k=1)] * 64, [None] * 64,
                   generator)
     assert greedy == argmax
     assert top1 == argmax
@@ -98,7 +105,7 @@ def test_seeded_row_does_not_depend_on_its_batch_neighbours():
         shared = torch.Generator().manual_seed(99)
         generators = [own if p is seeded else None for p in params]
         index = next(i for i, p in enumerate(params) if p is seeded)
-        return [sample(logits[rows], params, generators, shared)[index] for _ in range(steps)]
+        return [draw(logits[rows], params, generators, shared)[index] for _ in range(steps)]
 
     alone = draw_seeded([0], [seeded])
     neighbours = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0),
