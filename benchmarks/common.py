@@ -35,7 +35,7 @@ _INITIAL_THREADS = torch.get_num_threads()
 
 
 def add_common_args(parser: argparse.ArgumentParser, name: str) -> None:
-    """Flags every script shares: model, dtype, threads, quick mode and output path."""
+    """Flags every script shares: model, dtype, threads, KV budget, quick mode, output path."""
     parser.add_argument("--model", default="embedded",
                         help=f"embedded (SmolLM2-135M), a model path, or {TINY_MODEL!r}")
     parser.add_argument("--dtype", default="auto", help="auto (bf16 where native), bfloat16, "
@@ -44,6 +44,8 @@ def add_common_args(parser: argparse.ArgumentParser, name: str) -> None:
                         help=f"torch CPU threads (default: torch's, {_INITIAL_THREADS} here)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes that finish in seconds (smoke test)")
+    parser.add_argument("--kv-cache-mib", type=int, default=512,
+                        help="our engine's KV cache budget (MiB)")
     parser.add_argument("--out", default=str(RESULTS_DIR / f"{name}.json"),
                         help="where to write the JSON result")
 
@@ -260,6 +262,7 @@ class EngineRun:
     Attributes:
         arrivals: request id → perf_counter time of each output token (seconds).
         submitted: request id → time the request was queued.
+        cached_tokens: request id → prompt tokens reused from the prefix cache.
         steps: one row per step: ``[end time since start (s), duration (ms), prefill tokens,
             decode tokens]`` (token counts from the engine's counters).
     """
@@ -270,6 +273,7 @@ class EngineRun:
         self.arrivals: dict[str, list[float]] = {}
         self.submitted: dict[str, float] = {}
         self.steps: list[list[float]] = []
+        self.cached_tokens: dict[str, int] = {}
 
     def add(self, request) -> None:
         """Queue a request now (raises as ``LLMEngine.add_request``)."""
@@ -286,6 +290,7 @@ class EngineRun:
         end = time.perf_counter()
         for chunk in chunks:
             self.arrivals[chunk.request_id] += [end] * len(chunk.token_ids)
+            self.cached_tokens[chunk.request_id] = chunk.cached_tokens
         self.steps.append([round(end - self.start, 4), round((end - begin) * 1000, 2),
                            counters.prefill_tokens - prefill, counters.decode_tokens - decode])
 

@@ -55,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.prompt_tokens, args.output_tokens = 2, 16, 4
+        args.kv_cache_mib = 16
     args.rows = parse_rows(args.rows)
     return args
 
@@ -84,7 +85,8 @@ def throughput(output_tokens: int, wall_s: float, **extra) -> dict:
 def engine_rows(loaded, prompts: list[list[int]], args: argparse.Namespace) -> dict:
     """16 batched, one alone at --threads, one alone at torch's default threads."""
     engine = common.build_engine(loaded, threads=args.threads,
-                                 max_num_batched_tokens=args.max_num_batched_tokens)
+                                 max_num_batched_tokens=args.max_num_batched_tokens,
+                                 kv_cache_mib=args.kv_cache_mib)
     threads = common.set_threads(args.threads)
     run_engine(engine, prompts[:1], 2, "warmup")
     common.log(f"engine: {len(prompts)} requests batched, {threads} threads")
