@@ -32,7 +32,16 @@ def _serve_parser(commands) -> None:
                            help="KV cache budget per worker, MiB")
     serve_cmd.add_argument("--max-model-len", type=int, default=None)
     serve_cmd.add_argument("--max-num-seqs", type=int, default=64)
-    serve_cmd.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    serve_cmd.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                           help="token budget of one engine step (prefill chunks + decodes)")
+    serve_cmd.add_argument("--max-num-partial-prefills", type=int, default=1,
+                           help="most prompts being prefilled in chunks at once")
+    serve_cmd.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                           help="most tokens a chunked prompt computes per step while others "
+                                "wait (default: half of --max-num-batched-tokens)")
+    serve_cmd.add_argument("--scheduling-policy", choices=["fcfs", "prefix"], default="fcfs",
+                           help="admission order: arrival (fcfs) or longest cached prefix "
+                                "first, with aging (prefix)")
     serve_cmd.add_argument("--gpus-per-worker", type=float, default=None, dest="worker_gpus",
                            help="GPUs each worker replica asks Ray for (default: 1 when CUDA "
                                 "is available, else 0)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -40,6 +41,9 @@ class ClusterConfig(BaseModel):
     kv_cache_mib: int = Field(512, ge=1)
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
+    max_num_partial_prefills: int = Field(1, ge=1)
+    long_prefill_token_threshold: int | None = Field(None, ge=1)
+    scheduling_policy: Literal["fcfs", "prefix"] = "fcfs"
     max_model_len: int | None = Field(None, ge=2)
     worker_cpus: float = Field(0.5, gt=0)
     worker_gpus: float = Field(default_factory=lambda: 1.0 if _has_cuda() else 0.0, ge=0)
@@ -65,4 +69,7 @@ class ClusterConfig(BaseModel):
             model=self.model, dtype=self.dtype, device=self.device, block_size=self.block_size,
             kv_cache_bytes=self.kv_cache_mib * MiB, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_partial_prefills=self.max_num_partial_prefills,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            scheduling_policy=self.scheduling_policy,
             max_model_len=self.max_model_len, num_threads=self.worker_threads)

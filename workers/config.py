@@ -19,6 +19,11 @@ class EngineConfig:
         kv_cache_bytes: memory budget for the KV tensors, in bytes.
         max_num_seqs: most sequences running at once.
         max_num_batched_tokens: most tokens computed in one step (prefill chunks + decodes).
+        max_num_partial_prefills: most prompts being prefilled in chunks at once (vLLM).
+        long_prefill_token_threshold: most tokens a prompt being chunked computes per step
+            while other requests wait (vLLM v1); None means half of max_num_batched_tokens.
+        scheduling_policy: ``fcfs``, or ``prefix`` (longest cached prefix first, with aging);
+            see ``workers.scheduler``.
         max_model_len: longest prompt + output in tokens; None uses the model's limit (always
             capped by what the KV budget holds, so a lone request can always finish).
         num_threads: torch CPU threads; None leaves torch's default.
@@ -34,6 +39,9 @@ class EngineConfig:
     kv_cache_bytes: int = 512 * MiB
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    max_num_partial_prefills: int = 1
+    long_prefill_token_threshold: int | None = None
+    scheduling_policy: str = "fcfs"
     max_model_len: int | None = None
     num_threads: int | None = None
     seed: int | None = None

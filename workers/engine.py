@@ -70,7 +70,10 @@ class LLMEngine:
         self.pool = BlockPool(kv_cache.num_blocks, config.block_size)
         self.block_manager = BlockManager(self.pool)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens)
+                                   config.max_num_batched_tokens,
+                                   config.max_num_partial_prefills,
+                                   config.long_prefill_token_threshold,
+                                   config.scheduling_policy)
         self.runner = ModelRunner(self.loaded.model, kv_cache)
         self.identity = CacheIdentity(self.loaded.model_digest,
                                       numerics_tag(self.loaded.device, ATTN_IMPLEMENTATION),

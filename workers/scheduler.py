@@ -2,19 +2,50 @@
 
 One unified step in the manner of vLLM v1's scheduler: every sequence has tokens whose KV is not
 yet computed (a whole prompt, the rest of a prompt, or one decode token), and each step hands
-out a token budget — running sequences first, oldest first, then waiting ones in arrival order.
-A prompt longer than what is left of the budget is prefilled in chunks. When a running sequence
-needs a block and none is free, the newest running sequence is preempted: its blocks go back to
-the pool and it is recomputed later (recompute preemption, as in vLLM).
+out a token budget (``max_num_batched_tokens``) in this order:
+
+1. decodes: running sequences with one uncomputed token, oldest first, so inter-token latency
+   does not depend on how many prompts arrive;
+2. running partial prefills (prompts already being chunked), oldest first, so a prompt that
+   started is finished before new ones start;
+3. waiting requests, in the order of the scheduling policy.
+
+Chunked prefill without starvation. A prompt longer than what is left of the budget is
+prefilled in chunks. At most ``max_num_partial_prefills`` prompts are mid-prefill at once (vLLM's
+name and default, 1): a waiting prompt that would stay mid-prefill waits while the limit is
+reached, but a shorter one behind it whose whole prompt fits in this step's budget is admitted
+ahead of it (as in vLLM's partial-prefill scheduling); the long one stays at the head and is
+next once a slot frees. And while other requests wait to be admitted, a prompt being chunked
+advances at most ``long_prefill_token_threshold`` tokens per step (vLLM v1's per-request chunk
+cap; default half the budget), so a long prompt never takes the whole budget from the prompts
+behind it. A lone long prompt still uses the whole budget.
+
+Policies. ``fcfs`` admits in arrival order. ``prefix`` admits the request with the longest
+cached prefix first (most reuse per computed token, as in SGLang's longest-prefix-match policy),
+ties in arrival order; with aging, so nothing starves: a request that has waited
+``aging_steps`` scheduling steps, or one that was preempted, goes before every fresh one, in
+arrival order. Under both policies a request that lacks KV blocks blocks the ones behind it
+(head-of-line), so a large request is never starved by a stream of small ones.
+
+Preemption by recompute (vLLM's default): when a running sequence needs a block and none is
+free, the newest running sequence is preempted (taken out of this step's batch if it was
+already in it); its blocks go back to the pool and it is recomputed later, ahead of every
+request that has not run yet. Recomputed tokens are never counted as prefix-cache hits.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Literal
 
 from workers.block_manager import BlockManager
 from workers.sequence import Sequence, SequenceStatus
+
+SchedulingPolicy = Literal["fcfs", "prefix"]
+SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "prefix")
+DEFAULT_AGING_STEPS = 64
+"""Scheduling steps after which a waiting request outranks every fresh one (policy ``prefix``)."""
 
 
 @dataclass
@@ -43,6 +74,17 @@ class ScheduledBatch:
         self.seqs.append(seq)
         self.num_new_tokens.append(num_tokens)
 
+    def remove(self, seq: Sequence) -> None:
+        index = self.seqs.index(seq)
+        del self.seqs[index], self.num_new_tokens[index]
+
+    def scheduled(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` in this batch (0 if it is not in it)."""
+        for other, num_tokens in zip(self.seqs, self.num_new_tokens, strict=True):
+            if other is seq:
+                return num_tokens
+        return 0
+
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
@@ -55,30 +97,54 @@ class Scheduler:
         block_manager: owns the block tables.
         max_num_seqs: most sequences running at once.
         max_num_batched_tokens: most tokens (prefill + decode) computed in one step.
+        max_num_partial_prefills: most prompts mid-prefill (being chunked) at once.
+        long_prefill_token_threshold: most tokens a prompt being chunked computes per step
+            while other requests wait; None means half of ``max_num_batched_tokens``.
+        policy: ``fcfs`` or ``prefix`` (see the module docstring).
+        aging_steps: steps after which a waiting request outranks fresh ones (``prefix``).
+
+    Raises:
+        ValueError: an unknown policy or a non-positive limit.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int):
+                 max_num_batched_tokens: int, max_num_partial_prefills: int = 1,
+                 long_prefill_token_threshold: int | None = None,
+                 policy: SchedulingPolicy = "fcfs", aging_steps: int = DEFAULT_AGING_STEPS):
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}, "
+                             f"not {policy!r}")
+        if min(max_num_seqs, max_num_batched_tokens, max_num_partial_prefills) < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and "
+                             "max_num_partial_prefills must be at least 1")
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_partial_prefills = max_num_partial_prefills
+        self.long_prefill_token_threshold = (long_prefill_token_threshold
+                                             or max(1, max_num_batched_tokens // 2))
+        self.policy = policy
+        self.aging_steps = aging_steps
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
+        self._step = 0
+        self._queued_at: dict[str, int] = {}
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self._queued_at[seq.request_id] = self._step
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
         """Pick this step's sequences; may preempt running ones when blocks run out."""
+        self._step += 1
         batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
-        preempted = self._schedule_running(batch, budget)
-        if not preempted:
-            self._admit_waiting(batch, budget - batch.num_tokens)
+        preempted = self._schedule_running(batch)
+        if not preempted:  # the pool is tight: let the preempted ones back first
+            self._admit_waiting(batch)
         return batch
 
     def finish(self, seq: Sequence) -> None:
@@ -87,39 +153,99 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self._queued_at.pop(seq.request_id, None)
         self.blocks.free(seq)
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> bool:
+    def _budget_left(self, batch: ScheduledBatch) -> int:
+        return self.max_num_batched_tokens - batch.num_tokens
+
+    def _schedule_running(self, batch: ScheduledBatch) -> bool:
+        """Decodes first, then partial prefills; returns whether anything was preempted."""
+        decodes = [seq for seq in self.running if not _in_prefill(seq)]
+        prefills = [seq for seq in self.running if _in_prefill(seq)]
         preempted = False
-        index = 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
+        for seq in decodes + prefills:
+            budget = self._budget_left(batch)
+            if budget <= 0:
+                break
+            if seq not in self.running:  # preempted for an older sequence this step
+                continue
             num_tokens = min(seq.num_uncomputed_tokens, budget)
-            while not self.blocks.reserve(seq, num_tokens):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    return preempted
-            batch.add(seq, num_tokens)
-            budget -= num_tokens
-            index += 1
+            if _in_prefill(seq) and self._others_wait(seq):
+                num_tokens = min(num_tokens, self.long_prefill_token_threshold)
+            fits, preempted_now = self._reserve(seq, num_tokens, batch)
+            preempted |= preempted_now
+            if fits:
+                batch.add(seq, num_tokens)
         return preempted
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+    def _reserve(self, seq: Sequence, num_tokens: int,
+                 batch: ScheduledBatch) -> tuple[bool, bool]:
+        """Find blocks for ``num_tokens`` more tokens of ``seq``, preempting the newest running
+        sequences as needed. Returns (``seq`` got its blocks, something was preempted)."""
+        preempted = False
+        while not self.blocks.reserve(seq, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim, batch)
+            preempted = True
+            if victim is seq:
+                return False, preempted
+        return True, preempted
+
+    def _others_wait(self, seq: Sequence) -> bool:
+        """Whether a request other than ``seq`` could be admitted if budget were left."""
+        waiting = len(self.waiting) - (seq in self.waiting)
+        return waiting > 0 and len(self.running) < self.max_num_seqs
+
+    def _num_partial_after(self, batch: ScheduledBatch) -> int:
+        """Running prompts still mid-prefill once this batch is computed."""
+        return sum(1 for seq in self.running if _in_prefill(seq)
+                   and seq.num_computed_tokens + batch.scheduled(seq) < seq.num_tokens)
+
+    def _admit_waiting(self, batch: ScheduledBatch) -> None:
+        partial = self._num_partial_after(batch)
+        for seq in self._waiting_in_order():
+            budget = self._budget_left(batch)
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                return
+            # looked up now, not when ordering: admitting another may have evicted a block
             hits = self.blocks.cached_prefix(seq)
-            num_tokens = min(seq.num_tokens - len(hits) * self.blocks.block_size, budget)
+            remaining = seq.num_tokens - len(hits) * self.blocks.block_size
+            num_tokens = min(remaining, budget)
+            chunked = num_tokens < remaining
+            if chunked:
+                if partial >= self.max_num_partial_prefills:
+                    continue  # a shorter request behind it may still finish its prompt now
+                if self._others_wait(seq):
+                    num_tokens = min(num_tokens, self.long_prefill_token_threshold)
             if not self.blocks.can_admit(seq, hits, num_tokens):
-                return  # first come, first served: later arrivals wait behind it
-            self.waiting.popleft()
-            self.blocks.admit(seq, hits, num_tokens)
-            self._count_first_lookup(seq)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            batch.add(seq, num_tokens)
-            budget -= num_tokens
+                return  # out of blocks: the ones behind it wait too (no starvation by size)
+            self._admit(seq, hits, num_tokens, batch)
+            partial += chunked
+
+    def _admit(self, seq: Sequence, hits: list, num_tokens: int,
+               batch: ScheduledBatch) -> None:
+        self.waiting.remove(seq)
+        self.blocks.admit(seq, hits, num_tokens)
+        self._count_first_lookup(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        batch.add(seq, num_tokens)
+
+    def _waiting_in_order(self) -> list[Sequence]:
+        """Waiting sequences in admission order (see the module docstring)."""
+        if self.policy == "fcfs":
+            return list(self.waiting)
+        aged = [seq for seq in self.waiting if self._is_aged(seq)]
+        fresh = [seq for seq in self.waiting if not self._is_aged(seq)]
+        cached = {seq.request_id: len(self.blocks.cached_prefix(seq)) for seq in fresh}
+        fresh.sort(key=lambda seq: cached[seq.request_id], reverse=True)  # stable sort: ties
+        return aged + fresh  # stay in arrival order
+
+    def _is_aged(self, seq: Sequence) -> bool:
+        """Preempted sequences and those waiting ``aging_steps`` outrank fresh ones."""
+        waited = self._step - self._queued_at.get(seq.request_id, self._step)
+        return seq.admitted or waited >= self.aging_steps
 
     def _count_first_lookup(self, seq: Sequence) -> None:
         """Hits count once per request; recomputation after preemption is not a hit."""
@@ -130,9 +256,16 @@ class Scheduler:
         self.counters.prefix_query_tokens += seq.num_prompt_tokens
         self.counters.prefix_hit_tokens += seq.num_cached_tokens
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        if batch.scheduled(seq):
+            batch.remove(seq)
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.counters.preemptions += 1
+
+
+def _in_prefill(seq: Sequence) -> bool:
+    """More than one uncomputed token: a prompt (or a preempted sequence's recompute)."""
+    return seq.num_uncomputed_tokens > 1
