@@ -32,6 +32,21 @@ from workers.scheduler import ScheduledBatch, Scheduler
 from workers.sequence import Sequence
 
 
+class StepFailedError(RuntimeError):
+    """An engine step raised; only the requests of its batch were aborted.
+
+    Attributes:
+        request_ids: the requests whose sequences were in the failed step (now aborted).
+        cause: the original exception.
+    """
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        super().__init__(f"engine step failed for {len(request_ids)} request(s): "
+                         f"{type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
+        self.cause = cause
+
+
 @dataclass
 class EngineCounters:
     """Monotonic engine counts.
@@ -164,10 +179,22 @@ class LLMEngine:
 
     def step(self) -> list[GenerationChunk]:
         """Schedule, run one forward pass, sample, and commit. Returns one chunk per sequence
-        that sampled a token this step (prefill chunks that end mid-prompt sample nothing)."""
+        that sampled a token this step (prefill chunks that end mid-prompt sample nothing).
+
+        Raises:
+            StepFailedError: the forward pass, commit or sampling raised. Every request with a
+                sequence in this step's batch is aborted (its blocks freed) and named in the
+                error; every other request is untouched and the engine keeps serving.
+        """
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
+        try:
+            return self._run_batch(batch)
+        except Exception as exc:
+            raise StepFailedError(self._abort_batch(batch), exc) from exc
+
+    def _run_batch(self, batch: ScheduledBatch) -> list[GenerationChunk]:
         sample_rows = [i for i, (seq, num_new) in enumerate(_pairs(batch))
                        if seq.num_computed_tokens + num_new == seq.num_tokens]
         logits = self.runner.execute(batch, sample_rows)
@@ -180,6 +207,17 @@ class LLMEngine:
                             s.generator) for s in sampled_seqs]
         sampled = sample(logits, rows, self._generator)
         return [self._append(seq, token) for seq, token in zip(sampled_seqs, sampled, strict=True)]
+
+    def _abort_batch(self, batch: ScheduledBatch) -> list[str]:
+        """Abort every request with a sequence in ``batch``; returns their ids.
+
+        Requests that finished earlier in the failed step are named too: their last chunk was
+        never delivered, so their streams must get the error as well.
+        """
+        request_ids = list(dict.fromkeys(seq.request.request_id for seq in batch.seqs))
+        for request_id in request_ids:
+            self.abort(request_id)
+        return request_ids
 
     def drain_events(self) -> list[KVEvent]:
         """KV events (stored / removed / cleared digests) since the last call."""
