@@ -311,6 +311,16 @@ class EngineRun:
         return times[0] - self.submitted[request_id] if times else None
 
 
+def cold_prefill(engine, prompt: list[int], request_id: str) -> tuple[float, int]:
+    """(seconds from queueing to the first token, prompt tokens reused from the cache) of one
+    request with one output token, run after the prefix cache is reset (so it reuses none)."""
+    engine.reset_prefix_cache()
+    run = EngineRun(engine)
+    run.add(greedy_request(request_id, prompt, 1))
+    run.run()
+    return run.ttft_s(request_id), run.cached_tokens[request_id]
+
+
 def stream_summary(submitted: dict[str, float], arrivals: dict[str, list[float]]) -> dict:
     """TTFT and inter-token latency of a set of streams (one token or chunk per timestamp),
     plus the longest stall: the largest gap between consecutive tokens of any stream."""

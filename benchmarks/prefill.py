@@ -50,10 +50,11 @@ def engine_prefill(loaded, prompts: dict[int, list[int]], budget: int,
     """Prefill figures of one engine whose per-step token budget is ``budget``."""
     engine = common.build_engine(loaded, threads=args.threads, max_num_batched_tokens=budget,
                                  kv_cache_mib=args.kv_cache_mib)
-    trial(engine, prompts[min(prompts)][:16], "warmup")
+    common.cold_prefill(engine, prompts[min(prompts)][:16], "warmup")
     figures = {}
     for length, prompt in prompts.items():
-        samples = [trial(engine, prompt, f"{length}-{i}") for i in range(args.repeats)]
+        samples = [common.cold_prefill(engine, prompt, f"prefill-{length}-{i}")
+                   for i in range(args.repeats)]
         seconds = statistics.median(s for s, _ in samples)
         figures[length] = {"median_s": seconds, "tokens_per_s": length / seconds,
                            "samples_s": [s for s, _ in samples],
@@ -62,17 +63,6 @@ def engine_prefill(loaded, prompts: dict[int, list[int]], budget: int,
         common.log(f"  engine budget {budget}: {length} tokens in {seconds * 1000:.0f} ms "
                    f"({length / seconds:.0f} tokens/s)")
     return figures
-
-
-def trial(engine, prompt: list[int], tag: str) -> tuple[float, int]:
-    """(seconds to the first token, prompt tokens reused from the cache) of one prefill, run
-    after the prefix cache is reset (so it should reuse nothing)."""
-    engine.reset_prefix_cache()
-    run = common.EngineRun(engine)
-    request_id = f"prefill-{tag}"
-    run.add(common.greedy_request(request_id, prompt, 1))
-    run.run()
-    return run.ttft_s(request_id), run.cached_tokens[request_id]
 
 
 @torch.inference_mode()

@@ -1,0 +1,187 @@
+"""Where an engine step stands against the hardware: decode step time and prefill tokens/s
+next to limits measured on this machine with the same threads.
+
+- Memory bandwidth: a large tensor summed (bytes read / s) and copied (bytes read + written
+  / s). A decode step must read every weight once, so ``weight bytes / read bandwidth`` is the
+  floor of a step's time at small batch (the roofline model: Williams et al., 2009).
+- Decode step time of our engine at batch 1, 8, 16 with --context 512 token contexts: median
+  over --steps steps in which every sequence decodes one token.
+- The linear layers alone: ``F.linear`` over every ``nn.Linear`` weight of the model (q/k/v/o,
+  gate/up/down per layer, the LM head) at the same batch, no attention, no framework: what a
+  step would cost if everything else were free.
+- Prefill: our engine's tokens/s on a --prefill-tokens prompt against the measured matmul
+  limit (GFLOP/s of a --matmul-size square matmul in the model's dtype): the FLOPs of the
+  prompt (2 x linear parameters per token, causal attention, one LM-head row) divided by
+  that rate give the limit's tokens/s.
+
+    .venv/bin/python benchmarks/step_profile.py [--batches 1,8,16] [--threads 2] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from benchmarks import common
+except ImportError:  # run as a script: benchmarks/ is on sys.path, the repo root is not
+    import common
+
+GIGA = 1e9
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    common.add_common_args(parser, "step_profile")
+    parser.add_argument("--batches", default="1,8,16", help="decode batch sizes")
+    parser.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
+    parser.add_argument("--steps", type=int, default=32, help="decode steps timed per batch")
+    parser.add_argument("--bandwidth-mib", type=int, default=1024,
+                        help="size of the tensor the bandwidth is measured on (MiB)")
+    parser.add_argument("--matmul-size", type=int, default=4096, help="M = N = K")
+    parser.add_argument("--prefill-tokens", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=5, help="trials per hardware figure")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.batches, args.context, args.steps = "1,2", 16, 3
+        args.bandwidth_mib, args.matmul_size, args.prefill_tokens = 16, 256, 32
+        args.repeats, args.kv_cache_mib = 2, 16
+    args.batches = [int(b) for b in args.batches.split(",") if b]
+    return args
+
+
+# --- hardware ------------------------------------------------------------------------------
+
+def memory_bandwidth(mib: int, repeats: int) -> dict:
+    """Read bandwidth (``sum`` of a fp32 tensor) and copy bandwidth (read + write), bytes/s."""
+    source = torch.ones(mib << 18, dtype=torch.float32)  # mib MiB of fp32
+    target = torch.empty_like(source)
+    nbytes = source.numel() * source.element_size()
+    read_s = common.median_time(lambda: source.sum(), repeats)
+    copy_s = common.median_time(lambda: target.copy_(source), repeats)
+    return {"tensor_bytes": nbytes, "read_bytes_per_s": nbytes / read_s,
+            "copy_bytes_per_s": 2 * nbytes / copy_s}
+
+
+def matmul_rate(size: int, dtype: torch.dtype, repeats: int) -> dict:
+    """FLOP/s of one ``size`` x ``size`` x ``size`` matmul in ``dtype`` (2 FLOPs per MAC)."""
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    seconds = common.median_time(lambda: a @ b, repeats)
+    return {"size": size, "dtype": str(dtype).removeprefix("torch."),
+            "flops_per_s": 2 * size ** 3 / seconds}
+
+
+# --- model arithmetic ----------------------------------------------------------------------
+
+def linear_weights(model) -> list[torch.Tensor]:
+    """Every ``nn.Linear`` weight of the model (decoder layers and LM head), [out, in]."""
+    return [module.weight for module in model.modules() if isinstance(module, torch.nn.Linear)]
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the model's distinct parameters (tied embeddings counted once)."""
+    seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    return sum(seen.values())
+
+
+def prefill_flops(model, tokens: int) -> float:
+    """FLOPs of a prefill of ``tokens``: 2 x decoder linear parameters per token, causal
+    attention (QK^T and PV over half the square), and one LM-head row."""
+    config = model.config
+    head = model.get_output_embeddings().weight
+    decoder = sum(w.numel() for w in linear_weights(model) if w is not head)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    attention = (2 * 2 * config.num_hidden_layers * config.num_attention_heads * head_dim
+                 * tokens * (tokens + 1) / 2)
+    return 2 * decoder * tokens + attention + 2 * head.numel()
+
+
+@torch.inference_mode()
+def linear_layers_s(model, batch: int, repeats: int) -> float:
+    """Median seconds of one pass of ``F.linear`` over every linear weight at ``batch`` rows."""
+    weights = linear_weights(model)
+    inputs = {w.shape[1]: torch.randn(batch, w.shape[1]).to(w.dtype) for w in weights}
+
+    def one_pass():
+        for weight in weights:
+            F.linear(inputs[weight.shape[1]], weight)
+
+    return common.median_time(one_pass, repeats)
+
+
+# --- our engine ----------------------------------------------------------------------------
+
+def decode_steps_ms(engine, prompts: list[list[int]], steps: int) -> list[float]:
+    """Times (ms) of ``steps`` steps in which every one of the sequences decodes one token,
+    after their prompts are prefilled."""
+    run = common.EngineRun(engine)
+    for i, prompt in enumerate(prompts):
+        run.add(common.greedy_request(f"decode-{len(prompts)}-{i}", prompt, steps + 2))
+    while any(not times for times in run.arrivals.values()):
+        run.step()
+    prefilled = len(run.steps)
+    run.run()
+    return [ms for _, ms, prefill, decode in run.steps[prefilled:]
+            if prefill == 0 and decode == len(prompts)][:steps]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    threads = common.set_threads(args.threads)
+    loaded = common.load(args.model, args.dtype)
+    model, dtype = loaded.model, loaded.dtype
+    common.log(f"memory bandwidth ({args.bandwidth_mib} MiB), {threads} threads")
+    bandwidth = memory_bandwidth(args.bandwidth_mib, args.repeats)
+    common.log(f"matmul rate ({args.matmul_size}^3, {dtype})")
+    matmul = matmul_rate(args.matmul_size, dtype, args.repeats)
+    weights = weight_bytes(model)
+    read_weights_ms = 1000 * weights / bandwidth["read_bytes_per_s"]
+    common.log(f"weights {weights / 2**20:.0f} MiB: {read_weights_ms:.2f} ms at "
+               f"{bandwidth['read_bytes_per_s'] / GIGA:.1f} GB/s; matmul "
+               f"{matmul['flops_per_s'] / GIGA:.0f} GFLOP/s")
+    linear_ms = {b: 1000 * linear_layers_s(model, b, args.repeats) for b in args.batches}
+    engine = common.build_engine(loaded, threads=args.threads, kv_cache_mib=args.kv_cache_mib)
+    prompts = common.text_prompts(loaded.tokenizer, max(args.batches), args.context)
+    decode = {}
+    for batch in args.batches:
+        common.log(f"decode steps at batch {batch}, {args.context}-token contexts")
+        step_ms = decode_steps_ms(engine, prompts[:batch], args.steps)
+        median = statistics.median(step_ms) if step_ms else None
+        decode[batch] = {"step_ms_median": median, "step_ms": step_ms,
+                         "linear_layers_ms": linear_ms[batch],
+                         "read_weights_ms": read_weights_ms,
+                         "step_over_read_weights": common.ratio(median, read_weights_ms),
+                         "step_over_linear_layers": common.ratio(median, linear_ms[batch]),
+                         "output_tokens_per_s": batch * 1000 / median if median else None}
+        common.log(f"  step {median:.2f} ms, linear layers {linear_ms[batch]:.2f} ms, "
+                   f"read weights {read_weights_ms:.2f} ms")
+    prefill_prompt = common.text_prompts(loaded.tokenizer, 1, args.prefill_tokens,
+                                         offset=max(args.batches) * args.context)[0]
+    common.cold_prefill(engine, prefill_prompt[:16], "prefill-warmup")
+    prefill_s = statistics.median(
+        common.cold_prefill(engine, prefill_prompt, f"prefill-{i}")[0]
+        for i in range(max(1, args.repeats // 2)))
+    flops = prefill_flops(model, args.prefill_tokens)
+    limit_tokens_per_s = args.prefill_tokens * matmul["flops_per_s"] / flops
+    prefill = {"tokens": args.prefill_tokens, "median_s": prefill_s,
+               "tokens_per_s": args.prefill_tokens / prefill_s, "flops": flops,
+               "achieved_flops_per_s": flops / prefill_s,
+               "matmul_limit_tokens_per_s": limit_tokens_per_s,
+               "fraction_of_matmul_limit": args.prefill_tokens / prefill_s / limit_tokens_per_s}
+    common.log(f"prefill {args.prefill_tokens} tokens: {prefill['tokens_per_s']:.0f} tokens/s, "
+               f"{prefill['fraction_of_matmul_limit']:.2f} of the matmul limit")
+    result = {"benchmark": "step_profile", "machine": common.machine_info(dtype),
+              "threads": threads, "model": args.model, "quick": args.quick,
+              "context_tokens": args.context, "weights_bytes": weights,
+              "memory_bandwidth": bandwidth, "matmul": matmul, "decode": decode,
+              "prefill": prefill}
+    common.write_json(result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()
