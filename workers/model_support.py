@@ -44,6 +44,9 @@ ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 # attention function as ``s_aux``), which the config does not announce.
 SINK_MODEL_TYPES = frozenset({"gpt_oss"})
 
+# Families that always add ALiBi biases to attention scores, without a config flag.
+ALIBI_MODEL_TYPES = frozenset({"bloom"})
+
 
 class UnsupportedModelError(ValueError):
     """The model needs features the engine does not implement; ``features`` lists each with
@@ -150,12 +153,19 @@ def _sinks(config: PretrainedConfig, model: torch.nn.Module | None) -> Iterator[
 
 
 def _alibi(config: PretrainedConfig) -> Iterator[str]:
-    attn_config = getattr(config, "attn_config", None)
-    mpt_alibi = isinstance(attn_config, dict) and attn_config.get("alibi")
-    if getattr(config, "alibi", False) or mpt_alibi:
+    attn_config = getattr(config, "attn_config", None)  # MPT: an object (or a dict)
+    if isinstance(attn_config, dict):
+        mpt_alibi = attn_config.get("alibi", False)
+    else:
+        mpt_alibi = getattr(attn_config, "alibi", False)
+    if getattr(config, "alibi", False):
         yield "ALiBi position biases (`alibi`)"
+    elif mpt_alibi:
+        yield "ALiBi position biases (`attn_config.alibi`)"
     elif getattr(config, "position_embedding_type", None) == "alibi":
         yield "ALiBi position biases (`position_embedding_type` = 'alibi')"
+    elif getattr(config, "model_type", None) in ALIBI_MODEL_TYPES:
+        yield f"ALiBi position biases (always on for `model_type` = {config.model_type!r})"
 
 
 def _rope_parameter_sets(config: PretrainedConfig) -> Iterator[tuple[str, dict]]:
