@@ -52,13 +52,21 @@ class NalarWorker:
 
         The first chunk carries no tokens: it confirms the request was accepted (an invalid one
         raises InvalidRequestError instead) and names the worker before any token is ready.
+        A dead engine raises ``EngineDeadError`` before that chunk.
         """
+        self.async_engine.check_health()
         self.engine.validate(request)
         yield GenerationChunk(request.request_id, [], "", None, len(request.token_ids), 0, 0,
                               self.worker_id)
         async for chunk in self.async_engine.generate(request):
             chunk.worker_id = self.worker_id
             yield chunk
+
+    def check_health(self) -> None:
+        """Ray Serve's periodic health probe: raises when the engine loop is dead, so Serve
+        marks this replica unhealthy and starts a replacement (with a new replica id, so the
+        router never credits it with this one's blocks)."""
+        self.async_engine.check_health()
 
     def describe(self) -> dict:
         """What the ingress needs to tokenize and hash exactly as this worker does."""

@@ -8,13 +8,14 @@ calls while a forward pass runs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from workers.engine import LLMEngine
+from workers.engine import LLMEngine, StepFailedError
 from workers.kv_events import KVEvent
 from workers.request import GenerationChunk, GenerationRequest
 
@@ -27,8 +28,25 @@ class _Stream:
     queue: asyncio.Queue
 
 
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped (shut down, or died of an error): nothing more is served."""
+
+
+MAX_CONSECUTIVE_LOOP_FAILURES = 3
+"""Loop iterations in a row that may fail outside a step before the loop gives up and the
+engine is declared dead (Serve's health check then replaces the replica)."""
+
+
 class AsyncEngine:
     """Runs the engine loop in a background thread.
+
+    Fault handling: a failed step (:class:`~workers.engine.StepFailedError`) fails only the
+    streams of that step's batch; everyone else keeps going. Any other error inside the loop
+    (taking in requests, publishing events, delivering chunks) leaves the engine's state in
+    doubt, so every current stream is failed and the loop carries on with new requests. If the
+    loop cannot carry on (:data:`MAX_CONSECUTIVE_LOOP_FAILURES` in a row, or an error while
+    failing streams), the engine is dead: pending and later requests get
+    :class:`EngineDeadError` at once (never a hang) and :meth:`check_health` raises.
 
     Args:
         engine: the engine to drive; only this class's thread touches it after construction.
@@ -42,6 +60,7 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._stopped = threading.Event()
+        self._dead: EngineDeadError | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -50,13 +69,17 @@ class AsyncEngine:
 
         Raises:
             InvalidRequestError: before the first chunk, if the request is invalid.
-            RuntimeError: if the engine failed while serving it.
+            RuntimeError: if the engine failed while serving it (a failed step:
+                ``StepFailedError``'s message), or :class:`EngineDeadError` if the engine loop
+                is not running.
         """
-        if self._stopped.is_set():
-            raise RuntimeError("the engine is shut down")
+        self.check_health()
         self.engine.validate(request)  # reads only immutable limits: safe off-thread
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._inbox.put(("add", request, stream))
+        # The loop fails what it finds in the inbox when it dies; this covers an "add" that
+        # arrived after that last drain.
+        self.check_health()
         finished = False
         try:
             while not finished:
@@ -66,11 +89,18 @@ class AsyncEngine:
                     # abort its id (another request may hold it: a refused duplicate id).
                     finished = True
                     raise item
-                finished = item.is_last
+                finished = item.finish_reason is not None
                 yield item
         finally:
             if not finished:
                 self._inbox.put(("abort", request.request_id, None))
+
+    def check_health(self) -> None:
+        """Raises :class:`EngineDeadError` unless the engine loop is running."""
+        if self._dead is not None:
+            raise self._dead
+        if self._stopped.is_set() or not self._thread.is_alive():
+            raise EngineDeadError("the engine is shut down")
 
     def shutdown(self) -> None:
         """Stop the loop thread (pending requests get an error)."""
@@ -79,22 +109,57 @@ class AsyncEngine:
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
-        while not self._stopped.is_set():
-            self._drain_inbox(block=not self.engine.has_work())
-            if not self.engine.has_work():
-                continue
-            try:
-                chunks = self.engine.step()
-            except Exception as exc:  # keep serving others: fail only what was running
-                log.exception("engine step failed")
-                self._fail_all(exc)
-                continue
-            # Events are queued for publishing before the chunks are delivered, so a flush
-            # requested after a request finished covers its blocks.
+        failures = 0
+        try:
+            while not self._stopped.is_set():
+                try:
+                    self._iterate()
+                    failures = 0
+                except Exception as exc:  # outside a step: the engine's state is in doubt
+                    failures += 1
+                    log.exception("engine loop iteration failed (%d in a row)", failures)
+                    if failures >= MAX_CONSECUTIVE_LOOP_FAILURES:
+                        raise
+                    self._fail_all(exc)
+        except BaseException as exc:
+            log.exception("engine loop died")
+            self._die(EngineDeadError(f"the engine loop died: {type(exc).__name__}: {exc}"))
+            return
+        self._die(EngineDeadError("the engine is shut down"))
+
+    def _iterate(self) -> None:
+        """One turn of the loop: take in commands, run a step, publish, deliver."""
+        self._drain_inbox(block=not self.engine.has_work())
+        if not self.engine.has_work():
+            return
+        try:
+            chunks = self.engine.step()
+        except StepFailedError as exc:  # only that step's requests fail; others go on
+            log.exception("engine step failed")
             self._publish(self.engine.drain_events())
-            for chunk in chunks:
-                self._deliver(chunk)
-        self._fail_all(RuntimeError("engine shut down"))
+            self._fail(exc.request_ids, exc)
+            return
+        # Events are queued for publishing before the chunks are delivered, so a flush
+        # requested after a request finished covers its blocks.
+        self._publish(self.engine.drain_events())
+        for chunk in chunks:
+            self._deliver(chunk)
+
+    def _die(self, error: EngineDeadError) -> None:
+        """Mark the engine dead, then fail every stream and every queued request."""
+        self._dead = error
+        self._stopped.set()
+        try:
+            self._fail_all(error)
+        except Exception:  # still drain the inbox below: no request may hang
+            log.exception("failing the streams of a dead engine failed")
+        while True:
+            try:
+                kind, _, stream = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                _send(stream, error)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -111,7 +176,7 @@ class AsyncEngine:
                 self.engine.add_request(payload)
                 self._streams[payload.request_id] = stream
             except Exception as exc:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+                _send(stream, exc)
         elif kind == "abort":
             self.engine.abort(payload)
             self._streams.pop(payload, None)
@@ -121,15 +186,27 @@ class AsyncEngine:
         stream = self._streams.get(chunk.request_id)
         if stream is None:
             return
-        if chunk.is_last:
+        if chunk.finish_reason is not None:
             del self._streams[chunk.request_id]
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, chunk)
+        _send(stream, chunk)
+
+    def _fail(self, request_ids: list[str], exc: BaseException) -> None:
+        """Fail these requests' streams (the engine has already aborted them)."""
+        for request_id in request_ids:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                _send(stream, RuntimeError(f"engine failed: {exc}"))
 
     def _fail_all(self, exc: BaseException) -> None:
+        """Abort every request the engine holds and fail its stream."""
         for request_id, stream in list(self._streams.items()):
-            self.engine.abort(request_id)
-            stream.loop.call_soon_threadsafe(
-                stream.queue.put_nowait, RuntimeError(f"engine failed: {exc}"))
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # fail the stream anyway; its blocks may leak, the loop lives
+                log.exception("aborting %s failed", request_id)
+            error = exc if isinstance(exc, EngineDeadError) else RuntimeError(
+                f"engine failed: {exc}")
+            _send(stream, error)
         self._streams.clear()
 
     def _publish(self, events: list[KVEvent]) -> None:
@@ -138,3 +215,10 @@ class AsyncEngine:
                 self._on_events(events)
             except Exception:
                 log.exception("publishing KV events failed")
+
+
+def _send(stream: _Stream, item) -> None:
+    """Hand a chunk or an error to a stream's event loop (thread-safe; a closed loop's
+    client is gone, so there is nobody left to tell)."""
+    with contextlib.suppress(RuntimeError):
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)

@@ -176,6 +176,33 @@ class BlockPool:
         events, self._events = self._events, []
         return events
 
+    def check_invariants(self) -> None:
+        """Check the pool's bookkeeping (for tests and debugging; O(num_blocks)).
+
+        Every block is in exactly one state: free (unreferenced, no digest), evictable
+        (unreferenced, with a digest) or in use (referenced); reference counts are never
+        negative; the digest map names exactly the blocks that carry a digest, under it.
+
+        Raises:
+            AssertionError: naming the first broken invariant.
+        """
+        free, evictable = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free), "a block is listed free twice"
+        for block in self.blocks:
+            state = (block.block_id in free, block.block_id in evictable, block.ref_count > 0)
+            assert block.ref_count >= 0, f"block {block.block_id} has ref_count < 0"
+            assert sum(state) == 1, f"block {block.block_id} is in {sum(state)} states"
+            if block.block_id in free:
+                assert block.digest is None, f"free block {block.block_id} has a digest"
+            if block.block_id in evictable:
+                assert block.digest is not None, f"evictable block {block.block_id} has no digest"
+            if block.digest is not None:
+                assert self._by_digest.get(block.digest) == block.block_id, (
+                    f"block {block.block_id}'s digest maps elsewhere")
+                assert len(block.token_ids) == self.block_size
+        assert all(self.blocks[i].digest == d for d, i in self._by_digest.items()), (
+            "the digest map names a block that no longer holds that digest")
+
     def _forget_digest(self, block: Block) -> None:
         if block.digest is not None:
             del self._by_digest[block.digest]
