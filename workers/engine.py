@@ -19,6 +19,7 @@ from workers.kv_cache import PagedKVCache
 from workers.kv_events import KVEvent
 from workers.model_loader import LoadedModel, load_model, numerics_tag
 from workers.model_runner import ModelRunner
+from workers.model_support import check_supported
 from workers.paged_attention import ATTN_IMPLEMENTATION
 from workers.request import (
     DECODE_HORIZON,
@@ -96,6 +97,8 @@ class LLMEngine:
         model_limit = getattr(model_config, "max_position_embeddings", None) or 1 << 30
         self.max_model_len = min(config.max_model_len or model_limit, model_limit,
                                  kv_cache.num_blocks * config.block_size)
+        # refuse, naming them, features the paged runner would silently drop
+        check_supported(model_config, self.max_model_len, self.loaded.model)
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = self._eos_token_ids()
         self.counters = EngineCounters()

@@ -5,6 +5,7 @@ except one tiny module carrying attention sinks)."""
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from transformers import (
     Llama4TextConfig,
     LlamaConfig,
     MistralConfig,
+    MistralForCausalLM,
     MptConfig,
     Phi3Config,
     Qwen2Config,
@@ -24,6 +26,7 @@ from transformers import (
     T5Config,
 )
 
+from workers.model_loader import LoadedModel, model_digest
 from workers.model_support import (
     UnsupportedModelError,
     check_supported,
@@ -176,3 +179,16 @@ def test_alibi_is_refused(config, feature):
 ], ids=["encoder-decoder", "cross-attention", "bidirectional", "chunked", "chunked-layers"])
 def test_structures_other_than_causal_self_attention_are_refused(config, feature):
     assert feature in refusal(config, 4096).features
+
+
+def test_the_engine_refuses_at_load(make_engine, smollm_tokenizer):
+    """A tiny Mistral whose 16-token window binds at the engine's context: no engine is built."""
+    config = MistralConfig(vocab_size=1000, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=512, sliding_window=16)
+    torch.manual_seed(0)
+    model = MistralForCausalLM(config).eval()
+    loaded = LoadedModel(model, smollm_tokenizer, model_digest(model), "tiny-mistral-window",
+                         Path("tiny-mistral-window"))
+    with pytest.raises(UnsupportedModelError, match=r"`sliding_window` = 16 < max_model_len 512"):
+        make_engine(loaded, num_blocks=32)
