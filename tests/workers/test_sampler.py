@@ -153,3 +153,76 @@ def test_a_vanishing_temperature_is_greedy_and_harms_no_neighbour(tiny_qwen, mak
     outputs = {rid: [t for c in got for t in c.token_ids] for rid, got in chunks.items()}
     assert len(outputs["greedy"]) == 8
     assert outputs["tiny-t"] == outputs["greedy"]
+
+
+def reference_probs(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                    min_p: float = 0.0) -> np.ndarray:
+    """Independent reference in vLLM's order: temperature, min_p, top_k, top_p."""
+    scaled = logits.astype(np.float64) / temperature
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    keep = probs >= min_p * probs.max()
+    if top_k > 0:
+        keep &= scaled >= np.sort(scaled[keep])[::-1][min(top_k, keep.sum()) - 1]
+    probs = np.where(keep, probs, 0.0)
+    probs /= probs.sum()
+    order = np.argsort(-probs, kind="stable")
+    mass_before = np.cumsum(probs[order]) - probs[order]
+    probs[order[mass_before >= top_p]] = 0.0
+    return probs / probs.sum()
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p", "min_p"), [
+    (1.0, 0, 1.0, 0.0),  # sort-free race
+    (0.6, 0, 1.0, 0.0),
+    (1.0, 4, 1.0, 0.0),  # torch.topk only
+    (1.2, 0, 1.0, 0.05),  # min_p, no sort
+    (0.8, 6, 0.9, 0.0),  # sort for top_p
+    (1.0, 7, 0.95, 0.02)])
+def test_draws_follow_the_filtered_distribution_chi_square(temperature, top_k, top_p, min_p):
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    want = reference_probs(LOGITS.numpy(), temperature, top_k, top_p, min_p)
+    got = filtered_probs(LOGITS.unsqueeze(0), [params])[0].double().numpy()
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    draws = 20_000
+    generator = torch.Generator().manual_seed(4321)
+    counts = np.bincount(draw(LOGITS.expand(draws, -1).clone(), [params] * draws,
+                              [None] * draws, generator), minlength=len(LOGITS))
+    support = want > 0
+    assert counts[~support].sum() == 0
+    assert stats.chisquare(counts[support], want[support] * draws).pvalue > 0.001
+    # The same law when every row brings its own seeded generator.
+    own = [torch.Generator().manual_seed(i) for i in range(2000)]
+    seeded = np.bincount(draw(LOGITS.expand(2000, -1).clone(), [params] * 2000, own,
+                              generator), minlength=len(LOGITS))
+    assert seeded[~support].sum() == 0
+    assert stats.chisquare(seeded[support], want[support] * 2000).pvalue > 0.001
+
+
+def test_penalties_and_bias_give_exact_logits():
+    from workers.sampler import process_logits
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])
+    row = SamplingRow(SamplingParams(repetition_penalty=2.0, presence_penalty=0.5,
+                                     frequency_penalty=0.25, logit_bias={5: -1.5},
+                                     min_tokens=4),
+                      token_ids=[0, 1, 3, 3, 4], num_prompt_tokens=2,
+                      stop_token_ids=frozenset({2}))
+    got = process_logits(logits, [row])[0]
+    # token 0, 1: prompt only (repetition): 2/2, -1*2; token 2: stop token under min_tokens;
+    # token 3: output twice: 3/2 - 0.5 - 2*0.25; token 4: output once: -2*2 - 0.5 - 0.25;
+    # token 5: bias only.
+    torch.testing.assert_close(got, torch.tensor([1.0, -2.0, float("-inf"), 0.5, -4.75, -0.5]))
+    assert logits[0, 2] == 0.5  # the caller's logits are not modified
+    done = SamplingRow(row.params, [0, 1, 3, 3, 4, 5, 5], 2, frozenset({2}))
+    assert process_logits(logits, [done])[0, 2] == 0.5  # min_tokens reached: unmasked
+
+
+def test_logprobs_are_raw_and_top_ranked():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    row = SamplingRow(SamplingParams(temperature=0.0, logprobs=2, logit_bias={3: 50.0}))
+    (result,) = sample(logits, [row], torch.Generator())
+    raw = logits[0].log_softmax(-1)
+    assert result.token_id == 3  # the bias decided the token ...
+    assert result.logprobs.logprob == pytest.approx(float(raw[3]))  # ... not its logprob
+    assert [t for t, _ in result.logprobs.top] == [0, 1]
+    assert [v for _, v in result.logprobs.top] == pytest.approx(raw[:2].tolist())
