@@ -1,0 +1,164 @@
+"""Smoke tests of the benchmark scripts: each ``main()`` runs with ``--quick`` on the tiny
+random Llama and one thread, and its JSON must hold exact token counts and consistent figures.
+The HTTP row runs against a scripted SSE server (httpx's mock transport)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sys
+import sysconfig
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks import common, interference, prefill, step_profile, throughput  # noqa: E402
+
+QUICK = ["--quick", "--model", common.TINY_MODEL, "--threads", "1"]
+
+
+def run_main(module, tmp_path: Path, *extra: str) -> dict:
+    out = tmp_path / f"{module.__name__.rsplit('.', 1)[-1]}.json"
+    result = module.main([*QUICK, "--out", str(out), *extra])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result, default=str))
+    assert result["machine"]["torch_threads"] == 1
+    assert result["machine"]["dtype"] in ("bfloat16", "float32")
+    assert set(result["machine"]["cpu"]["flags"]) >= {"avx512_bf16", "amx_bf16"}
+    return result
+
+
+def test_percentile_matches_numpy():
+    values = [random.Random(3).uniform(0, 10) for _ in range(37)]
+    values = [v * (i + 1) for i, v in enumerate(values)]
+    for q in (0, 1, 50, 90, 99, 100):
+        assert common.percentile(values, q) == pytest.approx(np.percentile(values, q))
+    assert common.percentile([], 50) is None
+
+
+def test_text_prompts_are_exact_distinct_windows_of_stdlib_source():
+    from workers.model_loader import load_tokenizer
+    tokenizer = load_tokenizer("embedded")
+    prompts = common.text_prompts(tokenizer, 3, 50)
+    assert [len(p) for p in prompts] == [50, 50, 50]
+    assert len({tuple(p) for p in prompts}) == 3
+    assert common.text_prompts(tokenizer, 3, 50) == prompts
+    source = (Path(sysconfig.get_paths()["stdlib"]) / common.STDLIB_SOURCES[0]).read_text()
+    assert tokenizer.decode(prompts[0] + prompts[1]) in source
+    with pytest.raises(ValueError, match="at least 1"):
+        common.text_prompts(tokenizer, 1, 0)
+
+
+def test_parse_rows_expands_hf_and_rejects_unknown_rows():
+    assert throughput.parse_rows("hf,engine") == ["engine", "hf_generate", "hf_generate_batch",
+                                                  "hf_single"]
+    with pytest.raises(SystemExit, match="unknown row 'vllm'"):
+        throughput.parse_rows("engine,vllm")
+
+
+def test_throughput_quick(tmp_path):
+    result = run_main(throughput, tmp_path)
+    rows = result["rows"]
+    engine = rows["engine"]
+    assert engine["batched"]["output_tokens"] == 2 * 4
+    assert engine["single"]["output_tokens"] == 4
+    assert engine["batched"]["ttft"]["count"] == 2
+    assert engine["batched"]["itl"]["count"] == 2 * 3
+    assert 2 in engine["batch_sizes"]  # the two requests really shared steps
+    for name, batch in (("hf_generate", 2), ("hf_generate_batch", 2), ("hf_single", 1)):
+        assert rows[name]["output_tokens"] == batch * 4, name
+        assert rows[name]["output_tokens_per_s"] > 0
+    assert rows["hf_generate_batch"]["errors"] == []
+    assert [g["goal"] for g in result["goals"]] == [">= 2.5", ">= 1.2", ">= 1.0"]
+    assert all(g["value"] > 0 for g in result["goals"])
+
+
+def sse_server(tokens: int, seen: list[dict]) -> httpx.MockTransport:
+    """A /v1/completions stand-in that streams ``tokens`` one-token chunks, then usage."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append(body)
+        if not body["prompt"]:
+            return httpx.Response(400, json={"error": {"message": "empty"}})
+        count = min(tokens, body["max_tokens"])
+        events = [{"choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}]}
+                  for i in range(count)]
+        events.append({"choices": [], "usage": {"prompt_tokens": len(body["prompt"]),
+                                                "completion_tokens": count}})
+        text = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=text, headers={"x-nalar-worker": "w1"})
+
+    return httpx.MockTransport(handle)
+
+
+def test_http_rows_parse_the_stream():
+    seen: list[dict] = []
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    rows = asyncio.run(throughput.http_rows("http://test", prompts, 5, sse_server(5, seen)))
+    assert rows["batched"]["output_tokens"] == 15
+    assert rows["batched"]["ttft"]["count"] == 3
+    assert rows["batched"]["itl"]["count"] == 3 * 4
+    assert rows["single"]["output_tokens"] == 5
+    assert rows["batched"]["workers"] == ["w1"]
+    assert {tuple(b["prompt"]) for b in seen[1:4]} == {tuple(p) for p in prompts}
+    assert all(b["ignore_eos"] and b["temperature"] == 0 and b["stream"] for b in seen)
+    with pytest.raises(httpx.HTTPStatusError):
+        asyncio.run(throughput.http_rows("http://test", [[]], 5, sse_server(5, seen)))
+
+
+def test_prefill_quick(tmp_path):
+    result = run_main(prefill, tmp_path)
+    assert result["settings"] == {"unchunked": 128, "chunk_32": 32}
+    for setting in result["engine"].values():
+        for length in (64, 128):
+            assert setting[length]["cached_tokens"] == 0
+            assert setting[length]["tokens_per_s"] > 0
+    assert result["engine"]["chunk_32"][128]["steps"] == 4
+    assert set(result["transformers"]) == {64, 128}
+    assert result["goals"][0]["value"] > 0
+
+
+def test_interference_quick(tmp_path):
+    result = run_main(interference, tmp_path)
+    settings = result["settings"]
+    assert list(settings) == ["16", "32", "off"]
+    for name, s in settings.items():
+        assert s["output_tokens"] == 2 * 12 + 2, name
+        assert s["streams_itl"]["count"] == 2 * 11
+        assert s["long_prompt_cached_tokens"] == 0
+        assert s["streams_itl"]["p50_ms"] <= s["streams_itl"]["p99_ms"] <= s["longest_stall_ms"]
+        prefill_per_step = [step[2] for step in s["steps"]]
+        assert sum(prefill_per_step) == 2 * 8 + 64  # the streams and the long prompt
+        assert max(prefill_per_step) <= s["token_budget"]
+    assert 64 in [step[2] for step in settings["off"]["steps"]]  # unchunked: one step
+    assert result["goal"]["best"] in ("16", "32")
+    assert len(result["goal"]["checks"]) == 2
+
+
+def test_step_profile_quick(tmp_path):
+    result = run_main(step_profile, tmp_path)
+    for batch in (1, 2):
+        decode = result["decode"][batch]
+        assert len(decode["step_ms"]) == 3
+        assert decode["step_ms_median"] > 0 and decode["linear_layers_ms"] > 0
+    assert result["memory_bandwidth"]["read_bytes_per_s"] > 1e8
+    assert result["matmul"]["flops_per_s"] > 1e8
+    tiny = common.tiny_model("auto").model
+    assert result["weights_bytes"] == sum(p.numel() * p.element_size()
+                                          for p in tiny.parameters())
+    assert 0 < result["prefill"]["fraction_of_matmul_limit"] < 1
+
+
+def test_prefill_flops_of_the_tiny_llama():
+    model = common.tiny_model("float32").model
+    # per layer: q 64x64, k 64x32, v 64x32, o 64x64, gate/up 64x128, down 128x64
+    decoder = 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128)
+    tokens = 10
+    attention = 2 * 2 * 2 * 4 * 16 * tokens * (tokens + 1) / 2
+    head = 2 * 64 * model.config.vocab_size
+    assert step_profile.prefill_flops(model, tokens) == 2 * decoder * tokens + attention + head
