@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
 
-.PHONY: serve test lint bench clean
+.PHONY: serve test lint bench bench-http clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +25,19 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q $(ARGS)
 
+# Full sizes take a while: run on a quiet machine. The throughput HTTP row needs `make serve`
+# running: make bench-http. BENCH_ARGS passes flags to the new scripts (e.g. --threads 2).
+BENCH_ARGS ?=
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/prefix_ttft.py
+	$(BIN)/python benchmarks/throughput.py --rows engine,hf $(BENCH_ARGS)
+	$(BIN)/python benchmarks/prefill.py $(BENCH_ARGS)
+	$(BIN)/python benchmarks/interference.py $(BENCH_ARGS)
+	$(BIN)/python benchmarks/step_profile.py $(BENCH_ARGS)
+
+bench-http: $(STAMP)
+	$(BIN)/python benchmarks/throughput.py --rows http --out benchmarks/results/throughput_http.json $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
