@@ -55,12 +55,16 @@ from router.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    ChatLogprobs,
+    ChatTokenLogprob,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     ModelCard,
     ModelList,
     PromptTokensDetails,
+    TopLogprob,
     Usage,
 )
 from workers.identity import CacheIdentity, CacheNamespace, block_digests, tenant_from_api_key
@@ -69,6 +73,7 @@ from workers.request import (
     GenerationRequest,
     InvalidRequestError,
     SamplingParams,
+    TokenLogprob,
 )
 
 logger = logging.getLogger(__name__)
@@ -136,33 +141,92 @@ class _Job:
 
 
 @dataclass
+class _ChoiceTally:
+    """What the worker has streamed back for one choice so far."""
+
+    completion_tokens: int = 0
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
 class _Tally:
-    """What the worker has streamed back for one request so far."""
+    """What the worker has streamed back for one request (all its choices) so far."""
 
     prompt_tokens: int
     cached_tokens: int = 0
-    completion_tokens: int = 0
-    text: list[str] = field(default_factory=list)
-    finish_reason: str | None = None
+    choices: dict[int, _ChoiceTally] = field(default_factory=dict)
 
     def add(self, chunk: GenerationChunk) -> None:
         """Folds one chunk in."""
-        # Counts are per request (cumulative or fixed at admission); ``max`` keeps them right
+        # Counts are per choice (cumulative or fixed at admission); ``max`` keeps them right
         # whether a worker repeats them on every chunk or sends them once.
         self.prompt_tokens = chunk.prompt_tokens or self.prompt_tokens
-        self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
-        self.completion_tokens = max(self.completion_tokens, chunk.completion_tokens)
-        self.text.append(chunk.text)
-        self.finish_reason = chunk.finish_reason
+        if chunk.index == 0:  # later choices reuse the first one's prompt blocks
+            self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
+        choice = self.choices.setdefault(chunk.index, _ChoiceTally())
+        choice.completion_tokens = max(choice.completion_tokens, chunk.completion_tokens)
+        choice.text.append(chunk.text)
+        choice.logprobs.extend(chunk.logprobs or ())
+        choice.finish_reason = chunk.finish_reason or choice.finish_reason
 
     def usage(self) -> Usage:
-        """The OpenAI ``usage`` object, with the prefix-cache hit as ``cached_tokens``."""
+        """The OpenAI ``usage`` object: the prompt once, the output tokens of every choice,
+        and the prefix-cache hit as ``cached_tokens``."""
+        completion = sum(c.completion_tokens for c in self.choices.values())
         return Usage(
             prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
-            total_tokens=self.prompt_tokens + self.completion_tokens,
+            completion_tokens=completion,
+            total_tokens=self.prompt_tokens + completion,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
         )
+
+    def ordered(self) -> list[tuple[int, _ChoiceTally]]:
+        return sorted(self.choices.items())
+
+
+# GPT-2's byte-to-unicode table, inverted: byte-level BPE vocabularies (GPT-2, Llama 3, Qwen,
+# SmolLM2) spell each byte as one printable character.
+def _byte_decoder() -> dict[str, int]:
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    extra = [b for b in range(256) if b not in printable]
+    chars = printable + [256 + i for i in range(len(extra))]
+    return {chr(c): b for c, b in zip(chars, printable + extra, strict=True)}
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
+class _TokenStrings:
+    """Token id → (text, UTF-8 bytes) for logprobs, cached per id.
+
+    Byte-level BPE tokens give their exact bytes (a token holding part of a multi-byte
+    character has text ``�`` but its true bytes, as OpenAI reports them); other vocabularies
+    fall back to decoding the single token.
+    """
+
+    def __init__(self, tokenizer: Any, lock: threading.Lock):
+        self._tokenizer = tokenizer
+        self._lock = lock
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        cached = self._cache.get(token_id)
+        if cached is None:
+            cached = self._cache[token_id] = self._lookup(token_id)
+        return cached
+
+    def _lookup(self, token_id: int) -> tuple[str, list[int]]:
+        with self._lock:
+            piece = self._tokenizer.convert_ids_to_tokens(token_id)
+            special = token_id in set(getattr(self._tokenizer, "all_special_ids", ()))
+            if special or not piece or any(c not in _BYTE_DECODER for c in piece):
+                text = piece if special and piece else self._tokenizer.decode([token_id])
+                return text, list(text.encode("utf-8"))
+        raw = bytes(_BYTE_DECODER[c] for c in piece)
+        return raw.decode("utf-8", errors="replace"), list(raw)
 
 
 def build_openai_app(backend: ServingBackend) -> FastAPI:
@@ -182,13 +246,15 @@ def build_openai_app(backend: ServingBackend) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """Chat completion (OpenAI ``chat.completion``), streamed as SSE when ``stream``."""
         job = await ingress.chat_job(body, request.headers.get("authorization"))
-        return await ingress.serve(job, _ChatFormat(job), request.receive)
+        return await ingress.serve(job, _ChatFormat(job, ingress.token_strings),
+                                   request.receive)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """Text completion of one prompt (a string or token ids), SSE when ``stream``."""
         job = await ingress.completion_job(body, request.headers.get("authorization"))
-        return await ingress.serve(job, _CompletionFormat(job), request.receive)
+        return await ingress.serve(job, _CompletionFormat(job, ingress.token_strings),
+                                   request.receive)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
@@ -220,6 +286,11 @@ class _Ingress:
         # One tokenizer call at a time: a Rust tokenizer shared across threads can fail with
         # "Already borrowed" when calls overlap.
         self._tokenizer_lock = threading.Lock()
+
+    @functools.cached_property
+    def token_strings(self) -> _TokenStrings:
+        """Token texts and bytes for logprobs (the tokenizer may load after the app)."""
+        return _TokenStrings(self.backend.tokenizer, self._tokenizer_lock)
 
     @functools.cached_property
     def vocab_size(self) -> int:
@@ -305,21 +376,32 @@ class _Ingress:
         length is known (see :meth:`_fit_context`)."""
         if body.stop_token_ids:
             self._checked_ids(body.stop_token_ids, "stop_token_ids")
+        logit_bias = body.logit_bias_ids()
+        if logit_bias:
+            self._checked_ids(list(logit_bias), "logit_bias")
+        min_tokens = body.min_tokens or 0
         sampling = SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=0 if body.top_k is None else body.top_k,
+            min_p=body.min_p or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None
+            else body.repetition_penalty,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            logit_bias=logit_bias,
             seed=body.seed,
-            max_tokens=1 if max_tokens is None else max_tokens,
+            n=1 if body.n is None else body.n,
+            max_tokens=max(1, min_tokens) if max_tokens is None else max_tokens,
+            min_tokens=min_tokens,
             stop=list(body.stop or []),
             stop_token_ids=list(body.stop_token_ids or []),
             ignore_eos=bool(body.ignore_eos),
+            logprobs=body.logprobs_count(),
         )
-        try:
-            sampling.validate()
-        except InvalidRequestError as exc:
-            param = max_param if exc.param == "max_tokens" else exc.param
-            raise invalid_request(f"{param}: {exc}", param, exc.code) from exc
+        # Chat asks for alternatives with ``top_logprobs``; completions with ``logprobs``.
+        chat = isinstance(body, ChatCompletionRequest)
+        _validate(sampling, max_param, "top_logprobs" if chat else "logprobs")
         return sampling
 
     def _fit_context(self, sampling: SamplingParams, prompt_len: int, explicit_max: bool,
@@ -335,7 +417,9 @@ class _Ingress:
                 f"{prompt_len} tokens, leaving no room for output", prompt_param,
                 "context_length_exceeded")
         if not explicit_max:
-            return replace(sampling, max_tokens=limit - prompt_len)
+            sampling = replace(sampling, max_tokens=limit - prompt_len)
+            _validate(sampling, max_param)  # min_tokens may exceed what the context leaves
+            return sampling
         if prompt_len + sampling.max_tokens > limit:
             raise invalid_request(
                 f"This model's maximum context length is {limit} tokens; the prompt has "
@@ -414,6 +498,17 @@ class _Ingress:
         finally:
             if chunks is not None and not streaming:
                 await _close(chunks)
+
+
+def _validate(sampling: SamplingParams, max_param: str, logprobs_param: str = "logprobs",
+              ) -> None:
+    """:meth:`SamplingParams.validate`, as a 400 naming the request's parameter."""
+    try:
+        sampling.validate()
+    except InvalidRequestError as exc:
+        renamed = {"max_tokens": max_param, "logprobs": logprobs_param}
+        param = renamed.get(exc.param, exc.param)
+        raise invalid_request(f"{param}: {exc}", param, exc.code) from exc
 
 
 def _bearer_key(authorization: str | None) -> str | None:
@@ -500,7 +595,8 @@ async def _collect(job: _Job, first: GenerationChunk,
         tally.add(chunk)
         if chunk.finish_reason is not None:
             _finish_reason(chunk.finish_reason)
-            return tally
+            if chunk.is_last:
+                return tally
         chunk = await _next_chunk(chunks)
 
 
@@ -518,12 +614,15 @@ async def _sse_events(job: _Job, fmt: _Format, first: GenerationChunk,
         chunk = first
         while True:
             tally.add(chunk)
-            if chunk.text:
-                yield _sse(fmt.text(chunk.text), job.include_usage)
+            if chunk.text or chunk.logprobs:
+                yield _sse(fmt.text(chunk.index, chunk.text, chunk.logprobs),
+                           job.include_usage)
             if chunk.finish_reason is not None:
-                break
+                reason = _finish_reason(chunk.finish_reason)
+                yield _sse(fmt.finish(chunk.index, reason), job.include_usage)
+                if chunk.is_last:
+                    break
             chunk = await _next_chunk(chunks)
-        yield _sse(fmt.finish(_finish_reason(chunk.finish_reason)), job.include_usage)
         if job.include_usage:
             yield _sse(fmt.usage(tally.usage()), True)
     except Exception as exc:
@@ -624,12 +723,12 @@ class _Format(Protocol):
         """Events sent before any text."""
         ...
 
-    def text(self, text: str) -> BaseModel:
-        """An event carrying new text."""
+    def text(self, index: int, text: str, logprobs: list[TokenLogprob] | None) -> BaseModel:
+        """An event carrying new text (and its tokens' logprobs) of choice ``index``."""
         ...
 
-    def finish(self, reason: str) -> BaseModel:
-        """The event carrying the finish reason."""
+    def finish(self, index: int, reason: str) -> BaseModel:
+        """The event carrying the finish reason of choice ``index``."""
         ...
 
     def usage(self, usage: Usage) -> BaseModel:
@@ -641,11 +740,15 @@ class _Format(Protocol):
         ...
 
 
+TokenStrings = Callable[[int], tuple[str, list[int]]]
+
+
 class _ChatFormat:
     """``chat.completion`` and ``chat.completion.chunk`` shapes."""
 
-    def __init__(self, job: _Job):
+    def __init__(self, job: _Job, token_strings: TokenStrings):
         self.job = job
+        self.token_strings = token_strings
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None,
                ) -> ChatCompletionChunk:
@@ -654,16 +757,20 @@ class _ChatFormat:
                                    model=job.model, choices=choices, usage=usage)
 
     def opening(self) -> list[BaseModel]:
-        """The first delta announces the assistant's turn."""
-        return [self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])]
+        """The first delta of each choice announces the assistant's turn."""
+        return [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant",
+                                                                      content=""))])
+                for i in range(self.job.request.sampling.n)]
 
-    def text(self, text: str) -> BaseModel:
+    def text(self, index: int, text: str, logprobs: list[TokenLogprob] | None) -> BaseModel:
         """A content delta."""
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(content=text))])
+        return self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=text),
+                                            logprobs=self._logprobs(logprobs))])
 
-    def finish(self, reason: str) -> BaseModel:
+    def finish(self, index: int, reason: str) -> BaseModel:
         """An empty delta with the finish reason."""
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=reason)])
+        return self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(),
+                                            finish_reason=reason)])
 
     def usage(self, usage: Usage) -> BaseModel:
         """The usage-only chunk."""
@@ -672,17 +779,31 @@ class _ChatFormat:
     def response(self, tally: _Tally) -> BaseModel:
         """The ``chat.completion`` object."""
         job = self.job
-        message = AssistantMessage(content="".join(tally.text))
-        choice = ChatChoice(message=message, finish_reason=tally.finish_reason)
+        choices = [ChatChoice(index=index, message=AssistantMessage(content="".join(c.text)),
+                              logprobs=self._logprobs(c.logprobs), finish_reason=c.finish_reason)
+                   for index, c in tally.ordered()]
         return ChatCompletionResponse(id=job.request.request_id, created=job.created,
-                                      model=job.model, choices=[choice], usage=tally.usage())
+                                      model=job.model, choices=choices, usage=tally.usage())
+
+    def _logprobs(self, entries: list[TokenLogprob] | None) -> ChatLogprobs | None:
+        if self.job.request.sampling.logprobs is None:
+            return None
+        return ChatLogprobs(content=[self._entry(e) for e in entries or ()])
+
+    def _entry(self, entry: TokenLogprob) -> ChatTokenLogprob:
+        text, raw = self.token_strings(entry.token_id)
+        top = [TopLogprob(token=t, logprob=lp, bytes=b)
+               for (t, b), lp in ((self.token_strings(i), lp) for i, lp in entry.top)]
+        return ChatTokenLogprob(token=text, logprob=entry.logprob, bytes=raw, top_logprobs=top)
 
 
 class _CompletionFormat:
     """``text_completion`` shapes (the same object streams, chunk by chunk)."""
 
-    def __init__(self, job: _Job):
+    def __init__(self, job: _Job, token_strings: TokenStrings):
         self.job = job
+        self.token_strings = token_strings
+        self._offsets: dict[int, int] = {}  # per choice: text offset of its next token
 
     def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None,
                ) -> CompletionResponse:
@@ -694,13 +815,14 @@ class _CompletionFormat:
         """Text completions open with text directly."""
         return []
 
-    def text(self, text: str) -> BaseModel:
+    def text(self, index: int, text: str, logprobs: list[TokenLogprob] | None) -> BaseModel:
         """A text chunk."""
-        return self._chunk([CompletionChoice(text=text)])
+        return self._chunk([CompletionChoice(index=index, text=text,
+                                             logprobs=self._logprobs(index, logprobs))])
 
-    def finish(self, reason: str) -> BaseModel:
+    def finish(self, index: int, reason: str) -> BaseModel:
         """An empty text chunk with the finish reason."""
-        return self._chunk([CompletionChoice(text="", finish_reason=reason)])
+        return self._chunk([CompletionChoice(index=index, text="", finish_reason=reason)])
 
     def usage(self, usage: Usage) -> BaseModel:
         """The usage-only chunk."""
@@ -708,5 +830,28 @@ class _CompletionFormat:
 
     def response(self, tally: _Tally) -> BaseModel:
         """The ``text_completion`` object."""
-        choice = CompletionChoice(text="".join(tally.text), finish_reason=tally.finish_reason)
-        return self._chunk([choice], tally.usage())
+        choices = [CompletionChoice(index=index, text="".join(c.text),
+                                    logprobs=self._logprobs(index, c.logprobs),
+                                    finish_reason=c.finish_reason)
+                   for index, c in tally.ordered()]
+        return self._chunk(choices, tally.usage())
+
+    def _logprobs(self, index: int, entries: list[TokenLogprob] | None,
+                  ) -> CompletionLogprobs | None:
+        """The legacy parallel-list shape; ``top_logprobs`` also holds the sampled token (as
+        vLLM's do), and ``text_offset`` counts the token texts before each token."""
+        if self.job.request.sampling.logprobs is None:
+            return None
+        result = CompletionLogprobs()
+        offset = self._offsets.get(index, 0)
+        for entry in entries or ():
+            text = self.token_strings(entry.token_id)[0]
+            top = {self.token_strings(i)[0]: lp for i, lp in entry.top}
+            top.setdefault(text, entry.logprob)
+            result.tokens.append(text)
+            result.token_logprobs.append(entry.logprob)
+            result.top_logprobs.append(top)
+            result.text_offset.append(offset)
+            offset += len(text)
+        self._offsets[index] = offset
+        return result

@@ -28,11 +28,6 @@ from pydantic_core import PydanticCustomError
 # Neutral values of the OpenAI parameters we accept but do not implement: any other non-null
 # value is refused by name. ``None`` (JSON null) always means "not given".
 _CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (False,),
-    "top_logprobs": (0,),
-    "logit_bias": ({},),
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
     "tools": ([],),
     "tool_choice": ("none",),
     "parallel_tool_calls": (),
@@ -52,10 +47,6 @@ _CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 _COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (),
-    "logit_bias": ({},),
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
     "echo": (False,),
     "best_of": (1,),
     "suffix": ("",),
@@ -63,7 +54,6 @@ _COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 
 # Message fields a text-only chat without tools cannot honour.
 _MESSAGE_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "name": (),
     "tool_calls": ([],),
     "tool_call_id": (),
     "function_call": (),
@@ -108,7 +98,7 @@ class ChatMessage(_StrictModel):
     role: str
     # Validated even when absent, so a missing content is an error rather than None.
     content: Any = Field(default=None, validate_default=True)
-    name: Any = None
+    name: str | None = None
     tool_calls: Any = None
     tool_call_id: Any = None
     function_call: Any = None
@@ -150,9 +140,13 @@ class ChatMessage(_StrictModel):
         return _refuse_unless_neutral(value, info.field_name, _MESSAGE_UNSUPPORTED[info.field_name])
 
     def template_dict(self) -> dict[str, str]:
-        """The message as the chat template expects it."""
+        """The message as the chat template expects it; ``name`` is passed on for templates
+        that render it (many, SmolLM2's included, ignore it)."""
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.content}
+        message = {"role": role, "content": self.content}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
 def _text_of_part(part: Any, index: int) -> str:
@@ -178,8 +172,11 @@ def _text_of_part(part: Any, index: int) -> str:
 class _GenerationBody(_StrictModel):
     """Fields shared by chat and text completions.
 
-    ``top_k``, ``stop_token_ids``, ``ignore_eos`` and ``cache_salt`` are extensions (vLLM spells
-    them the same way). ``user`` and ``safety_identifier`` are end-user identifiers for abuse
+    ``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``stop_token_ids``,
+    ``ignore_eos`` and ``cache_salt`` are extensions (vLLM spells them the same way). Ranges
+    are checked by :meth:`workers.request.SamplingParams.validate`; ``logit_bias`` keys (token
+    ids as strings, OpenAI's form) are parsed here and range-checked against the vocabulary by
+    the app. ``user`` and ``safety_identifier`` are end-user identifiers for abuse
     monitoring; they never change the output, so accepting them ignores nothing a client relies
     on.
     """
@@ -189,6 +186,12 @@ class _GenerationBody(_StrictModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -205,14 +208,19 @@ class _GenerationBody(_StrictModel):
     def _stop_as_list(cls, stop: Any) -> Any:
         return [stop] if isinstance(stop, str) else stop
 
-    @field_validator("n")
+    @field_validator("logit_bias")
     @classmethod
-    def _single_choice(cls, n: int | None) -> int | None:
-        if n is not None and n < 1:
-            raise PydanticCustomError("invalid_value", "n must be at least 1")
-        if n is not None and n > 1:
-            raise PydanticCustomError("unsupported_value", "only n=1 is supported")
-        return n
+    def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not key.strip().lstrip("-").isdigit():
+                raise PydanticCustomError(
+                    "invalid_value", "logit_bias keys must be token ids, got '{key}'",
+                    {"key": key})
+        return bias
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        """``logit_bias`` with integer token ids."""
+        return {int(key): value for key, value in (self.logit_bias or {}).items()}
 
 
 class ChatCompletionRequest(_GenerationBody):
@@ -220,11 +228,8 @@ class ChatCompletionRequest(_GenerationBody):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    logit_bias: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
@@ -254,6 +259,18 @@ class ChatCompletionRequest(_GenerationBody):
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         return _refuse_unless_neutral(value, info.field_name, _CHAT_UNSUPPORTED[info.field_name])
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top and not info.data.get("logprobs"):
+            raise PydanticCustomError("invalid_value",
+                                      "top_logprobs needs logprobs to be true")
+        return top
+
+    def logprobs_count(self) -> int | None:
+        """Alternatives per token the worker is asked for; None when logprobs are off."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(_GenerationBody):
     """Body of ``POST /v1/completions``.
@@ -263,10 +280,7 @@ class CompletionRequest(_GenerationBody):
     """
 
     prompt: Any
-    logprobs: Any = None
-    logit_bias: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
+    logprobs: int | None = None
     echo: Any = None
     best_of: Any = None
     suffix: Any = None
@@ -291,6 +305,10 @@ class CompletionRequest(_GenerationBody):
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         neutral = _COMPLETION_UNSUPPORTED[info.field_name]
         return _refuse_unless_neutral(value, info.field_name, neutral)
+
+    def logprobs_count(self) -> int | None:
+        """Alternatives per token the worker is asked for; None when logprobs are off."""
+        return self.logprobs
 
 
 def _token_id_prompt(prompt: list[Any]) -> list[int]:
@@ -329,6 +347,36 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class TopLogprob(BaseModel):
+    """One alternative of ``choices[].logprobs.content[].top_logprobs`` (chat)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    """One output token of ``choices[].logprobs.content`` (chat)."""
+
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """``choices[].logprobs`` of a chat completion (or of one of its chunks)."""
+
+    content: list[ChatTokenLogprob]
+
+
+class CompletionLogprobs(BaseModel):
+    """``choices[].logprobs`` of a text completion: parallel lists, one entry per token;
+    ``text_offset`` is each token's offset in the choice's text."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class AssistantMessage(BaseModel):
     """``choices[0].message`` of a chat completion."""
 
@@ -341,7 +389,7 @@ class ChatChoice(BaseModel):
 
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"]
 
 
@@ -373,7 +421,7 @@ class ChatChunkChoice(BaseModel):
 
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
 
 
@@ -393,7 +441,7 @@ class CompletionChoice(BaseModel):
 
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
 
 

@@ -134,10 +134,11 @@ class SamplingParams:
                                       "logprobs")
 
     def for_choice(self, index: int) -> SamplingParams:
-        """The parameters of choice ``index`` of an ``n > 1`` request: seed + index."""
+        """The parameters of choice ``index`` of an ``n > 1`` request: seed + index (mod
+        2**64, the range torch generators take)."""
         if self.seed is None or index == 0:
             return self
-        return replace(self, seed=self.seed + index)
+        return replace(self, seed=(self.seed + index) % 2**64)
 
 
 @dataclass

@@ -19,7 +19,12 @@ from transformers import AutoTokenizer
 from router.errors import OverloadedError
 from router.openai_app import WORKER_HEADER, build_openai_app
 from workers.identity import CacheIdentity, CacheNamespace, block_digests, tenant_from_api_key
-from workers.request import GenerationChunk, GenerationRequest, InvalidRequestError
+from workers.request import (
+    GenerationChunk,
+    GenerationRequest,
+    InvalidRequestError,
+    TokenLogprob,
+)
 
 MODEL = "smollm2-135m-instruct"
 MAX_MODEL_LEN = 128
@@ -355,6 +360,133 @@ async def test_length_finish_reason(client, backend):
     assert response.json()["choices"][0]["finish_reason"] == "length"
 
 
+# -- sampling parameters, logprobs, n ---------------------------------------------------------
+
+
+async def test_new_sampling_parameters_reach_the_worker(client, backend):
+    body = {"messages": HELLO, "min_p": 0.1, "repetition_penalty": 1.2,
+            "presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {"42": -100},
+            "min_tokens": 3, "max_tokens": 9, "n": 3, "seed": 7, "logprobs": True,
+            "top_logprobs": 4}
+    response = await client.post(CHAT, json=body)
+    assert response.status_code == 200, response.text
+    sampling = backend.requests[0].sampling
+    assert (sampling.min_p, sampling.repetition_penalty, sampling.presence_penalty,
+            sampling.frequency_penalty) == (0.1, 1.2, 0.5, -0.5)
+    assert sampling.logit_bias == {42: -100}
+    assert (sampling.min_tokens, sampling.max_tokens, sampling.n) == (3, 9, 3)
+    assert sampling.logprobs == 4
+    response = await client.post(COMPLETIONS, json={"prompt": "x", "logprobs": 0})
+    assert backend.requests[1].sampling.logprobs == 0
+    response = await client.post(CHAT, json={"messages": HELLO, "logprobs": True})
+    assert backend.requests[2].sampling.logprobs == 0
+    response = await client.post(CHAT, json={"messages": HELLO, "logprobs": False,
+                                             "top_logprobs": 0})
+    assert response.status_code == 200 and backend.requests[3].sampling.logprobs is None
+
+
+async def test_message_name_is_accepted_and_passed_to_the_template(client, backend, tokenizer):
+    messages = [{"role": "user", "content": "Hello there", "name": "bob"}]
+    response = await client.post(CHAT, json={"messages": messages})
+    assert response.status_code == 200, response.text
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert backend.requests[0].token_ids == list(expected["input_ids"])
+
+
+def logprob_script(tokenizer: Any) -> Script:
+    """Two tokens with logprobs, the second a partial multi-byte character pair: "Hi🙂"."""
+    ids = tokenizer.encode("Hi🙂")
+    dot = tokenizer.encode(".")[0]
+
+    def script(request: GenerationRequest) -> list[Any]:
+        entries = [TokenLogprob(t, -0.25 * (i + 1), [(t, -0.25 * (i + 1)), (dot, -3.0)])
+                   for i, t in enumerate(ids)]
+        prompt = len(request.token_ids)
+        return [GenerationChunk(request.request_id, ids[:-1], "Hi", None, prompt, 0,
+                                len(ids) - 1, "worker-7", logprobs=entries[:-1]),
+                GenerationChunk(request.request_id, ids[-1:], "🙂", "stop", prompt, 0, len(ids),
+                                "worker-7", logprobs=entries[-1:])]
+
+    return script
+
+
+async def test_chat_logprobs_shape(client, backend, tokenizer):
+    backend.script = logprob_script(tokenizer)
+    ids = tokenizer.encode("Hi🙂")
+    body = {"messages": HELLO, "logprobs": True, "top_logprobs": 2}
+    response = await client.post(CHAT, json=body)
+    assert response.status_code == 200, response.text
+    content = response.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == len(ids) >= 3  # the emoji is split over byte tokens
+    assert content[0]["token"] == "Hi" and content[0]["logprob"] == -0.25
+    assert content[0]["bytes"] == list(b"Hi")
+    assert b"".join(bytes(c["bytes"]) for c in content) == "Hi🙂".encode()
+    assert "\ufffd" in content[1]["token"]  # part of a character: its text is U+FFFD ...
+    assert bytes(content[1]["bytes"])[0] == "🙂".encode()[0]  # ... its bytes are exact
+    assert [t["logprob"] for t in content[0]["top_logprobs"]] == [-0.25, -3.0]
+    assert content[0]["top_logprobs"][1] == {"token": ".", "logprob": -3.0, "bytes": [46]}
+    # Streaming: the same entries, spread over the content deltas.
+    response = await client.post(CHAT, json={**body, "stream": True})
+    events = sse_events(response)[:-1]
+    streamed = [e for ev in events for e in ((ev["choices"][0].get("logprobs") or {})
+                                             .get("content") or [])]
+    assert streamed == content
+
+
+async def test_completion_logprobs_shape(client, backend, tokenizer):
+    backend.script = logprob_script(tokenizer)
+    ids = tokenizer.encode("Hi🙂")
+    response = await client.post(COMPLETIONS, json={"prompt": "x", "logprobs": 1})
+    assert response.status_code == 200, response.text
+    logprobs = response.json()["choices"][0]["logprobs"]
+    assert set(logprobs) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert logprobs["tokens"][0] == "Hi" and len(logprobs["tokens"]) == len(ids)
+    assert logprobs["token_logprobs"] == [-0.25 * (i + 1) for i in range(len(ids))]
+    assert logprobs["top_logprobs"][0] == {"Hi": -0.25, ".": -3.0}
+    lengths = [len(t) for t in logprobs["tokens"]]
+    assert logprobs["text_offset"] == [sum(lengths[:i]) for i in range(len(ids))]
+    response = await client.post(COMPLETIONS, json={"prompt": "x", "logprobs": 1,
+                                                    "stream": True})
+    events = sse_events(response)[:-1]
+    offsets = [o for ev in events for o in ((ev["choices"][0]["logprobs"] or {})
+                                            .get("text_offset") or [])]
+    assert offsets == logprobs["text_offset"]
+
+
+def two_choices(request: GenerationRequest) -> list[Any]:
+    """Choice 1 finishes first, then choice 0; completion tokens 2 + 3."""
+    prompt = len(request.token_ids)
+
+    def part(index, text, finish, completion, left):
+        return GenerationChunk(request.request_id, [100], text, finish, prompt, 16 if index == 0
+                               else 32, completion, "worker-7", index=index, choices_left=left)
+
+    return [part(0, "A", None, 1, 2), part(1, "x", None, 1, 2), part(1, "y", "length", 2, 1),
+            part(0, "B", None, 2, 1), part(0, "C", "stop", 3, 0)]
+
+
+async def test_n_choices_answer_and_usage(client, backend):
+    backend.script = two_choices
+    response = await client.post(CHAT, json={"messages": HELLO, "n": 2})
+    body = response.json()
+    assert [(c["index"], c["message"]["content"], c["finish_reason"])
+            for c in body["choices"]] == [(0, "ABC", "stop"), (1, "xy", "length")]
+    assert body["usage"]["completion_tokens"] == 5
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 16
+    body = {"prompt": "x", "n": 2, "stream": True, "stream_options": {"include_usage": True}}
+    response = await client.post(COMPLETIONS, json=body)
+    *events, usage, done = sse_events(response)
+    texts = {0: "", 1: ""}
+    finishes = {}
+    for event in events:
+        (choice,) = event["choices"]
+        texts[choice["index"]] += choice["text"]
+        if choice["finish_reason"]:
+            finishes[choice["index"]] = choice["finish_reason"]
+    assert texts == {0: "ABC", 1: "xy"} and finishes == {0: "stop", 1: "length"}
+    assert usage["usage"]["completion_tokens"] == 5
+
+
 # -- request validation ------------------------------------------------------------------------
 
 LONG = "word " * 200  # well over MAX_MODEL_LEN tokens
@@ -377,8 +509,8 @@ INVALID = [
      "unsupported_value"),
     (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role",
      "invalid_value"),
-    (CHAT, {"messages": [{"role": "user", "content": "x", "name": "bob"}]}, 400,
-     "messages[0].name", "unsupported_parameter"),
+    (CHAT, {"messages": [{"role": "user", "content": "x", "name": 5}]}, 400,
+     "messages[0].name", "invalid_type"),
     (CHAT, {"messages": HELLO, "model": "gpt-4"}, 404, "model", "model_not_found"),
     (CHAT, {"messages": HELLO, "temperature": 3}, 400, "temperature", "invalid_value"),
     (CHAT, {"messages": HELLO, "temperature": "hot"}, 400, "temperature", "invalid_type"),
@@ -395,22 +527,34 @@ INVALID = [
      "invalid_value"),
     (CHAT, {"messages": HELLO, "seed": 2**64}, 400, "seed", "invalid_value"),
     (CHAT, {"messages": HELLO, "cache_salt": ""}, 400, "cache_salt", "invalid_value"),
-    (CHAT, {"messages": HELLO, "n": 2}, 400, "n", "unsupported_value"),
+    (CHAT, {"messages": HELLO, "n": 129}, 400, "n", "invalid_value"),
     (CHAT, {"messages": HELLO, "n": 0}, 400, "n", "invalid_value"),
-    (CHAT, {"messages": HELLO, "logprobs": True}, 400, "logprobs", "unsupported_parameter"),
-    (CHAT, {"messages": HELLO, "top_logprobs": 2}, 400, "top_logprobs", "unsupported_parameter"),
+    (CHAT, {"messages": HELLO, "logprobs": 1}, 400, "logprobs", "invalid_type"),
+    (CHAT, {"messages": HELLO, "top_logprobs": 2}, 400, "top_logprobs", "invalid_value"),
+    (CHAT, {"messages": HELLO, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
+     "invalid_value"),
+    (CHAT, {"messages": HELLO, "min_p": 1.5}, 400, "min_p", "invalid_value"),
+    (CHAT, {"messages": HELLO, "repetition_penalty": 0}, 400, "repetition_penalty",
+     "invalid_value"),
+    (CHAT, {"messages": HELLO, "min_tokens": 5, "max_tokens": 3}, 400, "min_tokens",
+     "invalid_value"),
+    (CHAT, {"messages": HELLO, "min_tokens": MAX_MODEL_LEN}, 400, "min_tokens",
+     "invalid_value"),
     (CHAT, {"messages": HELLO, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
      "tools", "unsupported_parameter"),
     (CHAT, {"messages": HELLO, "tool_choice": "auto"}, 400, "tool_choice",
      "unsupported_parameter"),
     (CHAT, {"messages": HELLO, "response_format": {"type": "json_object"}}, 400,
      "response_format", "unsupported_parameter"),
-    (CHAT, {"messages": HELLO, "logit_bias": {"1": 5}}, 400, "logit_bias",
-     "unsupported_parameter"),
-    (CHAT, {"messages": HELLO, "presence_penalty": 0.5}, 400, "presence_penalty",
-     "unsupported_parameter"),
-    (CHAT, {"messages": HELLO, "frequency_penalty": 1}, 400, "frequency_penalty",
-     "unsupported_parameter"),
+    (CHAT, {"messages": HELLO, "logit_bias": {"one": 5}}, 400, "logit_bias", "invalid_value"),
+    (CHAT, {"messages": HELLO, "logit_bias": {"49152": 5}}, 400, "logit_bias",
+     "invalid_value"),
+    (CHAT, {"messages": HELLO, "logit_bias": {"7": 100.5}}, 400, "logit_bias",
+     "invalid_value"),
+    (CHAT, {"messages": HELLO, "presence_penalty": 2.5}, 400, "presence_penalty",
+     "invalid_value"),
+    (CHAT, {"messages": HELLO, "frequency_penalty": -3}, 400, "frequency_penalty",
+     "invalid_value"),
     (CHAT, {"messages": HELLO, "stream_options": {"include_usage": True}}, 400,
      "stream_options", "invalid_value"),
     (CHAT, {"messages": HELLO, "stream": True, "stream_options": {"x": True}}, 400,
@@ -435,7 +579,10 @@ INVALID = [
     (COMPLETIONS, {"prompt": "x", "echo": True}, 400, "echo", "unsupported_parameter"),
     (COMPLETIONS, {"prompt": "x", "best_of": 2}, 400, "best_of", "unsupported_parameter"),
     (COMPLETIONS, {"prompt": "x", "suffix": "!"}, 400, "suffix", "unsupported_parameter"),
-    (COMPLETIONS, {"prompt": "x", "logprobs": 1}, 400, "logprobs", "unsupported_parameter"),
+    (COMPLETIONS, {"prompt": "x", "logprobs": 21}, 400, "logprobs", "invalid_value"),
+    (COMPLETIONS, {"prompt": "x", "logprobs": True}, 400, "logprobs", "invalid_type"),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {"-1": 1}}, 400, "logit_bias",
+     "invalid_value"),
     (COMPLETIONS, {"prompt": "x", "messages": HELLO}, 400, "messages", "unknown_parameter"),
     (COMPLETIONS, {"prompt": "x", "model": "other"}, 404, "model", "model_not_found"),
 ]
