@@ -1,0 +1,195 @@
+"""A worker that survives its own faults: a failed step fails only its batch's requests; an
+error elsewhere in the engine loop never hangs a request; a dead loop fails fast and fails the
+replica's health check; aborting an unknown or finished request is harmless."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from workers.async_engine import AsyncEngine, EngineDeadError
+from workers.engine import StepFailedError
+from workers.request import GenerationChunk, GenerationRequest, SamplingParams
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return torch.randint(3, 1000, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def greedy(request_id: str, token_ids: list[int], max_tokens: int = 8) -> GenerationRequest:
+    return GenerationRequest(request_id, token_ids, SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+
+
+def ids(chunks: list[GenerationChunk]) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+def fail_when_batched(engine, request_id: str, after_calls: int = 2) -> dict:
+    """Make the runner raise on a step containing ``request_id`` once it has run
+    ``after_calls`` such steps (so the victim holds computed, registered blocks)."""
+    execute, state = engine.runner.execute, {"calls": 0, "failed_batch": None}
+
+    def flaky(batch, sample_rows):
+        if any(seq.request.request_id == request_id for seq in batch.seqs):
+            state["calls"] += 1
+            if state["calls"] > after_calls and state["failed_batch"] is None:
+                state["failed_batch"] = sorted(seq.request.request_id for seq in batch.seqs)
+                raise RuntimeError("injected kernel fault")
+        return execute(batch, sample_rows)
+
+    engine.runner.execute = flaky
+    return state
+
+
+def assert_pool_at_rest(engine) -> None:
+    engine.pool.check_invariants()
+    assert engine.pool.num_in_use == 0
+    assert not engine.has_work()
+
+
+def test_a_failed_step_aborts_only_its_batch(tiny_qwen, make_engine):
+    requests = [greedy("bad", prompt(1, 40), 12), greedy("mate", prompt(2, 30), 12),
+                greedy("later", prompt(3, 35), 12)]
+    reference = make_engine(tiny_qwen, num_blocks=64).generate(requests)
+    engine = make_engine(tiny_qwen, num_blocks=64, max_num_seqs=2)  # "later" waits
+    state = fail_when_batched(engine, "bad")
+    for request in requests:
+        engine.add_request(request)
+    chunks: dict[str, list[GenerationChunk]] = {r.request_id: [] for r in requests}
+    with pytest.raises(StepFailedError) as error:
+        while engine.has_work():
+            for chunk in engine.step():
+                chunks[chunk.request_id].append(chunk)
+    assert sorted(error.value.request_ids) == state["failed_batch"] == ["bad", "mate"]
+    assert "injected kernel fault" in str(error.value)
+    assert engine.sequence("bad") is None and engine.sequence("mate") is None
+    while engine.has_work():  # the engine keeps serving the request outside the step
+        for chunk in engine.step():
+            chunks[chunk.request_id].append(chunk)
+    assert ids(chunks["later"]) == ids(reference["later"])
+    assert chunks["later"][-1].finish_reason == "length"
+    assert_pool_at_rest(engine)
+
+
+async def collect(engine: AsyncEngine, request: GenerationRequest) -> list[GenerationChunk]:
+    return [chunk async for chunk in engine.generate(request)]
+
+
+async def test_a_failed_step_fails_only_its_streams(tiny_qwen, make_engine):
+    requests = [greedy("bad", prompt(1, 40), 12), greedy("mate", prompt(2, 30), 12),
+                greedy("later", prompt(3, 35), 12)]
+    reference = make_engine(tiny_qwen, num_blocks=64).generate(requests)
+    engine = make_engine(tiny_qwen, num_blocks=64, max_num_seqs=2)
+    state = fail_when_batched(engine, "bad")
+    async_engine = AsyncEngine(engine)
+    try:
+        results = await asyncio.wait_for(asyncio.gather(
+            *(collect(async_engine, r) for r in requests), return_exceptions=True), 60)
+        outcome = dict(zip([r.request_id for r in requests], results, strict=True))
+        assert state["failed_batch"] == ["bad", "mate"]
+        for failed in ("bad", "mate"):
+            assert isinstance(outcome[failed], RuntimeError)
+            assert "injected kernel fault" in str(outcome[failed])
+        assert ids(outcome["later"]) == ids(reference["later"])
+        # still healthy, still serving
+        async_engine.check_health()
+        again = await asyncio.wait_for(collect(async_engine, greedy("again", prompt(4, 20))), 60)
+        assert ids(again) == ids(make_engine(tiny_qwen, num_blocks=64).generate(
+            [greedy("again", prompt(4, 20))])["again"])
+        assert_pool_at_rest(engine)
+    finally:
+        async_engine.shutdown()
+
+
+async def test_an_error_outside_a_step_fails_current_streams_and_the_loop_goes_on(
+        tiny_qwen, make_engine):
+    engine = make_engine(tiny_qwen, num_blocks=64)
+    async_engine = AsyncEngine(engine)
+    deliver, calls = async_engine._deliver, {"n": 0}
+
+    def broken_once(chunk):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected delivery fault")
+        deliver(chunk)
+
+    async_engine._deliver = broken_once
+    try:
+        with pytest.raises(RuntimeError, match="injected delivery fault"):
+            await asyncio.wait_for(collect(async_engine, greedy("victim", prompt(5, 20))), 60)
+        chunks = await asyncio.wait_for(collect(async_engine, greedy("next", prompt(6, 20))), 60)
+        assert chunks[-1].finish_reason == "length" and len(ids(chunks)) == 8
+        async_engine.check_health()
+        assert_pool_at_rest(engine)
+    finally:
+        async_engine.shutdown()
+
+
+async def test_a_dead_loop_fails_fast_and_fails_the_health_check(tiny_qwen, make_engine):
+    from cluster.worker_deployment import NalarWorker
+
+    engine = make_engine(tiny_qwen, num_blocks=64)
+    entered, release = threading.Event(), threading.Event()
+
+    def park_engine_thread(events) -> None:  # the first step's "stored" event parks the loop
+        entered.set()
+        release.wait(timeout=30)
+
+    async_engine = AsyncEngine(engine, on_events=park_engine_thread)
+    worker = SimpleNamespace(async_engine=async_engine)
+    NalarWorker.check_health(worker)  # healthy
+    pending = async_engine.generate(greedy("pending", prompt(7, 20), max_tokens=100))
+    first = asyncio.ensure_future(pending.__anext__())
+    assert await asyncio.to_thread(entered.wait, 30)
+
+    def broken():
+        raise RuntimeError("injected loop fault")
+
+    engine.has_work = broken  # every turn of the loop now fails outside a step
+    release.set()
+    assert (await asyncio.wait_for(first, 30)).finish_reason is None
+
+
+    async def rest() -> None:
+        async for _ in pending:  # chunks already queued, then the error
+            pass
+
+    with pytest.raises(RuntimeError, match="injected loop fault"):
+        await asyncio.wait_for(rest(), 30)  # failed, not hung
+    await asyncio.wait_for(asyncio.to_thread(async_engine._thread.join, 30), 35)
+    assert not async_engine._thread.is_alive()
+    with pytest.raises(EngineDeadError, match="injected loop fault"):
+        await asyncio.wait_for(collect(async_engine, greedy("new", prompt(8, 20))), 5)
+    with pytest.raises(EngineDeadError):
+        NalarWorker.check_health(worker)
+    assert engine.pool.num_in_use == 0  # the pending request was aborted, its blocks freed
+
+
+async def test_shutdown_fails_new_requests_at_once(tiny_qwen, make_engine):
+    async_engine = AsyncEngine(make_engine(tiny_qwen, num_blocks=16))
+    async_engine.shutdown()
+    with pytest.raises(EngineDeadError, match="shut down"):
+        await asyncio.wait_for(collect(async_engine, greedy("late", prompt(9, 10))), 5)
+
+
+async def test_aborting_unknown_or_finished_requests_is_harmless(tiny_qwen, make_engine):
+    engine = make_engine(tiny_qwen, num_blocks=16)
+    assert engine.abort("never-seen") is None
+    engine.generate([greedy("done", prompt(10, 20), max_tokens=3)])
+    assert engine.abort("done") is None
+    assert engine.abort("done") is None
+    async_engine = AsyncEngine(engine)
+    try:
+        async_engine._inbox.put(("abort", "never-seen", None))
+        async_engine._inbox.put(("abort", "done", None))
+        chunks = await asyncio.wait_for(collect(async_engine, greedy("ok", prompt(11, 20))), 60)
+        assert chunks[-1].finish_reason == "length"
+        async_engine.check_health()
+        assert_pool_at_rest(engine)
+    finally:
+        async_engine.shutdown()
