@@ -8,6 +8,7 @@ runs are deterministic and need no network) and writes one JSON file (:func:`wri
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import platform
@@ -121,25 +122,29 @@ def load(model: str, dtype: str):
 
 
 def tiny_model(dtype: str):
-    """A 2-layer Llama with seeded random weights and SmolLM2's tokenizer and vocabulary."""
+    """A 2-layer Llama with seeded random weights and SmolLM2's tokenizer and vocabulary
+    (``initializer_range`` 0.2 keeps greedy logits away from near-ties)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from workers.model_loader import (
-        LoadedModel,
-        load_tokenizer,
-        model_digest,
-        parse_dtype,
-    )
-    tokenizer = load_tokenizer("embedded")
+    from workers.model_loader import LoadedModel, model_digest, parse_dtype
+    tokenizer = embedded_tokenizer()
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=16384, tie_word_embeddings=True,
+                         initializer_range=0.2,
                          bos_token_id=1, eos_token_id=2, pad_token_id=2)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     model.set_attn_implementation("sdpa")
     model = model.to(parse_dtype(dtype, torch.device("cpu"))).eval()
     return LoadedModel(model, tokenizer, model_digest(model), "tiny-llama", Path("tiny-llama"))
+
+
+@functools.cache
+def embedded_tokenizer():
+    """SmolLM2's tokenizer, loaded once per process (tokenizers are not mutated)."""
+    from workers.model_loader import load_tokenizer
+    return load_tokenizer("embedded")
 
 
 def build_engine(loaded, *, threads: int | None, max_model_len: int | None = None,
@@ -263,6 +268,7 @@ class EngineRun:
         arrivals: request id → perf_counter time of each output token (seconds).
         submitted: request id → time the request was queued.
         cached_tokens: request id → prompt tokens reused from the prefix cache.
+        token_ids: request id → its output token ids.
         steps: one row per step: ``[end time since start (s), duration (ms), prefill tokens,
             decode tokens]`` (token counts from the engine's counters).
     """
@@ -274,12 +280,14 @@ class EngineRun:
         self.submitted: dict[str, float] = {}
         self.steps: list[list[float]] = []
         self.cached_tokens: dict[str, int] = {}
+        self.token_ids: dict[str, list[int]] = {}
 
     def add(self, request) -> None:
         """Queue a request now (raises as ``LLMEngine.add_request``)."""
         self.engine.add_request(request)
         self.submitted[request.request_id] = time.perf_counter()
         self.arrivals[request.request_id] = []
+        self.token_ids[request.request_id] = []
 
     def step(self) -> None:
         """One engine step; stamps each token it produced."""
@@ -291,6 +299,7 @@ class EngineRun:
         for chunk in chunks:
             self.arrivals[chunk.request_id] += [end] * len(chunk.token_ids)
             self.cached_tokens[chunk.request_id] = chunk.cached_tokens
+            self.token_ids[chunk.request_id] += chunk.token_ids
         self.steps.append([round(end - self.start, 4), round((end - begin) * 1000, 2),
                            counters.prefill_tokens - prefill, counters.decode_tokens - decode])
 

@@ -110,7 +110,7 @@ def run_engine(engine, prompts: list[list[int]], output_tokens: int, tag: str) -
     for i, prompt in enumerate(prompts):
         run.add(common.greedy_request(f"{tag}-{i}", prompt, output_tokens))
     wall_s = run.run()
-    return throughput(run.output_tokens(), wall_s,
+    return throughput(run.output_tokens(), wall_s, token_ids=list(run.token_ids.values()),
                       **common.stream_summary(run.submitted, run.arrivals))
 
 
@@ -158,7 +158,8 @@ def hf_generate(model, prompts: list[list[int]], output_tokens: int, pad_id: int
     wall_s, out = common.timed(lambda: model.generate(
         ids, attention_mask=mask, generation_config=greedy_config(output_tokens, pad_id)))
     generated = (out.shape[1] - width) * len(prompts)
-    return throughput(generated, wall_s, batch=len(prompts))
+    return throughput(generated, wall_s, batch=len(prompts),
+                      token_ids=out[:, width:].tolist())
 
 
 @torch.inference_mode()
@@ -184,7 +185,8 @@ def hf_generate_batch(model, prompts: list[list[int]], args: argparse.Namespace)
     wall_s, outputs = common.timed(run)
     errors = [out.error for out in outputs.values() if out.error]
     generated = sum(len(out.generated_tokens) for out in outputs.values())
-    return throughput(generated, wall_s, errors=errors,
+    token_ids = [out.generated_tokens for out in outputs.values()]
+    return throughput(generated, wall_s, errors=errors, token_ids=token_ids,
                       page_size=HF_PAGE_SIZE, max_batch_tokens=args.max_num_batched_tokens)
 
 
@@ -245,6 +247,47 @@ async def http_stream(client, prompt: list[int], output_tokens: int) -> dict:
 
 # --- report ----------------------------------------------------------------------------------
 
+AGREEMENT_PAIRS = ((("engine", "batched"), ("hf_generate",)),
+                   (("engine", "batched"), ("hf_generate_batch",)),
+                   (("engine", "single"), ("hf_single",)))
+
+
+def token_agreement(rows: dict) -> list[dict]:
+    """Compare our greedy outputs with transformers' on the same prompts, then drop the token
+    ids from ``rows``. In bf16 outputs may part at near-ties (matmul shapes differ), so this
+    is a sanity check that both did the same work, not an equality test."""
+    def find(path):
+        node = rows
+        for key in path:
+            node = node.get(key) if isinstance(node, dict) else None
+        return node
+
+    checks = []
+    for ours_path, theirs_path in AGREEMENT_PAIRS:
+        ours, theirs = find(ours_path), find(theirs_path)
+        if ours and theirs and "token_ids" in ours and "token_ids" in theirs:
+            pairs = list(zip(ours["token_ids"], theirs["token_ids"], strict=True))
+            prefixes = [_common_prefix(a, b) for a, b in pairs]
+            checks.append({"ours": ".".join(ours_path), "theirs": ".".join(theirs_path),
+                           "identical_requests": sum(a == b for a, b in pairs),
+                           "requests": len(pairs),
+                           "mean_common_prefix_tokens": sum(prefixes) / len(prefixes)})
+    for node in [rows, *rows.values()]:
+        for row in node.values() if isinstance(node, dict) else []:
+            if isinstance(row, dict):
+                row.pop("token_ids", None)
+    return checks
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    length = 0
+    while length < min(len(a), len(b)) and a[length] == b[length]:
+        length += 1
+    return length
+
+
+# --- goals ----------------------------------------------------------------------------------
+
 def goals(rows: dict) -> list[dict]:
     """Issue 9's throughput goals, for each of our rows (engine, http) that ran."""
     def tps(*path):
@@ -296,7 +339,7 @@ def main(argv: list[str] | None = None) -> dict:
                            "output_tokens": args.output_tokens, "greedy": True,
                            "ignore_eos": True,
                            "max_num_batched_tokens": args.max_num_batched_tokens},
-              "rows": rows, "goals": goals(rows)}
+              "token_agreement": token_agreement(rows), "rows": rows, "goals": goals(rows)}
     for check in result["goals"]:
         common.log(f"goal {check['name']}: {check['value']} ({check['goal']}, met={check['met']})")
     common.write_json(result, args.out)

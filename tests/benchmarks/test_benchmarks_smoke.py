@@ -28,6 +28,7 @@ def run_main(module, tmp_path: Path, *extra: str) -> dict:
     assert json.loads(out.read_text()) == json.loads(json.dumps(result, default=str))
     assert result["machine"]["torch_threads"] == 1
     assert result["machine"]["dtype"] in ("bfloat16", "float32")
+    assert result["machine"]["cpu"]["model"]
     assert set(result["machine"]["cpu"]["flags"]) >= {"avx512_bf16", "amx_bf16"}
     return result
 
@@ -61,7 +62,7 @@ def test_parse_rows_expands_hf_and_rejects_unknown_rows():
 
 
 def test_throughput_quick(tmp_path):
-    result = run_main(throughput, tmp_path)
+    result = run_main(throughput, tmp_path, "--dtype", "float32")
     rows = result["rows"]
     engine = rows["engine"]
     assert engine["batched"]["output_tokens"] == 2 * 4
@@ -73,6 +74,11 @@ def test_throughput_quick(tmp_path):
         assert rows[name]["output_tokens"] == batch * 4, name
         assert rows[name]["output_tokens_per_s"] > 0
     assert rows["hf_generate_batch"]["errors"] == []
+    # fp32: our engine and transformers produce the same greedy tokens on the same prompts
+    assert [(a["theirs"], a["identical_requests"], a["requests"])
+            for a in result["token_agreement"]] == [
+        ("hf_generate", 2, 2), ("hf_generate_batch", 2, 2), ("hf_single", 1, 1)]
+    assert "token_ids" not in json.dumps(result)
     assert [g["goal"] for g in result["goals"]] == [">= 2.5", ">= 1.2", ">= 1.0"]
     assert all(g["value"] > 0 for g in result["goals"])
 
