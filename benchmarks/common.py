@@ -11,6 +11,7 @@ import argparse
 import functools
 import json
 import math
+import os
 import platform
 import subprocess
 import sysconfig
@@ -57,11 +58,6 @@ def set_threads(threads: int | None) -> int:
     return torch.get_num_threads()
 
 
-def default_threads() -> int:
-    """torch's default thread count in this process (what an unconfigured worker uses)."""
-    return _INITIAL_THREADS
-
-
 def log(message: str) -> None:
     """Progress line with wall-clock time, flushed at once (long runs)."""
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
@@ -86,7 +82,6 @@ def cpu_info() -> dict[str, Any]:
 
 
 def _cpu_count() -> int:
-    import os
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
@@ -94,16 +89,21 @@ def machine_info(dtype: torch.dtype | str | None = None) -> dict[str, Any]:
     """What a figure depends on: CPU, GPU, torch threads, dtype, library versions, commit."""
     import transformers
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"cpu": cpu_info(), "gpu": gpu, "torch_threads": torch.get_num_threads(),
+    return {"cpu": cpu_info(), "gpu": gpu,
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "torch_threads": torch.get_num_threads(),
             "torch_default_threads": _INITIAL_THREADS,
             "dtype": str(dtype).removeprefix("torch.") if dtype is not None else None,
             "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "commit": _git_commit()}
+            "transformers": transformers.__version__, "commit": _git("rev-parse", "--short",
+                                                                      "HEAD"),
+            "uncommitted_changes": bool(_git("status", "--porcelain", "--untracked-files=no"))}
 
 
-def _git_commit() -> str | None:
+def _git(*args: str) -> str | None:
+    """Output of a git command in this repository; None where git is unavailable."""
     try:
-        out = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
+        out = subprocess.run(["git", "-C", str(REPO_ROOT), *args],
                              capture_output=True, text=True, timeout=5, check=True)
     except (OSError, subprocess.SubprocessError):
         return None

@@ -31,6 +31,9 @@ except ImportError:  # run as a script: benchmarks/ is on sys.path, the repo roo
     import common
 
 GIGA = 1e9
+ISSUE_REFERENCE = {"read_bandwidth_bytes_per_s": 90e9, "bf16_matmul_flops_per_s": 890e9,
+                   "bf16_weights_bytes": 270e6}
+"""Issue 9's figures for the 2-core development machine, kept next to ours for comparison."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -178,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
               "threads": threads, "model": args.model, "quick": args.quick,
               "context_tokens": args.context, "weights_bytes": weights,
               "memory_bandwidth": bandwidth, "matmul": matmul, "decode": decode,
-              "prefill": prefill}
+              "prefill": prefill, "issue_reference": ISSUE_REFERENCE}
     common.write_json(result, args.out)
     return result
 
