@@ -70,6 +70,10 @@ def test_throughput_quick(tmp_path):
     assert engine["batched"]["ttft"]["count"] == 2
     assert engine["batched"]["itl"]["count"] == 2 * 3
     assert 2 in engine["batch_sizes"]  # the two requests really shared steps
+    if result["machine"]["torch_default_threads"] != 1:  # the default configuration's figure
+        assert engine["single_default_threads"]["output_tokens"] == 4
+        assert engine["single_default_threads"]["threads"] == (
+            result["machine"]["torch_default_threads"])
     for name, batch in (("hf_generate", 2), ("hf_generate_batch", 2), ("hf_single", 1)):
         assert rows[name]["output_tokens"] == batch * 4, name
         assert rows[name]["output_tokens_per_s"] > 0
