@@ -226,3 +226,16 @@ def test_logprobs_are_raw_and_top_ranked():
     assert result.logprobs.logprob == pytest.approx(float(raw[3]))  # ... not its logprob
     assert [t for t, _ in result.logprobs.top] == [0, 1]
     assert [v for _, v in result.logprobs.top] == pytest.approx(raw[:2].tolist())
+
+
+@pytest.mark.parametrize("scale", [0.1, 8.0])  # flat: the nucleus needs a full sort; peaked: not
+def test_top_p_over_a_large_vocabulary_matches_the_reference(scale):
+    logits = torch.randn(2, 5000, generator=torch.Generator().manual_seed(3)) * scale
+    params = SamplingParams(temperature=1.0, top_p=0.8)
+    got = filtered_probs(logits, [params, params]).double().numpy()
+    for row in range(2):
+        want = reference_probs(logits[row].numpy(), 1.0, top_p=0.8)
+        np.testing.assert_allclose(got[row], want, atol=1e-6)
+        assert np.array_equal(got[row] > 0, want > 0)
+    kept = (got[0] > 0).sum()
+    assert (kept > 1024) == (scale < 1)  # both paths of _apply_top_p are exercised
