@@ -17,6 +17,7 @@ import subprocess
 import sysconfig
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -320,14 +321,23 @@ class EngineRun:
         return times[0] - self.submitted[request_id] if times else None
 
 
-def cold_prefill(engine, prompt: list[int], request_id: str) -> tuple[float, int]:
-    """(seconds from queueing to the first token, prompt tokens reused from the cache) of one
-    request with one output token, run after the prefix cache is reset (so it reuses none)."""
+@dataclass
+class Prefill:
+    """One cold prefill: seconds from queueing to the first token, prompt tokens reused from
+    the prefix cache (0 when cold), and engine steps it took (1 unless chunked)."""
+
+    seconds: float
+    cached_tokens: int
+    steps: int
+
+
+def cold_prefill(engine, prompt: list[int], request_id: str) -> Prefill:
+    """Prefill ``prompt`` (one output token) after resetting the prefix cache."""
     engine.reset_prefix_cache()
     run = EngineRun(engine)
     run.add(greedy_request(request_id, prompt, 1))
     run.run()
-    return run.ttft_s(request_id), run.cached_tokens[request_id]
+    return Prefill(run.ttft_s(request_id), run.cached_tokens[request_id], len(run.steps))
 
 
 def stream_summary(submitted: dict[str, float], arrivals: dict[str, list[float]]) -> dict:

@@ -55,11 +55,11 @@ def engine_prefill(loaded, prompts: dict[int, list[int]], budget: int,
     for length, prompt in prompts.items():
         samples = [common.cold_prefill(engine, prompt, f"prefill-{length}-{i}")
                    for i in range(args.repeats)]
-        seconds = statistics.median(s for s, _ in samples)
+        seconds = statistics.median(s.seconds for s in samples)
         figures[length] = {"median_s": seconds, "tokens_per_s": length / seconds,
-                           "samples_s": [s for s, _ in samples],
-                           "cached_tokens": max(c for _, c in samples),
-                           "steps": -(-length // budget)}
+                           "samples_s": [s.seconds for s in samples],
+                           "cached_tokens": max(s.cached_tokens for s in samples),
+                           "steps": max(s.steps for s in samples)}
         common.log(f"  engine budget {budget}: {length} tokens in {seconds * 1000:.0f} ms "
                    f"({length / seconds:.0f} tokens/s)")
     return figures

@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
                                          offset=max(args.batches) * args.context)[0]
     common.cold_prefill(engine, prefill_prompt[:16], "prefill-warmup")
     prefill_s = statistics.median(
-        common.cold_prefill(engine, prefill_prompt, f"prefill-{i}")[0]
+        common.cold_prefill(engine, prefill_prompt, f"prefill-{i}").seconds
         for i in range(max(1, args.repeats // 2)))
     flops = prefill_flops(model, args.prefill_tokens)
     limit_tokens_per_s = args.prefill_tokens * matmul["flops_per_s"] / flops

@@ -128,7 +128,8 @@ def test_prefill_quick(tmp_path):
         for length in (64, 128):
             assert setting[length]["cached_tokens"] == 0
             assert setting[length]["tokens_per_s"] > 0
-    assert result["engine"]["chunk_32"][128]["steps"] == 4
+    assert result["engine"]["chunk_32"][128]["steps"] == 4  # 128 tokens in chunks of 32
+    assert result["engine"]["unchunked"][128]["steps"] == 1
     assert set(result["transformers"]) == {64, 128}
     assert result["goals"][0]["value"] > 0
 
