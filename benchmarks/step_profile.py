@@ -1,9 +1,11 @@
 """Where an engine step stands against the hardware: decode step time and prefill tokens/s
 next to limits measured on this machine with the same threads.
 
-- Memory bandwidth: a large tensor summed (bytes read / s) and copied (bytes read + written
-  / s). A decode step must read every weight once, so ``weight bytes / read bandwidth`` is the
-  floor of a step's time at small batch (the roofline model: Williams et al., 2009).
+- Memory bandwidth: a tensor summed (bytes read / s) and copied (bytes read + written / s),
+  at two sizes: the model's weight bytes (the working set a decode step reads; on a CPU with a
+  large L3 it may partly stay in cache) and --bandwidth-mib (beyond the caches: DRAM). A decode
+  step must read every weight once, so ``weight bytes / read bandwidth`` at the weights' size
+  is the floor of a step's time at small batch (the roofline model: Williams et al., 2009).
 - Decode step time of our engine at batch 1, 8, 16 with --context 512 token contexts: median
   over --steps steps in which every sequence decodes one token.
 - The linear layers alone: ``F.linear`` over every ``nn.Linear`` weight of the model (q/k/v/o,
@@ -43,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed per batch")
     parser.add_argument("--bandwidth-mib", type=int, default=1024,
-                        help="size of the tensor the bandwidth is measured on (MiB)")
+                        help="size of the tensor DRAM bandwidth is measured on (MiB)")
     parser.add_argument("--matmul-size", type=int, default=4096, help="M = N = K")
     parser.add_argument("--prefill-tokens", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=5, help="trials per hardware figure")
@@ -58,9 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # --- hardware ------------------------------------------------------------------------------
 
-def memory_bandwidth(mib: int, repeats: int) -> dict:
-    """Read bandwidth (``sum`` of a fp32 tensor) and copy bandwidth (read + write), bytes/s."""
-    source = torch.ones(mib << 18, dtype=torch.float32)  # mib MiB of fp32
+def memory_bandwidth(nbytes: int, repeats: int) -> dict:
+    """Read bandwidth (``sum`` of a fp32 tensor of ``nbytes``) and copy bandwidth (read +
+    write), bytes/s."""
+    source = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
     target = torch.empty_like(source)
     nbytes = source.numel() * source.element_size()
     read_s = common.median_time(lambda: source.sum(), repeats)
@@ -137,14 +140,16 @@ def main(argv: list[str] | None = None) -> dict:
     threads = common.set_threads(args.threads)
     loaded = common.load(args.model, args.dtype)
     model, dtype = loaded.model, loaded.dtype
-    common.log(f"memory bandwidth ({args.bandwidth_mib} MiB), {threads} threads")
-    bandwidth = memory_bandwidth(args.bandwidth_mib, args.repeats)
+    weights = weight_bytes(model)
+    common.log(f"memory bandwidth (weights' size, {args.bandwidth_mib} MiB), {threads} threads")
+    bandwidth = {"weights_size": memory_bandwidth(weights, args.repeats),
+                 "large": memory_bandwidth(args.bandwidth_mib << 20, args.repeats)}
     common.log(f"matmul rate ({args.matmul_size}^3, {dtype})")
     matmul = matmul_rate(args.matmul_size, dtype, args.repeats)
-    weights = weight_bytes(model)
-    read_weights_ms = 1000 * weights / bandwidth["read_bytes_per_s"]
-    common.log(f"weights {weights / 2**20:.0f} MiB: {read_weights_ms:.2f} ms at "
-               f"{bandwidth['read_bytes_per_s'] / GIGA:.1f} GB/s; matmul "
+    read_weights_ms = 1000 * weights / bandwidth["weights_size"]["read_bytes_per_s"]
+    read_weights_dram_ms = 1000 * weights / bandwidth["large"]["read_bytes_per_s"]
+    common.log(f"weights {weights / 2**20:.0f} MiB: read in {read_weights_ms:.2f} ms "
+               f"({read_weights_dram_ms:.2f} ms at the large tensor's bandwidth); matmul "
                f"{matmul['flops_per_s'] / GIGA:.0f} GFLOP/s")
     linear_ms = {b: 1000 * linear_layers_s(model, b, args.repeats) for b in args.batches}
     engine = common.build_engine(loaded, threads=args.threads, kv_cache_mib=args.kv_cache_mib)
@@ -157,6 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
         decode[batch] = {"step_ms_median": median, "step_ms": step_ms,
                          "linear_layers_ms": linear_ms[batch],
                          "read_weights_ms": read_weights_ms,
+                         "read_weights_dram_ms": read_weights_dram_ms,
                          "step_over_read_weights": common.ratio(median, read_weights_ms),
                          "step_over_linear_layers": common.ratio(median, linear_ms[batch]),
                          "output_tokens_per_s": batch * 1000 / median if median else None}

@@ -157,7 +157,10 @@ def test_step_profile_quick(tmp_path):
         decode = result["decode"][batch]
         assert len(decode["step_ms"]) == 3
         assert decode["step_ms_median"] > 0 and decode["linear_layers_ms"] > 0
-    assert result["memory_bandwidth"]["read_bytes_per_s"] > 1e8
+    for size in ("weights_size", "large"):
+        assert result["memory_bandwidth"][size]["read_bytes_per_s"] > 1e8
+    assert result["memory_bandwidth"]["weights_size"]["tensor_bytes"] == (
+        result["weights_bytes"] // 4 * 4)
     assert result["matmul"]["flops_per_s"] > 1e8
     tiny = common.tiny_model("auto").model
     assert result["weights_bytes"] == sum(p.numel() * p.element_size()
