@@ -4,15 +4,18 @@ In reduced precision (bf16) a token's logits depend on the shapes of the matmuls
 through (rows in the step, chunk boundaries, cached vs recomputed prefix), so two correct
 implementations can pick different tokens where the top two logits are closer than that
 rounding noise. The comparison therefore follows the reference step by step, records its
-top-1/top-2 logit margin, and demands token equality only before the first step whose margin is
-below ``epsilon``; logits must agree within a tolerance up to and including that step (the
-prefix is still shared there). Nothing is asserted after it: the continuations may part.
+top-1/top-2 logit margin, and lets the tokens part from it only at a step whose margin is below
+``epsilon`` (so they are equal at least up to the first near-tie); logits must agree within a
+tolerance at every step whose prefix is still shared. Nothing is asserted after the tokens
+part: from there the continuations legitimately differ.
 
 The speculative-decoding tests reuse this for bf16 verification against plain decoding.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -78,27 +81,61 @@ def _greedy_trace(model: PreTrainedModel, prompt: list[int], max_new_tokens: int
     return GreedyTrace(tokens, logits, top2_margin(logits).tolist())
 
 
-def assert_equal_until_near_tie(tokens: list[int], logits: torch.Tensor | None,
-                                reference: GreedyTrace, epsilon: float, atol: float,
-                                label: str = "") -> int:
-    """Assert ``tokens`` (and ``logits``, ``[steps, vocab]``, when given) follow the reference
-    up to its first near-tie.
+def assert_matches_until_near_tie(tokens: list[int], logits: torch.Tensor | None,
+                                  reference: GreedyTrace, epsilon: float, atol: float,
+                                  label: str = "") -> int:
+    """Assert greedy ``tokens`` follow the reference until they part at a near-tie, if ever.
+
+    Stronger than "equal up to the first near-tie": the tokens may differ from the reference
+    only at a step whose reference margin is below ``epsilon`` (so they are equal up to the
+    first near-tie, and past it for as long as no near-tie flips), and ``logits`` (when given,
+    ``[steps, vocab]``, the rows that chose ``tokens``) agree within ``atol`` at every step up
+    to and including that one, where both still share the prefix.
 
     Returns:
-        The index of the first near-tie (the number of tokens that had to be equal).
+        The number of steps compared (shared prefix, plus the parting step if any).
 
     Raises:
-        AssertionError: a token differs before the near-tie, the output stopped early, or a
-            logit differs by more than ``atol`` at a step up to and including the near-tie.
+        AssertionError: tokens part where the reference margin is at least ``epsilon``, the
+            output ends at a different length without parting, or a logit differs by more
+            than ``atol`` within the shared prefix.
     """
-    tie = reference.first_near_tie(epsilon)
-    must_match = reference.tokens[:tie]
-    assert tokens[:tie] == must_match, (
-        f"{label}: tokens differ before the first near-tie (step {tie}, epsilon {epsilon}): "
-        f"got {tokens[:tie]}, reference {must_match}, margins {reference.margins[:tie]}")
+    pairs = zip(tokens, reference.tokens, strict=False)  # an early end is judged below
+    shared = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+    if shared is None:
+        assert len(tokens) == len(reference.tokens), (
+            f"{label}: {len(tokens)} tokens, reference {len(reference.tokens)}")
+        steps = len(tokens)
+    else:
+        margin = reference.margins[shared]
+        assert margin < epsilon, (
+            f"{label}: token {shared} is {tokens[shared]}, reference {reference.tokens[shared]} "
+            f"with margin {margin} >= epsilon {epsilon} (first near-tie at step "
+            f"{reference.first_near_tie(epsilon)})")
+        steps = shared + 1
     if logits is not None:
-        steps = min(tie + 1, len(reference.tokens), len(logits))
         diff = (logits[:steps].float() - reference.logits[:steps]).abs().amax(dim=-1)
         assert bool((diff <= atol).all()), (
-            f"{label}: logits differ by {diff.tolist()} (> {atol}) within the first {steps} steps")
-    return tie
+            f"{label}: logits differ by up to {diff.tolist()} (atol {atol}) over the "
+            f"{steps} steps sharing a prefix")
+    return steps
+
+
+@contextlib.contextmanager
+def captured_logits(engine) -> Iterator[dict[str, list[torch.Tensor]]]:
+    """Record, per request id, every logits row the engine's runner returns for sampling
+    (``[vocab]`` float32 each, in step order) while the context is open."""
+    captured: dict[str, list[torch.Tensor]] = {}
+    execute = engine.runner.execute
+
+    def recording(batch, sample_rows):
+        logits = execute(batch, sample_rows)
+        for row, i in zip(logits, sample_rows, strict=True):
+            captured.setdefault(batch.seqs[i].request_id, []).append(row.detach().clone())
+        return logits
+
+    engine.runner.execute = recording
+    try:
+        yield captured
+    finally:
+        engine.runner.execute = execute
