@@ -1,0 +1,248 @@
+"""The scheduler: token budget (decodes first), partial-prefill limit, policies with aging,
+preemption by recompute, requests that can never fit, and chunking that never changes outputs.
+
+Scheduler-level tests drive :class:`Scheduler` over a bare block pool (no model): a step
+schedules, commits what was scheduled and appends a token to every sequence whose tokens are
+all computed, as the engine does. Engine-level tests compare greedy token ids (fp32).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.block_manager import BlockManager
+from workers.block_pool import BlockPool
+from workers.request import GenerationChunk, GenerationRequest, InvalidRequestError, SamplingParams
+from workers.scheduler import Scheduler
+from workers.sequence import Sequence
+
+BLOCK = 4
+ROOT = b"\0" * 32
+
+
+def make_scheduler(num_blocks: int = 64, budget: int = 8, max_num_seqs: int = 8,
+                   **options) -> Scheduler:
+    return Scheduler(BlockManager(BlockPool(num_blocks, BLOCK)), max_num_seqs, budget, **options)
+
+
+def make_seq(request_id: str, length: int, first: int = 10) -> Sequence:
+    request = GenerationRequest(request_id, list(range(first, first + length)),
+                                SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
+    return Sequence(request, ROOT, BLOCK)
+
+
+def step(scheduler: Scheduler) -> list[tuple[str, int]]:
+    """One engine step without a model: (request id, tokens computed) in batch order."""
+    batch = scheduler.schedule()
+    for seq, num_tokens in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        scheduler.blocks.commit(seq, num_tokens)
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.token_ids.append(7)  # the sampled token
+    return [(seq.request_id, n) for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)]
+
+
+def test_decodes_go_first_then_the_running_prefill_then_admissions():
+    scheduler = make_scheduler(budget=10)
+    long, short = make_seq("long", 40), make_seq("short", 3, first=100)
+    scheduler.add(long)
+    assert step(scheduler) == [("long", 10)]  # alone: the whole budget
+    scheduler.add(short)
+    # a prompt being chunked continues before admissions, capped at half the budget while
+    # another request waits; the short prompt fits in what is left
+    assert step(scheduler) == [("long", 5), ("short", 3)]
+    # short now decodes: it goes first although long is older; long takes the rest
+    assert step(scheduler) == [("short", 1), ("long", 9)]
+    assert step(scheduler) == [("short", 1), ("long", 9)]
+    assert step(scheduler) == [("short", 1), ("long", 7)]  # 10 + 5 + 9 + 9 + 7 = 40
+    assert step(scheduler) == [("long", 1), ("short", 1)]  # two decodes, oldest first
+
+
+def test_one_partial_prefill_at_a_time_and_short_prompts_pass_the_waiting_long_one():
+    scheduler = make_scheduler(budget=8)
+    for seq in (make_seq("long1", 40), make_seq("long2", 40, first=200),
+                make_seq("short", 3, first=400)):
+        scheduler.add(seq)
+    # long2 would stay mid-prefill too: it waits; short finishes its prompt now
+    assert step(scheduler) == [("long1", 4), ("short", 3)]
+    scheduler.add(make_seq("long3", 40, first=600))
+    trace = [step(scheduler) for _ in range(10)]
+    # long1 is capped at 4 tokens a step while others wait: its 36 remaining tokens take 9
+    # steps; long2 starts in the step that ends long1's prefill, long3 (later) waits for long2
+    assert trace[:8] == [[("short", 1), ("long1", 4)]] * 8
+    assert trace[8] == [("short", 1), ("long1", 4), ("long2", 3)]
+    assert trace[9] == [("long1", 1), ("short", 1), ("long2", 4)]
+    assert [seq.request_id for seq in scheduler.waiting] == ["long3"]
+
+
+def test_partial_prefill_limit_of_two():
+    scheduler = make_scheduler(budget=8, max_num_partial_prefills=2)
+    for seq in (make_seq("long1", 40), make_seq("long2", 40, first=200),
+                make_seq("short", 3, first=400)):
+        scheduler.add(seq)
+    assert step(scheduler) == [("long1", 4), ("long2", 4)]
+
+
+def test_prefix_policy_prefers_the_longest_cached_prefix_and_ages():
+    scheduler = make_scheduler(budget=64, max_num_seqs=1, policy="prefix", aging_steps=3)
+    cached = make_seq("cached", 12)
+    scheduler.add(cached)
+    step(scheduler)
+    scheduler.finish(cached)  # its 3 full blocks stay cached (evictable)
+    holder = make_seq("holder", 2, first=900)  # occupies the only running slot
+    scheduler.add(holder)
+    step(scheduler)
+    cold, warm = make_seq("cold", 12, first=500), make_seq("warm", 14)  # warm shares 3 blocks
+    scheduler.add(cold)
+    scheduler.add(warm)
+    assert [s.request_id for s in scheduler._waiting_in_order()] == ["warm", "cold"]
+    fcfs = make_scheduler(policy="fcfs")
+    fcfs.waiting.extend([cold, warm])
+    assert [s.request_id for s in fcfs._waiting_in_order()] == ["cold", "warm"]
+    for _ in range(3):
+        step(scheduler)  # holder keeps decoding; nobody is admitted
+    assert [s.request_id for s in scheduler.waiting] == ["cold", "warm"]
+    # cold has waited 3 steps: it now goes before warm despite warm's cached prefix
+    assert [s.request_id for s in scheduler._waiting_in_order()] == ["cold", "warm"]
+    scheduler.finish(holder)
+    assert step(scheduler) == [("cold", 12)]
+
+
+def test_preemption_takes_the_newest_and_is_counted():
+    scheduler = make_scheduler(num_blocks=4, budget=16)
+    a, b = make_seq("a", 7), make_seq("b", 7, first=100)
+    scheduler.add(a)
+    scheduler.add(b)
+    assert step(scheduler) == [("a", 7), ("b", 7)]  # 2 blocks each: the pool is full
+    assert step(scheduler) == [("a", 1), ("b", 1)]  # token 8 still fits in block 2
+    # a's token 9 needs a third block: b, the newest, is preempted and recomputed later
+    assert step(scheduler) == [("a", 1)]
+    assert scheduler.counters.preemptions == 1
+    assert list(scheduler.waiting) == [b] and b.block_table == [] and b.num_computed_tokens == 0
+    assert scheduler.blocks.pool.num_in_use == 3
+
+
+def test_preempting_a_sequence_already_in_the_batch_takes_it_out():
+    scheduler = make_scheduler(num_blocks=5, budget=8, max_num_partial_prefills=2)
+    old, new = make_seq("old", 20), make_seq("new", 3, first=100)
+    scheduler.add(old)
+    assert step(scheduler) == [("old", 8)]  # 2 blocks
+    scheduler.add(new)
+    assert step(scheduler) == [("old", 4), ("new", 3)]  # 3 + 1 blocks: 4 of 5
+    # new decodes first (batched, 1 budget token), then old's 7-token chunk needs 2 more
+    # blocks, 1 is free: new, the newest, is preempted although it is already in the batch
+    assert step(scheduler) == [("old", 7)]
+    assert scheduler.counters.preemptions == 1
+    assert list(scheduler.waiting) == [new]
+    assert scheduler.blocks.pool.num_in_use == 5
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="scheduling policy"):
+        make_scheduler(policy="lifo")
+
+
+# ---- engine level --------------------------------------------------------------------------
+
+
+def random_prompt(seed: int, length: int, vocab: int = 1000) -> list[int]:
+    return torch.randint(3, vocab, (length,),
+                         generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def greedy(request_id: str, prompt: list[int], max_tokens: int) -> GenerationRequest:
+    return GenerationRequest(request_id, prompt, SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+
+
+def output_ids(chunks: list[GenerationChunk]) -> list[int]:
+    return [token for chunk in chunks for token in chunk.token_ids]
+
+
+def test_a_request_that_could_never_fit_is_refused_at_admission(tiny_qwen, make_engine):
+    engine = make_engine(tiny_qwen, num_blocks=4)  # 64 tokens of KV in all
+    with pytest.raises(InvalidRequestError) as error:
+        engine.add_request(greedy("huge", random_prompt(1, 50), max_tokens=20))
+    assert (error.value.param, error.value.code) == ("max_tokens", "context_length_exceeded")
+    assert "64" in str(error.value)
+    assert not engine.has_work()
+    # the largest request that fits still runs to completion alone
+    chunks = engine.generate([greedy("fits", random_prompt(2, 50), max_tokens=14)])["fits"]
+    assert chunks[-1].finish_reason == "length" and len(output_ids(chunks)) == 14
+    assert engine.pool.num_in_use == 0
+
+
+def test_preemption_keeps_greedy_outputs_token_for_token(tiny_qwen, make_engine):
+    requests = [greedy(f"r{i}", random_prompt(30 + i, 20 + 3 * i), max_tokens=30)
+                for i in range(6)]
+    reference = make_engine(tiny_qwen, num_blocks=128).generate(requests)
+    engine = make_engine(tiny_qwen, num_blocks=10, max_num_batched_tokens=32)
+    chunks = engine.generate(requests)
+    assert engine.scheduler.counters.preemptions > 0
+    for request in requests:
+        assert output_ids(chunks[request.request_id]) == output_ids(
+            reference[request.request_id]), request.request_id
+        assert all(c.cached_tokens == 0 for c in chunks[request.request_id])
+    assert engine.scheduler.counters.prefix_hit_tokens == 0
+    assert engine.pool.num_in_use == 0
+    engine.pool.check_invariants()
+
+
+def test_p7_p8_under_preemption_shared_prefixes(tiny_qwen, make_engine):
+    """Shared prefixes and a pool small enough to preempt: hits are counted once, at first
+    admission, never for recomputation; at rest nothing is in use and the pool is consistent."""
+    shared = random_prompt(80, 32)
+    prompts = [shared + random_prompt(800 + i, 5 + 4 * i) for i in range(8)]
+    requests = [greedy(f"p{i}", p, max_tokens=20) for i, p in enumerate(prompts)]
+    reference = make_engine(tiny_qwen, num_blocks=128).generate(requests)
+    engine = make_engine(tiny_qwen, num_blocks=14, max_num_batched_tokens=48)
+    for request in requests:
+        engine.add_request(request)
+    chunks: dict[str, list[GenerationChunk]] = {r.request_id: [] for r in requests}
+    while engine.has_work():
+        for chunk in engine.step():
+            chunks[chunk.request_id].append(chunk)
+        engine.pool.check_invariants()
+    counters = engine.scheduler.counters
+    assert counters.preemptions > 0
+    cached = {rid: {c.cached_tokens for c in out} for rid, out in chunks.items()}
+    assert all(len(values) == 1 for values in cached.values())  # fixed at first admission
+    assert all(next(iter(cached[r.request_id])) <= len(r.token_ids) - 1 for r in requests)
+    assert counters.prefix_hit_tokens == sum(next(iter(v)) for v in cached.values()) > 0
+    assert counters.prefix_query_tokens == sum(len(p) for p in prompts)
+    for request in requests:
+        assert output_ids(chunks[request.request_id]) == output_ids(
+            reference[request.request_id])
+    assert engine.pool.num_in_use == 0
+    assert engine.pool.num_free + engine.pool.num_evictable == 14
+
+
+@pytest.mark.parametrize("budget", [16, 64, 512])
+def test_chunking_never_changes_tiny_model_outputs(tiny_qwen, make_engine, budget):
+    requests = [greedy(f"c{i}", random_prompt(60 + i, 40 + 37 * i), max_tokens=6)
+                for i in range(5)]  # 40 .. 188 tokens
+    reference = make_engine(tiny_qwen, num_blocks=128, max_num_batched_tokens=4096,
+                            max_num_seqs=1).generate(requests)
+    engine = make_engine(tiny_qwen, num_blocks=128, max_num_batched_tokens=budget)
+    chunks = engine.generate(requests)
+    for request in requests:
+        assert output_ids(chunks[request.request_id]) == output_ids(
+            reference[request.request_id])
+    if budget < 188:
+        assert engine.counters.steps > 6  # prompts really were chunked
+
+
+def test_chunking_never_changes_smollm_outputs(smollm, make_engine):
+    """Two ~600-token prompts, unchunked and batched vs chunked at 16, 64 and 512 tokens."""
+    vocab = smollm.model.config.vocab_size
+    requests = [greedy(f"s{i}", random_prompt(90 + i, 590 + 17 * i, vocab), max_tokens=2)
+                for i in range(2)]
+    unchunked = make_engine(smollm, num_blocks=96, max_num_batched_tokens=2048)
+    reference = unchunked.generate(requests)
+    assert unchunked.counters.steps == 2  # both prompts in one step, then one decode
+    for budget in (16, 64, 512):
+        engine = make_engine(smollm, num_blocks=96, max_num_batched_tokens=budget)
+        chunks = engine.generate(requests)
+        for request in requests:
+            assert output_ids(chunks[request.request_id]) == output_ids(
+                reference[request.request_id]), (budget, request.request_id)
