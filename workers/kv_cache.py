@@ -8,11 +8,19 @@ from transformers import PretrainedConfig
 
 class PagedKVCache:
     """Per layer, a key and a value tensor of shape
-    ``[num_blocks * block_size, num_kv_heads, head_dim]``: slot ``b * block_size + i`` holds token
-    ``i`` of block ``b``. Flat slots let a step write all its new tokens with one index_copy_.
+    ``[num_kv_heads, (num_blocks + 1) * block_size, head_dim]``: slot ``b * block_size + i``
+    holds token ``i`` of block ``b``.
+
+    Head-major, so that a run of slots is a strided view ``[kv_heads, run, head_dim]`` that
+    attention reads without a copy, and gathering a sequence's blocks copies whole
+    ``block_size * head_dim`` rows. Block ``num_blocks`` (:attr:`scratch_block`) is never handed
+    out by the pool and stays zero: decode rows of different lengths are padded with it, so a
+    padded (masked) position multiplies a probability of 0 by a value of 0, never by another
+    request's KV, which may hold inf or NaN.
 
     Args:
-        num_layers, num_blocks, block_size, num_kv_heads, head_dim: the geometry.
+        num_layers, num_blocks, block_size, num_kv_heads, head_dim: the geometry (``num_blocks``
+            usable blocks; the scratch block comes on top).
         dtype, device: where and how the KV values are stored (the model's dtype and device).
     """
 
@@ -20,9 +28,31 @@ class PagedKVCache:
                  head_dim: int, dtype: torch.dtype, device: torch.device):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.scratch_block = num_blocks
+        shape = (num_kv_heads, (num_blocks + 1) * block_size, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor,
+              value: torch.Tensor) -> None:
+        """Store new tokens' KV: ``key``/``value`` are ``[T, kv_heads, head_dim]``, ``slots``
+        ``[T]`` int64."""
+        self.keys[layer].index_copy_(1, slots, key.transpose(0, 1))
+        self.values[layer].index_copy_(1, slots, value.transpose(0, 1))
+
+    def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``block_ids`` (``[N]`` int64), concatenated in that order.
+
+        Returns:
+            two ``[kv_heads, N * block_size, head_dim]`` contiguous tensors.
+        """
+        return self._gather(self.keys[layer], block_ids), self._gather(self.values[layer],
+                                                                        block_ids)
+
+    def _gather(self, tensor: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        heads, _, head_dim = tensor.shape
+        blocks = tensor.view(heads, -1, self.block_size, head_dim)
+        return blocks.index_select(1, block_ids).view(heads, -1, head_dim)
 
     @staticmethod
     def geometry(config: PretrainedConfig) -> tuple[int, int, int]:
@@ -42,7 +72,7 @@ class PagedKVCache:
     @classmethod
     def from_budget(cls, config: PretrainedConfig, budget_bytes: int, block_size: int,
                     dtype: torch.dtype, device: torch.device) -> PagedKVCache:
-        """As many blocks as ``budget_bytes`` holds.
+        """As many usable blocks as ``budget_bytes`` holds (the scratch block is extra).
 
         Raises:
             ValueError: the budget holds less than one block.

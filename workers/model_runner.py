@@ -1,9 +1,10 @@
 """Runs one engine step's forward pass over the paged KV cache.
 
-The transformers model definition is reused as is; only its attention is swapped for
-``workers.paged_attention`` (through ``AttentionInterface``), and only the rows that are sampled
-go through the LM head (``logits_to_keep``), so a 1,024-token prefill pays for one row of
-vocabulary logits, not 1,024.
+Llama-style architectures run on the compact implementation in ``workers.models`` (fused
+projections, no per-layer module dispatch); every other architecture runs transformers' own
+modules with ``workers.paged_attention`` plugged in through ``AttentionInterface``. Either way
+only the rows that are sampled go through the LM head, so a 1,024-token prefill pays for one row
+of vocabulary logits, not 1,024.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import torch
 from transformers import PreTrainedModel
 
 from workers.kv_cache import PagedKVCache
-from workers.paged_attention import ATTN_IMPLEMENTATION, build_metadata
+from workers.models import compact_model_for
+from workers.paged_attention import ATTN_IMPLEMENTATION, AttentionMetadata, build_metadata
 from workers.scheduler import ScheduledBatch
 
 
@@ -21,14 +23,19 @@ class ModelRunner:
 
     Args:
         model: a transformers causal LM (any architecture whose attention goes through
-            ``ALL_ATTENTION_FUNCTIONS``, e.g. Llama, Qwen2, Mistral).
+            ``ALL_ATTENTION_FUNCTIONS``, e.g. Llama, Qwen2, Mistral, Phi-3).
         kv_cache: the preallocated paged KV tensors.
+
+    Attributes:
+        implementation: ``"compact"`` or ``"transformers"``, the path this model runs on.
     """
 
     def __init__(self, model: PreTrainedModel, kv_cache: PagedKVCache):
         self.model = model
         self.kv_cache = kv_cache
         self.device = model.device
+        self._compact = compact_model_for(model)
+        self.implementation = "compact" if self._compact is not None else "transformers"
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
     @torch.inference_mode()
@@ -43,25 +50,27 @@ class ModelRunner:
         Returns:
             ``[len(sample_rows), vocab_size]`` float32 logits.
         """
-        input_ids, positions, sample_index = [], [], []
-        sampled = set(sample_rows)
-        offset = 0
-        for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+        input_ids, positions, last_rows = [], [], []
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
             start = seq.num_computed_tokens
             input_ids.extend(seq.token_ids[start:start + num_new])
             positions.extend(range(start, start + num_new))
-            offset += num_new
-            if i in sampled:
-                sample_index.append(offset - 1)
+            last_rows.append(len(input_ids) - 1)
         metadata = build_metadata(
             self.kv_cache, [seq.block_table for seq in batch.seqs],
             [seq.num_computed_tokens for seq in batch.seqs], batch.num_new_tokens, self.device)
-        output = self.model(
-            input_ids=torch.tensor([input_ids], device=self.device),
-            position_ids=torch.tensor([positions], device=self.device),
-            use_cache=False,
-            # int64 even when empty: a step that only runs a middle prefill chunk samples nothing.
-            logits_to_keep=torch.tensor(sample_index, dtype=torch.long, device=self.device),
-            paged=metadata,
-        )
+        # int64 even when empty: a step that only runs a middle prefill chunk samples nothing.
+        sample_index = torch.tensor([last_rows[i] for i in sample_rows], dtype=torch.long,
+                                    device=self.device)
+        ids = torch.tensor(input_ids, device=self.device)
+        pos = torch.tensor(positions, device=self.device)
+        if self._compact is not None:
+            return self._compact(ids, pos, metadata, sample_index)
+        return self._transformers_forward(ids, pos, metadata, sample_index)
+
+    def _transformers_forward(self, ids: torch.Tensor, positions: torch.Tensor,
+                              metadata: AttentionMetadata,
+                              sample_index: torch.Tensor) -> torch.Tensor:
+        output = self.model(input_ids=ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
+                            use_cache=False, logits_to_keep=sample_index, paged=metadata)
         return output.logits[0].float()

@@ -1,123 +1,248 @@
-"""Attention over the paged KV cache, plugged into transformers through ``AttentionInterface``.
+"""Attention over the paged KV cache.
 
-A step flattens every scheduled sequence's new tokens into one ``[1, T]`` batch (as vLLM does),
-so the model's projections and MLPs run once for all of them. Only attention needs to know
-which tokens belong to which sequence: this module writes each new token's key and value into its
-cache slot, then attends each sequence's queries to that sequence's whole context. Sequences with
-one query token (decodes) are attended together in one padded call; longer ones (prefills,
-chunks, verification of drafts) one by one.
+A step flattens every scheduled sequence's new tokens into one batch of ``T`` rows (as vLLM
+does), so projections and MLPs run once for all of them. Only attention needs to know which
+rows belong to which sequence. Per layer it writes the new tokens' keys and values into their
+cache slots, then:
+
+- a *span* (a prompt, a prefill chunk, or a verification block: several new tokens of one
+  sequence) attends causally to its own new tokens with torch's fused CPU/GPU flash kernel,
+  and, when the sequence already has cached context, to that context in a second, unmasked
+  flash call; the two partial results are merged by their log-sum-exp (the split-softmax merge
+  of flash-decoding, Dao et al. 2023). No mask or score matrix is ever materialised, and a
+  chunk over a long cached context costs what the same tokens cost unchunked.
+- *decodes* (one new token each) are grouped by context length and each group attends in one
+  call to its sequences' blocks, gathered block-wise. GQA is folded: the query heads that share
+  a KV head become rows of one query, so K/V are never expanded per query head.
+
+Two entry points share this: :func:`paged_attention` for the compact models in
+``workers.models``, and :func:`paged_attention_forward`, registered with transformers'
+``AttentionInterface`` for every other architecture.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 
 from workers.kv_cache import PagedKVCache
 
 ATTN_IMPLEMENTATION = "nalar_paged"
 
+DECODE_PADDING_RATIO = 2
+"""A decode group's longest context is at most this many times its shortest: rows padded to
+the group's longest length waste at most half their attention work."""
+
 
 @dataclass
-class SequenceSpan:
-    """One multi-token query run: rows ``[start, end)`` of the flat batch attend to
-    ``context_slots`` (the cache slots of the sequence's tokens ``0 .. context_len - 1``)."""
+class PrefillSpan:
+    """Rows ``[start, end)`` of the flat batch: one sequence's new tokens, attending causally to
+    each other and to the sequence's ``num_cached`` earlier tokens, held in ``cached_blocks``
+    (``[ceil(num_cached / block_size)]`` int64 block ids, or None when ``num_cached`` is 0)."""
 
     start: int
     end: int
-    context_slots: torch.Tensor  # [context_len] int64
-    mask: torch.Tensor | None  # [q_len, context_len] bool, None when purely causal over new KV
-    attends_only_new: bool
+    num_cached: int
+    cached_blocks: torch.Tensor | None
 
 
 @dataclass
-class PagedAttentionMetadata:
+class DecodeGroup:
+    """Single-token queries of similar context length, attended in one call.
+
+    Attributes:
+        rows: ``[B]`` rows of the flat batch.
+        block_ids: ``[B * blocks_per_row]`` each row's block table, padded with the cache's
+            scratch block.
+        blocks_per_row: padded table length.
+        mask: ``[B, 1, 1, blocks_per_row * block_size]`` True at real context, None when every
+            row's context fills the padded length exactly.
+    """
+
+    rows: torch.Tensor
+    block_ids: torch.Tensor
+    blocks_per_row: int
+    mask: torch.Tensor | None
+
+
+@dataclass
+class AttentionMetadata:
     """Where a step's tokens go in the cache and what each attends to; built once per step,
     read by every layer.
 
     Attributes:
         kv_cache: the cache to read and write.
         slot_mapping: ``[T]`` cache slot of each new token.
-        spans: multi-token queries, attended one by one.
-        decode_rows: ``[B]`` rows of single-token queries, or None when there are none.
-        decode_slots: ``[B, max_context]`` their context slots, padded with slot 0.
-        decode_mask: ``[B, 1, 1, max_context]`` True where a padded slot is real context.
+        spans: multi-token queries.
+        decode_groups: single-token queries, grouped by context length.
     """
 
     kv_cache: PagedKVCache
     slot_mapping: torch.Tensor
-    spans: list[SequenceSpan]
-    decode_rows: torch.Tensor | None = None
-    decode_slots: torch.Tensor | None = None
-    decode_mask: torch.Tensor | None = None
+    spans: list[PrefillSpan] = field(default_factory=list)
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
 
 
 def build_metadata(kv_cache: PagedKVCache, block_tables: list[list[int]],
                    num_computed: list[int], num_new: list[int],
-                   device: torch.device) -> PagedAttentionMetadata:
+                   device: torch.device) -> AttentionMetadata:
     """Metadata for a step where sequence ``i`` already has ``num_computed[i]`` tokens cached
-    and computes ``num_new[i]`` more.
+    and computes ``num_new[i]`` more, its rows following those of sequence ``i - 1``.
 
-    Returns the metadata and fills ``slot_mapping`` in the same order the tokens are flattened.
+    Work is proportional to the step's new tokens and block-table lengths, never to a
+    sequence's whole context in slots.
     """
     block_size = kv_cache.block_size
-    slot_rows, spans, decodes = [], [], []
+    slots: list[int] = []
+    spans: list[PrefillSpan] = []
+    decodes: list[tuple[int, list[int], int]] = []  # (row, block table, context length)
     row = 0
     for table, computed, new in zip(block_tables, num_computed, num_new, strict=True):
-        context_len = computed + new
-        positions = torch.arange(context_len)
-        table_tensor = torch.tensor(table, dtype=torch.long)
-        slots = table_tensor[positions // block_size] * block_size + positions % block_size
-        slot_rows.append(slots[computed:])
+        slots.extend(table[pos // block_size] * block_size + pos % block_size
+                     for pos in range(computed, computed + new))
         if new == 1:
-            decodes.append((row, slots))
+            decodes.append((row, table[:(computed + block_size) // block_size], computed + 1))
         else:
-            spans.append(_span(row, computed, new, slots, device))
+            spans.append(_span(row, computed, new, table, block_size, device))
         row += new
-    metadata = PagedAttentionMetadata(kv_cache, torch.cat(slot_rows).to(device), spans)
-    if decodes:
-        _add_decodes(metadata, decodes, device)
+    metadata = AttentionMetadata(kv_cache, torch.tensor(slots, device=device), spans)
+    metadata.decode_groups = [_decode_group(group, kv_cache, device)
+                              for group in _group_by_length(decodes)]
     return metadata
 
 
-def _span(row: int, computed: int, new: int, slots: torch.Tensor,
-          device: torch.device) -> SequenceSpan:
-    mask = None
+def _span(row: int, computed: int, new: int, table: list[int], block_size: int,
+          device: torch.device) -> PrefillSpan:
+    cached_blocks = None
     if computed:
-        # Query i sits at position computed + i and sees keys 0 .. computed + i.
-        query_pos = torch.arange(computed, computed + new).unsqueeze(1)
-        mask = (torch.arange(computed + new).unsqueeze(0) <= query_pos).to(device)
-    return SequenceSpan(row, row + new, slots.to(device), mask, attends_only_new=computed == 0)
+        cached_blocks = torch.tensor(table[:-(-computed // block_size)], device=device)
+    return PrefillSpan(row, row + new, computed, cached_blocks)
 
 
-def _add_decodes(metadata: PagedAttentionMetadata, decodes: list[tuple[int, torch.Tensor]],
-                 device: torch.device) -> None:
-    max_context = max(len(slots) for _, slots in decodes)
-    padded = torch.zeros(len(decodes), max_context, dtype=torch.long)
-    valid = torch.zeros(len(decodes), max_context, dtype=torch.bool)
-    for i, (_, slots) in enumerate(decodes):
-        padded[i, :len(slots)] = slots
-        valid[i, :len(slots)] = True
-    metadata.decode_rows = torch.tensor([row for row, _ in decodes], device=device)
-    metadata.decode_slots = padded.to(device)
-    metadata.decode_mask = valid[:, None, None, :].to(device)
+def _group_by_length(decodes: list[tuple[int, list[int], int]]
+                     ) -> list[list[tuple[int, list[int], int]]]:
+    groups: list[list[tuple[int, list[int], int]]] = []
+    for decode in sorted(decodes, key=lambda d: d[2], reverse=True):
+        if groups and groups[-1][0][2] <= DECODE_PADDING_RATIO * decode[2]:
+            groups[-1].append(decode)
+        else:
+            groups.append([decode])
+    return groups
+
+
+def _decode_group(group: list[tuple[int, list[int], int]], kv_cache: PagedKVCache,
+                  device: torch.device) -> DecodeGroup:
+    blocks_per_row = max(len(table) for _, table, _ in group)
+    padded_len = blocks_per_row * kv_cache.block_size
+    block_ids = []
+    for _, table, _ in group:
+        block_ids.extend(table + [kv_cache.scratch_block] * (blocks_per_row - len(table)))
+    mask = None
+    if any(length != padded_len for _, _, length in group):
+        lengths = torch.tensor([length for _, _, length in group])
+        mask = (torch.arange(padded_len) < lengths[:, None])[:, None, None, :].to(device)
+    rows = torch.tensor([r for r, _, _ in group], device=device)
+    return DecodeGroup(rows, torch.tensor(block_ids, device=device), blocks_per_row, mask)
+
+
+def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Store the step's new KV and attend every new token to its sequence's context.
+
+    Args:
+        layer: the cache layer.
+        query: ``[T, num_heads, head_dim]``, RoPE applied.
+        key, value: ``[T, num_kv_heads, head_dim]``, the step's new tokens.
+        metadata: the step's :class:`AttentionMetadata`.
+        scale: softmax scale.
+
+    Returns:
+        ``[T, num_heads, head_dim]``, in ``query``'s dtype.
+    """
+    cache = metadata.kv_cache
+    cache.write(layer, metadata.slot_mapping, key, value)
+    out = torch.empty_like(query)
+    for span in metadata.spans:
+        out[span.start:span.end] = _attend_span(layer, query, key, value, span, cache, scale)
+    for group in metadata.decode_groups:
+        out[group.rows] = _attend_decodes(layer, query, group, cache, scale)
+    return out
+
+
+def _attend_span(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 span: PrefillSpan, cache: PagedKVCache, scale: float) -> torch.Tensor:
+    rows = slice(span.start, span.end)
+    q = query[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
+    k_new = key[rows].transpose(0, 1).unsqueeze(0)
+    v_new = value[rows].transpose(0, 1).unsqueeze(0)
+    if span.cached_blocks is None:
+        out = F.scaled_dot_product_attention(q, k_new, v_new, is_causal=True, scale=scale,
+                                             enable_gqa=True)
+        return out[0].transpose(0, 1)
+    k_old, v_old = cache.gather(layer, span.cached_blocks)
+    if q.device.type != "cpu":  # one call with a bottom-right causal mask
+        k_all = torch.cat([k_old[:, :span.num_cached].unsqueeze(0), k_new], dim=2)
+        v_all = torch.cat([v_old[:, :span.num_cached].unsqueeze(0), v_new], dim=2)
+        mask = causal_lower_right(q.shape[2], k_all.shape[2])
+        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale,
+                                             enable_gqa=True)
+        return out[0].transpose(0, 1)
+    new_out, new_lse = _flash(q, k_new, v_new, scale, causal=True)
+    old_out, old_lse = _flash(q, k_old[:, :span.num_cached].unsqueeze(0),
+                              v_old[:, :span.num_cached].unsqueeze(0), scale, causal=False)
+    merged = _merge(old_out, old_lse, new_out, new_lse)
+    return merged[0].transpose(0, 1).to(query.dtype)
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+           causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused attention that also returns its log-sum-exp ``[1, heads, n]`` (float32), so
+    partial results over disjoint key sets can be merged exactly. Takes GQA as is."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
+                                                                       scale=scale)
+
+
+def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+           lse_b: torch.Tensor) -> torch.Tensor:
+    """Softmax over the union of two key sets from each set's output and log-sum-exp."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    weight_a = torch.exp(lse_a - lse).unsqueeze(-1)
+    weight_b = torch.exp(lse_b - lse).unsqueeze(-1)
+    return out_a.float() * weight_a + out_b.float() * weight_b
+
+
+def _attend_decodes(layer: int, query: torch.Tensor, group: DecodeGroup, cache: PagedKVCache,
+                    scale: float) -> torch.Tensor:
+    rows = len(group.rows)
+    _, heads, head_dim = query.shape
+    k, v = cache.gather(layer, group.block_ids)  # [kv_heads, rows * ctx, dim]
+    kv_heads = k.shape[0]
+    k = k.view(kv_heads, rows, -1, head_dim).transpose(0, 1)  # [rows, kv_heads, ctx, dim]
+    v = v.view(kv_heads, rows, -1, head_dim).transpose(0, 1)
+    # Fold GQA: the query heads of one KV head are that head's query rows.
+    q = query[group.rows].view(rows, kv_heads, heads // kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)
+    return out.reshape(rows, heads, head_dim)
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                             value: torch.Tensor, attention_mask: torch.Tensor | None,
                             scaling: float | None = None, dropout: float = 0.0,
-                            paged: PagedAttentionMetadata | None = None,
+                            paged: AttentionMetadata | None = None,
                             **_: object) -> tuple[torch.Tensor, None]:
-    """transformers attention function over the paged cache.
+    """transformers attention function over the paged cache (the path for architectures
+    without a compact implementation; ``workers.model_support`` refuses at load the features
+    this function would otherwise drop).
 
     Args:
         module: the attention module (its ``layer_idx`` selects the cache layer).
         query: ``[1, num_heads, T, head_dim]``, RoPE applied.
         key, value: ``[1, num_kv_heads, T, head_dim]`` for the step's new tokens.
-        attention_mask: ignored; masks come from ``paged``.
+        attention_mask: ignored; which token sees which comes from ``paged``.
         scaling: softmax scale.
         paged: the step's metadata, passed through the model's forward kwargs.
 
@@ -129,32 +254,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     """
     if paged is None:
         raise ValueError("nalar_paged attention needs the engine's paged metadata")
-    layer = module.layer_idx
-    cache_k, cache_v = paged.kv_cache.keys[layer], paged.kv_cache.values[layer]
-    new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, kv_heads, dim]
-    cache_k.index_copy_(0, paged.slot_mapping, new_k)
-    cache_v.index_copy_(0, paged.slot_mapping, new_v)
-
-    out = torch.empty_like(query[0].transpose(0, 1))  # [T, heads, dim]
-    for span in paged.spans:
-        q = query[:, :, span.start:span.end]
-        if span.attends_only_new:
-            k, v = key[:, :, span.start:span.end], value[:, :, span.start:span.end]
-            result = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
-                                                    enable_gqa=True)
-        else:
-            k = cache_k[span.context_slots].transpose(0, 1).unsqueeze(0)
-            v = cache_v[span.context_slots].transpose(0, 1).unsqueeze(0)
-            result = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=scaling,
-                                                    enable_gqa=True)
-        out[span.start:span.end] = result[0].transpose(0, 1)
-    if paged.decode_rows is not None:
-        q = query[0][:, paged.decode_rows].transpose(0, 1).unsqueeze(2)  # [B, heads, 1, dim]
-        k = cache_k[paged.decode_slots].transpose(1, 2)  # [B, kv_heads, ctx, dim]
-        v = cache_v[paged.decode_slots].transpose(1, 2)
-        result = F.scaled_dot_product_attention(q, k, v, attn_mask=paged.decode_mask,
-                                                scale=scaling, enable_gqa=True)
-        out[paged.decode_rows] = result[:, :, 0]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = paged_attention(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
+                          value[0].transpose(0, 1), paged, scale)
     return out.unsqueeze(0), None
 
 

@@ -1,0 +1,125 @@
+"""The Llama-style decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over the paged KV cache.
+
+Compared with running transformers' modules with our attention plugged in, this removes the
+per-layer module dispatch and reshapes, and fuses the q/k/v projections into one matmul and
+the gate/up projections into another (4 instead of 7 matmuls per layer, as vLLM and nano-vllm
+do). The fused weights are built once; the transformers modules' weights become views into
+them, so the model is held in memory once and the transformers model keeps working (tests run
+it as the reference).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from workers.models.linear import Linear
+from workers.paged_attention import AttentionMetadata, paged_attention
+
+
+def _fuse(linears: list[nn.Linear]) -> Linear:
+    """One linear layer computing ``linears``' outputs side by side; each of them has its
+    weight (and bias) re-pointed at its slice of the fused tensors."""
+    weight = torch.cat([linear.weight.data for linear in linears])
+    has_bias = linears[0].bias is not None
+    bias = torch.cat([linear.bias.data for linear in linears]) if has_bias else None
+    start = 0
+    for linear in linears:
+        end = start + linear.out_features
+        linear.weight.data = weight[start:end]
+        if has_bias:
+            linear.bias.data = bias[start:end]
+        start = end
+    return Linear(weight, bias)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE (Su et al. 2021) in transformers' half-split layout: ``x`` ``[T, heads, dim]``,
+    ``cos``/``sin`` ``[T, 1, dim]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class _Layer:
+    """One decoder layer: pre-norm attention and pre-norm gated MLP, each with a residual."""
+
+    def __init__(self, layer: nn.Module, index: int):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.index = index
+        self.input_norm = layer.input_layernorm
+        self.post_attention_norm = layer.post_attention_layernorm
+        self.head_dim = attn.head_dim
+        self.num_heads = attn.q_proj.out_features // attn.head_dim
+        self.num_kv_heads = attn.k_proj.out_features // attn.head_dim
+        self.scale = attn.scaling
+        self.qkv_proj = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.q_norm = getattr(attn, "q_norm", None)  # Qwen3: RMSNorm over each head
+        self.k_norm = getattr(attn, "k_norm", None)
+        self.o_proj = Linear.of(attn.o_proj)
+        self.gate_up_proj = _fuse([mlp.gate_proj, mlp.up_proj])
+        self.act = mlp.act_fn
+        self.down_proj = Linear.of(mlp.down_proj)
+
+    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 metadata: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self._attention(self.input_norm(hidden), cos, sin, metadata)
+        return hidden + self._mlp(self.post_attention_norm(hidden))
+
+    def _attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   metadata: AttentionMetadata) -> torch.Tensor:
+        rows = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split(
+            [q_size, kv_size, kv_size], dim=-1)
+        q = q.view(rows, self.num_heads, self.head_dim)
+        k = k.view(rows, self.num_kv_heads, self.head_dim)
+        v = v.view(rows, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        out = paged_attention(self.index, q, k, v, metadata, self.scale)
+        return self.o_proj(out.view(rows, q_size))
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class LlamaStyleDecoder:
+    """A Llama-family causal LM run over one flat batch of rows.
+
+    Args:
+        model: a transformers ``*ForCausalLM`` of a Llama-style architecture (its modules and
+            weights are reused; its q/k/v and gate/up weights become views of fused tensors).
+    """
+
+    def __init__(self, model: PreTrainedModel):
+        inner = model.model
+        self.embed = inner.embed_tokens
+        self.rotary = inner.rotary_emb
+        self.norm = inner.norm
+        self.lm_head = Linear.of(model.lm_head)
+        self.layers = [_Layer(layer, i) for i, layer in enumerate(inner.layers)]
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 metadata: AttentionMetadata, sample_index: torch.Tensor) -> torch.Tensor:
+        """Compute the KV of every row and the logits of the rows in ``sample_index``.
+
+        Args:
+            input_ids: ``[T]`` token ids of the step's rows.
+            positions: ``[T]`` their positions in their sequences.
+            metadata: where each row's KV goes and what it attends to.
+            sample_index: ``[S]`` rows whose next-token logits are wanted.
+
+        Returns:
+            ``[S, vocab_size]`` float32 logits.
+        """
+        hidden = self.embed(input_ids)
+        cos, sin = self.rotary(hidden, positions.unsqueeze(0))
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, metadata)
+        # The final norm is per row: normalising only the sampled rows gives the same values.
+        return self.lm_head(self.norm(hidden[sample_index])).float()
