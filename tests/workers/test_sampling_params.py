@@ -157,6 +157,10 @@ def test_seeded_request_is_the_same_beside_any_neighbours(tiny_qwen, make_engine
                                 for i, p in enumerate(neighbours)])
     assert max(engine.counters.batch_sizes) >= 5
     assert tokens(chunks["s"]) == alone
+    # Again on the same engine: the prompt's two full blocks now come from the cache.
+    again = engine.generate([GenerationRequest("s2", PROMPT, seeded)])["s2"]
+    assert again[-1].cached_tokens == 32
+    assert tokens(again) == alone
 
 
 def test_unseeded_engines_differ_unless_seeded_explicitly(tiny_qwen, make_engine):
