@@ -199,3 +199,18 @@ def test_finish_reasons(tiny_qwen, make_engine):
     # EOS is "stop"
     chunks = run(engine, SamplingParams(temperature=0.0, max_tokens=6, logit_bias={EOS: 100}))
     assert chunks[-1].finish_reason == "stop" and tokens(chunks) == [EOS]
+
+
+def test_held_siblings_do_not_block_unrelated_requests(tiny_qwen, make_engine):
+    engine = make_engine(tiny_qwen, num_blocks=32)
+    engine.add_request(GenerationRequest("n", PROMPT, SamplingParams(n=3, max_tokens=2)))
+    engine.add_request(GenerationRequest("other", list(range(500, 520)),
+                                         SamplingParams(max_tokens=2)))
+    engine.step()
+    # The first choice and the unrelated request prefill together; the siblings wait one
+    # step for the prompt's blocks, then join as cache hits.
+    assert engine.counters.prefill_tokens == 40 + 20
+    assert engine.counters.batch_sizes == {2: 1}
+    engine.step()
+    assert engine.counters.prefill_tokens == 40 + 20 + 2 * 8
+    assert engine.counters.batch_sizes[4] == 1
