@@ -1,12 +1,13 @@
 """Greedy engine output equals transformers token for token (fp32) for every supported family.
 
 Each family is a tiny random model (2 layers, vocabulary 1000, seeded) that exercises what sets
-the family apart: Llama (tied embeddings), Mistral (sliding_window=None), Qwen2 (q/k/v bias),
-Qwen3 (q_norm/k_norm, head_dim != hidden/heads), Phi-3 (fused qkv_proj and gate_up_proj, partial
-rotary). For each: cold single requests, four batched (proved by the sequences-per-step
-histogram), a warm prefix hit (proved by the prefilled-token counter), and chunked prefill. The
-engine may run the transformers module or a compact implementation of the family: the tests go
-through ``LLMEngine`` and cover whichever it picks, and name it in failure messages.
+the family apart: Llama (tied embeddings; and a variant with every bias on), Mistral
+(sliding_window=None), Qwen2 (q/k/v bias), Qwen3 (q_norm/k_norm, head_dim != hidden/heads),
+Phi-3 (fused qkv_proj and gate_up_proj, partial rotary). For each: cold single requests, four
+batched (proved by the sequences-per-step histogram), a warm prefix hit (proved by the
+prefilled-token counter), and chunked prefill. The engine may run the transformers module or a
+compact implementation of the family: the tests go through ``LLMEngine`` and cover whichever it
+picks, and name it in failure messages.
 """
 
 from __future__ import annotations
@@ -53,6 +54,18 @@ def build_llama() -> PreTrainedModel:
     return _seeded(LlamaForCausalLM, LlamaConfig(**SHAPE, tie_word_embeddings=True))
 
 
+def build_llama_with_biases() -> PreTrainedModel:
+    """Llama with ``attention_bias`` and ``mlp_bias``: every projection, o_proj and the MLP's
+    included, carries a bias, drawn (they are zero after init) so each one contributes."""
+    model = _seeded(LlamaForCausalLM, LlamaConfig(**SHAPE, attention_bias=True, mlp_bias=True,
+                                                  tie_word_embeddings=False))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_(0.0, 0.2)
+    return model
+
+
 def build_mistral() -> PreTrainedModel:
     """Mistral without a sliding window (Mistral-7B-v0.2 onwards)."""
     return _seeded(MistralForCausalLM, MistralConfig(**SHAPE, sliding_window=None,
@@ -82,6 +95,7 @@ def _seeded(model_class: type[PreTrainedModel], config: PretrainedConfig) -> Pre
 # qwen2 is conftest's session-wide tiny Qwen2 (GQA, drawn q/k/v biases)
 BUILDERS = {
     "llama": build_llama,
+    "llama-bias": build_llama_with_biases,
     "mistral": build_mistral,
     "qwen3": build_qwen3,
     "phi3": build_phi3,
