@@ -233,16 +233,22 @@ def test_chunking_never_changes_tiny_model_outputs(tiny_qwen, make_engine, budge
 
 
 def test_chunking_never_changes_smollm_outputs(smollm, make_engine):
-    """Two ~600-token prompts, unchunked and batched vs chunked at 16, 64 and 512 tokens."""
+    """Two ~600-token prompts sharing their first 560 tokens: each unchunked (the second a
+    prefix hit) vs chunked at 16, 64 and 512 tokens per step, greedy ids equal. The shared
+    head keeps the test quick: the second prompt's head is a cache hit under every budget."""
     vocab = smollm.model.config.vocab_size
-    requests = [greedy(f"s{i}", random_prompt(90 + i, 590 + 17 * i, vocab), max_tokens=2)
+    head = random_prompt(90, 560, vocab)
+    requests = [greedy(f"s{i}", head + random_prompt(91 + i, 40 + 17 * i, vocab), max_tokens=2)
                 for i in range(2)]
-    unchunked = make_engine(smollm, num_blocks=96, max_num_batched_tokens=2048)
+    unchunked = make_engine(smollm, num_blocks=96, max_num_batched_tokens=2048, max_num_seqs=1)
     reference = unchunked.generate(requests)
-    assert unchunked.counters.steps == 2  # both prompts in one step, then one decode
+    assert unchunked.counters.steps == 4  # each prompt in one step, then one decode
     for budget in (16, 64, 512):
         engine = make_engine(smollm, num_blocks=96, max_num_batched_tokens=budget)
         chunks = engine.generate(requests)
+        # the second prompt is admitted as the first one's last chunk runs: its head is a hit
+        # as far as the first one's blocks were registered by then
+        assert 512 <= engine.scheduler.counters.prefix_hit_tokens <= 560
         for request in requests:
             assert output_ids(chunks[request.request_id]) == output_ids(
                 reference[request.request_id]), (budget, request.request_id)
