@@ -90,15 +90,19 @@ class LLMEngine:
                                    config.max_num_partial_prefills,
                                    config.long_prefill_token_threshold,
                                    config.scheduling_policy)
-        self.runner = ModelRunner(self.loaded.model, kv_cache)
-        self.identity = CacheIdentity(self.loaded.model_digest,
-                                      numerics_tag(self.loaded.device, ATTN_IMPLEMENTATION),
-                                      config.block_size)
         model_limit = getattr(model_config, "max_position_embeddings", None) or 1 << 30
         self.max_model_len = min(config.max_model_len or model_limit, model_limit,
                                  kv_cache.num_blocks * config.block_size)
-        # refuse, naming them, features the paged runner would silently drop
+        # Refuse, naming them, features the paged runner would silently drop; before the
+        # runner fuses the model's weights.
         check_supported(model_config, self.max_model_len, self.loaded.model)
+        self.runner = ModelRunner(self.loaded.model, kv_cache)
+        # The runner's path (compact or transformers modules) changes rounding, so the KV it
+        # computes is only reusable by workers running the same path.
+        attention = f"{ATTN_IMPLEMENTATION}/{self.runner.implementation}"
+        self.identity = CacheIdentity(self.loaded.model_digest,
+                                      numerics_tag(self.loaded.device, attention),
+                                      config.block_size)
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = self._eos_token_ids()
         self.counters = EngineCounters()
