@@ -251,6 +251,12 @@ def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
 
 # --- output ----------------------------------------------------------------------------------
 
+def log_goals(checks: list[dict[str, Any]]) -> None:
+    """Print each goal check (as made by :func:`goal`) on its own line."""
+    for check in checks:
+        log(f"goal {check['name']}: {check['value']} ({check['goal']}, met={check['met']})")
+
+
 def write_json(result: dict[str, Any], out: str | Path) -> Path:
     """Write ``result`` (indented JSON) to ``out``, creating its folder; returns the path."""
     path = Path(out)

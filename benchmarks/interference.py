@@ -153,8 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
                            "arrive_after_tokens": args.arrive_after,
                            "max_position_embeddings": limit},
               "settings": settings, "goal": goal_check(settings)}
-    for check in result["goal"].get("checks", []):
-        common.log(f"goal {check['name']}: {check['value']} ({check['goal']}, met={check['met']})")
+    common.log_goals(result["goal"].get("checks", []))
     common.write_json(result, args.out)
     return result
 

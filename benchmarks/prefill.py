@@ -115,8 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
               "goals": [common.goal(f"engine {name} / transformers prefill at {longest} tokens",
                                     ratios[name][longest], 1.5)
                         for name in dict.fromkeys((best, "unchunked"))]}
-    for check in result["goals"]:
-        common.log(f"goal {check['name']}: {check['value']} ({check['goal']}, met={check['met']})")
+    common.log_goals(result["goals"])
     common.write_json(result, args.out)
     return result
 

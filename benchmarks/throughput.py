@@ -340,8 +340,7 @@ def main(argv: list[str] | None = None) -> dict:
                            "ignore_eos": True,
                            "max_num_batched_tokens": args.max_num_batched_tokens},
               "token_agreement": token_agreement(rows), "rows": rows, "goals": goals(rows)}
-    for check in result["goals"]:
-        common.log(f"goal {check['name']}: {check['value']} ({check['goal']}, met={check['met']})")
+    common.log_goals(result["goals"])
     common.write_json(result, args.out)
     return result
 

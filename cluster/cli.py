@@ -46,7 +46,7 @@ def _serve_parser(commands) -> None:
                            help="GPUs each worker replica asks Ray for (default: 1 when CUDA "
                                 "is available, else 0)")
     serve_cmd.add_argument("--worker-threads", type=int, default=None,
-                           help="torch threads per worker (default: torch's)")
+                           help="torch threads per worker (default: cores / --workers)")
 
 
 def _chat_parser(commands) -> None:

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -81,15 +82,17 @@ class AsyncEngine:
         # arrived after that last drain.
         self.check_health()
         finished = False
+        backlog: deque[GenerationChunk | BaseException] = deque()
         try:
             while not finished:
-                item = await stream.queue.get()
+                item = backlog.popleft() if backlog else await stream.queue.get()
                 if isinstance(item, BaseException):
                     # Refused or failed: nothing of this request runs in the engine, so never
                     # abort its id (another request may hold it: a refused duplicate id).
                     finished = True
                     raise item
-                finished = item.finish_reason is not None
+                item = _coalesce(item, stream.queue, backlog)
+                finished = item.is_last
                 yield item
         finally:
             if not finished:
@@ -186,7 +189,7 @@ class AsyncEngine:
         stream = self._streams.get(chunk.request_id)
         if stream is None:
             return
-        if chunk.finish_reason is not None:
+        if chunk.is_last:
             del self._streams[chunk.request_id]
         _send(stream, chunk)
 
@@ -215,6 +218,25 @@ class AsyncEngine:
                 self._on_events(events)
             except Exception:
                 log.exception("publishing KV events failed")
+
+
+def _coalesce(chunk: GenerationChunk, inbox: asyncio.Queue,
+              backlog: deque[GenerationChunk | BaseException]) -> GenerationChunk:
+    """``chunk`` merged with the chunks of the same choice already waiting behind it.
+
+    When the consumer (Serve's streaming, the HTTP client) falls behind the engine, tokens
+    queue up; sending them as one message instead of one per token cuts the per-message cost
+    exactly when it hurts, and costs nothing when the consumer keeps up. Whatever cannot be
+    merged (another choice, an error) is kept, in order, in ``backlog``.
+    """
+    while not backlog and not inbox.empty():
+        following = inbox.get_nowait()
+        if (isinstance(following, BaseException) or following.index != chunk.index
+                or chunk.finish_reason is not None):
+            backlog.append(following)
+        else:
+            chunk = chunk.followed_by(following)
+    return chunk
 
 
 def _send(stream: _Stream, item) -> None:

@@ -210,6 +210,14 @@ class GenerationChunk:
     logprobs: list[TokenLogprob] | None = None
     choices_left: int = 0
 
+    def followed_by(self, later: GenerationChunk) -> GenerationChunk:
+        """One chunk carrying this chunk's tokens then ``later``'s (same request and choice)."""
+        logprobs = None
+        if self.logprobs is not None or later.logprobs is not None:
+            logprobs = (self.logprobs or []) + (later.logprobs or [])
+        return replace(later, token_ids=self.token_ids + later.token_ids,
+                       text=self.text + later.text, logprobs=logprobs)
+
     @property
     def is_last(self) -> bool:
         """Whether this chunk ends the request's stream (every choice has finished)."""

@@ -160,3 +160,33 @@ async def test_duplicate_id_refused_in_the_engine_thread_leaves_the_first_reques
     finally:
         release.set()
         async_engine.shutdown()
+
+
+async def test_n_choices_stream_until_every_choice_has_finished(async_engine):
+    request = GenerationRequest("n2", prompt(41, 24), SamplingParams(
+        temperature=1.0, seed=5, n=2, max_tokens=6, ignore_eos=True))
+    chunks = await collect(async_engine, request)
+
+    for index in (0, 1):
+        mine = [c for c in chunks if c.index == index]
+        assert sum(len(c.token_ids) for c in mine) == 6
+        assert mine[-1].finish_reason == "length"
+    assert chunks[-1].is_last and sum(c.is_last for c in chunks) == 1
+    assert async_engine.engine.pool.num_in_use == 0
+
+
+async def test_a_lagging_consumer_gets_the_backlog_merged_in_order(async_engine, tiny_qwen,
+                                                                   make_engine):
+    request = greedy("lag", prompt(42, 20), max_tokens=24)
+    expected = make_engine(tiny_qwen, num_blocks=32).generate([request])["lag"]
+    stream = async_engine.generate(greedy("lag", prompt(42, 20), max_tokens=24))
+    first = await anext(stream)
+    # Stall this consumer until the engine has finished the request: the rest waits queued.
+    while async_engine.engine.sequence("lag") is not None:
+        await asyncio.sleep(0.01)
+    rest = [chunk async for chunk in stream]
+
+    assert len(rest) == 1  # 23 queued one-token chunks arrive as one message
+    assert ids([first, *rest]) == ids(expected)
+    assert first.text + rest[0].text == "".join(c.text for c in expected)
+    assert rest[0].finish_reason == "length" and rest[0].completion_tokens == 24
