@@ -14,9 +14,9 @@ class PagedKVCache:
     Head-major, so that a run of slots is a strided view ``[kv_heads, run, head_dim]`` that
     attention reads without a copy, and gathering a sequence's blocks copies whole
     ``block_size * head_dim`` rows. Block ``num_blocks`` (:attr:`scratch_block`) is never handed
-    out by the pool and stays zero: decode rows of different lengths are padded with it, so a
-    padded (masked) position multiplies a probability of 0 by a value of 0, never by another
-    request's KV, which may hold inf or NaN.
+    out by the pool and stays zero: decode rows of different lengths are padded with it, so
+    padding never reads another request's KV (attention also zeroes every padded position it
+    gathers, since a stale inf or NaN times a masked probability of 0 is NaN).
 
     Args:
         num_layers, num_blocks, block_size, num_kv_heads, head_dim: the geometry (``num_blocks``

@@ -61,12 +61,17 @@ class DecodeGroup:
         blocks_per_row: padded table length.
         mask: ``[B, 1, 1, blocks_per_row * block_size]`` True at real context, None when every
             row's context fills the padded length exactly.
+        padding: flat positions (into ``B * blocks_per_row * block_size``) outside the mask,
+            or None. Their gathered K/V are zeroed before attention: a masked position gets
+            probability 0, but 0 times a stale inf or NaN (left in the unused tail of a block
+            by an earlier request, or in another request's block) is NaN.
     """
 
     rows: torch.Tensor
     block_ids: torch.Tensor
     blocks_per_row: int
     mask: torch.Tensor | None
+    padding: torch.Tensor | None
 
 
 @dataclass
@@ -141,12 +146,15 @@ def _decode_group(group: list[tuple[int, list[int], int]], kv_cache: PagedKVCach
     block_ids = []
     for _, table, _ in group:
         block_ids.extend(table + [kv_cache.scratch_block] * (blocks_per_row - len(table)))
-    mask = None
+    mask = padding = None
     if any(length != padded_len for _, _, length in group):
         lengths = torch.tensor([length for _, _, length in group])
-        mask = (torch.arange(padded_len) < lengths[:, None])[:, None, None, :].to(device)
+        valid = torch.arange(padded_len) < lengths[:, None]
+        mask = valid[:, None, None, :].to(device)
+        padding = (~valid).flatten().nonzero().flatten().to(device)
     rows = torch.tensor([r for r, _, _ in group], device=device)
-    return DecodeGroup(rows, torch.tensor(block_ids, device=device), blocks_per_row, mask)
+    return DecodeGroup(rows, torch.tensor(block_ids, device=device), blocks_per_row, mask,
+                       padding)
 
 
 def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -219,7 +227,10 @@ def _attend_decodes(layer: int, query: torch.Tensor, group: DecodeGroup, cache: 
                     scale: float) -> torch.Tensor:
     rows = len(group.rows)
     _, heads, head_dim = query.shape
-    k, v = cache.gather(layer, group.block_ids)  # [kv_heads, rows * ctx, dim]
+    k, v = cache.gather(layer, group.block_ids)  # [kv_heads, rows * ctx, dim], a copy
+    if group.padding is not None:
+        k.index_fill_(1, group.padding, 0.0)
+        v.index_fill_(1, group.padding, 0.0)
     kv_heads = k.shape[0]
     k = k.view(kv_heads, rows, -1, head_dim).transpose(0, 1)  # [rows, kv_heads, ctx, dim]
     v = v.view(kv_heads, rows, -1, head_dim).transpose(0, 1)
