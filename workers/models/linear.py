@@ -1,17 +1,22 @@
-"""Linear layers whose weights are laid out once for the CPU's matrix kernels.
+"""Linear layers whose weights are also laid out once for the CPU's small-batch kernels.
 
 On a CPU, ``F.linear`` in bf16 goes through oneDNN, which re-lays the weight out for its
-AVX512-BF16/AMX kernels on every call. At decode batch sizes (1-16 rows) that repacking costs
-about as much as the product itself: prepacking once (what torch's Inductor does when it freezes
-weights) measured 1.3-1.6x faster per matmul on SmolLM2's shapes at 1-16 rows, with bit-identical
-results. fp32 and GPU matmuls are left to ``F.linear``: oneDNN's fp32 kernels round differently
-from MKL's, and the fp32 path is the one held to exact equality with transformers.
+AVX512-BF16/AMX kernels on every call. At decode batch sizes that repacking costs about as much
+as the product itself: prepacking once (what torch's Inductor does when it freezes weights)
+measured 1.3-1.6x faster per matmul on SmolLM2's shapes at 1-16 rows, with bit-identical
+results. From about 256 rows on, the plain kernel is as fast or faster (a 4,096-row gate/up
+projection: 14 ms plain, 18 ms prepacked), so prefills keep using it. fp32 and GPU matmuls are
+left to ``F.linear``: oneDNN's fp32 kernels round differently from MKL's, and the fp32 path is
+the one held to exact equality with transformers.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+PREPACKED_MAX_ROWS = 256
+"""Matmuls with fewer rows than this use the prepacked weight (measured crossover)."""
 
 
 def _prepacking_pays(weight: torch.Tensor) -> bool:
@@ -27,20 +32,20 @@ class Linear:
         weight: ``[out_features, in_features]``.
         bias: ``[out_features]`` or None.
 
-    Holds a prepacked copy of ``weight`` (same size in bytes) where that is faster, else a
-    reference to it.
+    Where prepacking pays, also holds a prepacked copy of ``weight`` (as many bytes again).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight = weight
         self.bias = bias
-        self.packed = _prepacking_pays(weight)
-        self.weight = (torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-                       if self.packed else weight)
+        self.packed = None
+        if _prepacking_pays(weight):
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[rows, in_features]`` → ``[rows, out_features]``."""
-        if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        if self.packed is not None and x.shape[0] < PREPACKED_MAX_ROWS:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     @classmethod
