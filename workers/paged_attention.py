@@ -149,9 +149,9 @@ def _decode_group(group: list[tuple[int, list[int], int]], kv_cache: PagedKVCach
     mask = padding = None
     if any(length != padded_len for _, _, length in group):
         lengths = torch.tensor([length for _, _, length in group])
-        valid = torch.arange(padded_len) < lengths[:, None]
-        mask = valid[:, None, None, :].to(device)
-        padding = (~valid).flatten().nonzero().flatten().to(device)
+        mask = (torch.arange(padded_len) < lengths[:, None])[:, None, None, :].to(device)
+        padding = torch.tensor([i * padded_len + pos for i, (_, _, length) in enumerate(group)
+                                for pos in range(length, padded_len)], device=device)
     rows = torch.tensor([r for r, _, _ in group], device=device)
     return DecodeGroup(rows, torch.tensor(block_ids, device=device), blocks_per_row, mask,
                        padding)

@@ -14,10 +14,18 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks import common, interference, prefill, step_profile, throughput  # noqa: E402
+from benchmarks import (  # noqa: E402
+    common,
+    interference,
+    kernel_choices,
+    prefill,
+    step_profile,
+    throughput,
+)
 
 QUICK = ["--quick", "--model", common.TINY_MODEL, "--threads", "1"]
 
@@ -176,3 +184,14 @@ def test_prefill_flops_of_the_tiny_llama():
     attention = 2 * 2 * 2 * 4 * 16 * tokens * (tokens + 1) / 2
     head = 2 * 64 * model.config.vocab_size
     assert step_profile.prefill_flops(model, tokens) == 2 * decoder * tokens + attention + head
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                    reason="prepacked bf16 weights need a CPU with native bf16")
+def test_kernel_choices_quick(tmp_path):
+    result = run_main(kernel_choices, tmp_path)
+    assert set(result["linear"]) == {f"{name}/{rows}" for name in kernel_choices.LINEAR_SHAPES
+                                     for rows in (1, 8, 300)}
+    assert all(row["plain_ms"] > 0 and row["prepacked_ms"] > 0
+               for row in result["linear"].values())
+    assert result["flash"]["tokens"] == 64

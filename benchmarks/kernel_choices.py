@@ -1,0 +1,78 @@
+"""The measurements behind the engine's kernel choices, on SmolLM2-135M's shapes.
+
+1. Linear layers: ``F.linear`` against weights prepacked once for oneDNN
+   (``workers.models.linear``), per row count: where prepacking pays, and where it stops.
+2. Causal flash attention of one prompt on strided head views (as they come out of the fused
+   qkv projection) against contiguous head-major copies (``workers.paged_attention``).
+
+Writes JSON; ``--quick`` for a smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks import common
+
+# (out_features, in_features) of SmolLM2-135M's fused projections: qkv, o, gate/up, down.
+LINEAR_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+
+
+def linear_rows(rows: list[int], repeats: int) -> dict:
+    """Milliseconds per matmul, plain and prepacked, for each shape and row count."""
+    results = {}
+    for name, (out_features, in_features) in LINEAR_SHAPES.items():
+        weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        for count in rows:
+            x = torch.randn(count, in_features, dtype=torch.bfloat16)
+            plain = common.median_time(lambda x=x, w=weight: F.linear(x, w), repeats)
+            fast = common.median_time(
+                lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none",
+                                                                         [], ""), repeats)
+            results[f"{name}/{count}"] = {"plain_ms": plain * 1e3, "prepacked_ms": fast * 1e3,
+                                          "speedup": plain / fast}
+            common.log(f"{name} {count} rows: plain {plain * 1e3:.3f} ms, "
+                       f"prepacked {fast * 1e3:.3f} ms")
+    return results
+
+
+def flash_layouts(tokens: int, repeats: int) -> dict:
+    """Milliseconds for one causal GQA attention layer over ``tokens`` tokens."""
+    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, dtype=torch.bfloat16)
+    q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
+    views = [x.view(tokens, -1, HEAD_DIM).transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
+
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    strided = common.median_time(lambda: attend(*views), repeats)
+    contiguous = common.median_time(lambda: attend(*(x.contiguous() for x in views)), repeats)
+    common.log(f"flash {tokens} tokens: strided {strided * 1e3:.1f} ms, "
+               f"contiguous (copies included) {contiguous * 1e3:.1f} ms")
+    return {"tokens": tokens, "strided_ms": strided * 1e3, "contiguous_ms": contiguous * 1e3}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common.add_common_args(parser, "kernel_choices")
+    parser.add_argument("--rows", default="1,8,16,64,128,256,512,1024,4096")
+    parser.add_argument("--flash-tokens", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args(argv)
+    rows = [1, 8, 300] if args.quick else [int(r) for r in args.rows.split(",")]
+    tokens, repeats = (64, 2) if args.quick else (args.flash_tokens, args.repeats)
+    threads = common.set_threads(args.threads)
+    result = {"benchmark": "kernel_choices", "machine": common.machine_info(torch.bfloat16),
+              "threads": threads, "quick": args.quick,
+              "linear": linear_rows(rows, repeats), "flash": flash_layouts(tokens, repeats)}
+    common.write_json(result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()
