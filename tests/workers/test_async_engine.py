@@ -7,6 +7,7 @@ they were sent, so a request sent after an abort finishing proves the abort was 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 from collections.abc import Iterator
 
@@ -61,8 +62,11 @@ async def test_concurrent_streams_complete_and_match_the_sync_engine(
     for request, chunks in zip(requests, results, strict=True):
         assert ids(chunks) == ids(expected[request.request_id])
         assert [c.finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
-        assert [c.completion_tokens for c in chunks] == list(range(1, len(chunks) + 1))
-        assert len(chunks) == request.sampling.max_tokens
+        # A consumer that falls behind gets queued tokens merged into one chunk: counts stay
+        # cumulative and exact whatever the chunking.
+        counts = [c.completion_tokens for c in chunks]
+        assert counts == list(itertools.accumulate(len(c.token_ids) for c in chunks))
+        assert counts[-1] == request.sampling.max_tokens
     engine = async_engine.engine
     assert max(engine.counters.batch_sizes) >= 2  # the streams shared steps
     assert engine.pool.num_in_use == 0
@@ -155,7 +159,9 @@ async def test_duplicate_id_refused_in_the_engine_thread_leaves_the_first_reques
             return [await first_chunk] + [chunk async for chunk in first]
 
         chunks = await asyncio.wait_for(rest(), timeout=30)  # a lost stream would hang here
-        assert [c.finish_reason for c in chunks] == [None] * 4 + ["length"]
+        assert [c.finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
+        assert ids(chunks) == ids(make_engine(tiny_qwen, num_blocks=32).generate(
+            [greedy("dup", prompt(10, 20), max_tokens=5)])["dup"])
         await asyncio.wait_for(holder, timeout=30)
     finally:
         release.set()
