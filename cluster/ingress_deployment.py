@@ -72,6 +72,9 @@ class NalarIngress:
                 finished = chunk.is_last
                 yield chunk
         except BackPressureError as exc:
+            # Refused before any worker took it: nothing to cancel, and cancelling would raise
+            # the BackPressureError again, replacing this answer with a 500.
+            finished = True
             raise OverloadedError(str(exc)) from exc
         finally:
             if not finished:

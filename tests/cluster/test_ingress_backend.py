@@ -32,7 +32,11 @@ class FakeStream:
         return self._chunks.pop(0)
 
     def cancel(self) -> None:
+        # Ray's DeploymentResponseGenerator.cancel() fetches the call's result first, so a call
+        # that failed (e.g. refused for backpressure) raises its error again here.
         self.cancelled = True
+        if self._error is not None:
+            raise self._error
 
 
 def ingress_over(stream: FakeStream) -> SimpleNamespace:
