@@ -508,7 +508,10 @@ def _validate(sampling: SamplingParams, max_param: str, logprobs_param: str = "l
     except InvalidRequestError as exc:
         renamed = {"max_tokens": max_param, "logprobs": logprobs_param}
         param = renamed.get(exc.param, exc.param)
-        raise invalid_request(f"{param}: {exc}", param, exc.code) from exc
+        message = str(exc)
+        if exc.param and message.startswith(exc.param):  # name the field the client sent
+            message = param + message[len(exc.param):]
+        raise invalid_request(message, param, exc.code) from exc
 
 
 def _bearer_key(authorization: str | None) -> str | None:

@@ -597,6 +597,19 @@ async def test_invalid_requests_are_refused_by_name(client, backend, path, body,
     assert backend.requests == []
 
 
+@pytest.mark.parametrize(("path", "body", "message"), [
+    (CHAT, {"messages": HELLO, "logprobs": True, "top_logprobs": 21},
+     "top_logprobs must be in [0, 20]"),
+    (CHAT, {"messages": HELLO, "max_completion_tokens": 0},
+     "max_completion_tokens must be at least 1"),
+    (COMPLETIONS, {"prompt": "x", "logprobs": 21}, "logprobs must be in [0, 20]"),
+])
+async def test_a_refusal_message_names_the_field_the_client_sent(client, path, body, message):
+    response = await client.post(path, json=body)
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == message
+
+
 @pytest.mark.parametrize(("path", "field", "param"), [
     (COMPLETIONS, '"prompt": "\\udc00 x"', "prompt"),
     ("/v1/chat/completions", '"messages": [{"role": "user", "content": "\\ud800 lone"}]',
