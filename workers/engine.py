@@ -109,7 +109,6 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._choices: dict[str, list[Sequence]] = {}
         self._held_siblings: dict[str, list[Sequence]] = {}
-        self._choice_index: dict[Sequence, int] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._generator = torch.Generator()
         if config.seed is None:
@@ -156,10 +155,7 @@ class LLMEngine:
         num_choices = request.sampling.n
         choices = []
         for index in range(num_choices):
-            seq = Sequence(request, root, self.config.block_size)
-            if num_choices > 1:
-                _make_sibling(seq, index)
-                self._choice_index[seq] = index
+            seq = Sequence(request, root, self.config.block_size, index)
             if not request.sampling.ignore_eos:
                 seq.stop_token_ids |= self.eos_token_ids
             self._seqs[seq.request_id] = seq
@@ -284,7 +280,6 @@ class LLMEngine:
         self.scheduler.finish(seq)
         del self._seqs[seq.request_id]
         del self._detokenizers[seq.request_id]
-        index = self._choice_index.pop(seq, 0)
         rid = seq.request.request_id
         choices = self._choices[rid]
         choices.remove(seq)
@@ -293,16 +288,14 @@ class LLMEngine:
             self._held_siblings.pop(rid, None)
         self._release_siblings()
         tokens = [seq.token_ids[-1]] if seq.finish_reason != "abort" else []
-        return self._chunk(seq, tokens, text, logprobs, index)
+        return self._chunk(seq, tokens, text, logprobs)
 
     def _chunk(self, seq: Sequence, tokens: list[int], text: str,
-               logprobs: list[TokenLogprob] | None = None,
-               index: int | None = None) -> GenerationChunk:
+               logprobs: list[TokenLogprob] | None = None) -> GenerationChunk:
         rid = seq.request.request_id
-        index = self._choice_index.get(seq, 0) if index is None else index
         return GenerationChunk(rid, tokens, text, seq.finish_reason,
                                seq.num_prompt_tokens, seq.num_cached_tokens,
-                               seq.num_output_tokens, index=index,
+                               seq.num_output_tokens, index=seq.choice_index,
                                logprobs=logprobs, choices_left=len(self._choices.get(rid, ())))
 
     def _release_siblings(self) -> None:
@@ -340,15 +333,6 @@ class LLMEngine:
             value = getattr(source, "eos_token_id", None)
             ids.update(value if isinstance(value, list) else [] if value is None else [value])
         return ids
-
-
-def _make_sibling(seq: Sequence, index: int) -> None:
-    """Turns ``seq`` into choice ``index`` of its request: its own id and, for a seeded
-    request, its own generator seeded with ``seed + index``."""
-    seq.request_id = f"{seq.request.request_id}#{index}"
-    seq.sampling = seq.request.sampling.for_choice(index)
-    if seq.sampling.seed is not None:
-        seq.generator = torch.Generator().manual_seed(seq.sampling.seed)
 
 
 def _pairs(batch: ScheduledBatch):

@@ -129,11 +129,10 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
         self._step = 0
-        self._queued_at: dict[str, int] = {}
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-        self._queued_at[seq.request_id] = self._step
+        seq.queued_at_step = self._step
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -153,7 +152,6 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self._queued_at.pop(seq.request_id, None)
         self.blocks.free(seq)
 
     def _budget_left(self, batch: ScheduledBatch) -> int:
@@ -244,7 +242,7 @@ class Scheduler:
 
     def _is_aged(self, seq: Sequence) -> bool:
         """Preempted sequences and those waiting ``aging_steps`` outrank fresh ones."""
-        waited = self._step - self._queued_at.get(seq.request_id, self._step)
+        waited = self._step - seq.queued_at_step
         return seq.admitted or waited >= self.aging_steps
 
     def _count_first_lookup(self, seq: Sequence) -> None:

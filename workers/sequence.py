@@ -30,12 +30,19 @@ class Sequence:
             re-admission after preemption never changes it, so hits are counted once.
         generator: per-request RNG when the request is seeded, so the output does not depend
             on which other requests share its batch.
+        choice_index: which of the request's ``n`` choices this is. With ``n > 1`` each choice
+            has its own id (``<request id>#<index>``) and sampling parameters (seed + index).
+        queued_at_step: the scheduler step at which it last joined the waiting queue.
     """
 
-    def __init__(self, request: GenerationRequest, root_digest: bytes, block_size: int):
+    def __init__(self, request: GenerationRequest, root_digest: bytes, block_size: int,
+                 choice_index: int = 0):
         self.request = request
-        self.request_id = request.request_id
-        self.sampling = request.sampling
+        self.choice_index = choice_index
+        self.request_id = (request.request_id if request.sampling.n == 1
+                           else f"{request.request_id}#{choice_index}")
+        self.sampling = request.sampling.for_choice(choice_index)
+        self.queued_at_step = 0
         self.root_digest = root_digest
         self.block_size = block_size
         self.token_ids: list[int] = list(request.token_ids)
