@@ -40,6 +40,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from router.errors import (
     APIError,
@@ -186,17 +187,9 @@ class _Tally:
         return sorted(self.choices.items())
 
 
-# GPT-2's byte-to-unicode table, inverted: byte-level BPE vocabularies (GPT-2, Llama 3, Qwen,
-# SmolLM2) spell each byte as one printable character.
-def _byte_decoder() -> dict[str, int]:
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    extra = [b for b in range(256) if b not in printable]
-    chars = printable + [256 + i for i in range(len(extra))]
-    return {chr(c): b for c, b in zip(chars, printable + extra, strict=True)}
-
-
-_BYTE_DECODER = _byte_decoder()
+# Byte-level BPE vocabularies (GPT-2, Llama 3, Qwen, SmolLM2) spell each byte as one printable
+# character (GPT-2's table); inverted, it turns a token's spelling back into its bytes.
+_BYTE_DECODER = {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 class _TokenStrings:
