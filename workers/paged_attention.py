@@ -56,12 +56,11 @@ class DecodeGroup:
 
     Attributes:
         rows: ``[B]`` rows of the flat batch.
-        block_ids: ``[B * blocks_per_row]`` each row's block table, padded with the cache's
-            scratch block.
-        blocks_per_row: padded table length.
-        mask: ``[B, 1, 1, blocks_per_row * block_size]`` True at real context, None when every
-            row's context fills the padded length exactly.
-        padding: flat positions (into ``B * blocks_per_row * block_size``) outside the mask,
+        block_ids: ``[B * M]`` each row's block table, padded with the cache's scratch block to
+            the group's longest, ``M`` blocks.
+        mask: ``[B, 1, 1, M * block_size]`` True at real context, None when every row's
+            context fills the padded length exactly.
+        padding: flat positions (into ``B * M * block_size``) outside the mask,
             or None. Their gathered K/V are zeroed before attention: a masked position gets
             probability 0, but 0 times a stale inf or NaN (left in the unused tail of a block
             by an earlier request, or in another request's block) is NaN.
@@ -69,7 +68,6 @@ class DecodeGroup:
 
     rows: torch.Tensor
     block_ids: torch.Tensor
-    blocks_per_row: int
     mask: torch.Tensor | None
     padding: torch.Tensor | None
 
@@ -153,8 +151,7 @@ def _decode_group(group: list[tuple[int, list[int], int]], kv_cache: PagedKVCach
         padding = torch.tensor([i * padded_len + pos for i, (_, _, length) in enumerate(group)
                                 for pos in range(length, padded_len)], device=device)
     rows = torch.tensor([r for r, _, _ in group], device=device)
-    return DecodeGroup(rows, torch.tensor(block_ids, device=device), blocks_per_row, mask,
-                       padding)
+    return DecodeGroup(rows, torch.tensor(block_ids, device=device), mask, padding)
 
 
 def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
