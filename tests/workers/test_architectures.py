@@ -146,21 +146,22 @@ def output_ids(chunks: list[GenerationChunk]) -> list[int]:
     return [token for chunk in chunks for token in chunk.token_ids]
 
 
-def implementation(engine: LLMEngine) -> str:
-    """Which forward path the engine runs (compact model or transformers module), if the
-    runner says; "unreported" otherwise."""
-    return str(getattr(engine.runner, "implementation", "unreported"))
-
-
 def assert_same_tokens(engine: LLMEngine, family: Family, got: list[int], i: int,
                        what: str) -> None:
     assert got == family.expected(i), (
-        f"{family.name} via {implementation(engine)}: {what} prompt {i}: engine {got}, "
+        f"{family.name} via {engine.runner.implementation}: {what} prompt {i}: engine {got}, "
         f"transformers {family.expected(i)}")
 
 
 def test_family_is_supported(family):
     check_supported(family.loaded.model.config, max_model_len=512)
+
+
+def test_family_runs_its_path_and_the_path_is_in_the_cache_identity(family, make_engine):
+    engine = make_engine(family.loaded, num_blocks=8)
+    expected = "transformers" if family.name == "phi3" else "compact"
+    assert engine.runner.implementation == expected
+    assert f"|attn=nalar_paged/{expected}|" in engine.identity.numerics
 
 
 def test_cold_single_then_warm_prefix_hit(family, make_engine):
