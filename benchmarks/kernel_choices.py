@@ -3,7 +3,8 @@
 1. Linear layers: ``F.linear`` against weights prepacked once for oneDNN
    (``workers.models.linear``), per row count: where prepacking pays, and where it stops.
 2. Causal flash attention of one prompt on strided head views (as they come out of the fused
-   qkv projection) against contiguous head-major copies (``workers.paged_attention``).
+   qkv projection) against contiguous head-major copies: whether copying first pays (it did
+   not, measured: ``workers.paged_attention`` attends to the views).
 
 Writes JSON; ``--quick`` for a smoke run.
 """
@@ -15,7 +16,10 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from benchmarks import common
+try:
+    from benchmarks import common
+except ImportError:  # run as a script: benchmarks/ is on sys.path, the repo root is not
+    import common
 
 # (out_features, in_features) of SmolLM2-135M's fused projections: qkv, o, gate/up, down.
 LINEAR_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
@@ -34,8 +38,11 @@ def linear_rows(rows: list[int], repeats: int) -> dict:
             fast = common.median_time(
                 lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none",
                                                                          [], ""), repeats)
+            identical = torch.equal(
+                F.linear(x, weight),
+                torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
             results[f"{name}/{count}"] = {"plain_ms": plain * 1e3, "prepacked_ms": fast * 1e3,
-                                          "speedup": plain / fast}
+                                          "speedup": plain / fast, "bit_identical": identical}
             common.log(f"{name} {count} rows: plain {plain * 1e3:.3f} ms, "
                        f"prepacked {fast * 1e3:.3f} ms")
     return results

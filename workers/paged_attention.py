@@ -181,11 +181,11 @@ def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: t
 def _attend_span(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  span: PrefillSpan, cache: PagedKVCache, scale: float) -> torch.Tensor:
     rows = slice(span.start, span.end)
-    # Head-major copies: the flash kernel ran a 4,096-token prompt in 45 ms per layer on
-    # contiguous heads and 74 ms on these strided views; the copies cost under 1 ms.
-    q = query[rows].transpose(0, 1).unsqueeze(0).contiguous()  # [1, heads, n, dim]
-    k_new = key[rows].transpose(0, 1).unsqueeze(0).contiguous()
-    v_new = value[rows].transpose(0, 1).unsqueeze(0).contiguous()
+    # Strided views straight from the fused projection: head-major copies measured no faster
+    # (benchmarks/kernel_choices.py).
+    q = query[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
+    k_new = key[rows].transpose(0, 1).unsqueeze(0)
+    v_new = value[rows].transpose(0, 1).unsqueeze(0)
     if span.cached_blocks is None:
         out = F.scaled_dot_product_attention(q, k_new, v_new, is_causal=True, scale=scale,
                                              enable_gqa=True)
