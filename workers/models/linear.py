@@ -3,11 +3,10 @@
 On a CPU, ``F.linear`` in bf16 goes through oneDNN, which re-lays the weight out for its
 AVX512-BF16/AMX kernels on every call. At decode batch sizes that repacking costs about as much
 as the product itself: prepacking once (what torch's Inductor does when it freezes weights)
-measured 1.3-2.3x faster per matmul on SmolLM2's shapes at 1-16 rows (two runs), bit-identical
-From 512 rows on it is as often slower (``benchmarks/kernel_choices.py``), so
-prefills keep the plain kernel. fp32 and GPU matmuls are
-left to ``F.linear``: oneDNN's fp32 kernels round differently from MKL's, and the fp32 path is
-the one held to exact equality with transformers.
+measured 1.3-2.3x faster per matmul on SmolLM2's shapes at 1-16 rows (two runs), bit-identical.
+From 512 rows on it is as often slower (``benchmarks/kernel_choices.py``), so prefills keep the
+plain kernel. fp32 and GPU matmuls are left to ``F.linear``: oneDNN's fp32 kernels round
+differently from MKL's, and the fp32 path is the one held to exact equality with transformers.
 """
 
 from __future__ import annotations
