@@ -35,6 +35,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/prefill.py $(BENCH_ARGS)
 	$(BIN)/python benchmarks/interference.py $(BENCH_ARGS)
 	$(BIN)/python benchmarks/step_profile.py $(BENCH_ARGS)
+	$(BIN)/python benchmarks/kernel_choices.py $(BENCH_ARGS)
+	$(BIN)/python benchmarks/sampler_speed.py
 
 bench-http: $(STAMP)
 	$(BIN)/python benchmarks/throughput.py --rows http --out benchmarks/results/throughput_http.json $(BENCH_ARGS)
