@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from workers.spec.config import SpeculativeConfig
 
 MiB = 1 << 20
 
@@ -30,6 +32,8 @@ class EngineConfig:
         seed: seeds the generator of unseeded sampled requests; None (the default) seeds it
             from OS entropy, so unseeded requests differ across workers and restarts. Set
             it only for reproducible tests.
+        speculative: speculative decoding (off by default in the engine; ``nalar serve``
+            turns on ``ngram``).
     """
 
     model: str = "embedded"
@@ -45,3 +49,4 @@ class EngineConfig:
     max_model_len: int | None = None
     num_threads: int | None = None
     seed: int | None = None
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
