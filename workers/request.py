@@ -178,6 +178,48 @@ class TokenLogprob:
 
 
 @dataclass
+class SpecUsage:
+    """One request's speculative decoding so far (counts in tokens, times in seconds).
+
+    Attributes:
+        proposed_tokens: draft tokens sent to verification.
+        accepted_tokens: draft tokens committed (a draft token past a stop or the length cap
+            is not committed, so it is not counted).
+        verification_steps: steps that verified at least one draft token.
+        accepted_by_position: ``[k_max]``: how often the draft token at position i was
+            committed.
+        proposed_by_position: ``[k_max]``: how often a draft token at position i was verified.
+        k_decisions: chosen draft length -> steps (0 = did not speculate that step).
+        draft_s: time spent proposing for this request (its share of batched calls).
+        verify_s: time of the verification steps it was in (its share of the batch).
+    """
+
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    verification_steps: int = 0
+    accepted_by_position: list[int] = field(default_factory=list)
+    proposed_by_position: list[int] = field(default_factory=list)
+    k_decisions: dict[int, int] = field(default_factory=dict)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    @property
+    def rejected_tokens(self) -> int:
+        return self.proposed_tokens - self.accepted_tokens
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Committed draft tokens / proposed draft tokens (0 when nothing was proposed)."""
+        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Committed draft tokens per verification step (0 when none ran)."""
+        return (self.accepted_tokens / self.verification_steps
+                if self.verification_steps else 0.0)
+
+
+@dataclass
 class GenerationChunk:
     """What one engine step produced for one request.
 
@@ -196,6 +238,7 @@ class GenerationChunk:
         logprobs: one entry per token of ``token_ids`` when the request asked for logprobs.
         choices_left: choices of the request still running after this chunk; the request's
             stream ends with the chunk that has a finish reason and no choice left.
+        spec: this choice's speculative decoding counts, on its last chunk when it speculated.
     """
 
     request_id: str
@@ -209,6 +252,7 @@ class GenerationChunk:
     index: int = 0
     logprobs: list[TokenLogprob] | None = None
     choices_left: int = 0
+    spec: SpecUsage | None = None
 
     def followed_by(self, later: GenerationChunk) -> GenerationChunk:
         """One chunk carrying this chunk's tokens then ``later``'s (same request and choice)."""
