@@ -74,6 +74,7 @@ from workers.request import (
     GenerationRequest,
     InvalidRequestError,
     SamplingParams,
+    SpecUsage,
     TokenLogprob,
 )
 
@@ -149,6 +150,81 @@ class _ChoiceTally:
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    spec: SpecUsage | None = None
+
+
+class CompletionTokensDetails(BaseModel):
+    """``usage.completion_tokens_details``, OpenAI's predicted-output counts: the draft tokens
+    speculative decoding committed (accepted) and discarded (rejected)."""
+
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
+
+
+class SpeculativeUsage(BaseModel):
+    """``usage.speculative``, Nalar's extension: one request's speculative decoding, summed
+    over its choices (counts in tokens, times in seconds).
+
+    ``acceptance_by_position[i]`` is the share of draft tokens at position ``i`` that were
+    committed; ``k_decisions`` maps a chosen draft length (0: did not speculate) to steps.
+    """
+
+    proposed_tokens: int
+    accepted_tokens: int
+    rejected_tokens: int
+    acceptance_rate: float
+    verification_steps: int
+    mean_accepted_length: float
+    acceptance_by_position: list[float]
+    k_decisions: dict[int, int]
+    draft_s: float
+    verify_s: float
+
+    @classmethod
+    def of(cls, spec: SpecUsage) -> SpeculativeUsage:
+        """The extension object of one (summed) :class:`~workers.request.SpecUsage`."""
+        by_position = [accepted / proposed if proposed else 0.0 for accepted, proposed
+                       in zip(spec.accepted_by_position, spec.proposed_by_position, strict=True)]
+        return cls(proposed_tokens=spec.proposed_tokens, accepted_tokens=spec.accepted_tokens,
+                   rejected_tokens=spec.rejected_tokens, acceptance_rate=spec.acceptance_rate,
+                   verification_steps=spec.verification_steps,
+                   mean_accepted_length=spec.mean_accepted_length,
+                   acceptance_by_position=by_position, k_decisions=dict(sorted(
+                       spec.k_decisions.items())),
+                   draft_s=spec.draft_s, verify_s=spec.verify_s)
+
+
+class SpeculativeDecodingUsage(Usage):
+    """``usage`` of a request that speculated: OpenAI's fields plus the draft counts.
+
+    Serialised only where the app dumps with ``serialize_as_any`` (the response models
+    declare plain :class:`~router.protocol.Usage`).
+    """
+
+    completion_tokens_details: CompletionTokensDetails
+    speculative: SpeculativeUsage
+
+
+def sum_spec_usage(specs: Sequence[SpecUsage]) -> SpecUsage:
+    """The choices' speculative counts added up (per-position lists padded to the longest)."""
+    total = SpecUsage()
+    width = max((max(len(spec.proposed_by_position), len(spec.accepted_by_position))
+                 for spec in specs), default=0)
+    total.accepted_by_position = [0] * width
+    total.proposed_by_position = [0] * width
+    for spec in specs:
+        total.proposed_tokens += spec.proposed_tokens
+        total.accepted_tokens += spec.accepted_tokens
+        total.verification_steps += spec.verification_steps
+        total.draft_s += spec.draft_s
+        total.verify_s += spec.verify_s
+        for i, count in enumerate(spec.accepted_by_position):
+            total.accepted_by_position[i] += count
+        for i, count in enumerate(spec.proposed_by_position):
+            total.proposed_by_position[i] += count
+        for k, steps in spec.k_decisions.items():
+            total.k_decisions[k] = total.k_decisions.get(k, 0) + steps
+    return total
 
 
 @dataclass
@@ -171,17 +247,28 @@ class _Tally:
         choice.text.append(chunk.text)
         choice.logprobs.extend(chunk.logprobs or ())
         choice.finish_reason = chunk.finish_reason or choice.finish_reason
+        choice.spec = chunk.spec or choice.spec  # a choice's counts so far ride on its last chunk
 
     def usage(self) -> Usage:
         """The OpenAI ``usage`` object: the prompt once, the output tokens of every choice,
-        and the prefix-cache hit as ``cached_tokens``."""
+        and the prefix-cache hit as ``cached_tokens``; when a choice speculated, also the draft
+        tokens accepted and rejected (``completion_tokens_details``) and the ``speculative``
+        extension, summed over the choices."""
         completion = sum(c.completion_tokens for c in self.choices.values())
-        return Usage(
+        fields = dict(
             prompt_tokens=self.prompt_tokens,
             completion_tokens=completion,
             total_tokens=self.prompt_tokens + completion,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
         )
+        specs = [c.spec for c in self.choices.values() if c.spec is not None]
+        if not specs:
+            return Usage(**fields)
+        spec = sum_spec_usage(specs)
+        details = CompletionTokensDetails(accepted_prediction_tokens=spec.accepted_tokens,
+                                          rejected_prediction_tokens=spec.rejected_tokens)
+        return SpeculativeDecodingUsage(**fields, completion_tokens_details=details,
+                                        speculative=SpeculativeUsage.of(spec))
 
     def ordered(self) -> list[tuple[int, _ChoiceTally]]:
         return sorted(self.choices.items())
@@ -482,7 +569,8 @@ class _Ingress:
                 streaming = True  # the response owns ``chunks`` from here on
                 return response
             tally = await _unless_disconnected(receive, _collect(job, first, chunks))
-            return JSONResponse(fmt.response(tally).model_dump(mode="json"), headers=headers)
+            body = fmt.response(tally).model_dump(mode="json", serialize_as_any=True)
+            return JSONResponse(body, headers=headers)
         except ClientDisconnected:
             logger.info("request %s: client disconnected; cancelled", request_id)
             return Response(status_code=499)  # nobody is listening; the status is for logs
@@ -631,7 +719,8 @@ async def _sse_events(job: _Job, fmt: _Format, first: GenerationChunk,
 
 def _sse(event: BaseModel, include_usage: bool) -> str:
     """One SSE event; ``usage`` appears (as null until the last event) only when asked for."""
-    return f"data: {event.model_dump_json(exclude=None if include_usage else {'usage'})}\n\n"
+    exclude = None if include_usage else {"usage"}
+    return f"data: {event.model_dump_json(exclude=exclude, serialize_as_any=True)}\n\n"
 
 
 async def _close(chunks: AsyncIterator[Any]) -> None:
