@@ -79,6 +79,14 @@ class BlockManager:
                 break
             seq.num_registered_blocks = index + 1
 
+    def trim(self, seq: Sequence) -> None:
+        """Return the blocks past what ``seq``'s tokens need: after a verification step they
+        held only rejected draft tokens' KV (never registered, so never published)."""
+        keep = seq.blocks_needed(seq.num_tokens)
+        if len(seq.block_table) > keep:
+            self.pool.release(reversed(seq.block_table[keep:]))
+            del seq.block_table[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Return all of ``seq``'s blocks, tail first, and forget its computed state."""
         self.pool.release(reversed(seq.block_table))

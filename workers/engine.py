@@ -5,7 +5,9 @@ Synchronous core; ``workers.async_engine`` runs it in a thread and streams its o
 
 from __future__ import annotations
 
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -26,11 +28,16 @@ from workers.request import (
     GenerationChunk,
     GenerationRequest,
     InvalidRequestError,
+    SpecUsage,
     TokenLogprob,
 )
 from workers.sampler import SampledToken, SamplingRow, sample
 from workers.scheduler import ScheduledBatch, Scheduler
 from workers.sequence import Sequence
+from workers.spec.build import build_proposer
+from workers.spec.controller import DraftLengthController
+from workers.spec.proposer import ProposalRequest, Proposer
+from workers.spec.verify import verify_drafts
 
 
 class StepFailedError(RuntimeError):
@@ -57,12 +64,16 @@ class EngineCounters:
         prefill_tokens: tokens computed at prompt positions (a prefix hit skips them).
         decode_tokens: tokens computed at output positions.
         batch_sizes: histogram: sequences per step → number of steps.
+        spec: speculative decoding summed over every request (committed tokens only).
+        draft_calls: batched proposer calls.
     """
 
     steps: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
     batch_sizes: Counter = field(default_factory=Counter)
+    spec: SpecUsage = field(default_factory=SpecUsage)
+    draft_calls: int = 0
 
 
 class LLMEngine:
@@ -71,9 +82,12 @@ class LLMEngine:
     Args:
         config: engine configuration.
         loaded: an already loaded model (tests share one); None loads ``config.model``.
+        proposer: the draft proposer when ``config.speculative`` is on (a draft replica's
+            client, or a test's); None builds the configured one inside this process.
     """
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 proposer: Proposer | None = None):
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -110,6 +124,10 @@ class LLMEngine:
         self._choices: dict[str, list[Sequence]] = {}
         self._held_siblings: dict[str, list[Sequence]] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        spec = config.speculative
+        spec.validate()
+        self.proposer = (proposer or build_proposer(spec)) if spec.enabled else None
+        self.draft_length = DraftLengthController(spec.num_speculative_tokens, spec.adaptive)
         self._generator = torch.Generator()
         if config.seed is None:
             self._generator.seed()  # OS entropy: unseeded requests differ across workers
@@ -181,35 +199,125 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def step(self) -> list[GenerationChunk]:
-        """Schedule, run one forward pass, sample, and commit. Returns one chunk per sequence
-        that sampled a token this step (prefill chunks that end mid-prompt sample nothing).
+        """Propose drafts, schedule, run one forward pass, sample or verify, and commit.
+        Returns one chunk per sequence that committed tokens this step (prefill chunks that
+        end mid-prompt commit nothing; a verification step may commit several tokens).
 
         Raises:
             StepFailedError: the forward pass, commit or sampling raised. Every request with a
                 sequence in this step's batch is aborted (its blocks freed) and named in the
                 error; every other request is untouched and the engine keeps serving.
         """
-        batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return []
+        drafted = self._propose()
         try:
-            return self._run_batch(batch)
-        except Exception as exc:
-            raise StepFailedError(self._abort_batch(batch), exc) from exc
+            batch = self.scheduler.schedule()
+            if not batch.seqs:
+                return []
+            try:
+                return self._run_batch(batch)
+            except Exception as exc:
+                raise StepFailedError(self._abort_batch(batch), exc) from exc
+        finally:
+            for seq in drafted:
+                seq.spec_token_ids = []
+
+    def _propose(self) -> list[Sequence]:
+        """Asks the proposer, in one batched call, for the drafts of every running decode whose
+        draft length (:class:`DraftLengthController`) is above 0; returns the sequences that
+        got drafts. A proposer failure means no drafts this step, never different output."""
+        if self.proposer is None:
+            return []
+        decodes = [seq for seq in self.scheduler.running if seq.num_uncomputed_tokens == 1]
+        asks = []
+        for seq in decodes:
+            # A draft past max_tokens or the context limit could never be committed.
+            room = min(seq.sampling.max_tokens - seq.num_output_tokens,
+                       self.max_model_len - seq.num_tokens) - 1
+            k = min(room, self.draft_length.choose(seq.request_id, seq.spec, len(decodes),
+                                                   len(decodes)))
+            seq.spec.k_decisions[k] = seq.spec.k_decisions.get(k, 0) + 1
+            if k > 0:
+                asks.append((seq, ProposalRequest(seq.request_id, seq.token_ids,
+                                                  seq.num_prompt_tokens, k)))
+        if not asks:
+            return []
+        started = time.perf_counter()
+        try:
+            proposals = self.proposer.propose([ask for _, ask in asks])
+        except Exception:  # a broken proposer costs speculation, never the step
+            proposals = [[] for _ in asks]
+        elapsed = time.perf_counter() - started
+        self.draft_length.observe_draft(elapsed)
+        self.counters.draft_calls += 1
+        drafted = []
+        for (seq, ask), tokens in zip(asks, proposals, strict=True):
+            seq.spec.draft_s += elapsed / len(asks)
+            seq.spec_token_ids = [int(t) for t in tokens[:ask.k] if 0 <= t < self.vocab_size]
+            if seq.spec_token_ids:
+                drafted.append(seq)
+        return drafted
 
     def _run_batch(self, batch: ScheduledBatch) -> list[GenerationChunk]:
-        sample_rows = [i for i, (seq, num_new) in enumerate(_pairs(batch))
-                       if seq.num_computed_tokens + num_new == seq.num_tokens]
-        logits = self.runner.execute(batch, sample_rows)
+        num_logits = [1 + len(seq.spec_token_ids) if seq.spec_token_ids
+                      else int(seq.num_computed_tokens + num_new == seq.num_tokens)
+                      for seq, num_new in _pairs(batch)]
+        started = time.perf_counter()
+        logits = self.runner.execute(batch, num_logits)
+        elapsed = time.perf_counter() - started
         self._count(batch)
+        if all(n == 1 or seq.spec_token_ids for seq, n in _pairs(batch)):
+            self.draft_length.observe_step(batch.num_tokens, elapsed)
         for seq, num_new in _pairs(batch):
-            self.block_manager.commit(seq, num_new)
+            if not seq.spec_token_ids:  # a verification commits what it accepts, later
+                self.block_manager.commit(seq, num_new)
         self._release_siblings()
-        sampled_seqs = [batch.seqs[i] for i in sample_rows]
-        rows = [SamplingRow(s.sampling, s.token_ids, s.num_prompt_tokens, s.stop_token_ids,
-                            s.generator) for s in sampled_seqs]
-        sampled = sample(logits, rows, self._generator)
-        return [self._append(seq, token) for seq, token in zip(sampled_seqs, sampled, strict=True)]
+        offsets = [0]
+        for n in num_logits:
+            offsets.append(offsets[-1] + n)
+        plain = [i for i, (seq, n) in enumerate(zip(batch.seqs, num_logits, strict=True))
+                 if n == 1 and not seq.spec_token_ids]
+        chunks = []
+        if plain:
+            rows = [self._sampling_row(batch.seqs[i]) for i in plain]
+            sampled = sample(logits[[offsets[i] for i in plain]], rows, self._generator)
+            chunks += [self._append(batch.seqs[i], [token])
+                       for i, token in zip(plain, sampled, strict=True)]
+        for i, seq in enumerate(batch.seqs):
+            if seq.spec_token_ids:
+                chunks.append(self._verify(seq, logits[offsets[i]:offsets[i + 1]], elapsed))
+        return chunks
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        return SamplingRow(seq.sampling, seq.token_ids, seq.num_prompt_tokens,
+                           seq.stop_token_ids, seq.generator)
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor, step_s: float) -> GenerationChunk:
+        """Commits what verification of ``seq``'s drafts accepts, then retires the rest: the
+        KV of rejected drafts lies past ``num_computed_tokens`` (never hashed, overwritten
+        later) and blocks that held only rejected positions go back to the pool."""
+        drafts = seq.spec_token_ids
+        committed = verify_drafts(logits, drafts, self._sampling_row(seq), self._generator)
+        accepted = len(committed) - 1
+        computed_before = seq.num_computed_tokens
+        chunk = self._append(seq, committed, computed=lambda kept: 1 + min(accepted, kept))
+        kept_drafts = min(accepted, seq.num_tokens - computed_before - 1)
+        self._count_verification(seq.spec, len(drafts), kept_drafts, step_s)
+        self._count_verification(self.counters.spec, len(drafts), kept_drafts, step_s)
+        return chunk
+
+    @staticmethod
+    def _count_verification(usage: SpecUsage, proposed: int, accepted: int,
+                            step_s: float) -> None:
+        while len(usage.proposed_by_position) < proposed:
+            usage.proposed_by_position.append(0)
+            usage.accepted_by_position.append(0)
+        for i in range(proposed):
+            usage.proposed_by_position[i] += 1
+            usage.accepted_by_position[i] += i < accepted
+        usage.proposed_tokens += proposed
+        usage.accepted_tokens += accepted
+        usage.verification_steps += 1
+        usage.verify_s += step_s
 
     def _abort_batch(self, batch: ScheduledBatch) -> list[str]:
         """Abort every request with a sequence in ``batch``; returns their ids.
@@ -253,31 +361,55 @@ class LLMEngine:
                 chunks[chunk.request_id].append(chunk)
         return chunks
 
-    def _append(self, seq: Sequence, sampled: SampledToken) -> GenerationChunk:
-        """Commits one sampled token and decides, as OpenAI defines ``finish_reason``:
-        "stop" when it is EOS / a stop token or completes a stop string (even on the
-        ``max_tokens``-th token), else "length" at ``max_tokens`` or the context limit."""
-        token = sampled.token_id
-        seq.token_ids.append(token)
+    def _append(self, seq: Sequence, sampled: list[SampledToken],
+                computed: Callable[[int], int] | None = None) -> GenerationChunk:
+        """Commits sampled tokens in order until one ends the sequence, as OpenAI defines
+        ``finish_reason``: "stop" when it is EOS / a stop token or completes a stop string (even
+        on the ``max_tokens``-th token), else "length" at ``max_tokens`` or the context limit.
+        Tokens after the one that ends the sequence are dropped, unreturned and uncounted.
+
+        Args:
+            seq: the sequence.
+            sampled: its new tokens (one, or a verification's accepted drafts and last token).
+            computed: for a verification step, maps the number of tokens kept to how many of
+                the step's computed positions hold committed tokens; they are committed to the
+                block table before the sequence can finish (and free its blocks).
+        """
         sampling = seq.sampling
         detokenizer = self._detokenizers[seq.request_id]
-        # min_tokens: the sampler masks stop tokens until then; a logit_bias cannot unmask them.
-        is_stop_token = (token in seq.stop_token_ids
-                         and seq.num_output_tokens > sampling.min_tokens)
-        text = "" if is_stop_token else detokenizer.add(token)
-        if is_stop_token or detokenizer.stopped:
-            seq.finish("stop")
-        elif (seq.num_output_tokens >= sampling.max_tokens
-              or seq.num_tokens >= self.max_model_len):
-            seq.finish("length")
-        logprobs = None if sampled.logprobs is None else [sampled.logprobs]
+        tokens, texts, logprobs = [], [], []
+        for token in sampled:
+            seq.token_ids.append(token.token_id)
+            tokens.append(token.token_id)
+            if token.logprobs is not None:
+                logprobs.append(token.logprobs)
+            # min_tokens: the sampler masks stop tokens until then; logit_bias cannot unmask.
+            if (token.token_id in seq.stop_token_ids
+                    and seq.num_output_tokens > sampling.min_tokens):
+                seq.finish("stop")
+                break
+            texts.append(detokenizer.add(token.token_id))
+            if detokenizer.stopped:
+                seq.finish("stop")
+            elif (seq.num_output_tokens >= sampling.max_tokens
+                  or seq.num_tokens >= self.max_model_len):
+                seq.finish("length")
+            if seq.is_finished:
+                break
+        if computed is not None:
+            self.block_manager.commit(seq, computed(len(tokens)))
+            self.block_manager.trim(seq)
+        text = "".join(texts)
         if seq.is_finished:
-            return self._finish(seq, text + detokenizer.flush(), logprobs)
-        return self._chunk(seq, [token], text, logprobs)
+            return self._finish(seq, text + detokenizer.flush(), tokens, logprobs or None)
+        return self._chunk(seq, tokens, text, logprobs or None)
 
-    def _finish(self, seq: Sequence, text: str,
+    def _finish(self, seq: Sequence, text: str, tokens: list[int] | None = None,
                 logprobs: list[TokenLogprob] | None = None) -> GenerationChunk:
         self.scheduler.finish(seq)
+        self.draft_length.forget(seq.request_id)
+        if self.proposer is not None:
+            self.proposer.finish([seq.request_id])
         del self._seqs[seq.request_id]
         del self._detokenizers[seq.request_id]
         rid = seq.request.request_id
@@ -287,16 +419,17 @@ class LLMEngine:
             del self._choices[rid]
             self._held_siblings.pop(rid, None)
         self._release_siblings()
-        tokens = [seq.token_ids[-1]] if seq.finish_reason != "abort" else []
-        return self._chunk(seq, tokens, text, logprobs)
+        return self._chunk(seq, tokens or [], text, logprobs)
 
     def _chunk(self, seq: Sequence, tokens: list[int], text: str,
                logprobs: list[TokenLogprob] | None = None) -> GenerationChunk:
         rid = seq.request.request_id
+        spec = seq.spec if seq.is_finished and seq.spec.k_decisions else None
         return GenerationChunk(rid, tokens, text, seq.finish_reason,
                                seq.num_prompt_tokens, seq.num_cached_tokens,
                                seq.num_output_tokens, index=seq.choice_index,
-                               logprobs=logprobs, choices_left=len(self._choices.get(rid, ())))
+                               logprobs=logprobs, choices_left=len(self._choices.get(rid, ())),
+                               spec=spec)
 
     def _release_siblings(self) -> None:
         """Queues the held siblings of every request whose first choice has registered its

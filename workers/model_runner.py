@@ -39,29 +39,37 @@ class ModelRunner:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, sample_rows: list[int]) -> torch.Tensor:
-        """Compute the KV of every scheduled token and the logits of ``sample_rows``.
+    def execute(self, batch: ScheduledBatch, num_logits: list[int]) -> torch.Tensor:
+        """Compute the KV of every scheduled token and the logits of each sequence's last
+        ``num_logits[i]`` new tokens.
 
         Args:
             batch: sequence ``i`` computes its tokens
-                ``[num_computed_tokens, num_computed_tokens + num_new_tokens[i])``.
-            sample_rows: indices into ``batch.seqs`` whose last new token gets logits.
+                ``[num_computed_tokens, num_computed_tokens + num_new_tokens[i])``; past its
+                committed tokens come its draft tokens (``spec_token_ids``), a verification
+                block.
+            num_logits: per sequence of the batch: 0 (a prefill chunk that ends mid-prompt),
+                1 (the next token), or ``1 + len(spec_token_ids)`` (verification).
 
         Returns:
-            ``[len(sample_rows), vocab_size]`` float32 logits.
+            ``[sum(num_logits), vocab_size]`` float32 logits, sequence by sequence, in row
+            order.
         """
-        input_ids, positions, last_rows = [], [], []
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        input_ids, positions, logit_rows = [], [], []
+        for seq, num_new, wanted in zip(batch.seqs, batch.num_new_tokens, num_logits,
+                                        strict=True):
             start = seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[start:start + num_new])
+            tokens = seq.token_ids[start:start + num_new]
+            tokens += seq.spec_token_ids[:num_new - len(tokens)]
+            input_ids.extend(tokens)
             positions.extend(range(start, start + num_new))
-            last_rows.append(len(input_ids) - 1)
+            logit_rows.extend(range(len(input_ids) - wanted, len(input_ids)))
         metadata = build_metadata(
             self.kv_cache, [seq.block_table for seq in batch.seqs],
-            [seq.num_computed_tokens for seq in batch.seqs], batch.num_new_tokens, self.device)
+            [seq.num_computed_tokens for seq in batch.seqs], batch.num_new_tokens, self.device,
+            [bool(seq.spec_token_ids) for seq in batch.seqs])
         # int64 even when empty: a step that only runs a middle prefill chunk samples nothing.
-        sample_index = torch.tensor([last_rows[i] for i in sample_rows], dtype=torch.long,
-                                    device=self.device)
+        sample_index = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         ids = torch.tensor(input_ids, device=self.device)
         pos = torch.tensor(positions, device=self.device)
         if self._compact is not None:

@@ -14,6 +14,10 @@ cache slots, then:
 - *decodes* (one new token each) are grouped by context length and each group attends in one
   call to its sequences' blocks, gathered block-wise. GQA is folded: the query heads that share
   a KV head become rows of one query, so K/V are never expanded per query head.
+- *verification blocks* (a decode token followed by ``k`` draft tokens, speculative decoding)
+  take the decode path with ``k + 1`` query rows per sequence and a causal mask over the
+  gathered context, so every speculating sequence of a step is verified in the same batched
+  call as the plain decodes, and its context is gathered once, not once per query row.
 
 Two entry points share this: :func:`paged_attention` for the compact models in
 ``workers.models``, and :func:`paged_attention_forward`, registered with transformers'
@@ -52,24 +56,38 @@ class PrefillSpan:
 
 @dataclass
 class DecodeGroup:
-    """Single-token queries of similar context length, attended in one call.
+    """Short queries (``q_len`` rows per sequence: a decode token, or a decode token and its
+    draft tokens) of similar context length, attended in one call.
 
     Attributes:
-        rows: ``[B]`` rows of the flat batch.
-        block_ids: ``[B * M]`` each row's block table, padded with the cache's scratch block to
-            the group's longest, ``M`` blocks.
-        mask: ``[B, 1, 1, M * block_size]`` True at real context, None when every row's
-            context fills the padded length exactly.
-        padding: flat positions (into ``B * M * block_size``) outside the mask,
+        rows: ``[B * q_len]`` rows of the flat batch, sequence-major.
+        q_len: query rows per sequence.
+        block_ids: ``[B * M]`` each sequence's block table, padded with the cache's scratch
+            block to the group's longest, ``M`` blocks.
+        mask: ``[B, 1, q_len, M * block_size]`` True where query row ``j`` of a sequence may
+            attend (its context up to and including its own position); None when
+            ``q_len == 1`` and every context fills the padded length exactly.
+        padding: flat positions (into ``B * M * block_size``) past each sequence's context,
             or None. Their gathered K/V are zeroed before attention: a masked position gets
             probability 0, but 0 times a stale inf or NaN (left in the unused tail of a block
             by an earlier request, or in another request's block) is NaN.
     """
 
     rows: torch.Tensor
+    q_len: int
     block_ids: torch.Tensor
     mask: torch.Tensor | None
     padding: torch.Tensor | None
+
+
+@dataclass
+class _ShortQuery:
+    """A sequence's rows ``[row, row + q_len)`` over its first ``length`` tokens."""
+
+    row: int
+    q_len: int
+    table: list[int]
+    length: int
 
 
 @dataclass
@@ -81,7 +99,8 @@ class AttentionMetadata:
         kv_cache: the cache to read and write.
         slot_mapping: ``[T]`` cache slot of each new token.
         spans: multi-token queries.
-        decode_groups: single-token queries, grouped by context length.
+        decode_groups: decodes and verification blocks, grouped by query rows and context
+            length.
     """
 
     kv_cache: PagedKVCache
@@ -92,29 +111,34 @@ class AttentionMetadata:
 
 def build_metadata(kv_cache: PagedKVCache, block_tables: list[list[int]],
                    num_computed: list[int], num_new: list[int],
-                   device: torch.device) -> AttentionMetadata:
+                   device: torch.device, verify: list[bool] | None = None) -> AttentionMetadata:
     """Metadata for a step where sequence ``i`` already has ``num_computed[i]`` tokens cached
     and computes ``num_new[i]`` more, its rows following those of sequence ``i - 1``.
 
-    Work is proportional to the step's new tokens and block-table lengths, never to a
-    sequence's whole context in slots.
+    ``verify[i]`` marks a verification block (a decode token and its draft tokens): its rows
+    take the batched short-query path instead of the per-sequence span path. Work is
+    proportional to the step's new tokens and block-table lengths, never to a sequence's whole
+    context in slots.
     """
     block_size = kv_cache.block_size
+    verify = verify or [False] * len(num_new)
     slots: list[int] = []
     spans: list[PrefillSpan] = []
-    decodes: list[tuple[int, list[int], int]] = []  # (row, block table, context length)
+    short: list[_ShortQuery] = []
     row = 0
-    for table, computed, new in zip(block_tables, num_computed, num_new, strict=True):
+    for table, computed, new, is_verify in zip(block_tables, num_computed, num_new, verify,
+                                               strict=True):
         slots.extend(table[pos // block_size] * block_size + pos % block_size
                      for pos in range(computed, computed + new))
-        if new == 1:
-            decodes.append((row, table[:(computed + block_size) // block_size], computed + 1))
+        if new == 1 or is_verify:
+            length = computed + new
+            short.append(_ShortQuery(row, new, table[:-(-length // block_size)], length))
         else:
             spans.append(_span(row, computed, new, table, block_size, device))
         row += new
     metadata = AttentionMetadata(kv_cache, torch.tensor(slots, device=device), spans)
     metadata.decode_groups = [_decode_group(group, kv_cache, device)
-                              for group in _group_by_length(decodes)]
+                              for group in _group_short_queries(short)]
     return metadata
 
 
@@ -126,32 +150,40 @@ def _span(row: int, computed: int, new: int, table: list[int], block_size: int,
     return PrefillSpan(row, row + new, computed, cached_blocks)
 
 
-def _group_by_length(decodes: list[tuple[int, list[int], int]]
-                     ) -> list[list[tuple[int, list[int], int]]]:
-    groups: list[list[tuple[int, list[int], int]]] = []
-    for decode in sorted(decodes, key=lambda d: d[2], reverse=True):
-        if groups and groups[-1][0][2] <= DECODE_PADDING_RATIO * decode[2]:
-            groups[-1].append(decode)
+def _group_short_queries(queries: list[_ShortQuery]) -> list[list[_ShortQuery]]:
+    """Groups of equal ``q_len`` whose longest context is at most
+    :data:`DECODE_PADDING_RATIO` times their shortest."""
+    groups: list[list[_ShortQuery]] = []
+    for query in sorted(queries, key=lambda q: (q.q_len, q.length), reverse=True):
+        last = groups[-1][0] if groups else None
+        if (last is not None and last.q_len == query.q_len
+                and last.length <= DECODE_PADDING_RATIO * query.length):
+            groups[-1].append(query)
         else:
-            groups.append([decode])
+            groups.append([query])
     return groups
 
 
-def _decode_group(group: list[tuple[int, list[int], int]], kv_cache: PagedKVCache,
+def _decode_group(group: list[_ShortQuery], kv_cache: PagedKVCache,
                   device: torch.device) -> DecodeGroup:
-    blocks_per_row = max(len(table) for _, table, _ in group)
+    q_len = group[0].q_len
+    blocks_per_row = max(len(query.table) for query in group)
     padded_len = blocks_per_row * kv_cache.block_size
     block_ids = []
-    for _, table, _ in group:
-        block_ids.extend(table + [kv_cache.scratch_block] * (blocks_per_row - len(table)))
+    for query in group:
+        pad = blocks_per_row - len(query.table)
+        block_ids.extend(query.table + [kv_cache.scratch_block] * pad)
     mask = padding = None
-    if any(length != padded_len for _, _, length in group):
-        lengths = torch.tensor([length for _, _, length in group])
-        mask = (torch.arange(padded_len) < lengths[:, None])[:, None, None, :].to(device)
-        padding = torch.tensor([i * padded_len + pos for i, (_, _, length) in enumerate(group)
-                                for pos in range(length, padded_len)], device=device)
-    rows = torch.tensor([r for r, _, _ in group], device=device)
-    return DecodeGroup(rows, torch.tensor(block_ids, device=device), mask, padding)
+    if q_len > 1 or any(query.length != padded_len for query in group):
+        # query row j of a sequence sees its first length - q_len + 1 + j tokens
+        visible = torch.tensor([[query.length - q_len + 1 + j for j in range(q_len)]
+                                for query in group])
+        mask = (torch.arange(padded_len) < visible[..., None])[:, None].to(device)
+        padding = torch.tensor([i * padded_len + pos for i, query in enumerate(group)
+                                for pos in range(query.length, padded_len)], device=device)
+    rows = torch.tensor([query.row + j for query in group for j in range(q_len)],
+                        device=device)
+    return DecodeGroup(rows, q_len, torch.tensor(block_ids, device=device), mask, padding)
 
 
 def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -224,19 +256,27 @@ def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
 
 def _attend_decodes(layer: int, query: torch.Tensor, group: DecodeGroup, cache: PagedKVCache,
                     scale: float) -> torch.Tensor:
-    rows = len(group.rows)
+    q_len = group.q_len
+    num_seqs = len(group.rows) // q_len
     _, heads, head_dim = query.shape
-    k, v = cache.gather(layer, group.block_ids)  # [kv_heads, rows * ctx, dim], a copy
-    if group.padding is not None:
+    k, v = cache.gather(layer, group.block_ids)  # [kv_heads, seqs * ctx, dim], a copy
+    if group.padding is not None and len(group.padding):
         k.index_fill_(1, group.padding, 0.0)
         v.index_fill_(1, group.padding, 0.0)
     kv_heads = k.shape[0]
-    k = k.view(kv_heads, rows, -1, head_dim).transpose(0, 1)  # [rows, kv_heads, ctx, dim]
-    v = v.view(kv_heads, rows, -1, head_dim).transpose(0, 1)
-    # Fold GQA: the query heads of one KV head are that head's query rows.
-    q = query[group.rows].view(rows, kv_heads, heads // kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)
-    return out.reshape(rows, heads, head_dim)
+    per_kv = heads // kv_heads
+    k = k.view(kv_heads, num_seqs, -1, head_dim).transpose(0, 1)  # [seqs, kv_heads, ctx, dim]
+    v = v.view(kv_heads, num_seqs, -1, head_dim).transpose(0, 1)
+    # Fold GQA: the query heads of one KV head (for every query row of the sequence) are that
+    # head's query rows, ordered (row j, head h) as j * per_kv + h.
+    q = (query[group.rows].view(num_seqs, q_len, kv_heads, per_kv, head_dim)
+         .transpose(1, 2).reshape(num_seqs, kv_heads, q_len * per_kv, head_dim))
+    mask = group.mask
+    if mask is not None and q_len > 1:
+        mask = mask.repeat_interleave(per_kv, dim=2)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    out = out.view(num_seqs, kv_heads, q_len, per_kv, head_dim).transpose(1, 2)
+    return out.reshape(num_seqs * q_len, heads, head_dim)
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,

@@ -93,7 +93,7 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
 
     Returns ``logits`` itself when no row asks for any of them, else a processed copy.
     """
-    touched = [i for i, row in enumerate(rows) if _needs_processing(row)]
+    touched = [i for i, row in enumerate(rows) if needs_processing(row)]
     if not touched:
         return logits
     logits = logits.clone()
@@ -124,7 +124,8 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
 # -- logits processors ------------------------------------------------------------------------
 
 
-def _needs_processing(row: SamplingRow) -> bool:
+def needs_processing(row: SamplingRow) -> bool:
+    """Whether the row asks for a logits processor (min_tokens, logit_bias, a penalty)."""
     p = row.params
     return bool(p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty
                 or p.frequency_penalty

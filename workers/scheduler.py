@@ -5,7 +5,9 @@ yet computed (a whole prompt, the rest of a prompt, or one decode token), and ea
 out a token budget (``max_num_batched_tokens``) in this order:
 
 1. decodes: running sequences with one uncomputed token, oldest first, so inter-token latency
-   does not depend on how many prompts arrive;
+   does not depend on how many prompts arrive; a speculating decode also computes its draft
+   tokens (a verification block), cut to the budget, and dropped rather than preempting another
+   sequence for their blocks;
 2. running partial prefills (prompts already being chunked), oldest first, so a prompt that
    started is finished before new ones start;
 3. waiting requests, in the order of the scheduling policy.
@@ -168,14 +170,24 @@ class Scheduler:
                 break
             if seq not in self.running:  # preempted for an older sequence this step
                 continue
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            num_tokens = min(seq.num_uncomputed_tokens + len(seq.spec_token_ids), budget)
             if _in_prefill(seq) and self._others_wait(seq):
                 num_tokens = min(num_tokens, self.long_prefill_token_threshold)
+            if seq.spec_token_ids:
+                num_tokens = self._fit_drafts(seq, num_tokens)
             fits, preempted_now = self._reserve(seq, num_tokens, batch)
             preempted |= preempted_now
             if fits:
                 batch.add(seq, num_tokens)
         return preempted
+
+    def _fit_drafts(self, seq: Sequence, num_tokens: int) -> int:
+        """Cut ``seq``'s draft tokens to the budget; drop them all rather than preempt another
+        sequence for their blocks. Returns the tokens to schedule (decode token + drafts)."""
+        del seq.spec_token_ids[num_tokens - 1:]
+        if seq.spec_token_ids and not self.blocks.reserve(seq, num_tokens):
+            seq.spec_token_ids.clear()
+        return 1 + len(seq.spec_token_ids)
 
     def _reserve(self, seq: Sequence, num_tokens: int,
                  batch: ScheduledBatch) -> tuple[bool, bool]:
@@ -257,6 +269,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         if batch.scheduled(seq):
             batch.remove(seq)
+        seq.spec_token_ids.clear()
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.status = SequenceStatus.WAITING

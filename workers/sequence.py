@@ -7,7 +7,7 @@ import enum
 import torch
 
 from workers.identity import block_digest
-from workers.request import FinishReason, GenerationRequest
+from workers.request import FinishReason, GenerationRequest, SpecUsage
 
 
 class SequenceStatus(enum.Enum):
@@ -33,6 +33,9 @@ class Sequence:
         choice_index: which of the request's ``n`` choices this is. With ``n > 1`` each choice
             has its own id (``<request id>#<index>``) and sampling parameters (seed + index).
         queued_at_step: the scheduler step at which it last joined the waiting queue.
+        spec_token_ids: draft tokens proposed for the coming step, verified in it; never part
+            of ``token_ids`` until verification commits them.
+        spec: its speculative decoding counts.
     """
 
     def __init__(self, request: GenerationRequest, root_digest: bytes, block_size: int,
@@ -56,6 +59,8 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.stop_token_ids = frozenset(self.sampling.stop_token_ids)
         self._digests: list[bytes] = []
+        self.spec_token_ids: list[int] = []
+        self.spec = SpecUsage()
         self.generator: torch.Generator | None = None
         if self.sampling.seed is not None:
             self.generator = torch.Generator().manual_seed(self.sampling.seed)

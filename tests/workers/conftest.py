@@ -90,12 +90,12 @@ def make_engine() -> Callable[..., LLMEngine]:
     """Build an engine over a loaded model with a KV pool of exactly ``num_blocks`` blocks."""
 
     def make(loaded: LoadedModel, num_blocks: int = 128, block_size: int = BLOCK_SIZE,
-             **overrides) -> LLMEngine:
+             proposer=None, **overrides) -> LLMEngine:
         per_block = PagedKVCache.bytes_per_block(loaded.model.config, block_size, loaded.dtype)
         config = EngineConfig(dtype=str(loaded.dtype).removeprefix("torch."), device="cpu",
                               block_size=block_size, kv_cache_bytes=num_blocks * per_block,
                               **overrides)
-        engine = LLMEngine(config, loaded=loaded)
+        engine = LLMEngine(config, loaded=loaded, proposer=proposer)
         assert engine.pool.num_blocks == num_blocks
         return engine
 

@@ -1,0 +1,161 @@
+"""Adaptive draft length: per request, the k that maximises committed tokens per second.
+
+High acceptance alone does not make speculation pay: verifying ``k`` drafts costs ``k`` more
+query rows in the step, and proposing costs draft time. For a request whose draft at position
+``i`` is accepted (given all before it were) with probability ``alpha_i``, one verification
+step commits in expectation
+
+    E(k) = 1 + sum_{i=1..k} prod_{j<=i} alpha_j        tokens
+
+(Leviathan et al. 2023, eq. 1, with per-position instead of a single acceptance rate), and
+takes ``t_step + k * t_row + t_draft`` seconds, where ``t_step`` is the step time without this
+request's drafts, ``t_row`` the measured marginal cost of one more query row and ``t_draft`` the
+request's share of the draft call. The controller picks ``k`` in ``[0, k_max]`` maximising
+``E(k) / time(k)``. ``k = 0`` (no speculation) is chosen when nothing beats plain decoding;
+such a request probes again with ``k_max`` after ``probe_interval`` steps (doubling while
+probes keep failing), since acceptance changes along a request (a model starts copying).
+
+Costs are measured on this machine as the engine runs: step time is fitted as ``a + b * rows``
+over recent decode/verify steps (exponentially weighted least squares), draft time as an
+exponentially weighted mean per call.
+"""
+
+from __future__ import annotations
+
+from workers.request import SpecUsage
+
+PRIOR_ACCEPTANCE = 0.5
+PRIOR_WEIGHT = 2.0
+"""Acceptance prior per position: ``PRIOR_WEIGHT`` pseudo-proposals at ``PRIOR_ACCEPTANCE``."""
+
+COST_DECAY = 0.97
+"""Weight of the previous estimate per observed step or draft call (about a 33-step window)."""
+
+
+class StepCostModel:
+    """Step time as ``a + b * rows`` seconds, fitted by exponentially weighted least squares.
+
+    Only steps of at most ``max_rows`` query rows (decodes and verification blocks) are fitted:
+    prefill chunks cost differently per row.
+    """
+
+    def __init__(self, max_rows: int = 256):
+        self.max_rows = max_rows
+        self._n = self._x = self._y = self._xx = self._xy = 0.0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows > self.max_rows:
+            return
+        d = COST_DECAY
+        self._n = d * self._n + 1
+        self._x = d * self._x + rows
+        self._y = d * self._y + seconds
+        self._xx = d * self._xx + rows * rows
+        self._xy = d * self._xy + rows * seconds
+
+    @property
+    def known(self) -> bool:
+        return self._n >= 3
+
+    def per_row(self) -> float:
+        """``b``: seconds per extra query row (0 until the fit has spread in rows)."""
+        var = self._xx / self._n - (self._x / self._n) ** 2 if self._n else 0.0
+        if var < 0.25:
+            return 0.0
+        cov = self._xy / self._n - (self._x / self._n) * (self._y / self._n)
+        return max(0.0, cov / var)
+
+    def time(self, rows: int) -> float:
+        """Predicted seconds for a step of ``rows`` query rows."""
+        if not self._n:
+            return 0.0
+        b = self.per_row()
+        mean_x, mean_y = self._x / self._n, self._y / self._n
+        return max(1e-6, mean_y + b * (rows - mean_x))
+
+
+class DraftLengthController:
+    """Chooses each speculating request's draft length.
+
+    Args:
+        k_max: the most draft tokens per step.
+        adaptive: False always proposes ``k_max``.
+        probe_interval: steps a request stays off before probing again (doubled per failed
+            probe, up to 16x).
+    """
+
+    def __init__(self, k_max: int, adaptive: bool = True, probe_interval: int = 16):
+        self.k_max = k_max
+        self.adaptive = adaptive
+        self.probe_interval = probe_interval
+        self.steps = StepCostModel()
+        self.draft_call_s = 0.0
+        self._draft_calls = 0
+        self._off_since: dict[str, tuple[int, int]] = {}  # request id -> (steps off, probes)
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A decode/verify step of ``rows`` query rows took ``seconds``."""
+        self.steps.observe(rows, seconds)
+
+    def observe_draft(self, seconds: float) -> None:
+        """One batched draft call took ``seconds``."""
+        d = COST_DECAY if self._draft_calls else 0.0
+        self.draft_call_s = d * self.draft_call_s + (1 - d) * seconds
+        self._draft_calls += 1
+
+    def choose(self, request_id: str, usage: SpecUsage, batch_rows: int,
+               num_speculating: int) -> int:
+        """Draft length for this request's next step.
+
+        Args:
+            request_id: the sequence.
+            usage: its acceptance so far (per position).
+            batch_rows: query rows the step has without this request's drafts.
+            num_speculating: requests sharing the draft call.
+
+        Returns:
+            k in ``[0, k_max]``.
+        """
+        if not self.adaptive or not self.steps.known:
+            return self.k_max
+        best_k = self._best_k(usage, batch_rows, num_speculating)
+        if best_k:
+            self._off_since.pop(request_id, None)
+            return best_k
+        off, probes = self._off_since.get(request_id, (0, 0))
+        if off >= self.probe_interval << min(probes, 4):
+            self._off_since[request_id] = (0, probes + 1)
+            return self.k_max
+        self._off_since[request_id] = (off + 1, probes)
+        return 0
+
+    def forget(self, request_id: str) -> None:
+        self._off_since.pop(request_id, None)
+
+    def expected_tokens(self, usage: SpecUsage, k: int) -> float:
+        """E(k): expected committed tokens of a step verifying ``k`` drafts."""
+        expected, survive = 1.0, 1.0
+        for i in range(k):
+            survive *= _acceptance(usage, i)
+            expected += survive
+        return expected
+
+    def _best_k(self, usage: SpecUsage, batch_rows: int, num_speculating: int) -> int:
+        base = self.steps.time(batch_rows)
+        per_row = self.steps.per_row()
+        draft = self.draft_call_s / max(1, num_speculating)
+        best_k, best_rate = 0, 1.0 / base
+        for k in range(1, self.k_max + 1):
+            rate = self.expected_tokens(usage, k) / (base + k * per_row + draft)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k
+
+
+def _acceptance(usage: SpecUsage, position: int) -> float:
+    """Smoothed P(draft at ``position`` accepted | all before it accepted)."""
+    proposed = accepted = 0
+    if position < len(usage.proposed_by_position):
+        proposed = usage.proposed_by_position[position]
+        accepted = usage.accepted_by_position[position]
+    return (accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (proposed + PRIOR_WEIGHT)
