@@ -1,4 +1,5 @@
-"""Builds the Serve application: ingress → prefix-aware router → N worker replicas."""
+"""Builds the Serve application: ingress → prefix-aware router → N worker replicas, and the
+draft replicas the workers call when speculation runs remotely."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application
 
 from cluster.config import INDEX_ACTOR_NAMESPACE, ClusterConfig
+from cluster.draft_deployment import DRAFT_DEPLOYMENT, DraftProposer
 from cluster.ingress_deployment import NalarIngress
 from cluster.worker_deployment import NalarWorker
 from router.request_router import PrefixAwareRequestRouter
@@ -32,11 +34,25 @@ def router_config(config: ClusterConfig) -> RequestRouterConfig:
     )
 
 
+def draft_app(config: ClusterConfig) -> Application:
+    """The draft replicas, bound to the workers' speculative configuration."""
+    drafts = serve.deployment(DraftProposer).options(
+        name=DRAFT_DEPLOYMENT,
+        num_replicas=config.draft_replicas,
+        ray_actor_options={"num_cpus": config.draft_cpus},
+        max_ongoing_requests=max(8, 2 * config.num_workers),
+        health_check_period_s=5,
+    )
+    return drafts.bind(config.speculative_config())
+
+
 def build_app(config: ClusterConfig) -> Application:
     """The application ``serve.run`` deploys.
 
     Workers get fractional CPUs (a 2-core machine still fits two) and a bounded queue, so
-    overload is refused with 503 instead of queued without limit (DESIGN §5c).
+    overload is refused with 503 instead of queued without limit (DESIGN §5c). When the
+    proposer is remote (``suffix``, or ``--speculative-remote``), the draft deployment is bound
+    into the workers, which each call it through a :class:`~workers.spec.remote.RemoteProposer`.
     """
     workers = serve.deployment(NalarWorker).options(
         name=WORKER_DEPLOYMENT,
@@ -53,4 +69,5 @@ def build_app(config: ClusterConfig) -> Application:
         ray_actor_options={"num_cpus": 0.1},
         max_ongoing_requests=1024,
     )
-    return ingress.bind(workers.bind(config), config)
+    draft = (draft_app(config),) if config.draft_is_remote else ()
+    return ingress.bind(workers.bind(config, *draft), config)

@@ -47,6 +47,38 @@ def _serve_parser(commands) -> None:
                                 "is available, else 0)")
     serve_cmd.add_argument("--worker-threads", type=int, default=None,
                            help="torch threads per worker (default: cores / --workers)")
+    _speculative_flags(serve_cmd)
+
+
+def _milliseconds(value: str) -> float:
+    """A flag given in milliseconds, as seconds."""
+    return float(value) / 1000
+
+
+def _speculative_flags(serve_cmd) -> None:
+    spec = serve_cmd.add_argument_group("speculative decoding")
+    spec.add_argument("--speculative", choices=["off", "ngram", "suffix"], default=None,
+                      help="draft proposer: ngram (prompt lookup, in each worker; the "
+                           "default), suffix (an index over every request, on draft "
+                           "replicas) or off")
+    spec.add_argument("--num-speculative-tokens", type=int, default=None,
+                      help="most draft tokens verified per step (default 4)")
+    spec.add_argument("--ngram-min", type=int, default=None,
+                      help="shortest suffix ngram matches, tokens (default 1)")
+    spec.add_argument("--ngram-max", type=int, default=None,
+                      help="longest suffix ngram matches, tokens (default 4)")
+    spec.add_argument("--draft-replicas", type=int, default=None,
+                      help="draft replicas when the proposer runs remotely (default 1)")
+    spec.add_argument("--draft-deadline-ms", type=_milliseconds, default=None,
+                      dest="draft_deadline_s",
+                      help="a draft call slower than this gives no drafts that step "
+                           "(default 50)")
+    spec.add_argument("--speculative-remote", action="store_true", default=None,
+                      help="run ngram on draft replicas instead of inside each worker")
+    spec.add_argument("--no-adaptive-speculation", action="store_false", default=None,
+                      dest="adaptive_speculation",
+                      help="always draft --num-speculative-tokens instead of choosing each "
+                           "request's draft length from measured acceptance and costs")
 
 
 def _chat_parser(commands) -> None:
@@ -60,14 +92,23 @@ def _chat_parser(commands) -> None:
     chat_cmd.add_argument("--system", default=None, help="optional system prompt")
 
 
+def serve_config(args: argparse.Namespace) -> ClusterConfig:
+    """The configuration ``nalar serve`` runs with: the flags given, defaults for the rest.
+
+    Raises:
+        pydantic.ValidationError: a flag out of range.
+    """
+    options = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
+    return ClusterConfig(**options)
+
+
 def serve_command(args: argparse.Namespace) -> int:
     from cluster.runtime import PortInUseError, start_cluster, stop_cluster
 
-    options = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
-    config = ClusterConfig(**options)
+    config = serve_config(args)
     index = f"Redis at {config.redis_url}" if config.redis_url else "embedded"
     print(f"starting Nalar Serve: model {config.model}, {config.num_workers} workers, "
-          f"index {index} ...", flush=True)
+          f"index {index}, speculation {_speculation(config)} ...", flush=True)
     try:
         start_cluster(config)
     except PortInUseError as exc:
@@ -84,6 +125,15 @@ def serve_command(args: argparse.Namespace) -> int:
     stop_cluster()
     print("stopped.", flush=True)
     return 0
+
+
+def _speculation(config: ClusterConfig) -> str:
+    """One phrase for the start-up line: the proposer, its k_max and where it runs."""
+    if config.speculative == "off":
+        return "off"
+    where = (f"{config.draft_replicas} draft replica(s)" if config.draft_is_remote
+             else "in each worker")
+    return f"{config.speculative} k<={config.num_speculative_tokens} {where}"
 
 
 def _api_base(url: str) -> str:
@@ -132,12 +182,17 @@ def chat_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``nalar`` command line: ``serve`` and ``chat``."""
     parser = argparse.ArgumentParser(prog="nalar", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     _serve_parser(commands)
     _chat_parser(commands)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return serve_command(args) if args.command == "serve" else chat_command(args)
 
 

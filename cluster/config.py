@@ -6,9 +6,10 @@ import os
 import secrets
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from workers.config import EngineConfig, MiB
+from workers.spec.config import SpeculativeConfig
 
 INDEX_ACTOR_NAMESPACE = "nalar"
 """Ray namespace of the embedded index actor, so the driver and Serve replicas find one actor."""
@@ -25,6 +26,17 @@ class ClusterConfig(BaseModel):
     """Everything ``nalar serve`` can be told.
 
     Sizes are in tokens unless named ``*_bytes``/``*_mib``; times in seconds.
+
+    Speculative decoding (``workers.spec``): ``speculative`` is the proposer (``off``,
+    ``ngram``, ``suffix``), ``num_speculative_tokens`` the most draft tokens verified per step,
+    ``ngram_min``/``ngram_max`` the suffix lengths ``ngram`` matches, ``adaptive_speculation``
+    lets each request's draft length follow measured acceptance and costs.
+    ``speculative_remote`` moves ``ngram`` onto draft replicas (``suffix`` always runs there);
+    ``draft_replicas`` of ``draft_cpus`` CPUs each; a draft call slower than
+    ``draft_deadline_s`` gives no proposals for that step.
+
+    Raises:
+        pydantic.ValidationError: a field out of range, or ``ngram_min > ngram_max``.
     """
 
     model: str = "embedded"
@@ -54,6 +66,15 @@ class ClusterConfig(BaseModel):
     worker_ttl_s: float = Field(30.0, gt=0)
     namespace_secret: str = Field(
         default_factory=lambda: os.environ.get("NALAR_NAMESPACE_SECRET") or secrets.token_hex(32))
+    speculative: Literal["off", "ngram", "suffix"] = "ngram"
+    num_speculative_tokens: int = Field(4, ge=1, le=16)
+    ngram_min: int = Field(1, ge=1)
+    ngram_max: int = Field(4, ge=1)
+    adaptive_speculation: bool = True
+    speculative_remote: bool = False
+    draft_replicas: int = Field(1, ge=1)
+    draft_cpus: float = Field(0.1, gt=0)
+    draft_deadline_s: float = Field(0.05, gt=0)
 
     @field_validator("dtype")
     @classmethod
@@ -62,6 +83,11 @@ class ClusterConfig(BaseModel):
         if value not in known:
             raise ValueError(f"dtype must be one of {sorted(known)}")
         return value
+
+    @model_validator(mode="after")
+    def _valid_speculation(self) -> ClusterConfig:
+        self.speculative_config()
+        return self
 
     def engine_config(self) -> EngineConfig:
         """The per-worker engine configuration."""
@@ -72,7 +98,32 @@ class ClusterConfig(BaseModel):
             max_num_partial_prefills=self.max_num_partial_prefills,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             scheduling_policy=self.scheduling_policy,
-            max_model_len=self.max_model_len, num_threads=self.threads_per_worker())
+            max_model_len=self.max_model_len, num_threads=self.threads_per_worker(),
+            speculative=self.speculative_config())
+
+    def speculative_config(self) -> SpeculativeConfig:
+        """The workers' speculative decoding settings.
+
+        ``suffix`` always runs on draft replicas (its index spans every worker's requests);
+        ``ngram`` runs inside each worker unless ``speculative_remote``.
+
+        Raises:
+            ValueError: an out-of-range combination (e.g. ``ngram_min > ngram_max``).
+        """
+        config = SpeculativeConfig(
+            method=self.speculative, num_speculative_tokens=self.num_speculative_tokens,
+            ngram_min=self.ngram_min, ngram_max=self.ngram_max,
+            adaptive=self.adaptive_speculation,
+            remote=self.speculative == "suffix" or self.speculative_remote,
+            draft_replicas=self.draft_replicas, deadline_s=self.draft_deadline_s)
+        config.validate()
+        return config
+
+    @property
+    def draft_is_remote(self) -> bool:
+        """Whether the application deploys draft replicas."""
+        config = self.speculative_config()
+        return config.enabled and config.remote
 
     def threads_per_worker(self) -> int:
         """``worker_threads``, else this machine's cores shared evenly among the workers.

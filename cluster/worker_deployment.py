@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator
 
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from cluster.config import INDEX_ACTOR_NAMESPACE, ClusterConfig
 from cluster.event_publisher import EventPublisher
@@ -15,6 +16,7 @@ from router.index import make_index
 from workers.async_engine import AsyncEngine
 from workers.engine import LLMEngine
 from workers.request import GenerationChunk, GenerationRequest
+from workers.spec.remote import RemoteProposer
 
 log = logging.getLogger(__name__)
 
@@ -29,12 +31,19 @@ class NalarWorker:
 
     Args:
         config: the cluster configuration.
+        draft: handle to the draft deployment when the proposer runs remotely (the engine then
+            proposes through a :class:`~workers.spec.remote.RemoteProposer`); else ``None``
+            and the engine builds its proposer in process.
     """
 
-    async def __init__(self, config: ClusterConfig):
+    async def __init__(self, config: ClusterConfig, draft: DeploymentHandle | None = None):
         started = time.perf_counter()
         self.worker_id = replica_worker_id()
-        self.engine = LLMEngine(config.engine_config())
+        self.proposer = None
+        if draft is not None:
+            self.proposer = RemoteProposer(draft, config.draft_deadline_s,
+                                           name=f"remote-{config.speculative}")
+        self.engine = LLMEngine(config.engine_config(), proposer=self.proposer)
         self.identity = self.engine.identity
         index = make_index(config.redis_url, config.key_prefix, config.worker_ttl_s,
                            config.index_actor_name, actor_namespace=INDEX_ACTOR_NAMESPACE)
@@ -121,7 +130,17 @@ class NalarWorker:
             "blocks_free": pool.num_free,
             "blocks_evictable": pool.num_evictable,
             "blocks_in_use": pool.num_in_use,
+            **self._draft_stats(),
         }
+
+    def _draft_stats(self) -> dict:
+        """Remote draft calls made, missed deadlines, failures and batches skipped while
+        backing off (nothing when the proposer runs in process)."""
+        proposer = self.proposer
+        if proposer is None:
+            return {}
+        return {"draft_calls": proposer.calls, "draft_timeouts": proposer.timeouts,
+                "draft_failures": proposer.failures, "draft_skipped": proposer.skipped}
 
     async def __del__(self):
         self.async_engine.shutdown()

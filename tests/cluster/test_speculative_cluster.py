@@ -1,0 +1,179 @@
+"""Draft replicas on the session's Ray cluster: exact ngram proposals through a handle and
+through :class:`~workers.spec.remote.RemoteProposer`; a killed replica means no drafts within
+the deadline (plain decoding) until Serve's replacement answers, then drafts again. Also the
+``nalar serve`` flags and configuration that select and place the proposer (no Ray)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+from ray import serve
+from ray.serve.deployment import Application
+
+from cluster.app import WORKER_DEPLOYMENT, build_app, draft_app
+from cluster.cli import build_parser, serve_config
+from cluster.config import ClusterConfig
+from cluster.draft_deployment import DRAFT_DEPLOYMENT
+from cluster.runtime import start_index_actor
+from workers.request import GenerationRequest, SamplingParams
+from workers.spec.ngram import NgramProposer
+from workers.spec.proposer import ProposalRequest
+from workers.spec.remote import RemoteProposer
+
+APP = "nalar-draft-test"
+RECOVERY_S = 30.0
+
+# (request_id, token_ids, num_prompt_tokens, k): a copy to find, a longer one, none at all.
+ITEMS = [
+    ("copy", [7, 8, 9, 10, 11, 7, 8], 5, 3),
+    ("long", [1, 2, 3, 4, 5, 6, 1, 2, 3], 9, 2),
+    ("none", [40, 41, 42, 43], 4, 4),
+]
+EXPECTED = [[9, 10, 11], [4, 5], []]
+
+
+def requests() -> list[ProposalRequest]:
+    return [ProposalRequest(*item) for item in ITEMS]
+
+
+@pytest.fixture(scope="module")
+def draft_handle(ray_session):
+    config = ClusterConfig(speculative="ngram", speculative_remote=True, ngram_min=1,
+                           ngram_max=3, draft_cpus=0.1)
+    serve.run(draft_app(config), name=APP, route_prefix=None)
+    yield serve.get_deployment_handle(DRAFT_DEPLOYMENT, APP)
+    serve.delete(APP)
+
+
+def test_expected_proposals_are_the_local_ngram_ones():
+    assert NgramProposer(1, 3).propose(requests()) == EXPECTED
+
+
+def test_draft_replica_proposes_exactly(draft_handle):
+    assert draft_handle.describe.remote().result(timeout_s=30)["proposer"] == "ngram"
+    assert draft_handle.propose.remote(ITEMS).result(timeout_s=30) == EXPECTED
+    draft_handle.finish.remote(["copy", "long", "none"]).result(timeout_s=30)
+
+
+def test_remote_proposer_one_call_per_step(draft_handle):
+    proposer = RemoteProposer(draft_handle, deadline_s=5.0)
+    for _ in range(3):
+        assert proposer.propose(requests()) == EXPECTED
+    assert (proposer.calls, proposer.timeouts, proposer.failures) == (3, 0, 0)
+
+
+def test_killed_replica_means_no_drafts_then_recovery(draft_handle):
+    deadline_s = 0.3
+    proposer = RemoteProposer(draft_handle, deadline_s=deadline_s)
+    assert proposer.propose(requests()) == EXPECTED
+    replica = draft_handle.describe.remote().result(timeout_s=30)["replica_id"]
+    actor = ray.get_actor(f"SERVE_REPLICA::{APP}#{DRAFT_DEPLOYMENT}#{replica}",
+                          namespace="serve")
+    ray.kill(actor, no_restart=True)
+
+    empty_steps, slowest_s, recovered = 0, 0.0, False
+    stop = time.monotonic() + RECOVERY_S
+    while time.monotonic() < stop:
+        started = time.monotonic()
+        drafts = proposer.propose(requests())
+        slowest_s = max(slowest_s, time.monotonic() - started)
+        if drafts == EXPECTED:
+            recovered = True
+            break
+        assert drafts == [[], [], []]  # plain decoding, never different drafts
+        empty_steps += 1
+        time.sleep(0.05)  # an engine step
+    assert empty_steps > 0 and proposer.timeouts + proposer.failures > 0
+    assert proposer.skipped > 0  # backed off instead of waiting out a deadline every step
+    assert slowest_s < deadline_s + 0.5
+    assert recovered, f"no drafts {RECOVERY_S} s after the kill"
+    new_replica = draft_handle.describe.remote().result(timeout_s=30)["replica_id"]
+    assert new_replica != replica
+
+
+@pytest.fixture(scope="module")
+def remote_worker(ray_session):
+    """One worker whose engine drafts through a RemoteProposer on one ngram draft replica."""
+    config = ClusterConfig(num_workers=1, redis_url=None, dtype="float32", kv_cache_mib=16,
+                           worker_cpus=0.25, worker_threads=1, speculative="ngram",
+                           speculative_remote=True, draft_deadline_s=2.0,
+                           adaptive_speculation=False, index_actor_name=f"{APP}-index")
+    start_index_actor(config)
+    serve.run(build_app(config), name=f"{APP}-worker", route_prefix=None)
+    yield serve.get_deployment_handle(WORKER_DEPLOYMENT, f"{APP}-worker")
+    serve.delete(f"{APP}-worker")
+
+
+async def test_worker_engine_drafts_through_the_draft_replica(remote_worker):
+    """The engine thread inside a worker replica calls the draft deployment; a repeated
+    pattern is copied, so drafts are proposed and accepted."""
+    prompt = list(range(2000, 2012)) * 4
+    request = GenerationRequest("spec-remote", prompt,
+                                SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    chunks = [chunk async for chunk in remote_worker.options(stream=True).generate.remote(request)]
+    spec = chunks[-1].spec
+    assert chunks[-1].completion_tokens == 24
+    assert spec is not None and spec.proposed_tokens > 0 and spec.accepted_tokens > 0
+    stats = await remote_worker.engine_stats.remote()
+    assert stats["draft_calls"] > 0
+    assert (stats["draft_timeouts"], stats["draft_failures"]) == (0, 0)
+
+
+# -- configuration and flags (no Ray) ---------------------------------------------------------
+
+
+def test_serve_defaults_to_ngram_in_the_worker():
+    config = serve_config(build_parser().parse_args(["serve"]))
+    spec = config.engine_config().speculative
+    assert (spec.method, spec.num_speculative_tokens, spec.adaptive, spec.remote) == (
+        "ngram", 4, True, False)
+    assert not config.draft_is_remote
+
+
+def test_serve_flags_reach_the_engine_config():
+    args = build_parser().parse_args([
+        "serve", "--speculative", "ngram", "--num-speculative-tokens", "6", "--ngram-min", "2",
+        "--ngram-max", "5", "--draft-replicas", "3", "--draft-deadline-ms", "20",
+        "--speculative-remote", "--no-adaptive-speculation"])
+    config = serve_config(args)
+    spec = config.engine_config().speculative
+    assert (spec.method, spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max) == (
+        "ngram", 6, 2, 5)
+    assert (spec.remote, spec.adaptive, spec.draft_replicas) == (True, False, 3)
+    assert spec.deadline_s == pytest.approx(0.02)
+    assert config.draft_is_remote
+
+
+def test_suffix_always_runs_on_draft_replicas_and_off_on_none():
+    assert ClusterConfig(speculative="suffix").draft_is_remote
+    off = ClusterConfig(speculative="off", speculative_remote=True)
+    assert not off.draft_is_remote and not off.engine_config().speculative.enabled
+
+
+@pytest.mark.parametrize("options", [{"ngram_min": 3, "ngram_max": 2},
+                                     {"num_speculative_tokens": 0},
+                                     {"draft_deadline_s": 0}, {"speculative": "model"}])
+def test_bad_speculative_settings_are_refused(options):
+    with pytest.raises(ValueError):
+        ClusterConfig(**options)
+
+
+def test_app_binds_draft_replicas_only_when_remote():
+    def deployments(config: ClusterConfig) -> dict[str, tuple]:
+        """Deployment name -> its init args, over the bound application graph."""
+        seen, todo = {}, [build_app(config)]
+        while todo:
+            deployment = todo.pop()._bound_deployment
+            seen[deployment.name] = deployment.init_args
+            todo.extend(a for a in deployment.init_args if isinstance(a, Application))
+        return seen
+
+    remote = ClusterConfig(speculative="suffix", worker_gpus=0)
+    local = ClusterConfig(speculative="ngram", worker_gpus=0)
+    graph = deployments(remote)
+    assert graph[DRAFT_DEPLOYMENT] == (remote.speculative_config(),)
+    assert graph[WORKER_DEPLOYMENT][1]._bound_deployment.name == DRAFT_DEPLOYMENT
+    graph = deployments(local)
+    assert DRAFT_DEPLOYMENT not in graph and len(graph[WORKER_DEPLOYMENT]) == 1
