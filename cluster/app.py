@@ -43,7 +43,7 @@ def draft_app(config: ClusterConfig) -> Application:
         max_ongoing_requests=max(8, 2 * config.num_workers),
         health_check_period_s=5,
     )
-    return drafts.bind(config.speculative_config())
+    return drafts.bind(config.speculative_config(), config.engine_config())
 
 
 def build_app(config: ClusterConfig) -> Application:

@@ -57,10 +57,14 @@ def _milliseconds(value: str) -> float:
 
 def _speculative_flags(serve_cmd) -> None:
     spec = serve_cmd.add_argument_group("speculative decoding")
-    spec.add_argument("--speculative", choices=["off", "ngram", "suffix"], default=None,
+    spec.add_argument("--speculative", choices=["off", "ngram", "suffix", "model"],
+                      default=None,
                       help="draft proposer: ngram (prompt lookup, in each worker; the "
                            "default), suffix (an index over every request, on draft "
-                           "replicas) or off")
+                           "replicas), model (--draft-model on draft replicas) or off")
+    spec.add_argument("--draft-model", default=None,
+                      help="the model proposer's draft: a smaller model with the target's "
+                           "tokenizer (a path or cached hub id)")
     spec.add_argument("--num-speculative-tokens", type=int, default=None,
                       help="most draft tokens verified per step (default 4)")
     spec.add_argument("--ngram-min", type=int, default=None,

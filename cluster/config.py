@@ -66,7 +66,8 @@ class ClusterConfig(BaseModel):
     worker_ttl_s: float = Field(30.0, gt=0)
     namespace_secret: str = Field(
         default_factory=lambda: os.environ.get("NALAR_NAMESPACE_SECRET") or secrets.token_hex(32))
-    speculative: Literal["off", "ngram", "suffix"] = "ngram"
+    speculative: Literal["off", "ngram", "suffix", "model"] = "ngram"
+    draft_model: str | None = None
     num_speculative_tokens: int = Field(4, ge=1, le=16)
     ngram_min: int = Field(1, ge=1)
     ngram_max: int = Field(4, ge=1)
@@ -104,7 +105,8 @@ class ClusterConfig(BaseModel):
     def speculative_config(self) -> SpeculativeConfig:
         """The workers' speculative decoding settings.
 
-        ``suffix`` always runs on draft replicas (its index spans every worker's requests);
+        ``suffix`` always runs on draft replicas (its index spans every worker's requests),
+        and so does ``model`` (a draft model on its own replicas, as on its own GPUs);
         ``ngram`` runs inside each worker unless ``speculative_remote``.
 
         Raises:
@@ -114,8 +116,9 @@ class ClusterConfig(BaseModel):
             method=self.speculative, num_speculative_tokens=self.num_speculative_tokens,
             ngram_min=self.ngram_min, ngram_max=self.ngram_max,
             adaptive=self.adaptive_speculation,
-            remote=self.speculative == "suffix" or self.speculative_remote,
-            draft_replicas=self.draft_replicas, deadline_s=self.draft_deadline_s)
+            remote=self.speculative in ("suffix", "model") or self.speculative_remote,
+            draft_replicas=self.draft_replicas, deadline_s=self.draft_deadline_s,
+            draft_model=self.draft_model)
         config.validate()
         return config
 

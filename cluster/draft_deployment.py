@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 
+from workers.config import EngineConfig
 from workers.spec.config import SpeculativeConfig
 from workers.spec.proposer import ProposalRequest
 
@@ -26,18 +27,27 @@ class DraftProposer:
     Args:
         config: the speculative configuration; ``remote`` is ignored here (this is the remote
             end), the rest builds the proposer.
+        engine_config: the workers' engine configuration (``model``: the target); the
+            ``model`` proposer's engine is built like it and checked against the target.
 
     Raises:
-        ValueError: ``config`` names no proposer (``method`` ``off``) or is invalid.
+        ValueError: ``config`` names no proposer (``method`` ``off``) or is invalid, or a
+            draft model's vocabulary differs from the target's.
     """
 
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, engine_config: EngineConfig | None = None):
         config.validate()
         if not config.enabled:
             raise ValueError("a draft replica needs a speculative method, not 'off'")
         from workers.spec.build import build_proposer  # proposers load only on draft replicas
 
-        self.proposer = build_proposer(dataclasses.replace(config, remote=False))
+        target = None
+        if config.method == "model":
+            from workers.spec.draft_model import Vocabulary
+
+            target = Vocabulary.load((engine_config or EngineConfig()).model)
+        self.proposer = build_proposer(dataclasses.replace(config, remote=False), target,
+                                       engine_config)
         self._lock = threading.Lock()
 
     def propose(self, items: list[tuple[str, list[int], int, int]]) -> list[list[int]]:

@@ -126,7 +126,9 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         spec = config.speculative
         spec.validate()
-        self.proposer = (proposer or build_proposer(spec)) if spec.enabled else None
+        self.proposer = None
+        if spec.enabled:
+            self.proposer = proposer or build_proposer(spec, self.loaded, config)
         self.draft_length = DraftLengthController(spec.num_speculative_tokens, spec.adaptive)
         self._generator = torch.Generator()
         if config.seed is None:

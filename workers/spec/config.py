@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SPECULATIVE_METHODS: tuple[str, ...] = ("off", "ngram", "suffix")
+SPECULATIVE_METHODS: tuple[str, ...] = ("off", "ngram", "suffix", "model")
 
 
 @dataclass
@@ -12,8 +12,10 @@ class SpeculativeConfig:
     """How a worker speculates.
 
     Attributes:
-        method: ``off``, ``ngram`` (prompt lookup over the request's own tokens) or ``suffix``
-            (a suffix index over every prompt and output the draft replica has seen).
+        method: ``off``, ``ngram`` (prompt lookup over the request's own tokens), ``suffix``
+            (a suffix index over every prompt and output the draft replica has seen) or
+            ``model`` (a smaller LM with the target's tokenizer, ``draft_model``).
+        draft_model: the ``model`` method's draft (a path or cached hub id).
         num_speculative_tokens: k_max, the most draft tokens verified per step.
         ngram_min, ngram_max: the shortest and longest suffix (tokens) ``ngram`` matches.
         adaptive: choose k per request from measured acceptance and costs (else always k_max).
@@ -34,6 +36,7 @@ class SpeculativeConfig:
     remote: bool = False
     draft_replicas: int = 1
     deadline_s: float = 0.05
+    draft_model: str | None = None
 
     @property
     def enabled(self) -> bool:
@@ -47,5 +50,7 @@ class SpeculativeConfig:
             raise ValueError("num_speculative_tokens must be in [1, 16]")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
+        if self.method == "model" and not self.draft_model:
+            raise ValueError("speculative method 'model' needs a draft model")
         if self.draft_replicas < 1 or self.deadline_s <= 0:
             raise ValueError("draft_replicas must be >= 1 and deadline_s > 0")
