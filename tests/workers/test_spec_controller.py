@@ -1,0 +1,89 @@
+"""The adaptive draft length: expected committed tokens, the cost fit, and the choice of k
+(including turning speculation off where it does not pay and probing again later)."""
+
+from __future__ import annotations
+
+import pytest
+
+from workers.request import SpecUsage
+from workers.spec.controller import DraftLengthController, StepCostModel
+
+
+def usage_with(acceptance: list[float], trials: int = 1000) -> SpecUsage:
+    """Per-position counts giving conditional acceptance ``acceptance[i]`` at position i."""
+    usage = SpecUsage()
+    reached = trials
+    for alpha in acceptance:
+        usage.proposed_by_position.append(reached)
+        accepted = round(reached * alpha)
+        usage.accepted_by_position.append(accepted)
+        reached = accepted
+    return usage
+
+
+def trained(step_s: float, per_row_s: float, k_max: int = 4) -> DraftLengthController:
+    controller = DraftLengthController(k_max)
+    for rows in [1, 2, 3, 5, 1, 4, 2, 5] * 3:
+        controller.observe_step(rows, step_s + per_row_s * (rows - 1))
+    controller.observe_draft(0.0)
+    return controller
+
+
+def test_expected_tokens_is_leviathan_eq1_per_position():
+    controller = DraftLengthController(4)
+    usage = usage_with([0.8, 0.5, 0.5, 0.5], trials=100_000)
+    assert controller.expected_tokens(usage, 0) == 1.0
+    assert controller.expected_tokens(usage, 1) == pytest.approx(1.8, abs=1e-3)
+    assert controller.expected_tokens(usage, 3) == pytest.approx(1 + .8 + .4 + .2, abs=1e-3)
+    # constant alpha: (1 - alpha^(k+1)) / (1 - alpha)
+    flat = usage_with([0.6] * 4, trials=100_000)
+    assert controller.expected_tokens(flat, 4) == pytest.approx((1 - .6 ** 5) / .4, abs=2e-3)
+
+
+def test_cost_model_recovers_a_linear_step_time():
+    model = StepCostModel()
+    for rows in [1, 4, 2, 8, 3, 6] * 5:
+        model.observe(rows, 0.050 + 0.002 * rows)
+    model.observe(4096, 9.0)  # a prefill step is not fitted
+    assert model.per_row() == pytest.approx(0.002, rel=1e-6)
+    assert model.time(5) == pytest.approx(0.060, rel=1e-6)
+
+
+def test_high_acceptance_and_cheap_rows_draft_the_most():
+    controller = trained(step_s=0.05, per_row_s=0.001)
+    assert controller.choose("a", usage_with([0.9] * 4), 1, 1) == 4
+
+
+def test_speculation_turns_off_when_rows_cost_more_than_acceptance_saves():
+    # each extra row costs 60% of a step; at alpha 0.3 nothing beats plain decoding
+    controller = trained(step_s=0.05, per_row_s=0.03)
+    usage = usage_with([0.3] * 4)
+    assert controller.choose("a", usage, 1, 1) == 0
+    # the same acceptance pays when rows are nearly free
+    assert trained(step_s=0.05, per_row_s=0.0005).choose("a", usage, 1, 1) > 0
+
+
+def test_draft_cost_counts_not_only_acceptance():
+    usage = usage_with([0.5] * 4)
+    cheap = trained(step_s=0.05, per_row_s=0.002)
+    assert cheap.choose("a", usage, 1, 1) > 0
+    slow = trained(step_s=0.05, per_row_s=0.002)
+    for _ in range(50):
+        slow.observe_draft(0.2)  # drafting costs four steps
+    assert slow.choose("a", usage, 1, 1) == 0
+
+
+def test_an_off_request_probes_again_with_growing_intervals():
+    controller = trained(step_s=0.05, per_row_s=0.03)
+    controller.probe_interval = 3
+    usage = usage_with([0.2] * 4)
+    choices = [controller.choose("a", usage, 1, 1) for _ in range(14)]
+    # off for 3 steps, probe with k_max; then off for 6, probe again
+    assert choices == [0, 0, 0, 4, 0, 0, 0, 0, 0, 0, 4, 0, 0, 0]
+    controller.forget("a")
+    assert [controller.choose("a", usage, 1, 1) for _ in range(4)] == [0, 0, 0, 4]
+
+
+def test_not_adaptive_or_unmeasured_always_drafts_k_max():
+    assert DraftLengthController(3, adaptive=False).choose("a", usage_with([0.0]), 1, 1) == 3
+    assert DraftLengthController(3).choose("a", usage_with([0.0]), 1, 1) == 3
