@@ -128,10 +128,12 @@ def captured_logits(engine) -> Iterator[dict[str, list[torch.Tensor]]]:
     captured: dict[str, list[torch.Tensor]] = {}
     execute = engine.runner.execute
 
-    def recording(batch, sample_rows):
-        logits = execute(batch, sample_rows)
-        for row, i in zip(logits, sample_rows, strict=True):
-            captured.setdefault(batch.seqs[i].request_id, []).append(row.detach().clone())
+    def recording(batch, num_logits):
+        logits = execute(batch, num_logits)
+        rows = iter(logits)
+        for seq, count in zip(batch.seqs, num_logits, strict=True):
+            for _ in range(count):
+                captured.setdefault(seq.request_id, []).append(next(rows).detach().clone())
         return logits
 
     engine.runner.execute = recording

@@ -34,13 +34,13 @@ def fail_when_batched(engine, request_id: str, after_calls: int = 2) -> dict:
     ``after_calls`` such steps (so the victim holds computed, registered blocks)."""
     execute, state = engine.runner.execute, {"calls": 0, "failed_batch": None}
 
-    def flaky(batch, sample_rows):
+    def flaky(batch, num_logits):
         if any(seq.request.request_id == request_id for seq in batch.seqs):
             state["calls"] += 1
             if state["calls"] > after_calls and state["failed_batch"] is None:
                 state["failed_batch"] = sorted(seq.request.request_id for seq in batch.seqs)
                 raise RuntimeError("injected kernel fault")
-        return execute(batch, sample_rows)
+        return execute(batch, num_logits)
 
     engine.runner.execute = flaky
     return state
