@@ -13,6 +13,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from cluster.config import ClusterConfig
+from cluster.metrics import SCRAPE_TIMEOUT_S, build_registry, fetch_worker_stats
 from router.errors import OverloadedError
 from router.openai_app import build_openai_app
 from workers.identity import AdapterRef, CacheIdentity, CacheNamespace
@@ -39,6 +40,8 @@ class NalarIngress:
 
     The identity and tokenizer come from a worker at start-up, so the ingress tokenizes and
     hashes exactly as the workers do (all replicas of one deployment share them).
+    ``metrics_registry`` is what ``GET /metrics`` renders: at each scrape it asks every worker
+    replica for its engine stats (``cluster.metrics``).
 
     Args:
         workers: handle to the worker deployment.
@@ -55,6 +58,8 @@ class NalarIngress:
         source = Path(description["source_path"])
         # Same machine: read the worker's converted copy; elsewhere, resolve the source again.
         self.tokenizer = load_tokenizer(str(source) if source.is_dir() else config.model)
+        self.metrics_registry = build_registry(
+            lambda: fetch_worker_stats(self.workers, SCRAPE_TIMEOUT_S))
 
     def __serve_build_asgi_app__(self):
         return build_openai_app(self)

@@ -38,6 +38,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -313,7 +314,9 @@ def build_openai_app(backend: ServingBackend) -> FastAPI:
     """The OpenAI-compatible FastAPI app serving ``backend``.
 
     Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-    ``GET /v1/models/{model}``, ``GET /health``.
+    ``GET /v1/models/{model}``, ``GET /health``, ``GET /metrics`` (Prometheus text of the
+    backend's ``metrics_registry``, a ``prometheus_client.CollectorRegistry``; 404 for a
+    backend without one).
     """
     # FastAPI's strict Content-Type check stays on: a JSON body needs ``application/json``,
     # so a web page cannot make a browser drive a local, key-less server without a CORS
@@ -353,6 +356,17 @@ def build_openai_app(backend: ServingBackend) -> FastAPI:
         if await ingress.ready():
             return JSONResponse({"status": "ok"})
         return APIError(503, "the cluster is not ready to serve", code="not_ready").response()
+
+    @app.get("/metrics", response_model=None)
+    async def metrics() -> Response:
+        """Prometheus text exposition of the backend's registry, rendered in a worker thread
+        (its collectors may block on the workers for a bounded time)."""
+        # Read at scrape time: a Serve ingress builds the app before its __init__ finishes.
+        registry = getattr(backend, "metrics_registry", None)
+        if registry is None:
+            raise APIError(404, "this server exports no metrics", code="not_found")
+        body = await anyio.to_thread.run_sync(generate_latest, registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     return app
 

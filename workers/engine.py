@@ -238,6 +238,7 @@ class LLMEngine:
             k = min(room, self.draft_length.choose(seq.request_id, seq.spec, len(decodes),
                                                    len(decodes)))
             seq.spec.k_decisions[k] = seq.spec.k_decisions.get(k, 0) + 1
+            self.counters.spec.k_decisions[k] = self.counters.spec.k_decisions.get(k, 0) + 1
             if k > 0:
                 asks.append((seq, ProposalRequest(seq.request_id, seq.token_ids,
                                                   seq.num_prompt_tokens, k)))

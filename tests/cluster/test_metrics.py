@@ -1,0 +1,216 @@
+"""``GET /metrics``: the collector's families and labels, a worker that does not answer in
+time left out of a scrape that still succeeds (no Ray), and end to end on the session's
+cluster, the speculative counters moving by exactly what the responses' ``usage.speculative``
+reports (committed tokens only, case S6)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster.metrics import WorkerScrape, build_registry, fetch_worker_stats
+from cluster.worker_deployment import DraftTimer
+from router.openai_app import build_openai_app
+from workers.spec.ngram import NgramProposer
+from workers.spec.proposer import ProposalRequest
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def parse(text: str) -> Samples:
+    """Sample name and sorted labels -> value, over every family in ``text``."""
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    """One sample's value (0 when absent: a counter not yet exported counts nothing)."""
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def worker_stats(worker_id: str, **spec) -> dict:
+    base = {"proposed_tokens": 10, "accepted_tokens": 6, "rejected_tokens": 4,
+            "verification_steps": 4, "accepted_by_position": [4, 2],
+            "proposed_by_position": [4, 4, 2], "k_decisions": {0: 3, 2: 1, 3: 3},
+            "draft_s": 0.25, "verify_s": 1.5, "draft_calls": 7, "method": "ngram"}
+    return {"worker_id": worker_id, "steps": 20, "prefill_tokens": 100, "decode_tokens": 30,
+            "prefix_query_tokens": 100, "prefix_hit_tokens": 32, "preemptions": 1,
+            "blocks_total": 64, "blocks_free": 50, "blocks_evictable": 10, "blocks_in_use": 4,
+            "running": 1, "waiting": 0, "spec": {**base, **spec}}
+
+
+def test_families_labelled_by_worker():
+    remote = {**worker_stats("w2", accepted_tokens=0, rejected_tokens=10), "draft_calls": 5,
+              "draft_timeouts": 2, "draft_failures": 1, "draft_skipped": 3}
+    registry = build_registry(lambda: WorkerScrape([worker_stats("w1"), remote], 0, 0.01))
+    samples = parse(generate_latest(registry).decode())
+    assert value(samples, "nalar_engine_steps_total", worker="w1") == 20
+    assert value(samples, "nalar_kv_blocks_in_use", worker="w1") == 4
+    assert value(samples, "nalar_kv_blocks_free", worker="w2") == 50
+    assert value(samples, "nalar_preemptions_total", worker="w1") == 1
+    assert value(samples, "nalar_spec_proposed_tokens_total", worker="w1") == 10
+    assert value(samples, "nalar_spec_accepted_tokens_total", worker="w1") == 6
+    assert value(samples, "nalar_spec_rejected_tokens_total", worker="w2") == 10
+    assert value(samples, "nalar_spec_mean_accepted_length", worker="w1") == 1.5
+    assert value(samples, "nalar_spec_mean_accepted_length", worker="w2") == 0.0
+    assert value(samples, "nalar_spec_accepted_by_position_total", worker="w1",
+                 position="1") == 2
+    assert value(samples, "nalar_spec_proposed_by_position_total", worker="w1",
+                 position="2") == 2
+    assert value(samples, "nalar_spec_k_decisions_total", worker="w1", k="3") == 3
+    assert value(samples, "nalar_spec_draft_seconds_total", worker="w1") == 0.25
+    assert value(samples, "nalar_spec_verify_seconds_total", worker="w1") == 1.5
+    assert value(samples, "nalar_spec_draft_calls_total", worker="w1") == 7
+    # Remote draft client counts only where the worker drafts remotely.
+    assert value(samples, "nalar_spec_draft_timeouts_total", worker="w2") == 2
+    assert value(samples, "nalar_spec_draft_skipped_total", worker="w2") == 3
+    assert value(samples, "nalar_spec_remote_calls_total", worker="w2") == 5
+    assert ("nalar_spec_draft_timeouts_total", (("worker", "w1"),)) not in samples
+    assert value(samples, "nalar_metrics_workers_answered") == 2
+
+
+class FakeBroadcast:
+    def __init__(self, answers):
+        self.answers = answers
+        self.calls = []
+
+    def broadcast(self, method: str):
+        self.calls.append(method)
+        answers = self.answers
+
+        class Response:
+            def results(self, timeout_s, return_exceptions):
+                assert return_exceptions and timeout_s == 0.5
+                if isinstance(answers, Exception):
+                    raise answers
+                return answers
+
+        return Response()
+
+
+def test_a_late_worker_is_skipped_and_the_scrape_succeeds():
+    handle = FakeBroadcast([worker_stats("w1"), TimeoutError("late")])
+    scrape = fetch_worker_stats(handle, 0.5)
+    assert handle.calls == ["engine_stats"]
+    assert [w["worker_id"] for w in scrape.workers] == ["w1"] and scrape.skipped == 1
+    samples = parse(generate_latest(build_registry(lambda: scrape)).decode())
+    assert value(samples, "nalar_metrics_workers_skipped") == 1
+    assert value(samples, "nalar_engine_steps_total", worker="w1") == 20
+
+    nobody = fetch_worker_stats(FakeBroadcast(TimeoutError("no replica")), 0.5)
+    assert nobody.workers == [] and nobody.skipped == 0
+
+
+def test_registering_does_not_call_the_workers():
+    calls = []
+    build_registry(lambda: calls.append(1) or WorkerScrape())
+    assert calls == []
+
+
+def test_draft_timer_sums_proposer_seconds():
+    timer = DraftTimer(NgramProposer(1, 3))
+    drafts = timer.propose([ProposalRequest("r", [1, 2, 3, 1, 2], 5, 2)])
+    assert drafts == [[3, 1]] and timer.name == "ngram" and timer.seconds > 0
+
+
+async def test_route_serves_prometheus_text_or_404():
+    def get(backend) -> httpx.AsyncClient:
+        transport = httpx.ASGITransport(app=build_openai_app(backend))
+        return httpx.AsyncClient(transport=transport, base_url="http://test")
+
+    registry = build_registry(lambda: WorkerScrape([worker_stats("w1")], 0, 0.0))
+    async with get(SimpleNamespace(metrics_registry=registry)) as client:
+        response = await client.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    assert value(parse(response.text), "nalar_engine_steps_total", worker="w1") == 20
+    async with get(SimpleNamespace()) as client:
+        missing = await client.get("/metrics")
+    assert missing.status_code == 404 and missing.json()["error"]["message"]
+
+
+# -- end to end on the session's cluster ------------------------------------------------------
+
+SPEC_TOTALS = {"proposed_tokens": "nalar_spec_proposed_tokens_total",
+               "accepted_tokens": "nalar_spec_accepted_tokens_total",
+               "rejected_tokens": "nalar_spec_rejected_tokens_total",
+               "verification_steps": "nalar_spec_verification_steps_total"}
+
+
+async def scrape(client: httpx.AsyncClient) -> Samples:
+    response = await client.get("/metrics", timeout=30)
+    assert response.status_code == 200, response.text
+    return parse(response.text)
+
+
+def workers_in(samples: Samples) -> set[str]:
+    return {dict(labels)["worker"] for name, labels in samples
+            if name == "nalar_engine_steps_total"}
+
+
+async def idle_scrape(client: httpx.AsyncClient, num_workers: int) -> Samples:
+    """A scrape of every worker with nothing running (earlier tests' requests done)."""
+    deadline = time.monotonic() + 60
+    while True:
+        samples = await scrape(client)
+        workers = workers_in(samples)
+        busy = sum(value(samples, f"nalar_requests_{state}", worker=w)
+                   for w in workers for state in ("running", "waiting"))
+        if len(workers) == num_workers and not busy or time.monotonic() > deadline:
+            assert len(workers) == num_workers and not busy, samples
+            return samples
+        await asyncio.sleep(0.1)
+
+
+def delta(after: Samples, before: Samples, name: str, **labels: str) -> float:
+    return value(after, name, **labels) - value(before, name, **labels)
+
+
+async def test_spec_counters_equal_the_responses_usage(cluster):
+    """Two repetitive greedy completions that SmolLM2 copies from their prompts (the second
+    asks for two choices), one after the other: each moves its worker's counters by exactly
+    its ``usage.speculative``, per position and per k, and leaves the other worker's
+    untouched."""
+    fox = "The quick brown fox jumps over the lazy dog. " * 4 + "The quick"
+    count = "one, two, three, four, five, six, seven, eight, nine, ten. " * 3 + "one, two,"
+    bodies = [{"prompt": fox, "max_tokens": 32, "temperature": 0, "ignore_eos": True},
+              {"prompt": count, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+               "n": 2}]
+    async with httpx.AsyncClient(base_url=cluster.base_url) as client:
+        for body in bodies:
+            before = await idle_scrape(client, cluster.config.num_workers)
+            response = await client.post("/v1/completions", json=body, timeout=120)
+            assert response.status_code == 200, response.text
+            after = await scrape(client)
+            usage = response.json()["usage"]["speculative"]
+            served = response.headers["x-nalar-worker"]
+            assert usage["proposed_tokens"] > 0 and usage["accepted_tokens"] > 0
+            for key, name in SPEC_TOTALS.items():
+                assert delta(after, before, name, worker=served) == usage[key], name
+            for k, steps in usage["k_decisions"].items():
+                assert delta(after, before, "nalar_spec_k_decisions_total", worker=served,
+                             k=str(k)) == steps
+            for position, rate in enumerate(usage["acceptance_by_position"]):
+                labels = {"worker": served, "position": str(position)}
+                proposed = delta(after, before, "nalar_spec_proposed_by_position_total",
+                                 **labels)
+                accepted = delta(after, before, "nalar_spec_accepted_by_position_total",
+                                 **labels)
+                assert accepted / proposed == pytest.approx(rate)
+            assert delta(after, before, "nalar_spec_verify_seconds_total",
+                         worker=served) == pytest.approx(usage["verify_s"], rel=1e-6)
+            # The worker times the proposer's calls inside the engine's own timing of them.
+            draft_s = delta(after, before, "nalar_spec_draft_seconds_total", worker=served)
+            assert 0 < draft_s <= usage["draft_s"] + 1e-6
+            assert delta(after, before, "nalar_spec_draft_calls_total", worker=served) > 0
+            for other in workers_in(after) - {served}:
+                assert delta(after, before, "nalar_spec_proposed_tokens_total",
+                             worker=other) == 0
+                assert delta(after, before, "nalar_decode_tokens_total", worker=other) == 0
+            assert value(after, "nalar_metrics_workers_skipped") == 0
