@@ -23,6 +23,8 @@ from benchmarks import (  # noqa: E402
     interference,
     kernel_choices,
     prefill,
+    spec_paper_check,
+    speculative,
     step_profile,
     throughput,
 )
@@ -195,3 +197,86 @@ def test_kernel_choices_quick(tmp_path):
     assert all(row["plain_ms"] > 0 and row["prepacked_ms"] > 0 and row["bit_identical"]
                for row in result["linear"].values())
     assert result["flash"]["tokens"] == 64
+
+
+def test_stdlib_functions_are_real_functions_of_15_to_60_lines():
+    functions = speculative.stdlib_functions(6)
+    assert functions == speculative.stdlib_functions(6)
+    assert len({name for name, _ in functions}) == 6
+    assert len({name.split(".")[0] for name, _ in functions}) == 6  # modules taken in turn
+    for name, source in functions:
+        assert 15 <= source.count("\n") <= 60, name
+        assert source.startswith("def "), name
+        compile(source, name, "exec")
+
+
+def test_speculative_quick(tmp_path):
+    result = run_main(speculative, tmp_path, "--dtype", "float32")
+    rows = result["rows"]
+    engines = ["engine_off", "engine_ngram_adaptive", "engine_ngram_k4"]
+    assert list(rows["batch_1"]) == [*engines, "hf_plain", "hf_prompt_lookup"]
+    assert list(rows["concurrent_2"]) == engines
+    assert list(rows["general_chat"]) == engines[:2]
+    for section in ("batch_1", "concurrent_2"):
+        tokens = {row["output_tokens"] for row in rows[section].values()}
+        assert len(tokens) == 1 and 0 < tokens.pop() <= 2 * 12, section  # greedy: same length
+        assert all(row["decode_tokens_per_s"] > 0 for row in rows[section].values())
+    assert rows["batch_1"]["engine_off"]["speedup_vs_engine_off"] == 1.0
+    assert rows["batch_1"]["engine_off"]["spec"] is None
+    fixed = rows["batch_1"]["engine_ngram_k4"]["spec"]
+    assert fixed["requests"] == 2 and set(fixed["k_decisions"]) <= {0, 1, 2, 3, 4}
+    assert fixed["accepted_tokens"] <= fixed["proposed_tokens"]
+    # fp32: speculation never changes greedy output; nor does transformers' prompt lookup here
+    for name, check in result["greedy_equality"].items():
+        assert check["identical"] == check["prompts"] and check["parted"] == [], name
+    assert all(result["deterministic_repeats"].values())
+    assert [g["goal"] for g in result["goals"]] == [">= 2.0", ">= 2.0", ">= 1.3", ">= 1.3",
+                                                    ">= 0.95", ">= 1.0"]
+    assert result["goals"][-1]["met"] is True
+    assert "token_ids" not in json.dumps(result)
+
+
+def test_speculative_compare_reports_where_outputs_part():
+    check = speculative.compare([[1, 2, 3], [4, 5]], [[1, 2, 9], [4, 5]], [[0], [0]],
+                                ["a", "b"])
+    assert check["identical"] == 1
+    assert check["parted"] == [{"prompt": "a", "position": 2, "tokens": [[3], [9]],
+                                "lengths": [3, 3]}]
+    assert speculative.compare([[1, 2]], [[1, 2, 3]], [[0]], ["c"])["parted"][0][
+        "position"] == 2
+
+
+def test_paper_formula_and_controlled_proposer():
+    from workers.spec.proposer import ProposalRequest
+    assert spec_paper_check.predicted_speedup(0.0, 4, 0.0) == 1.0
+    assert spec_paper_check.predicted_speedup(1.0, 4, 0.0) == 5.0
+    assert spec_paper_check.predicted_speedup(0.5, 2, 0.25) == pytest.approx(1.75 / 1.5)
+    proposer = spec_paper_check.ControlledProposer(vocab_size=100)
+    proposer.truth = {"r": [7, 8, 9, 10, 11]}
+    ask = ProposalRequest("r", [1, 2, 7, 8], num_prompt_tokens=2, k=3)
+    proposer.reset(1.0, 0.0, seed=0)
+    assert proposer.propose([ask]) == [[9, 10, 11]]
+    proposer.reset(0.0, 0.0, seed=0)
+    assert all(t != s for t, s in zip(proposer.propose([ask])[0], [9, 10, 11], strict=True))
+    proposer.reset(0.6, 0.0, seed=1)
+    kept = sum(t == s for _ in range(500)
+               for t, s in zip(proposer.propose([ask])[0], [9, 10, 11], strict=True))
+    assert 0.5 < kept / 1500 < 0.7
+    assert proposer.calls[-1][0] == 3
+
+
+def test_spec_paper_check_quick(tmp_path):
+    result = run_main(spec_paper_check, tmp_path, "--dtype", "float32")
+    rows = result["rows"]
+    assert [(r["alpha_set"], r["gamma"], r["c_set"]) for r in rows] == [
+        (0.5, 1, 0.0), (0.5, 3, 0.0), (0.9, 1, 0.0), (0.9, 3, 0.0), (0.9, 3, 0.5)]
+    assert result["plain"]["outputs_identical_to_reference"]
+    for row in rows:
+        assert 0 <= row["alpha_measured"] <= 1 and row["reached_positions"] > 0
+        assert 1 <= row["tokens_per_step_measured"] <= row["gamma"] + 1
+        assert row["speedup_measured"] > 0 and row["predicted_c_total"] > 0
+    assert rows[-1]["c_draft"] > 0.3  # the proposer sleeps half a plain step per draft token
+    assert rows[0]["c_draft"] < 0.3
+    if result["png"] is not None:
+        assert Path(result["png"]).stat().st_size > 0
+    assert len(result["goals"]) == 2
