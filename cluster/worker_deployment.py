@@ -14,11 +14,8 @@ from cluster.config import INDEX_ACTOR_NAMESPACE, ClusterConfig
 from cluster.event_publisher import EventPublisher
 from router.index import make_index
 from workers.async_engine import AsyncEngine
-from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.request import GenerationChunk, GenerationRequest
-from workers.spec.build import build_proposer
-from workers.spec.proposer import ProposalRequest, Proposer
 from workers.spec.remote import RemoteProposer
 
 log = logging.getLogger(__name__)
@@ -27,35 +24,6 @@ log = logging.getLogger(__name__)
 def replica_worker_id() -> str:
     """The id the router knows this replica by (Ray Serve gives a replacement a new one)."""
     return serve.get_replica_context().replica_id.unique_id
-
-
-class DraftTimer:
-    """A proposer that also sums the seconds its batched calls take (the engine's
-    ``draft_s`` is kept per request only; this is the worker's total for ``/metrics``).
-
-    Args:
-        proposer: the proposer the engine calls (in process or a remote client).
-
-    Attributes:
-        seconds: total seconds spent in ``propose`` (failed calls included).
-    """
-
-    def __init__(self, proposer: Proposer):
-        self.proposer = proposer
-        self.name = proposer.name
-        self.seconds = 0.0
-
-    def propose(self, requests: list[ProposalRequest]) -> list[list[int]]:
-        """The wrapped proposer's drafts, timed."""
-        started = time.perf_counter()
-        try:
-            return self.proposer.propose(requests)
-        finally:
-            self.seconds += time.perf_counter() - started
-
-    def finish(self, request_ids: list[str]) -> None:
-        """Passed through."""
-        self.proposer.finish(request_ids)
 
 
 class NalarWorker:
@@ -76,8 +44,7 @@ class NalarWorker:
         if draft is not None:
             self.proposer = RemoteProposer(draft, config.draft_deadline_s,
                                            name=f"remote-{config.speculative}")
-        self.draft_timer = self._timed_proposer(engine_config, self.proposer)
-        self.engine = LLMEngine(engine_config, proposer=self.draft_timer)
+        self.engine = LLMEngine(engine_config, proposer=self.proposer)
         self.identity = self.engine.identity
         index = make_index(config.redis_url, config.key_prefix, config.worker_ttl_s,
                            config.index_actor_name, actor_namespace=INDEX_ACTOR_NAMESPACE)
@@ -89,20 +56,6 @@ class NalarWorker:
         log.info("worker %s ready in %.1f s: %d KV blocks of %d tokens, dtype %s", self.worker_id,
                  self.startup_s, self.engine.pool.num_blocks, config.block_size,
                  self.engine.loaded.dtype)
-
-    @staticmethod
-    def _timed_proposer(config: EngineConfig, remote: RemoteProposer | None) -> DraftTimer | None:
-        """The engine's proposer, timed: the remote client, else the in-process proposer the
-        engine would build itself (``None``: speculation off, or a ``model`` draft, which
-        needs the engine's loaded target and is built by the engine, untimed)."""
-        spec = config.speculative
-        if not spec.enabled:
-            return None
-        if remote is not None:
-            return DraftTimer(remote)
-        if spec.method == "model":
-            return None
-        return DraftTimer(build_proposer(spec))
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Stream the request's chunks, each stamped with this worker's id.
@@ -195,7 +148,7 @@ class NalarWorker:
         """The engine's speculative totals (a snapshot: lists and dicts copied)."""
         spec = self.engine.counters.spec
         return {
-            "method": self.draft_timer.name if self.draft_timer else None,
+            "method": self.engine.proposer.name if self.engine.proposer else None,
             "proposed_tokens": spec.proposed_tokens,
             "accepted_tokens": spec.accepted_tokens,
             "rejected_tokens": spec.rejected_tokens,
@@ -203,7 +156,7 @@ class NalarWorker:
             "accepted_by_position": list(spec.accepted_by_position),
             "proposed_by_position": list(spec.proposed_by_position),
             "k_decisions": dict(spec.k_decisions),
-            "draft_s": self.draft_timer.seconds if self.draft_timer else 0.0,
+            "draft_s": spec.draft_s,
             "verify_s": spec.verify_s,
             "draft_calls": self.engine.counters.draft_calls,
         }

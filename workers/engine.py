@@ -252,6 +252,7 @@ class LLMEngine:
         elapsed = time.perf_counter() - started
         self.draft_length.observe_draft(elapsed)
         self.counters.draft_calls += 1
+        self.counters.spec.draft_s += elapsed
         drafted = []
         for (seq, ask), tokens in zip(asks, proposals, strict=True):
             seq.spec.draft_s += elapsed / len(asks)

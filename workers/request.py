@@ -191,7 +191,8 @@ class SpecUsage:
         proposed_by_position: ``[k_max]``: how often a draft token at position i was verified.
         k_decisions: chosen draft length -> steps (0 = did not speculate that step).
         draft_s: time spent proposing for this request (its share of batched calls).
-        verify_s: time of the verification steps it was in (its share of the batch).
+        verify_s: wall time of the verification steps it was in (each such step counts
+            whole for every sequence it verified: the latency the request saw).
     """
 
     proposed_tokens: int = 0

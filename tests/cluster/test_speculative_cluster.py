@@ -39,7 +39,9 @@ def requests() -> list[ProposalRequest]:
 
 
 @pytest.fixture(scope="module")
-def draft_handle(ray_session):
+def draft_handle(cluster):
+    """Draft replicas beside the session's cluster (which starts Serve and its HTTP proxy on
+    the cluster's port; a ``serve.run`` before it would start the proxy on the default)."""
     config = ClusterConfig(speculative="ngram", speculative_remote=True, ngram_min=1,
                            ngram_max=3, draft_cpus=0.1)
     serve.run(draft_app(config), name=APP, route_prefix=None)
@@ -94,8 +96,9 @@ def test_killed_replica_means_no_drafts_then_recovery(draft_handle):
 
 
 @pytest.fixture(scope="module")
-def remote_worker(ray_session):
-    """One worker whose engine drafts through a RemoteProposer on one ngram draft replica."""
+def remote_worker(cluster):
+    """One worker whose engine drafts through a RemoteProposer on one ngram draft replica
+    (beside the session's cluster, as :func:`draft_handle`)."""
     config = ClusterConfig(num_workers=1, redis_url=None, dtype="float32", kv_cache_mib=16,
                            worker_cpus=0.25, worker_threads=1, speculative="ngram",
                            speculative_remote=True, draft_deadline_s=2.0,
@@ -173,7 +176,7 @@ def test_app_binds_draft_replicas_only_when_remote():
     remote = ClusterConfig(speculative="suffix", worker_gpus=0)
     local = ClusterConfig(speculative="ngram", worker_gpus=0)
     graph = deployments(remote)
-    assert graph[DRAFT_DEPLOYMENT] == (remote.speculative_config(),)
+    assert graph[DRAFT_DEPLOYMENT] == (remote.speculative_config(), remote.engine_config())
     assert graph[WORKER_DEPLOYMENT][1]._bound_deployment.name == DRAFT_DEPLOYMENT
     graph = deployments(local)
     assert DRAFT_DEPLOYMENT not in graph and len(graph[WORKER_DEPLOYMENT]) == 1
