@@ -10,14 +10,15 @@ from workers.spec.controller import DraftLengthController, StepCostModel
 
 
 def usage_with(acceptance: list[float], trials: int = 1000) -> SpecUsage:
-    """Per-position counts giving conditional acceptance ``acceptance[i]`` at position i."""
+    """The engine's per-position counts after ``trials`` verifications of
+    ``len(acceptance)`` drafts each, with conditional acceptance ``acceptance[i]`` at position
+    i: every position is verified each time; a draft is committed only after all before it."""
     usage = SpecUsage()
-    reached = trials
+    survival = 1.0
     for alpha in acceptance:
-        usage.proposed_by_position.append(reached)
-        accepted = round(reached * alpha)
-        usage.accepted_by_position.append(accepted)
-        reached = accepted
+        survival *= alpha
+        usage.proposed_by_position.append(trials)
+        usage.accepted_by_position.append(round(trials * survival))
     return usage
 
 
@@ -82,6 +83,18 @@ def test_an_off_request_probes_again_with_growing_intervals():
     assert choices == [0, 0, 0, 4, 0, 0, 0, 0, 0, 0, 4, 0, 0, 0]
     controller.forget("a")
     assert [controller.choose("a", usage, 1, 1) for _ in range(4)] == [0, 0, 0, 4]
+
+
+def test_measured_engine_counts_give_the_committed_length():
+    """Regression: the engine's counts are already survivals; multiplying them again made
+    E(k) collapse and the controller draft 1 token where 4 paid (copy-heavy prompts)."""
+    controller = trained(step_s=0.09, per_row_s=0.004)
+    usage = SpecUsage(proposed_by_position=[354, 354, 354, 354],
+                      accepted_by_position=[265, 227, 201, 177])  # a k=4 run, 0.75 first
+    assert controller.expected_tokens(usage, 4) == pytest.approx(
+        1 + (265 + 1) / 356 + (227 + .75) / 356 + (201 + .64) / 356 + (177 + .57) / 356,
+        abs=1e-2)
+    assert controller.choose("a", usage, 1, 1) == 4
 
 
 def test_not_adaptive_or_unmeasured_always_drafts_k_max():

@@ -5,9 +5,12 @@ query rows in the step, and proposing costs draft time. For a request whose draf
 ``i`` is accepted (given all before it were) with probability ``alpha_i``, one verification
 step commits in expectation
 
-    E(k) = 1 + sum_{i=1..k} prod_{j<=i} alpha_j        tokens
+    E(k) = 1 + sum_{i=1..k} prod_{j<=i} alpha_j  =  1 + sum_{i=1..k} S_i        tokens
 
-(Leviathan et al. 2023, eq. 1, with per-position instead of a single acceptance rate), and
+(Leviathan et al. 2023, eq. 1, with per-position instead of a single acceptance rate). The
+engine counts, per position, how often a draft there was verified and how often it was
+committed; a draft is committed only when every draft before it was, so that ratio estimates
+the survival ``S_i = prod_{j<=i} alpha_j`` directly. One verification
 takes ``t_step + k * t_row + t_draft`` seconds, where ``t_step`` is the step time without this
 request's drafts, ``t_row`` the measured marginal cost of one more query row and ``t_draft`` the
 request's share of the draft call. The controller picks ``k`` in ``[0, k_max]`` maximising
@@ -26,7 +29,8 @@ from workers.request import SpecUsage
 
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_WEIGHT = 2.0
-"""Acceptance prior per position: ``PRIOR_WEIGHT`` pseudo-proposals at ``PRIOR_ACCEPTANCE``."""
+"""Prior of the conditional acceptance per position: ``PRIOR_WEIGHT`` pseudo-verifications
+at ``PRIOR_ACCEPTANCE``."""
 
 COST_DECAY = 0.97
 """Weight of the previous estimate per observed step or draft call (about a 33-step window)."""
@@ -134,11 +138,7 @@ class DraftLengthController:
 
     def expected_tokens(self, usage: SpecUsage, k: int) -> float:
         """E(k): expected committed tokens of a step verifying ``k`` drafts."""
-        expected, survive = 1.0, 1.0
-        for i in range(k):
-            survive *= _acceptance(usage, i)
-            expected += survive
-        return expected
+        return 1.0 + sum(_survival(usage, k))
 
     def _best_k(self, usage: SpecUsage, batch_rows: int, num_speculating: int) -> int:
         base = self.steps.time(batch_rows)
@@ -152,10 +152,20 @@ class DraftLengthController:
         return best_k
 
 
-def _acceptance(usage: SpecUsage, position: int) -> float:
-    """Smoothed P(draft at ``position`` accepted | all before it accepted)."""
-    proposed = accepted = 0
-    if position < len(usage.proposed_by_position):
-        proposed = usage.proposed_by_position[position]
-        accepted = usage.accepted_by_position[position]
-    return (accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (proposed + PRIOR_WEIGHT)
+def _survival(usage: SpecUsage, k: int) -> list[float]:
+    """Smoothed ``S_i`` for positions ``0 .. k-1``: P(the draft at position i is committed).
+
+    Each position's prior is the previous position's estimate times
+    :data:`PRIOR_ACCEPTANCE`, weighted :data:`PRIOR_WEIGHT` pseudo-verifications, so an
+    unmeasured position is expected to do a little worse than the one before it; estimates
+    never increase with the position (a later draft cannot be committed more often).
+    """
+    survival, previous = [], 1.0
+    for i in range(k):
+        proposed = accepted = 0
+        if i < len(usage.proposed_by_position):
+            proposed, accepted = usage.proposed_by_position[i], usage.accepted_by_position[i]
+        prior = previous * PRIOR_ACCEPTANCE
+        previous = min(previous, (accepted + prior * PRIOR_WEIGHT) / (proposed + PRIOR_WEIGHT))
+        survival.append(previous)
+    return survival
