@@ -1,7 +1,8 @@
 """The measurements behind the engine's kernel choices, on SmolLM2-135M's shapes.
 
-1. Linear layers: ``F.linear`` against weights prepacked once for oneDNN
-   (``workers.models.linear``), per row count: where prepacking pays, and where it stops.
+1. Linear layers in the run's dtype (``--dtype``; ``auto`` is bf16 where native, else fp32):
+   ``F.linear`` against weights prepacked once for oneDNN (``workers.models.linear``), per row
+   count: where prepacking pays, where it stops, and how far the results differ.
 2. Causal flash attention of one prompt on strided head views (as they come out of the fused
    qkv projection) against contiguous head-major copies: whether copying first pays (it did
    not, measured: ``workers.paged_attention`` attends to the views).
@@ -16,6 +17,8 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from workers.model_loader import parse_dtype
+
 try:
     from benchmarks import common
 except ImportError:  # run as a script: benchmarks/ is on sys.path, the repo root is not
@@ -26,23 +29,27 @@ LINEAR_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "do
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 
 
-def linear_rows(rows: list[int], repeats: int) -> dict:
-    """Milliseconds per matmul, plain and prepacked, for each shape and row count."""
+def linear_rows(rows: list[int], repeats: int, dtype: torch.dtype) -> dict:
+    """Milliseconds per matmul, plain and prepacked, for each shape and row count, and the
+    largest relative difference between the two results."""
     results = {}
     for name, (out_features, in_features) in LINEAR_SHAPES.items():
-        weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
+        weight = torch.randn(out_features, in_features, dtype=dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         for count in rows:
-            x = torch.randn(count, in_features, dtype=torch.bfloat16)
+            x = torch.randn(count, in_features, dtype=dtype)
             plain = common.median_time(lambda x=x, w=weight: F.linear(x, w), repeats)
             fast = common.median_time(
                 lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none",
                                                                          [], ""), repeats)
-            identical = torch.equal(
-                F.linear(x, weight),
-                torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+            reference = F.linear(x, weight).float()
+            packed_out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+            difference = float(((packed_out.float() - reference).abs()
+                                / reference.abs().clamp_min(1e-3)).max())
             results[f"{name}/{count}"] = {"plain_ms": plain * 1e3, "prepacked_ms": fast * 1e3,
-                                          "speedup": plain / fast, "bit_identical": identical}
+                                          "speedup": plain / fast,
+                                          "bit_identical": difference == 0.0,
+                                          "max_relative_difference": difference}
             common.log(f"{name} {count} rows: plain {plain * 1e3:.3f} ms, "
                        f"prepacked {fast * 1e3:.3f} ms")
     return results
@@ -74,9 +81,10 @@ def main(argv: list[str] | None = None) -> dict:
     rows = [1, 8, 300] if args.quick else [int(r) for r in args.rows.split(",")]
     tokens, repeats = (64, 2) if args.quick else (args.flash_tokens, args.repeats)
     threads = common.set_threads(args.threads)
-    result = {"benchmark": "kernel_choices", "machine": common.machine_info(torch.bfloat16),
-              "threads": threads, "quick": args.quick,
-              "linear": linear_rows(rows, repeats), "flash": flash_layouts(tokens, repeats)}
+    dtype = parse_dtype(args.dtype, torch.device("cpu"))
+    result = {"benchmark": "kernel_choices", "machine": common.machine_info(dtype),
+              "threads": threads, "quick": args.quick, "dtype": str(dtype),
+              "linear": linear_rows(rows, repeats, dtype), "flash": flash_layouts(tokens, repeats)}
     common.write_json(result, args.out)
     return result
 

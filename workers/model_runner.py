@@ -14,6 +14,7 @@ from transformers import PreTrainedModel
 
 from workers.kv_cache import PagedKVCache
 from workers.models import compact_model_for
+from workers.models.linear import linear_kernel
 from workers.paged_attention import ATTN_IMPLEMENTATION, AttentionMetadata, build_metadata
 from workers.scheduler import ScheduledBatch
 
@@ -28,6 +29,8 @@ class ModelRunner:
 
     Attributes:
         implementation: ``"compact"`` or ``"transformers"``, the path this model runs on.
+        linear_kernel: the small-batch matmul kernel of the compact path (``aten`` on the
+            transformers path); see ``workers.models.linear``.
     """
 
     def __init__(self, model: PreTrainedModel, kv_cache: PagedKVCache):
@@ -36,6 +39,8 @@ class ModelRunner:
         self.device = model.device
         self._compact = compact_model_for(model)
         self.implementation = "compact" if self._compact is not None else "transformers"
+        self.linear_kernel = (linear_kernel(model.dtype, model.device)
+                              if self._compact is not None else "aten")
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
     @torch.inference_mode()

@@ -4,9 +4,15 @@ On a CPU, ``F.linear`` in bf16 goes through oneDNN, which re-lays the weight out
 AVX512-BF16/AMX kernels on every call. At decode batch sizes that repacking costs about as much
 as the product itself: prepacking once (what torch's Inductor does when it freezes weights)
 measured 1.3-2.3x faster per matmul on SmolLM2's shapes at 1-16 rows (two runs), bit-identical.
-From 512 rows on it is as often slower (``benchmarks/kernel_choices.py``), so prefills keep the
-plain kernel. fp32 and GPU matmuls are left to ``F.linear``: oneDNN's fp32 kernels round
-differently from MKL's, and the fp32 path is the one held to exact equality with transformers.
+
+In fp32, ``F.linear`` goes to MKL, whose small-row GEMMs were measured very slow on an AVX2-only
+AMD EPYC (2 threads, SmolLM2's gate/up shape: 8.6 ms at 5 rows against 1.3 ms at 1 row), which
+made every extra decode or verification row cost almost a whole step; oneDNN on a prepacked
+weight took 1.2 ms at 5 rows (``benchmarks/kernel_choices.py --dtype float32``). Its rounding
+differs from MKL's (≈1e-6 relative), so the choice is part of the cache identity's numerics
+(:func:`linear_kernel`).
+
+From :data:`PREPACKED_MAX_ROWS` rows on, prefills keep the plain kernel.
 """
 
 from __future__ import annotations
@@ -18,10 +24,18 @@ PREPACKED_MAX_ROWS = 256
 """Matmuls with fewer rows than this use the prepacked weight (measured crossover)."""
 
 
-def _prepacking_pays(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+def _prepacking_pays(dtype: torch.dtype, device: torch.device) -> bool:
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def linear_kernel(dtype: torch.dtype, device: torch.device) -> str:
+    """The kernel :class:`Linear` uses below :data:`PREPACKED_MAX_ROWS` rows for weights of
+    ``dtype`` on ``device``: ``onednn-prepacked`` or ``aten`` (``F.linear``)."""
+    return "onednn-prepacked" if _prepacking_pays(dtype, device) else "aten"
 
 
 class Linear:
@@ -38,7 +52,7 @@ class Linear:
         self.weight = weight
         self.bias = bias
         self.packed = None
-        if _prepacking_pays(weight):
+        if _prepacking_pays(weight.dtype, weight.device):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
