@@ -279,4 +279,4 @@ def test_spec_paper_check_quick(tmp_path):
     assert rows[0]["c_draft"] < 0.3
     if result["png"] is not None:
         assert Path(result["png"]).stat().st_size > 0
-    assert len(result["goals"]) == 2
+    assert len(result["goals"]) == 3
