@@ -5,12 +5,12 @@ AVX512-BF16/AMX kernels on every call. At decode batch sizes that repacking cost
 as the product itself: prepacking once (what torch's Inductor does when it freezes weights)
 measured 1.3-2.3x faster per matmul on SmolLM2's shapes at 1-16 rows (two runs), bit-identical.
 
-In fp32, ``F.linear`` goes to MKL, whose small-row GEMMs were measured very slow on an AVX2-only
-AMD EPYC (2 threads, SmolLM2's gate/up shape: 8.6 ms at 5 rows against 1.3 ms at 1 row), which
-made every extra decode or verification row cost almost a whole step; oneDNN on a prepacked
-weight took 1.2 ms at 5 rows (``benchmarks/kernel_choices.py --dtype float32``). Its rounding
-differs from MKL's (≈1e-6 relative), so the choice is part of the cache identity's numerics
-(:func:`linear_kernel`).
+In fp32, ``F.linear`` goes to MKL, whose small-row GEMMs are slow on an AVX2-only AMD EPYC
+(2 threads, SmolLM2's gate/up shape: 1.46 ms at 5 rows against 0.43 ms at 1 row; oneDNN on a
+prepacked weight: 0.47 ms at 5 rows, ``benchmarks/kernel_choices.py --dtype float32``). With
+MKL, a SmolLM2 step verifying 4 draft tokens took 178 ms against 81 ms for a plain decode;
+with prepacked weights, 98 ms. Rounding differs from MKL's (≈1e-6 relative), so the choice is
+part of the cache identity's numerics (:func:`linear_kernel`).
 
 From :data:`PREPACKED_MAX_ROWS` rows on, prefills keep the plain kernel.
 """
