@@ -203,9 +203,12 @@ def test_finish_reasons(tiny_qwen, make_engine):
 
 def test_held_siblings_do_not_block_unrelated_requests(tiny_qwen, make_engine):
     engine = make_engine(tiny_qwen, num_blocks=32)
-    engine.add_request(GenerationRequest("n", PROMPT, SamplingParams(n=3, max_tokens=2)))
+    # ignore_eos: a request that sampled EOS at its first token would leave the second step
+    # (unseeded sampling draws from OS entropy: the test failed so, once in CI)
+    engine.add_request(GenerationRequest("n", PROMPT, SamplingParams(n=3, max_tokens=2,
+                                                                     ignore_eos=True)))
     engine.add_request(GenerationRequest("other", list(range(500, 520)),
-                                         SamplingParams(max_tokens=2)))
+                                         SamplingParams(max_tokens=2, ignore_eos=True)))
     engine.step()
     # The first choice and the unrelated request prefill together; the siblings wait one
     # step for the prompt's blocks, then join as cache hits.
