@@ -5,9 +5,9 @@ Synchronous core; ``workers.async_engine`` runs it in a thread and streams its o
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -257,7 +257,9 @@ class LLMEngine:
         drafted = []
         for (seq, ask), tokens in zip(asks, proposals, strict=True):
             seq.spec.draft_s += elapsed / len(asks)
-            seq.spec_token_ids = [int(t) for t in tokens[:ask.k] if 0 <= t < self.vocab_size]
+            # a draft is a prefix: an id outside the vocabulary ends it
+            seq.spec_token_ids = list(itertools.takewhile(
+                lambda t: 0 <= t < self.vocab_size, map(int, tokens[:ask.k])))
             if seq.spec_token_ids:
                 drafted.append(seq)
         return drafted
@@ -279,8 +281,7 @@ class LLMEngine:
         offsets = [0]
         for n in num_logits:
             offsets.append(offsets[-1] + n)
-        plain = [i for i, (seq, n) in enumerate(zip(batch.seqs, num_logits, strict=True))
-                 if n == 1 and not seq.spec_token_ids]
+        plain = [i for i, n in enumerate(num_logits) if n == 1]  # verifications have n > 1
         chunks = []
         if plain:
             rows = [self._sampling_row(batch.seqs[i]) for i in plain]
@@ -303,9 +304,8 @@ class LLMEngine:
         drafts = seq.spec_token_ids
         committed = verify_drafts(logits, drafts, self._sampling_row(seq), self._generator)
         accepted = len(committed) - 1
-        computed_before = seq.num_computed_tokens
-        chunk = self._append(seq, committed, computed=lambda kept: 1 + min(accepted, kept))
-        kept_drafts = min(accepted, seq.num_tokens - computed_before - 1)
+        chunk = self._append(seq, committed, accepted_drafts=accepted)
+        kept_drafts = min(accepted, len(chunk.token_ids))
         self._count_verification(seq.spec, len(drafts), kept_drafts, step_s)
         self._count_verification(self.counters.spec, len(drafts), kept_drafts, step_s)
         return chunk
@@ -367,7 +367,7 @@ class LLMEngine:
         return chunks
 
     def _append(self, seq: Sequence, sampled: list[SampledToken],
-                computed: Callable[[int], int] | None = None) -> GenerationChunk:
+                accepted_drafts: int | None = None) -> GenerationChunk:
         """Commits sampled tokens in order until one ends the sequence, as OpenAI defines
         ``finish_reason``: "stop" when it is EOS / a stop token or completes a stop string (even
         on the ``max_tokens``-th token), else "length" at ``max_tokens`` or the context limit.
@@ -376,8 +376,9 @@ class LLMEngine:
         Args:
             seq: the sequence.
             sampled: its new tokens (one, or a verification's accepted drafts and last token).
-            computed: for a verification step, maps the number of tokens kept to how many of
-                the step's computed positions hold committed tokens; they are committed to the
+            accepted_drafts: for a verification step, how many of ``sampled`` are accepted
+                drafts (the rest is the corrected or bonus token). The computed positions that
+                hold kept tokens (the pending token and the kept drafts) are committed to the
                 block table before the sequence can finish (and free its blocks).
         """
         sampling = seq.sampling
@@ -401,8 +402,8 @@ class LLMEngine:
                 seq.finish("length")
             if seq.is_finished:
                 break
-        if computed is not None:
-            self.block_manager.commit(seq, computed(len(tokens)))
+        if accepted_drafts is not None:
+            self.block_manager.commit(seq, 1 + min(accepted_drafts, len(tokens)))
             self.block_manager.trim(seq)
         text = "".join(texts)
         if seq.is_finished:

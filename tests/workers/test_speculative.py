@@ -247,3 +247,20 @@ def test_s9_rejected_state_is_gone(tiny_qwen, make_engine, plain):
         temperature=0.0, max_tokens=1))])
     assert chunks["b"][-1].cached_tokens == 8
     engine.pool.check_invariants()
+
+
+def test_a_draft_ends_at_its_first_id_outside_the_vocabulary(tiny_qwen, make_engine, plain):
+    prompts, references = plain
+    truth = references[tuple(prompts[0])]
+
+    class Broken(OracleProposer):
+        def propose(self, requests):  # the true next token, then an invalid id, then truth
+            return [[truth[len(r.token_ids) - r.num_prompt_tokens], 10**6,
+                     truth[len(r.token_ids) - r.num_prompt_tokens + 1]] for r in requests]
+
+    engine = make_engine(tiny_qwen, speculative=spec_config(3), proposer=Broken({}))
+    assert run(engine, [prompts[0]], temperature=0.0, max_tokens=6, ignore_eos=True) == [
+        truth[:6]]
+    spec = engine.counters.spec
+    assert spec.proposed_by_position == [spec.verification_steps]  # only the valid prefix
+    assert spec.accepted_tokens == spec.proposed_tokens > 0
