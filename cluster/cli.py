@@ -45,6 +45,10 @@ def _serve_parser(commands) -> None:
     serve_cmd.add_argument("--gpus-per-worker", type=float, default=None, dest="worker_gpus",
                            help="GPUs each worker replica asks Ray for (default: 1 when CUDA "
                                 "is available, else 0)")
+    serve_cmd.add_argument("--routing", choices=["prefix", "round-robin", "power-of-two"],
+                           default=None,
+                           help="request routing: longest cached prefix weighed against load "
+                                "(prefix, the default), round-robin, or power-of-two choices")
     serve_cmd.add_argument("--worker-threads", type=int, default=None,
                            help="torch threads per worker (default: cores / --workers)")
     _speculative_flags(serve_cmd)
@@ -187,16 +191,23 @@ def chat_command(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``nalar`` command line: ``serve`` and ``chat``."""
+    """The ``nalar`` command line: ``serve``, ``chat`` and ``bench``."""
+    from bench.cli import add_bench_parser
+
     parser = argparse.ArgumentParser(prog="nalar", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     _serve_parser(commands)
     _chat_parser(commands)
+    add_bench_parser(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        from bench.cli import bench_command
+
+        return bench_command(args)
     return serve_command(args) if args.command == "serve" else chat_command(args)
 
 

@@ -35,6 +35,10 @@ class ClusterConfig(BaseModel):
     ``draft_replicas`` of ``draft_cpus`` CPUs each; a draft call slower than
     ``draft_deadline_s`` gives no proposals for that step.
 
+    ``routing`` is the request-routing policy: ``prefix`` (longest cached prefix weighed
+    against load, the default), ``round-robin`` or ``power-of-two`` (the less loaded of two
+    random workers), the latter two as baselines to compare against.
+
     Raises:
         pydantic.ValidationError: a field out of range, or ``ngram_min > ngram_max``.
     """
@@ -62,6 +66,7 @@ class ClusterConfig(BaseModel):
     worker_threads: int | None = Field(None, ge=1)
     worker_max_ongoing_requests: int = Field(128, ge=1)
     worker_max_queued_requests: int = Field(256, ge=1)
+    routing: Literal["prefix", "round-robin", "power-of-two"] = "prefix"
     routing_stats_period_s: float = Field(0.5, gt=0)
     worker_ttl_s: float = Field(30.0, gt=0)
     namespace_secret: str = Field(
