@@ -11,7 +11,7 @@ from cluster.config import INDEX_ACTOR_NAMESPACE, ClusterConfig
 from cluster.draft_deployment import DRAFT_DEPLOYMENT, DraftProposer
 from cluster.ingress_deployment import NalarIngress
 from cluster.worker_deployment import NalarWorker
-from router.request_router import PrefixAwareRequestRouter
+from router.routing.ray_router import PrefixAwareRequestRouter
 
 APP_NAME = "nalar"
 WORKER_DEPLOYMENT = "NalarWorker"

@@ -20,16 +20,11 @@ import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve.request_router import PendingRequest, ReplicaID
 
-from router.request_router import (
-    PrefixAwareRequestRouter,
-    PrefixScorer,
-    ReplicaView,
-    SentLedger,
-    _Sent,
-    parse_request_tokens,
-    parse_routing_stats,
-    routing_input,
-)
+from router.routing.ledger import SentLedger, _Sent
+from router.routing.policies import PrefixScorer, ReplicaView
+from router.routing.ray_router import PrefixAwareRequestRouter
+from router.routing.replica_stats import parse_request_tokens, parse_routing_stats
+from router.routing.request_input import routing_input
 from workers.request import GenerationRequest, SamplingParams
 
 BLOCK = 16
@@ -443,7 +438,7 @@ async def test_r7_index_failure_falls_back_logs_once_and_recovers(caplog):
     router = make_router(index, clock, index_retry_s=1.0)
     replicas = [FakeReplica(w) for w in "abc"]
     index.fail = ConnectionError("redis down")
-    with caplog.at_level(logging.INFO, logger="router.request_router"):
+    with caplog.at_level(logging.INFO, logger="router.routing.ray_router"):
         for _ in range(20):
             pr = pending(gen_request(200))
             worker = await route(router, replicas, pr)

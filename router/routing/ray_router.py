@@ -1,25 +1,8 @@
-"""Prefix-aware request routing for the worker deployment (a Ray Serve ``RequestRouter``).
+"""The Ray Serve glue: :class:`PrefixAwareRequestRouter`, a ``RequestRouter`` that places each
+request with :mod:`router.routing.policies`, reading requests, replica stats and the digest index.
 
-Each request goes to the replica where it costs the least work, counted in tokens:
-
-    score(replica) = prompt tokens the replica would still prefill
-                     (uncached, at least 1: the last token is always recomputed for its logits)
-                   + tokens of work already queued or running there
-
-The cached part comes from the digest index (which replicas hold the longest leading chain of the
-prompt's block digests); the load part from each replica's periodic routing stats plus the work
-this router itself has sent since that report. Weighing a cache hit against load in one unit is
-the cache-aware routing of SGLang's router and the vLLM production-stack router, with load and
-hit length expressed as the tokens they cost, so affinity never outweighs a large load gap.
-
-Equal scores are broken by "least recently chosen" so that equal candidates spread (a plain
-``min`` would pile everything on the first replica; a uniform random pick is too uneven). When
-the index does not answer, or the request cannot be read, the choice falls back to the power of
-two choices on load alone (M. Mitzenmacher, "The Power of Two Choices in Randomized Load
-Balancing", IEEE TPDS 12(10), 2001).
-
-The scoring core (:class:`PrefixScorer`, :class:`SentLedger`, :func:`routing_input`) has no Ray
-dependency; :class:`PrefixAwareRequestRouter` is the Ray glue.
+The scoring core (:mod:`~router.routing.policies`, :mod:`~router.routing.ledger`,
+:mod:`~router.routing.request_input`) has no Ray dependency.
 """
 
 from __future__ import annotations
@@ -27,332 +10,23 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
-import math
 import random
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from workers.identity import DIGEST_SIZE
-from workers.request import DECODE_HORIZON
+from router.routing.checks import is_count
+from router.routing.ledger import SentLedger, _Sent
+from router.routing.policies import DEFAULT_BLOCK_SIZE, PrefixScorer, ReplicaView
+from router.routing.replica_stats import (
+    STATS_MODEL_KEY,
+    parse_request_tokens,
+    parse_routing_stats,
+)
+from router.routing.request_input import RoutingInput, routing_input
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_BLOCK_SIZE = 16
-"""Tokens per KV block, as the workers use by default."""
-
-STATS_QUEUED_TOKENS = "queued_tokens"
-"""Routing-stats key: tokens of work queued or running on the replica (see ``SentLedger``)."""
-
-STATS_REQUESTS = "requests"
-"""Routing-stats key: request id → tokens of work, for every request queued or running."""
-
-STATS_TIME = "time"
-"""Routing-stats key: the replica's ``time.time()`` when it took the snapshot, in seconds."""
-
-STATS_MODEL_KEY = "model_key"
-"""Replica-metadata (or routing-stats) key: the ``CacheIdentity.model_key`` (hex) the replica
-publishes its digests under."""
-
-
-# --------------------------------------------------------------------------------------------
-# Reading a request
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RoutingInput:
-    """What routing needs from one ``GenerationRequest``.
-
-    Attributes:
-        prompt_len: prompt length in tokens (at least 1).
-        digests: the prompt's 32-byte block digests, leading block first (may be empty when the
-            prompt is shorter than one block).
-        decode_tokens: output tokens the request counts for in load: ``sampling.max_tokens``
-            capped at ``workers.request.DECODE_HORIZON``, as the workers count it.
-        request_id: the request's id, as the worker lists it in its routing stats.
-    """
-
-    prompt_len: int
-    digests: list[bytes]
-    decode_tokens: int
-    request_id: str | None = None
-
-
-def routing_input(pending_request: Any) -> RoutingInput | None:
-    """Reads the ``GenerationRequest`` in ``pending_request.args[0]``, defensively.
-
-    Anything this router cannot route on its content (no pending request, no arguments, no
-    non-empty ``token_ids`` list, ``routing_digests`` missing or not a list of 32-byte
-    ``bytes``) yields ``None`` so the caller routes on load alone; the worker, not the router,
-    rejects malformed requests with a 4xx (case R6). Never raises.
-    """
-    args = getattr(pending_request, "args", None)
-    if not isinstance(args, (list, tuple)) or not args:
-        return None
-    request = args[0]
-    token_ids = getattr(request, "token_ids", None)
-    digests = getattr(request, "routing_digests", None)
-    if not isinstance(token_ids, (list, tuple)) or not token_ids:
-        return None
-    if not isinstance(digests, (list, tuple)):
-        return None
-    if not all(isinstance(d, bytes) and len(d) == DIGEST_SIZE for d in digests):
-        return None
-    max_tokens = getattr(getattr(request, "sampling", None), "max_tokens", 0)
-    decode_tokens = min(max_tokens, DECODE_HORIZON) if _is_count(max_tokens) else 0
-    request_id = getattr(request, "request_id", None)
-    return RoutingInput(len(token_ids), list(digests), decode_tokens,
-                        request_id if isinstance(request_id, str) else None)
-
-
-def _is_count(value: Any) -> bool:
-    """True for a finite non-negative int or float (``bool`` excluded)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    return math.isfinite(value) and value >= 0
-
-
-def parse_routing_stats(stats: Any) -> tuple[int, float | None]:
-    """Reads a replica's routing stats: ``(queued tokens, snapshot time in seconds or None)``.
-
-    Missing or malformed values read as 0 queued tokens and no snapshot time. Never raises.
-    """
-    if not isinstance(stats, Mapping):
-        return 0, None
-    queued = stats.get(STATS_QUEUED_TOKENS)
-    taken_at = stats.get(STATS_TIME)
-    queued_tokens = int(queued) if _is_count(queued) else 0
-    snapshot = float(taken_at) if _is_count(taken_at) else None
-    return queued_tokens, snapshot
-
-
-def parse_request_tokens(stats: Any) -> dict[str, int] | None:
-    """The per-request breakdown of ``queued_tokens`` (request id → tokens), if reported.
-
-    Malformed entries are skipped; a missing or malformed breakdown is None. Never raises.
-    """
-    requests = stats.get(STATS_REQUESTS) if isinstance(stats, Mapping) else None
-    if not isinstance(requests, Mapping):
-        return None
-    return {rid: int(tokens) for rid, tokens in requests.items()
-            if isinstance(rid, str) and _is_count(tokens)}
-
-
-# --------------------------------------------------------------------------------------------
-# Scoring core
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ReplicaView:
-    """What the scorer knows about one candidate replica.
-
-    Attributes:
-        worker_id: the replica's id (``ReplicaID.unique_id``).
-        cached_blocks: leading prompt blocks the replica holds per the index, or ``None`` when
-            the index did not answer.
-        load_tokens: tokens of work queued or running there (reported plus sent since).
-    """
-
-    worker_id: str
-    cached_blocks: int | None
-    load_tokens: int
-
-
-class PrefixScorer:
-    """Ranks candidate replicas by the work a request would cost there, in tokens.
-
-    Stateful only in what it needs for spreading: when each worker was last chosen.
-
-    Args:
-        block_size: tokens per KV block (positive).
-        rng: random source for the power-of-two sample and for ordering never-chosen ties;
-            seed it for reproducible tests.
-
-    Raises:
-        ValueError: ``block_size`` is not positive.
-    """
-
-    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, rng: random.Random | None = None):
-        if block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {block_size}")
-        self.block_size = block_size
-        self._rng = rng or random.Random()
-        self._last_chosen: dict[str, int] = {}
-        self._choices = 0
-
-    def uncached_tokens(self, prompt_len: int, cached_blocks: int) -> int:
-        """Prompt tokens still to prefill when ``cached_blocks`` leading blocks are cached.
-
-        At least 1: a fully cached prompt still recomputes its last token to get logits.
-        """
-        return max(1, prompt_len - max(0, cached_blocks) * self.block_size)
-
-    def score(self, view: ReplicaView, prompt_len: int) -> int:
-        """Tokens of work ahead of this request's first output token on that replica."""
-        return self.uncached_tokens(prompt_len, view.cached_blocks or 0) + view.load_tokens
-
-    def rank(self, views: Sequence[ReplicaView], prompt_len: int) -> list[str]:
-        """Worker ids, best first.
-
-        By score when every view has an index answer; by the power of two choices on load when
-        any lacks one (the index did not answer, or the request could not be read).
-
-        Raises:
-            ValueError: ``views`` is empty.
-        """
-        if not views:
-            raise ValueError("no candidate replicas to rank")
-        if any(view.cached_blocks is None for view in views):
-            return self._two_choices(views)
-        return self._sorted(views, lambda view: self.score(view, prompt_len))
-
-    def choose(self, views: Sequence[ReplicaView], prompt_len: int) -> list[str]:
-        """:meth:`rank`, then records the best as just chosen."""
-        ranked = self.rank(views, prompt_len)
-        self.mark_chosen(ranked[0])
-        return ranked
-
-    def mark_chosen(self, worker_id: str) -> None:
-        """Records that a request went to ``worker_id`` now (for least-recently-chosen ties)."""
-        self._choices += 1
-        self._last_chosen[worker_id] = self._choices
-
-    def forget(self, worker_id: str) -> None:
-        """Drops what the scorer remembers of a worker that is gone."""
-        self._last_chosen.pop(worker_id, None)
-
-    def retain(self, worker_ids: set[str]) -> None:
-        """Drops what the scorer remembers of every worker not in ``worker_ids``."""
-        for worker_id in list(self._last_chosen):
-            if worker_id not in worker_ids:
-                del self._last_chosen[worker_id]
-
-    def _sorted(self, views: Sequence[ReplicaView], cost) -> list[str]:
-        # Ties go to the least recently chosen worker; among never-chosen workers the order is
-        # random, so "first in the candidate list" never wins by position.
-        keyed = [
-            (cost(view), self._last_chosen.get(view.worker_id, 0), self._rng.random(), view)
-            for view in views
-        ]
-        keyed.sort(key=lambda item: item[:3])
-        return [item[3].worker_id for item in keyed]
-
-    def _two_choices(self, views: Sequence[ReplicaView]) -> list[str]:
-        # Mitzenmacher's power of two choices: sample two, keep the less loaded. Sampling keeps
-        # several routers with the same stale view from all herding onto one replica.
-        sample = self._rng.sample(list(views), min(2, len(views)))
-        picked = self._sorted(sample, lambda view: view.load_tokens)
-        rest = [view for view in views if view.worker_id not in picked]
-        return picked + self._sorted(rest, lambda view: view.load_tokens)
-
-
-# --------------------------------------------------------------------------------------------
-# Work this router sent and has not yet seen reported
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Sent:
-    """One request this router sent (or is about to send) to a worker."""
-
-    worker_id: str
-    tokens: int
-    sent_at: float
-    plan: RoutingInput | None
-    cached: dict[str, int]
-
-
-class SentLedger:
-    """Tokens of work this router sent to each worker and has not yet seen in its stats.
-
-    A replica's ``queued_tokens`` arrives only every stats period, so without this ledger a
-    burst of requests would all see the same stale load. An entry stops counting once a stats
-    snapshot taken after it was sent arrives (the snapshot already counts it), and leaves the
-    ledger when the request completes or after ``max_age_s`` (a completion signal may be lost).
-
-    Work tokens of one request = prompt tokens the worker still has to prefill + ``max_tokens``;
-    this is the same unit the worker must report as ``queued_tokens`` (summed over its queued
-    and running requests, minus what it already prefilled or generated).
-
-    Args:
-        max_age_s: seconds after which an entry is dropped regardless (positive).
-    """
-
-    def __init__(self, max_age_s: float = 60.0):
-        self.max_age_s = max_age_s
-        self._by_key: dict[str, _Sent] = {}
-        self._by_worker: dict[str, dict[str, _Sent]] = {}
-
-    def __len__(self) -> int:
-        return len(self._by_key)
-
-    def get(self, key: str) -> _Sent | None:
-        """The entry for request ``key``, if any."""
-        return self._by_key.get(key)
-
-    def record(self, key: str, entry: _Sent) -> None:
-        """Adds (or replaces: a retried request is routed again) the entry for ``key``."""
-        self.remove(key)
-        self._by_key[key] = entry
-        self._by_worker.setdefault(entry.worker_id, {})[key] = entry
-
-    def remove(self, key: str, worker_id: str | None = None) -> None:
-        """Drops the entry for ``key``; only if it is on ``worker_id`` when that is given."""
-        entry = self._by_key.get(key)
-        if entry is None or (worker_id is not None and entry.worker_id != worker_id):
-            return
-        del self._by_key[key]
-        on_worker = self._by_worker.get(entry.worker_id, {})
-        on_worker.pop(key, None)
-        if not on_worker:
-            self._by_worker.pop(entry.worker_id, None)
-
-    def outstanding(self, worker_id: str, snapshot_at: float | None,
-                    listed: Mapping[str, int] | None = None) -> int:
-        """Tokens sent to ``worker_id`` that the worker's last snapshot does not count.
-
-        With the snapshot's per-request breakdown (``listed``), an entry counts until the
-        snapshot lists its request: a replica may accept a request well before its engine
-        queues it. Without one, entries sent before ``snapshot_at`` are taken as counted.
-        Entries stay until completion either way, so that the completion can still name the
-        request.
-        """
-        entries = self._by_worker.get(worker_id, {}).values()
-        return sum(entry.tokens for entry in entries
-                   if not _counted_by_snapshot(entry, snapshot_at, listed))
-
-    def expire(self, now: float) -> None:
-        """Drops entries older than ``max_age_s`` seconds at time ``now``."""
-        horizon = now - self.max_age_s
-        for key in [k for k, e in self._by_key.items() if e.sent_at < horizon]:
-            self.remove(key)
-
-    def drop_worker(self, worker_id: str) -> None:
-        """Drops every entry on ``worker_id``."""
-        for key in list(self._by_worker.get(worker_id, {})):
-            self.remove(key)
-
-    def retain(self, worker_ids: set[str]) -> None:
-        """Drops every entry on a worker not in ``worker_ids``."""
-        for worker_id in [w for w in self._by_worker if w not in worker_ids]:
-            self.drop_worker(worker_id)
-
-
-def _counted_by_snapshot(entry: _Sent, snapshot_at: float | None,
-                         listed: Mapping[str, int] | None) -> bool:
-    request_id = entry.plan.request_id if entry.plan is not None else None
-    if listed is not None and request_id:
-        return request_id in listed
-    return snapshot_at is not None and entry.sent_at < snapshot_at
-
-
-# --------------------------------------------------------------------------------------------
-# Ray glue
-# --------------------------------------------------------------------------------------------
 
 
 def worker_id_of(replica_id: Any) -> str:
@@ -640,7 +314,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         return {
             str(wid): min(int(blocks), max_blocks)
             for wid, blocks in answer.items()
-            if _is_count(blocks)
+            if is_count(blocks)
         }
 
     def _on_index_failure(self, exc: BaseException) -> None:

@@ -1,0 +1,104 @@
+"""Work this router sent to each worker and has not yet seen in the worker's stats."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from router.routing.request_input import RoutingInput
+
+
+@dataclass
+class _Sent:
+    """One request this router sent (or is about to send) to a worker."""
+
+    worker_id: str
+    tokens: int
+    sent_at: float
+    plan: RoutingInput | None
+    cached: dict[str, int]
+
+
+class SentLedger:
+    """Tokens of work this router sent to each worker and has not yet seen in its stats.
+
+    A replica's ``queued_tokens`` arrives only every stats period, so without this ledger a
+    burst of requests would all see the same stale load. An entry stops counting once a stats
+    snapshot taken after it was sent arrives (the snapshot already counts it), and leaves the
+    ledger when the request completes or after ``max_age_s`` (a completion signal may be lost).
+
+    Work tokens of one request = prompt tokens the worker still has to prefill + ``max_tokens``;
+    this is the same unit the worker must report as ``queued_tokens`` (summed over its queued
+    and running requests, minus what it already prefilled or generated).
+
+    Args:
+        max_age_s: seconds after which an entry is dropped regardless (positive).
+    """
+
+    def __init__(self, max_age_s: float = 60.0):
+        self.max_age_s = max_age_s
+        self._by_key: dict[str, _Sent] = {}
+        self._by_worker: dict[str, dict[str, _Sent]] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def get(self, key: str) -> _Sent | None:
+        """The entry for request ``key``, if any."""
+        return self._by_key.get(key)
+
+    def record(self, key: str, entry: _Sent) -> None:
+        """Adds (or replaces: a retried request is routed again) the entry for ``key``."""
+        self.remove(key)
+        self._by_key[key] = entry
+        self._by_worker.setdefault(entry.worker_id, {})[key] = entry
+
+    def remove(self, key: str, worker_id: str | None = None) -> None:
+        """Drops the entry for ``key``; only if it is on ``worker_id`` when that is given."""
+        entry = self._by_key.get(key)
+        if entry is None or (worker_id is not None and entry.worker_id != worker_id):
+            return
+        del self._by_key[key]
+        on_worker = self._by_worker.get(entry.worker_id, {})
+        on_worker.pop(key, None)
+        if not on_worker:
+            self._by_worker.pop(entry.worker_id, None)
+
+    def outstanding(self, worker_id: str, snapshot_at: float | None,
+                    listed: Mapping[str, int] | None = None) -> int:
+        """Tokens sent to ``worker_id`` that the worker's last snapshot does not count.
+
+        With the snapshot's per-request breakdown (``listed``), an entry counts until the
+        snapshot lists its request: a replica may accept a request well before its engine
+        queues it. Without one, entries sent before ``snapshot_at`` are taken as counted.
+        Entries stay until completion either way, so that the completion can still name the
+        request.
+        """
+        entries = self._by_worker.get(worker_id, {}).values()
+        return sum(entry.tokens for entry in entries
+                   if not _counted_by_snapshot(entry, snapshot_at, listed))
+
+    def expire(self, now: float) -> None:
+        """Drops entries older than ``max_age_s`` seconds at time ``now``."""
+        horizon = now - self.max_age_s
+        for key in [k for k, e in self._by_key.items() if e.sent_at < horizon]:
+            self.remove(key)
+
+    def drop_worker(self, worker_id: str) -> None:
+        """Drops every entry on ``worker_id``."""
+        for key in list(self._by_worker.get(worker_id, {})):
+            self.remove(key)
+
+    def retain(self, worker_ids: set[str]) -> None:
+        """Drops every entry on a worker not in ``worker_ids``."""
+        for worker_id in [w for w in self._by_worker if w not in worker_ids]:
+            self.drop_worker(worker_id)
+
+
+def _counted_by_snapshot(entry: _Sent, snapshot_at: float | None,
+                         listed: Mapping[str, int] | None) -> bool:
+    request_id = entry.plan.request_id if entry.plan is not None else None
+    if listed is not None and request_id:
+        return request_id in listed
+    return snapshot_at is not None and entry.sent_at < snapshot_at
+
