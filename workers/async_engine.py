@@ -12,6 +12,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    arrived_at: float  # time.monotonic() when the request reached this front door
 
 
 class EngineDeadError(RuntimeError):
@@ -76,7 +78,7 @@ class AsyncEngine:
         """
         self.check_health()
         self.engine.validate(request)  # reads only immutable limits: safe off-thread
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic())
         self._inbox.put(("add", request, stream))
         # The loop fails what it finds in the inbox when it dies; this covers an "add" that
         # arrived after that last drain.
@@ -176,7 +178,8 @@ class AsyncEngine:
     def _apply(self, kind: str, payload, stream: _Stream | None) -> None:
         if kind == "add":
             try:
-                self.engine.add_request(payload)
+                # Stamped before the inbox: time waiting there for a step to end is queue time.
+                self.engine.add_request(payload, arrived_at=stream.arrived_at)
                 self._streams[payload.request_id] = stream
             except Exception as exc:
                 _send(stream, exc)

@@ -31,6 +31,7 @@ from workers.request import (
     SpecUsage,
     TokenLogprob,
 )
+from workers.request_metrics import RequestMetrics
 from workers.sampler import SampledToken, SamplingRow, sample
 from workers.scheduler import ScheduledBatch, Scheduler
 from workers.sequence import Sequence
@@ -121,6 +122,7 @@ class LLMEngine:
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = self._eos_token_ids()
         self.counters = EngineCounters()
+        self.request_metrics = RequestMetrics()
         self._seqs: dict[str, Sequence] = {}
         self._choices: dict[str, list[Sequence]] = {}
         self._held_siblings: dict[str, list[Sequence]] = {}
@@ -163,8 +165,11 @@ class LLMEngine:
         if request.request_id in self._choices:
             raise InvalidRequestError(f"request id {request.request_id!r} is in use", "id")
 
-    def add_request(self, request: GenerationRequest) -> None:
+    def add_request(self, request: GenerationRequest, arrived_at: float | None = None) -> None:
         """Validate and queue a request (raises as :meth:`validate`).
+
+        ``arrived_at`` (:func:`time.monotonic` seconds) is when it reached the engine's front
+        (the async engine's inbox); by default now. Request latencies count from it.
 
         A request with ``n > 1`` becomes ``n`` sibling sequences ``{request_id}#{i}``. The
         first prefills the prompt; the others are held back until its full prompt blocks are
@@ -177,6 +182,7 @@ class LLMEngine:
         choices = []
         for index in range(num_choices):
             seq = Sequence(request, root, self.config.block_size, index)
+            self.request_metrics.arrived(seq, arrived_at)
             if not request.sampling.ignore_eos:
                 seq.stop_token_ids |= self.eos_token_ids
             self._seqs[seq.request_id] = seq
@@ -216,6 +222,7 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             if not batch.seqs:
                 return []
+            self.request_metrics.scheduled(batch.seqs)
             try:
                 return self._run_batch(batch)
             except Exception as exc:
@@ -402,6 +409,7 @@ class LLMEngine:
                 seq.finish("length")
             if seq.is_finished:
                 break
+        self.request_metrics.committed(seq, len(tokens))
         if accepted_drafts is not None:
             self.block_manager.commit(seq, 1 + min(accepted_drafts, len(tokens)))
             self.block_manager.trim(seq)
@@ -412,6 +420,8 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, text: str, tokens: list[int] | None = None,
                 logprobs: list[TokenLogprob] | None = None) -> GenerationChunk:
+        if seq.finish_reason != "abort":
+            self.request_metrics.finished(seq)
         self.scheduler.finish(seq)
         self.draft_length.forget(seq.request_id)
         if self.proposer is not None:

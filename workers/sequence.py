@@ -36,6 +36,10 @@ class Sequence:
         spec_token_ids: draft tokens proposed for the coming step, verified in it; never part
             of ``token_ids`` until verification commits them.
         spec: its speculative decoding counts.
+        arrived_at, scheduled_at, first_token_at, last_token_at, finished_at: monotonic
+            seconds of its arrival at the engine, first scheduled step, first and latest steps
+            that committed output tokens, and finish (None until then); stamped by
+            :class:`~workers.request_metrics.RequestMetrics`.
     """
 
     def __init__(self, request: GenerationRequest, root_digest: bytes, block_size: int,
@@ -61,6 +65,11 @@ class Sequence:
         self._digests: list[bytes] = []
         self.spec_token_ids: list[int] = []
         self.spec = SpecUsage()
+        self.arrived_at = 0.0
+        self.scheduled_at: float | None = None
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.finished_at: float | None = None
         self.generator: torch.Generator | None = None
         if self.sampling.seed is not None:
             self.generator = torch.Generator().manual_seed(self.sampling.seed)
