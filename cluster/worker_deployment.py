@@ -39,6 +39,7 @@ class NalarWorker:
     async def __init__(self, config: ClusterConfig, draft: DeploymentHandle | None = None):
         started = time.perf_counter()
         self.worker_id = replica_worker_id()
+        self.served_model_name = config.served_model_name
         engine_config = config.engine_config()
         self.proposer = None
         if draft is not None:
@@ -123,11 +124,19 @@ class NalarWorker:
         ``spec`` is the engine's speculative decoding summed over every request (committed
         tokens only, as each request's ``usage.speculative`` counts them); ``draft_*`` at the
         top level are the remote draft client's counts (only when drafting remotely).
+        ``histograms`` are the request-latency histograms by name, each as
+        :meth:`workers.request_metrics.Histogram.snapshot` gives it; ``prompt_tokens`` and
+        ``generation_tokens`` count what requests' ``usage`` counts.
         """
         pool = self.engine.pool
         scheduler = self.engine.scheduler
+        request_metrics = self.engine.request_metrics
         return {
             "worker_id": self.worker_id,
+            "model_name": self.served_model_name or self.engine.loaded.served_name,
+            "prompt_tokens": request_metrics.prompt_tokens,
+            "generation_tokens": request_metrics.generation_tokens,
+            "histograms": request_metrics.snapshot(),
             "prefill_tokens": self.engine.counters.prefill_tokens,
             "decode_tokens": self.engine.counters.decode_tokens,
             "steps": self.engine.counters.steps,
