@@ -1,0 +1,175 @@
+"""The FastAPI app of the OpenAI-compatible API: its routes, and the serving of one job.
+
+Per request, the app:
+
+1. validates the body (``router.protocol``; every refusal is a 400 naming the parameter);
+2. derives the cache namespace from ``Authorization: Bearer <key>`` (a keyed hash: the raw key
+   is never stored, forwarded or logged) and ``cache_salt``;
+3. tokenizes once, with the worker's tokenizer: chat messages through the model's chat template,
+   a string prompt with ``tokenizer.encode(prompt)`` (special tokens as the tokenizer is
+   configured to add them, e.g. a BOS for Llama-style models and nothing for SmolLM2, which is
+   the model's own convention for raw text), a token-id prompt as is after a range check;
+4. computes the prompt's block digests under the deployment's identity for the prefix-aware
+   router, and hands a :class:`~workers.request.GenerationRequest` to the backend
+   (:mod:`router.api.jobs`);
+5. awaits the backend's first chunk before answering, so that ``x-nalar-worker`` names the
+   replica and a refusal (``InvalidRequestError``, ``OverloadedError``) is a proper HTTP error,
+   then answers with JSON or an SSE stream ending in ``data: [DONE]`` (:mod:`router.api.stream`).
+
+The backend's generator is closed whenever the request ends early (client disconnect, error,
+cancellation), which is how a worker learns to cancel the request and free its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import Receive
+
+from router.api.backend import WORKER_HEADER, ServingBackend
+from router.api.disconnect import (
+    ClientDisconnected,
+    ClosingStreamingResponse,
+    close_stream,
+    unless_disconnected,
+)
+from router.api.formats import ChatFormat, CompletionFormat, Format
+from router.api.jobs import Job, JobBuilder, check_model
+from router.api.stream import collect, next_chunk, sse_events
+from router.api.token_strings import TokenStrings
+from router.errors import APIError, from_backend_exception, install_error_handlers
+from router.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from workers.request import GenerationChunk
+
+logger = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 5.0
+"""``GET /health`` answers 503 when the backend does not say it is ready within this time."""
+
+
+def build_openai_app(backend: ServingBackend) -> FastAPI:
+    """The OpenAI-compatible FastAPI app serving ``backend``.
+
+    Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+    ``GET /v1/models/{model}``, ``GET /health``, ``GET /metrics`` (Prometheus text of the
+    backend's ``metrics_registry``, a ``prometheus_client.CollectorRegistry``; 404 for a
+    backend without one).
+    """
+    # FastAPI's strict Content-Type check stays on: a JSON body needs ``application/json``,
+    # so a web page cannot make a browser drive a local, key-less server without a CORS
+    # preflight (FastAPI's CSRF guard). The 400 says what to send.
+    app = FastAPI(title="Nalar Serve")
+    install_error_handlers(app)
+    ingress = _Ingress(backend)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """Chat completion (OpenAI ``chat.completion``), streamed as SSE when ``stream``."""
+        job = await ingress.jobs.chat_job(body, request.headers.get("authorization"))
+        return await ingress.serve(job, ChatFormat(job, ingress.token_strings),
+                                   request.receive)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        """Text completion of one prompt (a string or token ids), SSE when ``stream``."""
+        job = await ingress.jobs.completion_job(body, request.headers.get("authorization"))
+        return await ingress.serve(job, CompletionFormat(job, ingress.token_strings),
+                                   request.receive)
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        """The served model."""
+        return ModelList(data=[ingress.model_card()])
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> ModelCard:
+        """One model by id; 404 ``model_not_found`` for any other."""
+        check_model(model, backend.served_model_name)
+        return ingress.model_card()
+
+    @app.get("/health", response_model=None)
+    async def health() -> Response:
+        """200 when the cluster can serve, else 503."""
+        if await ingress.ready():
+            return JSONResponse({"status": "ok"})
+        return APIError(503, "the cluster is not ready to serve", code="not_ready").response()
+
+    @app.get("/metrics", response_model=None)
+    async def metrics() -> Response:
+        """Prometheus text exposition of the backend's registry, rendered in a worker thread
+        (its collectors may block on the workers for a bounded time)."""
+        # Read at scrape time: a Serve ingress builds the app before its __init__ finishes.
+        registry = getattr(backend, "metrics_registry", None)
+        if registry is None:
+            raise APIError(404, "this server exports no metrics", code="not_found")
+        body = await anyio.to_thread.run_sync(generate_latest, registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class _Ingress:
+    """Job building, readiness and answer assembly for one backend."""
+
+    def __init__(self, backend: ServingBackend):
+        self.backend = backend
+        self.created = int(time.time())
+        # One tokenizer call at a time: a Rust tokenizer shared across threads can fail with
+        # "Already borrowed" when calls overlap.
+        self._tokenizer_lock = threading.Lock()
+        self.jobs = JobBuilder(backend, self._tokenizer_lock)
+
+    @functools.cached_property
+    def token_strings(self) -> TokenStrings:
+        """Token texts and bytes for logprobs (the tokenizer may load after the app)."""
+        return TokenStrings(self.backend.tokenizer, self._tokenizer_lock)
+
+    def model_card(self) -> ModelCard:
+        """The served model, as ``/v1/models`` lists it."""
+        return ModelCard(id=self.backend.served_model_name, created=self.created,
+                         max_model_len=self.backend.max_model_len)
+
+    async def ready(self) -> bool:
+        """The backend's readiness; a slow or failing check counts as not ready."""
+        try:
+            return bool(await asyncio.wait_for(self.backend.is_ready(), HEALTH_TIMEOUT_S))
+        except Exception:
+            logger.warning("readiness check failed", exc_info=True)
+            return False
+
+    async def serve(self, job: Job, fmt: Format, receive: Receive) -> Response:
+        """Runs ``job`` on the backend and answers with JSON or an SSE stream."""
+        request_id = job.request.request_id
+        # No x-request-id of our own: the Serve proxy sets one; the body's ``id`` names the job.
+        headers: dict[str, str] = {}
+        chunks: AsyncIterator[GenerationChunk] | None = None
+        streaming = False
+        try:
+            chunks = self.backend.generate(job.request)
+            first = await unless_disconnected(receive, next_chunk(chunks))
+            headers[WORKER_HEADER] = first.worker_id or "unknown"
+            if job.stream:
+                response = ClosingStreamingResponse(
+                    sse_events(job, fmt, first, chunks), chunks, headers=headers)
+                streaming = True  # the response owns ``chunks`` from here on
+                return response
+            tally = await unless_disconnected(receive, collect(job, first, chunks))
+            body = fmt.response(tally).model_dump(mode="json", serialize_as_any=True)
+            return JSONResponse(body, headers=headers)
+        except ClientDisconnected:
+            logger.info("request %s: client disconnected; cancelled", request_id)
+            return Response(status_code=499)  # nobody is listening; the status is for logs
+        except Exception as exc:
+            raise from_backend_exception(exc, request_id, headers) from exc
+        finally:
+            if chunks is not None and not streaming:
+                await close_stream(chunks)

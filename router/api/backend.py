@@ -1,0 +1,48 @@
+"""What the HTTP layer needs from the cluster: the :class:`ServingBackend` protocol."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from workers.identity import CacheIdentity
+from workers.request import GenerationChunk, GenerationRequest
+
+WORKER_HEADER = "x-nalar-worker"
+"""Response header naming the worker replica that served the request."""
+
+
+class ServingBackend(Protocol):
+    """The cluster as the HTTP layer sees it; the Ray Serve ingress implements it over a
+    ``DeploymentHandle``, tests with a fake.
+
+    Attributes:
+        served_model_name: the only ``model`` requests may name.
+        max_model_len: context length in tokens (prompt plus output).
+        identity: the worker deployment's cache identity (anonymous namespace); the app derives
+            each request's root digest with ``identity.with_namespace(ns).root_digest``.
+        namespace_secret: the key of :func:`~workers.identity.tenant_from_api_key`.
+        tokenizer: the workers' transformers tokenizer, chat template included.
+    """
+
+    served_model_name: str
+    max_model_len: int
+    identity: CacheIdentity
+    namespace_secret: bytes
+    tokenizer: Any
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Streams the request's chunks (an async generator).
+
+        The first chunk may carry no tokens, only ``worker_id``, ``prompt_tokens`` and
+        ``cached_tokens``; the last has ``finish_reason`` set. Closing the generator early
+        (``aclose()``) must cancel the request on its worker. May raise
+        :class:`~workers.request.InvalidRequestError` (→ 400) or
+        :class:`~router.errors.OverloadedError` (→ 503/429 with ``Retry-After``); anything else
+        is a 500.
+        """
+        ...
+
+    async def is_ready(self) -> bool:
+        """Whether the cluster can serve requests now (drives ``GET /health``)."""
+        ...

@@ -1,0 +1,171 @@
+"""A validated request body turned into a worker's :class:`~workers.request.GenerationRequest`.
+
+Cheap refusals come first (model, stream options, sampling ranges); then the prompt is
+tokenized once, with the worker's tokenizer, and its block digests are computed under the
+request's cache namespace for the prefix-aware router.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import anyio
+
+from router.api.backend import ServingBackend
+from router.api.prompts import chat_template_ids, checked_ids
+from router.api.sampling import chat_max_tokens, fit_context, sampling_params
+from router.errors import APIError, invalid_request
+from router.protocol import ChatCompletionRequest, CompletionRequest
+from workers.identity import CacheNamespace, block_digests, tenant_from_api_key
+from workers.request import GenerationRequest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Job:
+    """A validated request, ready for the backend.
+
+    Attributes:
+        request: what the worker generates.
+        model: the served model name the answer reports.
+        stream: answer as SSE events.
+        include_usage: stream a final usage-only event (``stream_options.include_usage``).
+        created: Unix time in seconds, the answer's ``created``.
+    """
+
+    request: GenerationRequest
+    model: str
+    stream: bool
+    include_usage: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def check_model(model: str | None, served_model_name: str) -> None:
+    """Raises 404 ``model_not_found`` unless ``model`` is the served model.
+
+    A missing ``model`` means the served one (as vLLM allows): a one-model server has no
+    other reading of it.
+    """
+    if model is not None and model != served_model_name:
+        raise APIError(404, f"The model '{model}' does not exist; this server serves "
+                       f"'{served_model_name}'", param="model", code="model_not_found")
+
+
+class JobBuilder:
+    """Builds :class:`Job` objects for one backend (its tokenizer, context and identity)."""
+
+    def __init__(self, backend: ServingBackend, tokenizer_lock: threading.Lock):
+        self.backend = backend
+        # One tokenizer call at a time: a Rust tokenizer shared across threads can fail with
+        # "Already borrowed" when calls overlap.
+        self._tokenizer_lock = tokenizer_lock
+
+    @functools.cached_property
+    def vocab_size(self) -> int:
+        """Token ids a prompt may use. Read on first use, so a backend may finish loading its
+        tokenizer after the app is built (``serve.ingress`` wants the app up front)."""
+        return len(self.backend.tokenizer)
+
+    async def chat_job(self, body: ChatCompletionRequest, authorization: str | None) -> Job:
+        """Validates a chat request and tokenizes it through the chat template.
+
+        Raises:
+            APIError: 400 naming the parameter at fault, 401 for a malformed
+                ``Authorization``, 404 for another model.
+        """
+        max_tokens, max_param = chat_max_tokens(body)
+        messages = [message.template_dict() for message in body.messages]
+        return await self._job(body, lambda: chat_template_ids(self.backend.tokenizer, messages),
+                               "messages", max_tokens, max_param, authorization, "chatcmpl")
+
+    async def completion_job(self, body: CompletionRequest, authorization: str | None) -> Job:
+        """Validates a text-completion request and tokenizes its prompt.
+
+        Raises:
+            APIError: as :meth:`chat_job`.
+        """
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            def tokenize() -> list[int]:
+                return list(self.backend.tokenizer.encode(prompt))
+        else:
+            def tokenize() -> list[int]:
+                return checked_ids(prompt, self.vocab_size, "prompt")
+        return await self._job(body, tokenize, "prompt", body.max_tokens, "max_tokens",
+                               authorization, "cmpl")
+
+    async def _job(self, body: ChatCompletionRequest | CompletionRequest,
+                   tokenize: Callable[[], list[int]], prompt_param: str,
+                   max_tokens: int | None, max_param: str, authorization: str | None,
+                   id_prefix: str) -> Job:
+        """Checks what needs no tokens first (cheap refusals), then tokenizes and hashes."""
+        check_model(body.model, self.backend.served_model_name)
+        check_stream_options(body)
+        if body.stop_token_ids:
+            checked_ids(body.stop_token_ids, self.vocab_size, "stop_token_ids")
+        checked_ids(list(body.logit_bias_ids()), self.vocab_size, "logit_bias")
+        sampling = sampling_params(body, max_tokens, max_param)
+        namespace = CacheNamespace(
+            tenant=tenant_from_api_key(bearer_key(authorization), self.backend.namespace_secret),
+            cache_salt=body.cache_salt,
+        )
+        token_ids, digests = await anyio.to_thread.run_sync(self._tokens_and_digests, tokenize,
+                                                            namespace, prompt_param)
+        sampling = fit_context(sampling, len(token_ids), self.backend.max_model_len,
+                               max_tokens is not None, prompt_param, max_param)
+        request = GenerationRequest(f"{id_prefix}-{uuid.uuid4().hex}", token_ids, sampling,
+                                    namespace, digests)
+        # The tenant is a keyed hash; a prefix of it is enough to correlate logs.
+        logger.debug("request %s: tenant %s, %d prompt tokens, %d digests", request.request_id,
+                     namespace.tenant[:12], len(token_ids), len(digests))
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return Job(request, self.backend.served_model_name, bool(body.stream), include_usage)
+
+    def _tokens_and_digests(self, tokenize: Callable[[], list[int]], namespace: CacheNamespace,
+                            prompt_param: str) -> tuple[list[int], list[bytes]]:
+        """Runs in a worker thread: tokenization and hashing are CPU work the event loop
+        should not wait on.
+
+        Raises:
+            APIError: 400 naming ``prompt_param`` when the tokenizer rejects the text (e.g. a
+                lone UTF-16 surrogate, which no UTF-8 encoding can carry): case R6.
+        """
+        with self._tokenizer_lock:
+            try:
+                token_ids = tokenize()
+            except (TypeError, ValueError, UnicodeError) as exc:
+                raise invalid_request(f"the tokenizer rejected the {prompt_param}: {exc}",
+                                      prompt_param) from exc
+        identity = self.backend.identity
+        root = identity.with_namespace(namespace).root_digest
+        return token_ids, block_digests(root, token_ids, identity.block_size)
+
+
+def bearer_key(authorization: str | None) -> str | None:
+    """The API key of an ``Authorization: Bearer <key>`` header; ``None`` without a header.
+
+    Keys are not checked against a list: a key only selects the cache namespace. A header in
+    another form is refused (401) rather than served in the shared anonymous namespace, which
+    the client did not ask for.
+    """
+    if authorization is None:
+        return None
+    scheme, _, key = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise APIError(401, "the Authorization header must be 'Bearer <api key>'",
+                       code="invalid_api_key", error_type="invalid_request_error")
+    return key.strip()
+
+
+def check_stream_options(body: ChatCompletionRequest | CompletionRequest) -> None:
+    """``stream_options`` only means something for a streaming request (as OpenAI rules)."""
+    if body.stream_options is not None and not body.stream:
+        raise invalid_request("stream_options is only allowed when stream is true",
+                              "stream_options")

@@ -1,0 +1,57 @@
+"""Prompts to token ids: the chat template, and range checks of client-given token ids."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from jinja2 import TemplateError
+
+from router.errors import invalid_request
+
+
+def chat_template_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of the chat template applied to ``messages``, with the assistant's turn
+    opened (``add_generation_prompt``).
+
+    Raises:
+        APIError: 400 naming ``messages`` when the model has no chat template or the template
+            refuses the conversation.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise invalid_request("this model has no chat template; use /v1/completions",
+                              "messages", "unsupported_value")
+    try:
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                tokenize=True)
+    except TemplateError as exc:
+        # Templates reject some conversations themselves (e.g. roles that do not alternate).
+        raise invalid_request(f"messages: the model's chat template refused them: {exc}",
+                              "messages") from exc
+    return plain_token_ids(encoded)
+
+
+def plain_token_ids(encoded: Any) -> list[int]:
+    """Token ids from whatever ``apply_chat_template(tokenize=True)`` returned.
+
+    transformers 5 returns a ``BatchEncoding`` (a mapping with ``input_ids``); older versions a
+    list, sometimes nested one level for a batch of one.
+    """
+    ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    if ids and isinstance(ids[0], list):
+        ids = ids[0]
+    return [int(token_id) for token_id in ids]
+
+
+def checked_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> list[int]:
+    """``token_ids`` as a list, if every id is in the vocabulary.
+
+    Raises:
+        APIError: 400 naming ``param[i]`` for the first id outside ``[0, vocab_size)``.
+    """
+    for index, token_id in enumerate(token_ids):
+        if not 0 <= token_id < vocab_size:
+            raise invalid_request(f"{param}[{index}]: token id {token_id} is outside the "
+                                  f"vocabulary [0, {vocab_size})", param)
+    return list(token_ids)

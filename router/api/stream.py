@@ -1,0 +1,93 @@
+"""Reading the worker's chunk stream: into SSE events (``stream: true``) or into one tally
+(a JSON answer).
+
+A streaming answer always ends with ``data: [DONE]``; a failure after the headers went out
+becomes an ``{"error": ...}`` event before it, so a client never hangs on a dead stream.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from pydantic import BaseModel
+
+from router.api.disconnect import close_stream
+from router.api.formats import Format
+from router.api.jobs import Job
+from router.api.usage import Tally
+from router.errors import APIError, from_backend_exception
+from workers.request import GenerationChunk
+
+DONE_EVENT = "data: [DONE]\n\n"
+
+
+async def next_chunk(chunks: AsyncIterator[GenerationChunk]) -> GenerationChunk:
+    """The backend's next chunk; a stream that ends before a finish reason is a server error."""
+    try:
+        return await anext(chunks)
+    except StopAsyncIteration:
+        raise APIError(500, "the worker's stream ended before the request finished",
+                       code="internal_error") from None
+
+
+def finish_reason(reason: str | None) -> str:
+    """The OpenAI ``finish_reason`` of the worker's last chunk.
+
+    ``abort`` means the worker gave the request up (drain, shutdown, preemption limit) without
+    the client asking: that is not an answer, so it is a retryable 503 (or, mid-stream, an
+    error event), never a truncated text passed off as finished.
+    """
+    if reason in ("stop", "length"):
+        return reason
+    raise APIError(503, "the request was aborted by the server before it finished; retry",
+                   code="request_aborted", headers={"Retry-After": "1"})
+
+
+async def collect(job: Job, first: GenerationChunk,
+                  chunks: AsyncIterator[GenerationChunk]) -> Tally:
+    """Reads the backend's stream to its end (non-streaming answers)."""
+    tally = Tally(prompt_tokens=len(job.request.token_ids))
+    chunk = first
+    while True:
+        tally.add(chunk)
+        if chunk.finish_reason is not None:
+            finish_reason(chunk.finish_reason)
+            if chunk.is_last:
+                return tally
+        chunk = await next_chunk(chunks)
+
+
+async def sse_events(job: Job, fmt: Format, first: GenerationChunk,
+                     chunks: AsyncIterator[GenerationChunk]) -> AsyncIterator[str]:
+    """The SSE events of a streaming answer; always ends with ``data: [DONE]``."""
+    tally = Tally(prompt_tokens=len(job.request.token_ids))
+    try:
+        for event in fmt.opening():
+            yield _sse(event, job.include_usage)
+        chunk = first
+        while True:
+            tally.add(chunk)
+            if chunk.text or chunk.logprobs:
+                yield _sse(fmt.text(chunk.index, chunk.text, chunk.logprobs),
+                           job.include_usage)
+            if chunk.finish_reason is not None:
+                reason = finish_reason(chunk.finish_reason)
+                yield _sse(fmt.finish(chunk.index, reason), job.include_usage)
+                if chunk.is_last:
+                    break
+            chunk = await next_chunk(chunks)
+        if job.include_usage:
+            yield _sse(fmt.usage(tally.usage()), True)
+    except Exception as exc:
+        error = from_backend_exception(exc, job.request.request_id)
+        yield f"data: {json.dumps(error.body())}\n\n"
+    finally:
+        await close_stream(chunks)
+    yield DONE_EVENT
+
+
+def _sse(event: BaseModel, include_usage: bool) -> str:
+    """One SSE event; ``usage`` appears (as null until the last event) only when asked for."""
+    exclude = None if include_usage else {"usage"}
+    return f"data: {event.model_dump_json(exclude=exclude, serialize_as_any=True)}\n\n"
