@@ -5,9 +5,15 @@ never the process-wide default one, so the text holds only Nalar's series. Its
 :class:`EngineStatsCollector` works at scrape time: it asks every worker replica for
 ``NalarWorker.engine_stats()`` in one broadcast (:func:`fetch_worker_stats`), waits at most
 :data:`SCRAPE_TIMEOUT_S`, and turns each answer into samples labelled ``worker`` (the replica
-id the router and the ``x-nalar-worker`` header use). A worker that does not answer in time is
-left out of that scrape and counted in ``nalar_metrics_workers_skipped``; the scrape itself
-still succeeds.
+id the router and the ``x-nalar-worker`` header use) and ``model_name`` (the served model). A
+worker that does not answer in time is left out of that scrape and counted in
+``nalar:metrics_workers_skipped``; the scrape itself still succeeds.
+
+Names mirror vLLM's v1 metrics with a ``nalar:`` prefix wherever vLLM has the same quantity
+(``vllm:num_requests_running`` -> ``nalar:num_requests_running``, ``vllm:prefix_cache_hits``
+-> ``nalar:prefix_cache_hits``, the ``spec_decode_*`` counters, the latency histograms with
+vLLM's buckets), so dashboards and queries written for vLLM carry over; series vLLM lacks keep
+a ``nalar:`` name of their own (``nalar:kv_blocks_*``, ``nalar:computed_*_tokens``).
 
 Counters are the engines' own monotonic counts since each replica started (a replacement
 replica starts again from zero under a new ``worker`` label, which Prometheus' ``rate()``
@@ -15,8 +21,8 @@ handles). Speculative counters count committed tokens only (case S6): a draft to
 stop or the length cap is neither accepted nor rejected, exactly as the per-request
 ``usage.speculative`` extension counts it, so the two add up.
 
-Extending: the dashboard adds its own collectors to the same registry
-(``registry.register(...)``); :data:`ENGINE_METRICS` lists the scalar engine series.
+Extending: the router's telemetry and the dashboard add their own collectors to the same
+registry (``registry.register(...)``); :data:`ENGINE_METRICS` lists the scalar engine series.
 """
 
 from __future__ import annotations
@@ -28,18 +34,53 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from workers.request_metrics import HISTOGRAM_BOUNDS
 
 log = logging.getLogger(__name__)
 
 SCRAPE_TIMEOUT_S = 1.0
 """Seconds a scrape waits for the workers' stats; later answers are left out of it."""
 
+PREFIX = "nalar:"
 WORKER_LABEL = "worker"
+MODEL_LABEL = "model_name"
+LABELS = [WORKER_LABEL, MODEL_LABEL]
 
 STATS_METHOD = "engine_stats"
 """The worker method every scrape calls on each replica."""
+
+Reader = Callable[[dict[str, Any]], Any]
+
+
+def at(*path: str) -> Reader:
+    """Reads the value under ``path`` in ``engine_stats()``'s dict (None when a key is missing:
+    no sample for that worker, e.g. remote draft counters on a worker drafting in process)."""
+
+    def read(stats: dict[str, Any]) -> Any:
+        value: Any = stats
+        for key in path:
+            if not isinstance(value, dict) or key not in value:
+                return None
+            value = value[key]
+        return value
+
+    return read
+
+
+def kv_cache_usage(stats: dict[str, Any]) -> float | None:
+    """Fraction of KV blocks held by running sequences (vLLM's ``kv_cache_usage_perc``: cached
+    blocks no sequence uses count as free, since they are reusable)."""
+    total = stats.get("blocks_total")
+    return stats.get("blocks_in_use", 0) / total if total else None
 
 
 @dataclass(frozen=True)
@@ -47,63 +88,84 @@ class Series:
     """One scalar series read from a worker's stats.
 
     Attributes:
-        name: the metric family name (a counter's samples get ``_total`` appended).
+        name: the metric family name without the ``nalar:`` prefix (a counter's samples get
+            ``_total`` appended).
         kind: ``counter`` or ``gauge``.
-        path: keys leading to the value in ``engine_stats()``'s dict (a missing key: no
-            sample for that worker, e.g. remote draft counters on a worker drafting in process).
+        read: the value in ``engine_stats()``'s dict, or None for no sample.
         doc: the HELP text.
     """
 
     name: str
     kind: str
-    path: tuple[str, ...]
+    read: Reader
     doc: str
 
 
 ENGINE_METRICS: tuple[Series, ...] = (
-    Series("nalar_engine_steps", "counter", ("steps",), "Engine steps (forward passes) run."),
-    Series("nalar_prefill_tokens", "counter", ("prefill_tokens",),
-           "Tokens computed at prompt positions (prefix-cache hits excluded)."),
-    Series("nalar_decode_tokens", "counter", ("decode_tokens",),
-           "Tokens computed at output positions (verified draft positions included)."),
-    Series("nalar_prefix_query_tokens", "counter", ("prefix_query_tokens",),
-           "Prompt tokens looked up in the prefix cache at admission."),
-    Series("nalar_prefix_hit_tokens", "counter", ("prefix_hit_tokens",),
-           "Prompt tokens whose KV the prefix cache supplied."),
-    Series("nalar_preemptions", "counter", ("preemptions",),
+    # vLLM's names
+    Series("num_requests_running", "gauge", at("running"), "Sequences being computed."),
+    Series("num_requests_waiting", "gauge", at("waiting"), "Sequences waiting for admission."),
+    Series("kv_cache_usage_perc", "gauge", kv_cache_usage,
+           "KV-cache usage: fraction of blocks held by running sequences (1 = 100%)."),
+    Series("prefix_cache_queries", "counter", at("prefix_query_tokens"),
+           "Prefix cache queries, in prompt tokens looked up at admission."),
+    Series("prefix_cache_hits", "counter", at("prefix_hit_tokens"),
+           "Prefix cache hits, in prompt tokens whose KV the cache supplied."),
+    Series("num_preemptions", "counter", at("preemptions"),
            "Sequences preempted for lack of KV blocks."),
-    Series("nalar_kv_blocks_capacity", "gauge", ("blocks_total",), "KV blocks in the pool."),
-    Series("nalar_kv_blocks_in_use", "gauge", ("blocks_in_use",),
-           "KV blocks held by running sequences."),
-    Series("nalar_kv_blocks_free", "gauge", ("blocks_free",),
-           "KV blocks free and holding no cached prefix."),
-    Series("nalar_kv_blocks_evictable", "gauge", ("blocks_evictable",),
-           "KV blocks holding a cached prefix no sequence uses (reusable, evictable)."),
-    Series("nalar_requests_running", "gauge", ("running",), "Sequences being computed."),
-    Series("nalar_requests_waiting", "gauge", ("waiting",), "Sequences waiting for admission."),
-    Series("nalar_spec_proposed_tokens", "counter", ("spec", "proposed_tokens"),
+    Series("prompt_tokens", "counter", at("prompt_tokens"),
+           "Prompt tokens of requests that produced a first token (cached ones included, as "
+           "usage.prompt_tokens counts them)."),
+    Series("generation_tokens", "counter", at("generation_tokens"),
+           "Output tokens committed (usage.completion_tokens summed)."),
+    Series("spec_decode_num_drafts", "counter", at("spec", "verification_steps"),
+           "Drafts verified: per-sequence verifications of at least one draft token."),
+    Series("spec_decode_num_draft_tokens", "counter", at("spec", "proposed_tokens"),
            "Draft tokens sent to verification."),
-    Series("nalar_spec_accepted_tokens", "counter", ("spec", "accepted_tokens"),
+    Series("spec_decode_num_accepted_tokens", "counter", at("spec", "accepted_tokens"),
            "Draft tokens verification accepted and committed."),
-    Series("nalar_spec_rejected_tokens", "counter", ("spec", "rejected_tokens"),
-           "Draft tokens verified and not committed (proposed minus accepted)."),
-    Series("nalar_spec_verification_steps", "counter", ("spec", "verification_steps"),
-           "Per-sequence verifications of at least one draft token."),
-    Series("nalar_spec_draft_seconds", "counter", ("spec", "draft_s"),
+    # Nalar's own
+    Series("engine_steps", "counter", at("steps"), "Engine steps (forward passes) run."),
+    Series("computed_prefill_tokens", "counter", at("prefill_tokens"),
+           "Tokens computed at prompt positions (prefix-cache hits excluded, recomputation "
+           "after preemption included)."),
+    Series("computed_decode_tokens", "counter", at("decode_tokens"),
+           "Tokens computed at output positions (verified draft positions included)."),
+    Series("kv_blocks_capacity", "gauge", at("blocks_total"), "KV blocks in the pool."),
+    Series("kv_blocks_in_use", "gauge", at("blocks_in_use"),
+           "KV blocks held by running sequences."),
+    Series("kv_blocks_free", "gauge", at("blocks_free"),
+           "KV blocks free and holding no cached prefix."),
+    Series("kv_blocks_evictable", "gauge", at("blocks_evictable"),
+           "KV blocks holding a cached prefix no sequence uses (reusable, evictable)."),
+    Series("spec_decode_draft_seconds", "counter", at("spec", "draft_s"),
            "Seconds spent in the proposer's batched calls (remote: the round trip)."),
-    Series("nalar_spec_verify_seconds", "counter", ("spec", "verify_s"),
+    Series("spec_decode_verify_seconds", "counter", at("spec", "verify_s"),
            "Step seconds of verification steps, once per verified sequence."),
-    Series("nalar_spec_draft_calls", "counter", ("spec", "draft_calls"),
+    Series("spec_decode_draft_calls", "counter", at("spec", "draft_calls"),
            "Batched proposer calls made by the engine."),
-    Series("nalar_spec_remote_calls", "counter", ("draft_calls",),
+    Series("spec_decode_remote_calls", "counter", at("draft_calls"),
            "Calls the worker made to the draft replicas (remote proposer only)."),
-    Series("nalar_spec_draft_timeouts", "counter", ("draft_timeouts",),
+    Series("spec_decode_draft_timeouts", "counter", at("draft_timeouts"),
            "Remote draft calls that missed their deadline (no drafts that step)."),
-    Series("nalar_spec_draft_failures", "counter", ("draft_failures",),
+    Series("spec_decode_draft_failures", "counter", at("draft_failures"),
            "Remote draft calls that failed (no drafts that step)."),
-    Series("nalar_spec_draft_skipped", "counter", ("draft_skipped",),
+    Series("spec_decode_draft_skipped", "counter", at("draft_skipped"),
            "Draft batches given no drafts without a call while backing off from the replicas."),
 )
+
+HISTOGRAM_DOCS = {
+    "time_to_first_token_seconds": "Time to first token: arrival at the engine to the step "
+                                   "that commits the first output token.",
+    "inter_token_latency_seconds": "Inter-token latency: between steps that commit tokens "
+                                   "for a request (one observation per such step).",
+    "e2e_request_latency_seconds": "End-to-end request latency in the engine: arrival to "
+                                   "finish (stop or length).",
+    "request_queue_time_seconds": "Time in the WAITING phase: arrival to first scheduled.",
+    "request_prefill_time_seconds": "Time in the PREFILL phase: first scheduled to first "
+                                    "token.",
+    "request_decode_time_seconds": "Time in the DECODE phase: first to last token.",
+}
 
 
 @dataclass
@@ -148,19 +210,18 @@ def fetch_worker_stats(handle: Any, timeout_s: float = SCRAPE_TIMEOUT_S) -> Work
     return WorkerScrape(workers, skipped, time.perf_counter() - started)
 
 
-def _lookup(stats: dict[str, Any], path: tuple[str, ...]) -> Any:
-    value: Any = stats
-    for key in path:
-        if not isinstance(value, dict) or key not in value:
-            return None
-        value = value[key]
-    return value
-
-
 def _family(name: str, kind: str, doc: str, labels: list[str]) -> Metric:
     if kind == "counter":
-        return CounterMetricFamily(name, doc, labels=labels)
-    return GaugeMetricFamily(name, doc, labels=labels)
+        return CounterMetricFamily(PREFIX + name, doc, labels=labels)
+    return GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+
+
+def _labels(stats: dict[str, Any]) -> list[str]:
+    return [str(stats.get("worker_id", "")), str(stats.get("model_name", ""))]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def engine_families(workers: Iterable[dict[str, Any]]) -> Iterator[Metric]:
@@ -168,51 +229,78 @@ def engine_families(workers: Iterable[dict[str, Any]]) -> Iterator[Metric]:
     none, which is what :meth:`EngineStatsCollector.describe` lists)."""
     workers = list(workers)
     for series in ENGINE_METRICS:
-        family = _family(series.name, series.kind, series.doc, [WORKER_LABEL])
+        family = _family(series.name, series.kind, series.doc, LABELS)
         for stats in workers:
-            value = _lookup(stats, series.path)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                family.add_metric([str(stats.get("worker_id", ""))], value)
+            value = series.read(stats)
+            if _is_number(value):
+                family.add_metric(_labels(stats), value)
         yield family
+    yield from spec_families(workers)
+    yield from histogram_families(workers)
 
-    mean = GaugeMetricFamily("nalar_spec_mean_accepted_length",
-                             "Accepted draft tokens per verification step, since start.",
-                             labels=[WORKER_LABEL])
-    accepted = CounterMetricFamily("nalar_spec_accepted_by_position",
-                                   "Draft tokens accepted at each draft position (0: first).",
-                                   labels=[WORKER_LABEL, "position"])
-    proposed = CounterMetricFamily("nalar_spec_proposed_by_position",
-                                   "Draft tokens verified at each draft position (0: first).",
-                                   labels=[WORKER_LABEL, "position"])
-    decisions = CounterMetricFamily("nalar_spec_k_decisions",
-                                    "Draft lengths chosen, per sequence and step "
-                                    "(k=0: the sequence did not speculate that step).",
-                                    labels=[WORKER_LABEL, "k"])
+
+def spec_families(workers: list[dict[str, Any]]) -> Iterator[Metric]:
+    """Speculative decoding per draft position and per chosen draft length."""
+    mean = _family("spec_decode_mean_accepted_length", "gauge",
+                   "Accepted draft tokens per verified draft, since start.", LABELS)
+    accepted = _family("spec_decode_num_accepted_tokens_per_pos", "counter",
+                       "Draft tokens accepted at each draft position (0: first).",
+                       LABELS + ["position"])
+    proposed = _family("spec_decode_num_draft_tokens_per_pos", "counter",
+                       "Draft tokens verified at each draft position (0: first).",
+                       LABELS + ["position"])
+    decisions = _family("spec_decode_k_decisions", "counter",
+                        "Draft lengths chosen, per sequence and step "
+                        "(k=0: the sequence did not speculate that step).", LABELS + ["k"])
     for stats in workers:
         spec = stats.get("spec")
         if not isinstance(spec, dict):
             continue
-        worker = str(stats.get("worker_id", ""))
-        steps = spec.get("verification_steps", 0)
-        mean.add_metric([worker], spec.get("accepted_tokens", 0) / steps if steps else 0.0)
+        labels = _labels(stats)
+        drafts = spec.get("verification_steps", 0)
+        mean.add_metric(labels, spec.get("accepted_tokens", 0) / drafts if drafts else 0.0)
         for position, count in enumerate(spec.get("accepted_by_position", ())):
-            accepted.add_metric([worker, str(position)], count)
+            accepted.add_metric(labels + [str(position)], count)
         for position, count in enumerate(spec.get("proposed_by_position", ())):
-            proposed.add_metric([worker, str(position)], count)
+            proposed.add_metric(labels + [str(position)], count)
         for k, count in sorted(spec.get("k_decisions", {}).items()):
-            decisions.add_metric([worker, str(k)], count)
+            decisions.add_metric(labels + [str(k)], count)
     yield from (mean, accepted, proposed, decisions)
+
+
+def histogram_families(workers: list[dict[str, Any]]) -> Iterator[Metric]:
+    """The request-latency histograms: cumulative ``le`` buckets ending in ``+Inf``, ``_sum``
+    and ``_count``, from each worker's per-bucket counts."""
+    for name in HISTOGRAM_BOUNDS:
+        family = HistogramMetricFamily(PREFIX + name, HISTOGRAM_DOCS[name], labels=LABELS)
+        for stats in workers:
+            snapshot = stats.get("histograms", {}).get(name)
+            if snapshot:
+                family.add_metric(_labels(stats), cumulative_buckets(snapshot),
+                                  snapshot["sum"])
+        yield family
+
+
+def cumulative_buckets(snapshot: dict[str, Any]) -> list[tuple[str, float]]:
+    """``[(le, observations <= le), ..., ("+Inf", all observations)]`` of a
+    :meth:`~workers.request_metrics.Histogram.snapshot`."""
+    buckets, running = [], 0
+    for bound, count in zip(snapshot["bounds"], snapshot["counts"], strict=False):
+        running += count
+        buckets.append((floatToGoString(bound), running))
+    buckets.append(("+Inf", sum(snapshot["counts"])))
+    return buckets
 
 
 def scrape_families(scrape: WorkerScrape) -> Iterator[Metric]:
     """How the scrape itself went: workers answered and skipped, seconds spent asking."""
-    yield GaugeMetricFamily("nalar_metrics_workers_answered",
+    yield GaugeMetricFamily(PREFIX + "metrics_workers_answered",
                             "Worker replicas whose stats are in this scrape.",
                             value=len(scrape.workers))
-    yield GaugeMetricFamily("nalar_metrics_workers_skipped",
+    yield GaugeMetricFamily(PREFIX + "metrics_workers_skipped",
                             "Worker replicas that did not answer this scrape in time.",
                             value=scrape.skipped)
-    yield GaugeMetricFamily("nalar_metrics_scrape_seconds",
+    yield GaugeMetricFamily(PREFIX + "metrics_scrape_seconds",
                             "Seconds this scrape spent asking the workers.",
                             value=scrape.seconds)
 

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.metrics import WorkerScrape, build_registry, fetch_worker_stats
 from router.openai_app import build_openai_app
+from workers.request_metrics import TTFT, TTFT_BUCKETS, Histogram
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -27,8 +28,12 @@ def parse(text: str) -> Samples:
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:
-    """One sample's value (0 when absent: a counter not yet exported counts nothing)."""
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+    """The value of the one sample of ``name`` whose labels include ``labels`` (0 when there
+    is none: a counter not yet exported counts nothing)."""
+    wanted = set(labels.items())
+    found = [v for (n, have), v in samples.items() if n == name and wanted <= set(have)]
+    assert len(found) <= 1, f"{name}{labels} matches {len(found)} samples"
+    return found[0] if found else 0.0
 
 
 def worker_stats(worker_id: str, **spec) -> dict:
@@ -36,10 +41,56 @@ def worker_stats(worker_id: str, **spec) -> dict:
             "verification_steps": 4, "accepted_by_position": [4, 2],
             "proposed_by_position": [4, 4, 2], "k_decisions": {0: 3, 2: 1, 3: 3},
             "draft_s": 0.25, "verify_s": 1.5, "draft_calls": 7, "method": "ngram"}
-    return {"worker_id": worker_id, "steps": 20, "prefill_tokens": 100, "decode_tokens": 30,
-            "prefix_query_tokens": 100, "prefix_hit_tokens": 32, "preemptions": 1,
-            "blocks_total": 64, "blocks_free": 50, "blocks_evictable": 10, "blocks_in_use": 4,
-            "running": 1, "waiting": 0, "spec": {**base, **spec}}
+    return {"worker_id": worker_id, "model_name": "smol", "steps": 20, "prefill_tokens": 100,
+            "decode_tokens": 30, "prefix_query_tokens": 100, "prefix_hit_tokens": 32,
+            "preemptions": 1, "prompt_tokens": 120, "generation_tokens": 40,
+            "blocks_total": 64, "blocks_free": 50, "blocks_evictable": 10, "blocks_in_use": 16,
+            "running": 1, "waiting": 2, "spec": {**base, **spec},
+            "histograms": ttft_histogram([0.003, 0.005, 0.05, 0.3, 3000.0])}
+
+
+def ttft_histogram(values: list[float]) -> dict:
+    histogram = Histogram(TTFT_BUCKETS)
+    for v in values:
+        histogram.observe(v)
+    return {TTFT: histogram.snapshot()}
+
+
+def test_vllm_names_with_worker_and_model_labels():
+    registry = build_registry(lambda: WorkerScrape([worker_stats("w1")], 0, 0.0))
+    samples = parse(generate_latest(registry).decode())
+    labels = {"worker": "w1", "model_name": "smol"}
+    assert samples[("nalar:num_requests_running", tuple(sorted(labels.items())))] == 1
+    assert value(samples, "nalar:num_requests_waiting", **labels) == 2
+    assert value(samples, "nalar:kv_cache_usage_perc", **labels) == 0.25
+    assert value(samples, "nalar:prefix_cache_queries_total", **labels) == 100
+    assert value(samples, "nalar:prefix_cache_hits_total", **labels) == 32
+    assert value(samples, "nalar:prompt_tokens_total", **labels) == 120
+    assert value(samples, "nalar:generation_tokens_total", **labels) == 40
+    assert value(samples, "nalar:spec_decode_num_drafts_total", **labels) == 4
+    assert value(samples, "nalar:spec_decode_num_accepted_tokens_per_pos_total", position="0",
+                 **labels) == 4
+    assert not any(name.startswith("nalar_") for name, _ in samples)
+
+
+def test_histograms_are_cumulative_with_inf_sum_and_count():
+    registry = build_registry(lambda: WorkerScrape([worker_stats("w1")], 0, 0.0))
+    text = generate_latest(registry).decode()
+    family = next(f for f in text_string_to_metric_families(text)
+                  if f.name == "nalar:time_to_first_token_seconds")
+    assert family.type == "histogram"
+    buckets = {s.labels["le"]: s.value for s in family.samples if s.name.endswith("_bucket")}
+    assert list(buckets) == [str(float(b)) for b in TTFT_BUCKETS] + ["+Inf"]
+    # 0.003 and 0.005 fall in le=0.005 (upper bound inclusive), 0.05 in le=0.06, 0.3 in
+    # le=0.5, 3000 above every bound.
+    assert buckets["0.001"] == 0 and buckets["0.005"] == 2 and buckets["0.04"] == 2
+    assert buckets["0.06"] == 3 and buckets["0.5"] == 4 and buckets["2560.0"] == 4
+    assert buckets["+Inf"] == 5
+    counts = list(buckets.values())
+    assert counts == sorted(counts)
+    assert value(parse(text), "nalar:time_to_first_token_seconds_count", worker="w1") == 5
+    assert value(parse(text), "nalar:time_to_first_token_seconds_sum",
+                 worker="w1") == pytest.approx(3000.358)
 
 
 def test_families_labelled_by_worker():
@@ -47,29 +98,29 @@ def test_families_labelled_by_worker():
               "draft_timeouts": 2, "draft_failures": 1, "draft_skipped": 3}
     registry = build_registry(lambda: WorkerScrape([worker_stats("w1"), remote], 0, 0.01))
     samples = parse(generate_latest(registry).decode())
-    assert value(samples, "nalar_engine_steps_total", worker="w1") == 20
-    assert value(samples, "nalar_kv_blocks_in_use", worker="w1") == 4
-    assert value(samples, "nalar_kv_blocks_free", worker="w2") == 50
-    assert value(samples, "nalar_preemptions_total", worker="w1") == 1
-    assert value(samples, "nalar_spec_proposed_tokens_total", worker="w1") == 10
-    assert value(samples, "nalar_spec_accepted_tokens_total", worker="w1") == 6
-    assert value(samples, "nalar_spec_rejected_tokens_total", worker="w2") == 10
-    assert value(samples, "nalar_spec_mean_accepted_length", worker="w1") == 1.5
-    assert value(samples, "nalar_spec_mean_accepted_length", worker="w2") == 0.0
-    assert value(samples, "nalar_spec_accepted_by_position_total", worker="w1",
+    assert value(samples, "nalar:engine_steps_total", worker="w1") == 20
+    assert value(samples, "nalar:kv_blocks_in_use", worker="w1") == 16
+    assert value(samples, "nalar:kv_blocks_free", worker="w2") == 50
+    assert value(samples, "nalar:num_preemptions_total", worker="w1") == 1
+    assert value(samples, "nalar:spec_decode_num_draft_tokens_total", worker="w1") == 10
+    assert value(samples, "nalar:spec_decode_num_accepted_tokens_total", worker="w1") == 6
+    assert value(samples, "nalar:spec_decode_num_accepted_tokens_total", worker="w2") == 0
+    assert value(samples, "nalar:spec_decode_mean_accepted_length", worker="w1") == 1.5
+    assert value(samples, "nalar:spec_decode_mean_accepted_length", worker="w2") == 0.0
+    assert value(samples, "nalar:spec_decode_num_accepted_tokens_per_pos_total", worker="w1",
                  position="1") == 2
-    assert value(samples, "nalar_spec_proposed_by_position_total", worker="w1",
+    assert value(samples, "nalar:spec_decode_num_draft_tokens_per_pos_total", worker="w1",
                  position="2") == 2
-    assert value(samples, "nalar_spec_k_decisions_total", worker="w1", k="3") == 3
-    assert value(samples, "nalar_spec_draft_seconds_total", worker="w1") == 0.25
-    assert value(samples, "nalar_spec_verify_seconds_total", worker="w1") == 1.5
-    assert value(samples, "nalar_spec_draft_calls_total", worker="w1") == 7
+    assert value(samples, "nalar:spec_decode_k_decisions_total", worker="w1", k="3") == 3
+    assert value(samples, "nalar:spec_decode_draft_seconds_total", worker="w1") == 0.25
+    assert value(samples, "nalar:spec_decode_verify_seconds_total", worker="w1") == 1.5
+    assert value(samples, "nalar:spec_decode_draft_calls_total", worker="w1") == 7
     # Remote draft client counts only where the worker drafts remotely.
-    assert value(samples, "nalar_spec_draft_timeouts_total", worker="w2") == 2
-    assert value(samples, "nalar_spec_draft_skipped_total", worker="w2") == 3
-    assert value(samples, "nalar_spec_remote_calls_total", worker="w2") == 5
-    assert ("nalar_spec_draft_timeouts_total", (("worker", "w1"),)) not in samples
-    assert value(samples, "nalar_metrics_workers_answered") == 2
+    assert value(samples, "nalar:spec_decode_draft_timeouts_total", worker="w2") == 2
+    assert value(samples, "nalar:spec_decode_draft_skipped_total", worker="w2") == 3
+    assert value(samples, "nalar:spec_decode_remote_calls_total", worker="w2") == 5
+    assert ("nalar:spec_decode_draft_timeouts_total", (("worker", "w1"),)) not in samples
+    assert value(samples, "nalar:metrics_workers_answered") == 2
 
 
 class FakeBroadcast:
@@ -97,8 +148,8 @@ def test_a_late_worker_is_skipped_and_the_scrape_succeeds():
     assert handle.calls == ["engine_stats"]
     assert [w["worker_id"] for w in scrape.workers] == ["w1"] and scrape.skipped == 1
     samples = parse(generate_latest(build_registry(lambda: scrape)).decode())
-    assert value(samples, "nalar_metrics_workers_skipped") == 1
-    assert value(samples, "nalar_engine_steps_total", worker="w1") == 20
+    assert value(samples, "nalar:metrics_workers_skipped") == 1
+    assert value(samples, "nalar:engine_steps_total", worker="w1") == 20
 
     nobody = fetch_worker_stats(FakeBroadcast(TimeoutError("no replica")), 0.5)
     assert nobody.workers == [] and nobody.skipped == 0
@@ -120,7 +171,7 @@ async def test_route_serves_prometheus_text_or_404():
         response = await client.get("/metrics")
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
-    assert value(parse(response.text), "nalar_engine_steps_total", worker="w1") == 20
+    assert value(parse(response.text), "nalar:engine_steps_total", worker="w1") == 20
     async with get(SimpleNamespace()) as client:
         missing = await client.get("/metrics")
     assert missing.status_code == 404 and missing.json()["error"]["message"]
@@ -128,10 +179,10 @@ async def test_route_serves_prometheus_text_or_404():
 
 # -- end to end on the session's cluster ------------------------------------------------------
 
-SPEC_TOTALS = {"proposed_tokens": "nalar_spec_proposed_tokens_total",
-               "accepted_tokens": "nalar_spec_accepted_tokens_total",
-               "rejected_tokens": "nalar_spec_rejected_tokens_total",
-               "verification_steps": "nalar_spec_verification_steps_total"}
+PER_POS = "nalar:spec_decode_num_"
+SPEC_TOTALS = {"proposed_tokens": "nalar:spec_decode_num_draft_tokens_total",
+               "accepted_tokens": "nalar:spec_decode_num_accepted_tokens_total",
+               "verification_steps": "nalar:spec_decode_num_drafts_total"}
 
 
 async def scrape(client: httpx.AsyncClient) -> Samples:
@@ -142,7 +193,7 @@ async def scrape(client: httpx.AsyncClient) -> Samples:
 
 def workers_in(samples: Samples) -> set[str]:
     return {dict(labels)["worker"] for name, labels in samples
-            if name == "nalar_engine_steps_total"}
+            if name == "nalar:engine_steps_total"}
 
 
 async def idle_scrape(client: httpx.AsyncClient, num_workers: int) -> Samples:
@@ -151,7 +202,7 @@ async def idle_scrape(client: httpx.AsyncClient, num_workers: int) -> Samples:
     while True:
         samples = await scrape(client)
         workers = workers_in(samples)
-        busy = sum(value(samples, f"nalar_requests_{state}", worker=w)
+        busy = sum(value(samples, f"nalar:num_requests_{state}", worker=w)
                    for w in workers for state in ("running", "waiting"))
         if len(workers) == num_workers and not busy or time.monotonic() > deadline:
             assert len(workers) == num_workers and not busy, samples
@@ -185,22 +236,60 @@ async def test_spec_counters_equal_the_responses_usage(cluster):
             for key, name in SPEC_TOTALS.items():
                 assert delta(after, before, name, worker=served) == usage[key], name
             for k, steps in usage["k_decisions"].items():
-                assert delta(after, before, "nalar_spec_k_decisions_total", worker=served,
+                assert delta(after, before, "nalar:spec_decode_k_decisions_total", worker=served,
                              k=str(k)) == steps
             for position, rate in enumerate(usage["acceptance_by_position"]):
                 labels = {"worker": served, "position": str(position)}
-                proposed = delta(after, before, "nalar_spec_proposed_by_position_total",
-                                 **labels)
-                accepted = delta(after, before, "nalar_spec_accepted_by_position_total",
+                proposed = delta(after, before, f"{PER_POS}draft_tokens_per_pos_total", **labels)
+                accepted = delta(after, before, f"{PER_POS}accepted_tokens_per_pos_total",
                                  **labels)
                 assert accepted / proposed == pytest.approx(rate)
-            assert delta(after, before, "nalar_spec_verify_seconds_total",
+            assert delta(after, before, "nalar:spec_decode_verify_seconds_total",
                          worker=served) == pytest.approx(usage["verify_s"], rel=1e-6)
-            draft_s = delta(after, before, "nalar_spec_draft_seconds_total", worker=served)
+            draft_s = delta(after, before, "nalar:spec_decode_draft_seconds_total", worker=served)
             assert draft_s == pytest.approx(usage["draft_s"], rel=1e-6)
-            assert delta(after, before, "nalar_spec_draft_calls_total", worker=served) > 0
+            assert delta(after, before, "nalar:spec_decode_draft_calls_total", worker=served) > 0
             for other in workers_in(after) - {served}:
-                assert delta(after, before, "nalar_spec_proposed_tokens_total",
+                assert delta(after, before, "nalar:spec_decode_num_draft_tokens_total",
                              worker=other) == 0
-                assert delta(after, before, "nalar_decode_tokens_total", worker=other) == 0
-            assert value(after, "nalar_metrics_workers_skipped") == 0
+                assert delta(after, before, "nalar:computed_decode_tokens_total", worker=other) == 0
+            assert value(after, "nalar:metrics_workers_skipped") == 0
+
+
+LATENCY_HISTOGRAMS = ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                      "request_queue_time_seconds", "request_prefill_time_seconds",
+                      "request_decode_time_seconds")
+
+
+async def test_token_counters_and_histograms_follow_the_requests(cluster):
+    """Four completions of different lengths at once: per worker, prompt and generation
+    tokens move by the usage of the requests it served, each latency histogram counts each
+    request once, and ITL counts at most one observation per token after the first."""
+    async with httpx.AsyncClient(base_url=cluster.base_url) as client:
+        before = await idle_scrape(client, cluster.config.num_workers)
+        bodies = [{"prompt": f"Count to {n}: one, two,", "max_tokens": n, "temperature": 0,
+                   "ignore_eos": True} for n in (3, 5, 8, 13)]
+        responses = await asyncio.gather(*(client.post("/v1/completions", json=body,
+                                                       timeout=120) for body in bodies))
+        after = await idle_scrape(client, cluster.config.num_workers)
+    served: dict[str, list[dict]] = {}
+    for response in responses:
+        assert response.status_code == 200, response.text
+        served.setdefault(response.headers["x-nalar-worker"], []).append(
+            response.json()["usage"])
+    for worker in workers_in(after):
+        usages = served.get(worker, [])
+        assert delta(after, before, "nalar:prompt_tokens_total", worker=worker) == sum(
+            u["prompt_tokens"] for u in usages)
+        generated = sum(u["completion_tokens"] for u in usages)
+        assert delta(after, before, "nalar:generation_tokens_total", worker=worker) == generated
+        for name in LATENCY_HISTOGRAMS:
+            assert delta(after, before, f"nalar:{name}_count", worker=worker) == len(usages)
+            assert delta(after, before, f"nalar:{name}_bucket", worker=worker,
+                         le="+Inf") == len(usages)
+        itl = delta(after, before, "nalar:inter_token_latency_seconds_count", worker=worker)
+        assert (itl > 0 if usages else itl == 0) and itl <= generated - len(usages)
+        buckets = [v for (name, labels), v in after.items()
+                   if name == "nalar:time_to_first_token_seconds_bucket"
+                   and dict(labels)["worker"] == worker]
+        assert buckets == sorted(buckets)
