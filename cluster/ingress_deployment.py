@@ -4,6 +4,7 @@ handle whose requests the prefix-aware router places."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -12,10 +13,13 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from cluster.config import ClusterConfig
+from cluster.config import INDEX_ACTOR_NAMESPACE, ClusterConfig
+from cluster.dashboard import Dashboard, dashboard_router
 from cluster.metrics import SCRAPE_TIMEOUT_S, build_registry, fetch_worker_stats
 from router.errors import OverloadedError
+from router.index import make_index
 from router.openai_app import build_openai_app
+from router.routing.telemetry import TELEMETRY
 from workers.identity import AdapterRef, CacheIdentity, CacheNamespace
 from workers.model_loader import load_tokenizer
 from workers.request import GenerationChunk, GenerationRequest
@@ -41,7 +45,9 @@ class NalarIngress:
     The identity and tokenizer come from a worker at start-up, so the ingress tokenizes and
     hashes exactly as the workers do (all replicas of one deployment share them).
     ``metrics_registry`` is what ``GET /metrics`` renders: at each scrape it asks every worker
-    replica for its engine stats (``cluster.metrics``).
+    replica for its engine stats (``cluster.metrics``), plus the router's telemetry.
+    ``dashboard`` feeds ``GET /dashboard`` (``cluster.dashboard``); every stream through
+    :meth:`generate` adds its TTFT and ITL to it.
 
     Args:
         workers: handle to the worker deployment.
@@ -58,11 +64,19 @@ class NalarIngress:
         source = Path(description["source_path"])
         # Same machine: read the worker's converted copy; elsewhere, resolve the source again.
         self.tokenizer = load_tokenizer(str(source) if source.is_dir() else config.model)
-        self.metrics_registry = build_registry(
-            lambda: fetch_worker_stats(self.workers, SCRAPE_TIMEOUT_S))
+        fetch = functools.partial(fetch_worker_stats, workers, SCRAPE_TIMEOUT_S)
+        self.metrics_registry = build_registry(fetch)
+        self.metrics_registry.register(TELEMETRY)
+        # The dashboard's own view of the index (entries, age of the last event).
+        self.index = make_index(config.redis_url, config.key_prefix, config.worker_ttl_s,
+                                config.index_actor_name, actor_namespace=INDEX_ACTOR_NAMESPACE)
+        self.dashboard = Dashboard(fetch, self.served_model_name, TELEMETRY,
+                                   lambda: self.index.stats(self.identity.model_key))
 
     def __serve_build_asgi_app__(self):
-        return build_openai_app(self)
+        app = build_openai_app(self)
+        app.include_router(dashboard_router(self.dashboard))
+        return app
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Stream a request from whichever worker the router picks; closing cancels it.
@@ -71,9 +85,11 @@ class NalarIngress:
             OverloadedError: the workers' queues are full (mapped to 503 with Retry-After).
         """
         stream = self.workers.options(stream=True).generate.remote(request)
+        timer = self.dashboard.timer()
         finished = False
         try:
             async for chunk in stream:
+                timer.chunk(len(chunk.token_ids))
                 finished = chunk.is_last
                 yield chunk
         except BackPressureError as exc:

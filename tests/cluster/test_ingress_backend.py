@@ -8,7 +8,9 @@ from types import SimpleNamespace
 import pytest
 from ray.serve.exceptions import BackPressureError
 
+from cluster.dashboard import Dashboard
 from cluster.ingress_deployment import NalarIngress
+from cluster.metrics import WorkerScrape
 from router.errors import OverloadedError
 from workers.request import GenerationChunk, GenerationRequest
 
@@ -42,7 +44,7 @@ class FakeStream:
 def ingress_over(stream: FakeStream) -> SimpleNamespace:
     method = SimpleNamespace(remote=lambda request: stream)
     handle = SimpleNamespace(options=lambda stream: SimpleNamespace(generate=method))
-    return SimpleNamespace(workers=handle)
+    return SimpleNamespace(workers=handle, dashboard=Dashboard(WorkerScrape, "m"))
 
 
 def chunk(finish: str | None = None) -> GenerationChunk:
