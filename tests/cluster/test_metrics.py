@@ -6,7 +6,10 @@ reports (committed tokens only, case S6)."""
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -16,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.metrics import WorkerScrape, build_registry, fetch_worker_stats
 from router.openai_app import build_openai_app
-from workers.request_metrics import TTFT, TTFT_BUCKETS, Histogram
+from router.routing.telemetry import RoutingDecision, RoutingTelemetry
+from workers.request_metrics import HISTOGRAM_BOUNDS, TTFT, TTFT_BUCKETS, Histogram
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -293,3 +297,63 @@ async def test_token_counters_and_histograms_follow_the_requests(cluster):
                    if name == "nalar:time_to_first_token_seconds_bucket"
                    and dict(labels)["worker"] == worker]
         assert buckets == sorted(buckets)
+
+
+# -- the Grafana dashboard reads only what the server exports ---------------------------------
+
+GRAFANA = Path(__file__).parents[2] / "k8s" / "grafana" / "nalar-dashboard.json"
+METRIC = re.compile(r"\bnalar:[A-Za-z0-9_:]+")
+GROUPING = re.compile(r"\bby \(([^)]*)\)")
+
+
+def exported_series() -> dict[str, set[str]]:
+    """Every sample name the server exports with workers and routing busy -> its label names."""
+    histograms = {}
+    for name, bounds in HISTOGRAM_BOUNDS.items():
+        histogram = Histogram(bounds)
+        histogram.observe(0.2)
+        histograms[name] = histogram.snapshot()
+    registry = build_registry(lambda: WorkerScrape(
+        [{**worker_stats("w1"), "histograms": histograms}], 0, 0.0))
+    telemetry = RoutingTelemetry()
+    telemetry.record(RoutingDecision(0.0, "w1", "prefix", 64, 2, 32, "index_timeout"))
+    telemetry.record_lookup(0.001, ok=True)
+    registry.register(telemetry)
+    series: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for sample in family.samples:
+            series.setdefault(sample.name, set()).update(sample.labels)
+    return series
+
+
+def grafana_queries() -> list[str]:
+    dashboard = json.loads(GRAFANA.read_text())
+    queries = [target["expr"] for panel in dashboard["panels"]
+               for target in panel.get("targets", ())]
+    queries += [variable["definition"] for variable in dashboard["templating"]["list"]
+                if "definition" in variable]
+    return queries
+
+
+def test_grafana_queries_name_only_exported_metrics_and_labels():
+    series = exported_series()
+    queries = grafana_queries()
+    assert len(queries) >= 20
+    for query in queries:
+        names = METRIC.findall(query)
+        assert names, query
+        unknown = [name for name in names if name not in series]
+        assert not unknown, f"{query}: not exported: {unknown}"
+        labels = set().union(*(series[name] for name in names))
+        for grouping in GROUPING.findall(query):
+            wanted = {label.strip() for label in grouping.split(",")}
+            assert wanted <= labels, f"{query}: no label {wanted - labels}"
+    covered = {name for query in queries for name in METRIC.findall(query)}
+    for needed in ("nalar:kv_cache_usage_perc", "nalar:prefix_cache_hits_total",
+                   "nalar:time_to_first_token_seconds_bucket",
+                   "nalar:inter_token_latency_seconds_bucket",
+                   "nalar:e2e_request_latency_seconds_bucket", "nalar:generation_tokens_total",
+                   "nalar:spec_decode_num_accepted_tokens_total",
+                   "nalar:router_decisions_total", "nalar:router_fallbacks_total",
+                   "nalar:index_up"):
+        assert needed in covered, needed
