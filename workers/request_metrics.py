@@ -95,9 +95,8 @@ class RequestMetrics:
 
     Attributes:
         histograms: name (see :data:`HISTOGRAM_BOUNDS`) -> :class:`Histogram`.
-        prompt_tokens: prompt tokens of sequences that produced their first token (cached
-            tokens included, as ``usage.prompt_tokens`` counts them; vLLM's
-            ``prompt_tokens``).
+        prompt_tokens: prompt tokens of requests whose first choice produced its first token
+            (cached tokens included, once per request: as ``usage.prompt_tokens`` counts them).
         generation_tokens: output tokens committed (``usage.completion_tokens`` summed).
 
     Args:
@@ -129,7 +128,8 @@ class RequestMetrics:
         if seq.first_token_at is None:
             seq.first_token_at = now
             self.histograms[TTFT].observe(now - seq.arrived_at)
-            self.prompt_tokens += seq.num_prompt_tokens
+            if seq.choice_index == 0:  # n choices share one prompt, counted once in usage
+                self.prompt_tokens += seq.num_prompt_tokens
         else:
             self.histograms[ITL].observe(now - seq.last_token_at)
         seq.last_token_at = now

@@ -114,3 +114,13 @@ def test_an_aborted_request_has_no_completion_times(timed_engine):
     assert snap[TTFT]["count"] == 1 and snap[ITL]["count"] == 1
     assert all(snap[name]["count"] == 0 for name in (E2E, QUEUE, PREFILL, DECODE))
     assert engine.request_metrics.generation_tokens == 2
+
+
+def test_choices_of_one_request_count_its_prompt_once(timed_engine):
+    engine = timed_engine()
+    request = greedy("n3", 20, 4)
+    request.sampling.n = 3
+    engine.generate([request])
+    metrics = engine.request_metrics
+    assert metrics.prompt_tokens == 20 and metrics.generation_tokens == 12
+    assert metrics.snapshot()[TTFT]["count"] == 3 and metrics.snapshot()[E2E]["count"] == 3
