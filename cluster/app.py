@@ -57,7 +57,8 @@ def build_app(config: ClusterConfig) -> Application:
     workers = serve.deployment(NalarWorker).options(
         name=WORKER_DEPLOYMENT,
         num_replicas=config.num_workers,
-        ray_actor_options={"num_cpus": config.worker_cpus, "num_gpus": config.worker_gpus},
+        ray_actor_options={"num_cpus": config.worker_cpus, "num_gpus": config.worker_gpus,
+                           "resources": config.worker_resources},
         max_ongoing_requests=config.worker_max_ongoing_requests,
         max_queued_requests=config.worker_max_queued_requests,
         request_router_config=router_config(config),

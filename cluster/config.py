@@ -35,6 +35,9 @@ class ClusterConfig(BaseModel):
     ``draft_replicas`` of ``draft_cpus`` CPUs each; a draft call slower than
     ``draft_deadline_s`` gives no proposals for that step.
 
+    ``worker_resources`` are Ray custom resources each worker replica asks for: giving every
+    node one unit of a resource (``{"nalar_target": 1}``) places one worker per node.
+
     ``routing`` is the request-routing policy: ``prefix`` (longest cached prefix weighed
     against load, the default), ``round-robin`` or ``power-of-two`` (the less loaded of two
     random workers), the latter two as baselines to compare against.
@@ -64,6 +67,7 @@ class ClusterConfig(BaseModel):
     worker_cpus: float = Field(0.5, gt=0)
     worker_gpus: float = Field(default_factory=lambda: 1.0 if _has_cuda() else 0.0, ge=0)
     worker_threads: int | None = Field(None, ge=1)
+    worker_resources: dict[str, float] = Field(default_factory=dict)
     worker_max_ongoing_requests: int = Field(128, ge=1)
     worker_max_queued_requests: int = Field(256, ge=1)
     routing: Literal["prefix", "round-robin", "power-of-two"] = "prefix"
