@@ -93,10 +93,17 @@ def worker_share(records: Iterable[RequestRecord]) -> dict[str, float]:
     return {worker: count / total for worker, count in counts.items()}
 
 
-def load_imbalance(records: Iterable[RequestRecord]) -> float | None:
-    """Busiest / least busy worker's successful requests; None with fewer than two workers
-    (a worker that served nothing does not appear, so it is not counted)."""
-    counts = worker_requests(records).values()
+def load_imbalance(records: Iterable[RequestRecord], workers: int | None = None) -> float | None:
+    """Busiest / least busy worker's successful requests.
+
+    Args:
+        workers: how many workers the server has, when known: fewer seen means one served
+            nothing, and the ratio is infinite. Unknown (None), only the workers seen count,
+            and the ratio is None with fewer than two.
+    """
+    counts = list(worker_requests(records).values())
+    if workers is not None and len(counts) < workers:
+        return math.inf
     return max(counts) / min(counts) if len(counts) >= 2 else None
 
 

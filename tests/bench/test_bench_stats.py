@@ -126,3 +126,11 @@ def test_throughput_over_time_spreads_tokens_over_chunks():
     assert series["time_s"] == [0.0, 1.0, 2.0]
     assert series["output_tokens_per_s"] == pytest.approx([2.0, 5.0, 0.0])
     assert series["requests_per_s"] == pytest.approx([0.0, 1.0, 1.0])
+
+
+def test_load_imbalance_counts_idle_workers_when_the_worker_count_is_known(records):
+    from bench.stats import load_imbalance
+    assert load_imbalance(records) == pytest.approx(2.0)  # a: 2, b: 1, unknown: 1
+    assert load_imbalance(records, workers=3) == pytest.approx(2.0)
+    assert load_imbalance(records, workers=4) == math.inf  # one of four served nothing
+    assert load_imbalance(records[:1]) is None

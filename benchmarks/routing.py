@@ -1,0 +1,221 @@
+"""Routing benchmark: prefix-aware routing against round-robin and power-of-two choices.
+
+Each routing policy serves the same ``nalar bench`` workload on a fresh cluster (``--workers``
+replicas, the real Redis index under a fresh key prefix, the application deleted and started
+again between runs so every run begins with empty caches), and so does a single worker: the
+oracle for reuse, since one worker sees every request and can reuse every prefix it still holds.
+Workloads: ``shared-prefix`` (8 tenants, 512-token system prompts, 200 requests) and
+``multi-turn`` (conversations whose history grows turn by turn). Requests ignore EOS, so every
+policy decodes the same tokens.
+
+Per policy and workload the JSON holds the token-weighted prefix reuse ratio, its fraction of
+the oracle's, the busiest / least busy worker ratio of requests served (infinite when a worker
+served none), TTFT p50 and its ratio to round-robin's, and the whole ``nalar bench`` summary.
+Goals (issue 8): prefix routing reaches >= 0.9 of the oracle's reuse, keeps the busiest worker
+<= 1.3x the least busy, and has TTFT p50 <= 0.5x round-robin's.
+
+    .venv/bin/python benchmarks/routing.py [--requests 200] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import uuid
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import redis  # noqa: E402
+
+try:
+    from benchmarks import common
+except ImportError:  # run as a script: benchmarks/ is on sys.path, the repo root is not
+    import common
+
+from bench.report import report  # noqa: E402
+from bench.runner import BenchConfig, LoadConfig, run_benchmark  # noqa: E402
+from bench.stats import load_imbalance  # noqa: E402
+from bench.workloads import WorkloadConfig  # noqa: E402
+
+POLICIES = ("prefix", "round-robin", "power-of-two")
+WORKLOADS = ("shared-prefix", "multi-turn")
+ORACLE = "oracle"
+"""The single-worker run's name among the policies."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common.add_common_args(parser, "routing")
+    parser.add_argument("--workers", type=int, default=2, help="worker replicas per policy")
+    parser.add_argument("--requests", type=int, default=200, help="measured requests per run")
+    parser.add_argument("--tenants", type=int, default=8)
+    parser.add_argument("--prefix-tokens", type=int, default=512,
+                        help="shared-prefix: system prompt tokens per tenant")
+    parser.add_argument("--input-tokens", type=int, default=32, help="tokens per user turn")
+    parser.add_argument("--output-tokens", type=int, default=32, help="tokens per answer")
+    parser.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
+    parser.add_argument("--max-concurrency", type=int, default=8,
+                        help="requests in flight at once")
+    parser.add_argument("--request-rate", type=float, default=float("inf"),
+                        help="Poisson arrivals per second (default: as fast as concurrency "
+                             "allows)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--plot", default=str(common.RESULTS_DIR / "routing.png"))
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.requests, args.tenants, args.prefix_tokens = 12, 3, 64
+        args.input_tokens, args.output_tokens, args.turns = 8, 4, 2
+    return args
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _delete_keys(redis_url: str, prefix: str) -> None:
+    """Deletes this run's index keys (its own prefix only; nothing else is flushed)."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()
+
+
+def run_one(args: argparse.Namespace, workload: str, routing: str, workers: int) -> dict:
+    """One run on a fresh cluster: start it, drive the workload, delete the application."""
+    from ray import serve
+
+    from cluster.app import APP_NAME
+    from cluster.config import ClusterConfig
+    from cluster.runtime import start_cluster
+
+    key_prefix = f"nalar-bench-routing-{uuid.uuid4().hex[:8]}"
+    config = ClusterConfig(model=args.model, dtype=args.dtype, num_workers=workers,
+                           routing=routing, redis_url=args.redis_url, key_prefix=key_prefix,
+                           port=_free_port(), kv_cache_mib=args.kv_cache_mib,
+                           worker_threads=args.threads)
+    common.log(f"{workload}: {routing}, {workers} worker(s), starting")
+    start_cluster(config)
+    try:
+        bench = BenchConfig(
+            base_url=f"http://127.0.0.1:{config.port}", ignore_eos=True, progress=False,
+            workload=WorkloadConfig(name=workload, input_tokens=args.input_tokens,
+                                    output_tokens=args.output_tokens, seed=args.seed,
+                                    tenants=args.tenants, prefix_tokens=args.prefix_tokens,
+                                    tenant_key_prefix=key_prefix, turns=args.turns),
+            load=LoadConfig(request_rate=args.request_rate,
+                            max_concurrency=args.max_concurrency, num_requests=args.requests,
+                            seed=args.seed))
+        result = run_benchmark(bench)
+    finally:
+        serve.delete(APP_NAME)
+        _delete_keys(args.redis_url, key_prefix)
+    summary = result.summary
+    common.log(f"{workload}: {routing}: {summary['completed']} done, {summary['failed']} failed, "
+               f"reuse {summary['prefix_reuse_ratio']}, TTFT p50 {summary['median_ttft_ms']} ms")
+    return {"routing": routing, "workers": workers,
+            "busiest_to_least_busy": load_imbalance(result.records, workers),
+            "bench": report(result)}
+
+
+def figures(runs: dict[str, dict]) -> dict[str, dict[str, Any]]:
+    """Per policy: reuse ratio, fraction of the oracle's, busiest/least busy ratio, TTFT p50
+    and its ratio to round-robin's (None where a figure it needs is missing)."""
+    oracle_reuse = runs[ORACLE]["bench"]["prefix_reuse_ratio"] if ORACLE in runs else None
+    round_robin = runs.get("round-robin", {}).get("bench", {}).get("median_ttft_ms")
+    table = {}
+    for name, run in runs.items():
+        summary = run["bench"]
+        reuse, ttft = summary["prefix_reuse_ratio"], summary["median_ttft_ms"]
+        table[name] = {
+            "prefix_reuse_ratio": reuse,
+            "fraction_of_oracle_reuse": common.ratio(reuse, oracle_reuse),
+            "busiest_to_least_busy": run["busiest_to_least_busy"] if name != ORACLE else None,
+            "ttft_p50_ms": ttft,
+            "ttft_p50_to_round_robin": common.ratio(ttft, round_robin),
+            "completed": summary["completed"], "failed": summary["failed"],
+        }
+    return table
+
+
+def goals(workload: str, table: dict[str, dict]) -> list[dict]:
+    """Issue 8's three goals for prefix routing on one workload."""
+    prefix = table.get("prefix", {})
+    return [common.goal(f"{workload} prefix reuse / oracle",
+                        prefix.get("fraction_of_oracle_reuse"), 0.9),
+            common.goal(f"{workload} prefix busiest / least busy",
+                        prefix.get("busiest_to_least_busy"), 1.3, at_least=False),
+            common.goal(f"{workload} prefix TTFT p50 / round-robin",
+                        prefix.get("ttft_p50_to_round_robin"), 0.5, at_least=False)]
+
+
+def plot(tables: dict[str, dict[str, dict]], path: str | Path) -> Path:
+    """One row per workload: reuse ratio, busiest/least busy ratio and TTFT p50 per policy."""
+    panels = (("prefix_reuse_ratio", "prefix reuse ratio (cached / prompt)", None),
+              ("busiest_to_least_busy", "busiest / least busy worker (requests)", 1.3),
+              ("ttft_p50_ms", "TTFT p50 (ms)", None))
+    figure, axes = plt.subplots(len(tables), len(panels), figsize=(13, 3.8 * len(tables)),
+                                squeeze=False)
+    for row, (workload, table) in enumerate(tables.items()):
+        for column, (key, title, goal_line) in enumerate(panels):
+            axis = axes[row, column]
+            names = [name for name in table if table[name][key] is not None]
+            values = [min(table[name][key], 10.0) for name in names]  # inf drawn as 10
+            axis.bar(names, values, color=["tab:green" if n == "prefix" else "tab:gray"
+                                           for n in names])
+            if goal_line is not None:
+                axis.axhline(goal_line, color="tab:red", linestyle="--", label="goal")
+            axis.set_title(f"{workload}: {title}", fontsize=9)
+            axis.tick_params(axis="x", labelsize=8)
+    figure.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    common.log(f"wrote {path}")
+    return path
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    from cluster.runtime import init_ray, stop_cluster
+
+    init_ray()
+    policies = args.policies.split(",")
+    results: dict[str, Any] = {}
+    tables: dict[str, dict] = {}
+    checks: list[dict] = []
+    try:
+        for workload in args.workloads.split(","):
+            runs = {ORACLE: run_one(args, workload, "prefix", 1)}
+            runs |= {policy: run_one(args, workload, policy, args.workers)
+                     for policy in policies}
+            tables[workload] = figures(runs)
+            checks += goals(workload, tables[workload])
+            results[workload] = {"figures": tables[workload], "runs": runs}
+    finally:
+        stop_cluster()
+    result = {"benchmark": "routing", "machine": common.machine_info(args.dtype),
+              "quick": args.quick,
+              "settings": {key: value for key, value in vars(args).items()
+                           if key not in ("out", "plot")},
+              "workloads": results, "goals": checks}
+    common.log_goals(checks)
+    common.write_json(result, args.out)
+    plot(tables, args.plot)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""benchmarks/routing.py's figures and goals, on made-up runs with known answers (the
+benchmark itself needs a quiet machine and minutes; it is not run here)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks import routing  # noqa: E402
+
+
+def _run(reuse, ttft_ms, imbalance):
+    return {"busiest_to_least_busy": imbalance,
+            "bench": {"prefix_reuse_ratio": reuse, "median_ttft_ms": ttft_ms,
+                      "completed": 10, "failed": 0}}
+
+
+def test_figures_and_goals(tmp_path):
+    runs = {routing.ORACLE: _run(0.8, 100.0, None), "prefix": _run(0.76, 80.0, 1.2),
+            "round-robin": _run(0.4, 200.0, 1.0), "power-of-two": _run(0.42, 190.0, math.inf)}
+    table = routing.figures(runs)
+    assert table["prefix"]["fraction_of_oracle_reuse"] == pytest.approx(0.95)
+    assert table["prefix"]["ttft_p50_to_round_robin"] == pytest.approx(0.4)
+    assert table["round-robin"]["ttft_p50_to_round_robin"] == pytest.approx(1.0)
+    assert table["power-of-two"]["busiest_to_least_busy"] == math.inf
+    assert table[routing.ORACLE]["busiest_to_least_busy"] is None
+    checks = routing.goals("shared-prefix", table)
+    assert [check["met"] for check in checks] == [True, True, True]
+    runs["prefix"] = _run(0.7, 120.0, 1.5)
+    checks = routing.goals("shared-prefix", routing.figures(runs))
+    assert [check["met"] for check in checks] == [False, False, False]
+    png = routing.plot({"shared-prefix": table}, tmp_path / "routing.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
