@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -84,6 +85,7 @@ class NalarWorker:
         loaded = self.engine.loaded
         return {
             "worker_id": self.worker_id,
+            "node_id": ray.get_runtime_context().get_node_id(),
             "identity": dataclasses.asdict(self.identity),
             "served_name": loaded.served_name,
             "source_path": str(loaded.source_path),
