@@ -43,7 +43,8 @@ async def test_stream_usage_and_worker_header(stub, endpoint):
     assert record.http_status == 200
     assert record.output_text == "w0 w1 w2 w3 w4 "
     assert record.completion_tokens == 5
-    assert len(record.itl_s) == 4 and all(gap > 0 for gap in record.itl_s)
+    assert len(record.itl_s) == 4  # five chunks
+    assert record.ttft_s + sum(record.itl_s) <= record.e2e_s
     assert 0 < record.ttft_s <= record.e2e_s
     assert record.worker in ("stub-0", "stub-1")
     assert record.usage_reported
