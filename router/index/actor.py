@@ -11,12 +11,13 @@ lossy by contract, so workers repopulate it (see :mod:`router.index.base`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import ray
 from ray.exceptions import RayActorError
 
-from router.index.base import DigestIndex, IndexUnavailableError
+from router.index.base import DigestIndex, IndexStats, IndexUnavailableError
 from router.index.memory import MemoryIndex
 
 
@@ -27,16 +28,19 @@ class _IndexActor:
     def __init__(self, worker_ttl_s: float) -> None:
         self._index = MemoryIndex(worker_ttl_s)
 
-    async def publish(self, model_key: str, worker_id: str, payload: bytes) -> None:
-        await self._index.publish(model_key, worker_id, payload)
+    async def publish(self, model_key: str, worker_id: str, payload: bytes) -> bool:
+        return await self._index.publish(model_key, worker_id, payload)
 
-    async def heartbeat(self, model_key: str, worker_id: str) -> None:
-        await self._index.heartbeat(model_key, worker_id)
+    async def heartbeat(self, model_key: str, worker_id: str) -> bool:
+        return await self._index.heartbeat(model_key, worker_id)
 
     async def match(
         self, model_key: str, digests: list[bytes], worker_ids: list[str]
     ) -> dict[str, int]:
         return await self._index.match(model_key, digests, worker_ids)
+
+    async def stats(self, model_key: str) -> IndexStats:
+        return await self._index.stats(model_key)
 
     async def forget(self, model_key: str, worker_id: str) -> None:
         await self._index.forget(model_key, worker_id)
@@ -82,19 +86,23 @@ class ActorIndex(DigestIndex):
         self._timeout = call_timeout_s
         self._handle: Any = None
 
-    async def publish(self, model_key: str, worker_id: str, payload: bytes) -> None:
+    async def publish(self, model_key: str, worker_id: str, payload: bytes) -> bool:
         """See :meth:`DigestIndex.publish`. Raises ValueError on a malformed payload."""
-        await self._call("publish", model_key, worker_id, payload)
+        return await self._call("publish", model_key, worker_id, payload)
 
-    async def heartbeat(self, model_key: str, worker_id: str) -> None:
+    async def heartbeat(self, model_key: str, worker_id: str) -> bool:
         """See :meth:`DigestIndex.heartbeat`."""
-        await self._call("heartbeat", model_key, worker_id)
+        return await self._call("heartbeat", model_key, worker_id)
 
     async def match(
         self, model_key: str, digests: list[bytes], worker_ids: list[str]
     ) -> dict[str, int]:
         """See :meth:`DigestIndex.match`: one actor call for the whole chain."""
         return await self._call("match", model_key, list(digests), list(worker_ids))
+
+    async def stats(self, model_key: str) -> IndexStats:
+        """See :meth:`DigestIndex.stats`: the hosted index's figures, under backend "actor"."""
+        return dataclasses.replace(await self._call("stats", model_key), backend="actor")
 
     async def forget(self, model_key: str, worker_id: str) -> None:
         """See :meth:`DigestIndex.forget`."""

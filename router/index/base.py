@@ -21,13 +21,17 @@ Semantics shared by every backend:
   not heard from for that long is never credited again, and its entries are deleted, so a dead
   worker stops costing memory within one TTL (case R2). ``forget`` drops them at once.
 * Events are lossy: a worker that failed to publish should republish its whole state as one
-  batch, ``[cleared, stored(all digests)]``, once the index answers again (case R7).
+  batch, ``[cleared, stored(all digests)]``, once the index answers again (case R7). The same
+  holds when a publish or heartbeat reports that the worker's entry was missing (the index
+  restarted empty, or the entry expired): both return whether it existed, so the worker knows.
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
 
 from workers.identity import DIGEST_SIZE
 from workers.kv_events import KVEvent, decode_events
@@ -64,6 +68,24 @@ def decode_batch(payload: bytes) -> list[KVEvent]:
     return events
 
 
+@dataclass(frozen=True)
+class IndexStats:
+    """What the index holds for one model, for the dashboard and ``/metrics``.
+
+    Attributes:
+        backend: ``"redis"``, ``"memory"`` or ``"actor"``.
+        workers: workers with a live entry (a non-empty, unexpired digest set).
+        digests: digests held across those workers (a digest two workers hold counts twice).
+        last_event_age_s: seconds since any worker last published or sent a heartbeat for this
+            model; ``None`` if none ever did.
+    """
+
+    backend: Literal["redis", "memory", "actor"]
+    workers: int
+    digests: int
+    last_event_age_s: float | None
+
+
 def leading_hits(held: Iterable[object]) -> int:
     """Number of leading truthy flags: how many blocks of the chain match before the first miss."""
     count = 0
@@ -82,7 +104,7 @@ class DigestIndex(abc.ABC):
     """
 
     @abc.abstractmethod
-    async def publish(self, model_key: str, worker_id: str, payload: bytes) -> None:
+    async def publish(self, model_key: str, worker_id: str, payload: bytes) -> bool:
         """Apply one event batch of a worker, in order, and refresh its liveness.
 
         A worker must publish its batches one at a time, in the order its cache changed
@@ -93,15 +115,24 @@ class DigestIndex(abc.ABC):
             worker_id: stable id of the worker replica (e.g. its Ray Serve replica id).
             payload: msgpack batch from :func:`workers.kv_events.encode_events`.
 
+        Returns:
+            Whether the worker had a live entry before this batch. ``False`` while the worker
+            holds digests means the index lost them (restarted empty, or they expired): the
+            worker should resync its whole state.
+
         Raises:
             ValueError: the payload is malformed; the index is left unchanged.
         """
 
     @abc.abstractmethod
-    async def heartbeat(self, model_key: str, worker_id: str) -> None:
+    async def heartbeat(self, model_key: str, worker_id: str) -> bool:
         """Refresh a worker's liveness for another ``worker_ttl_s`` seconds.
 
-        A worker with no entries has nothing to keep alive, so this is then a no-op.
+        A worker with no entries has nothing to keep alive, so this then changes no entry.
+
+        Returns:
+            Whether the worker had a live entry (and it was refreshed). ``False`` while the
+            worker holds digests means the index lost them: the worker should resync.
         """
 
     @abc.abstractmethod
@@ -120,6 +151,10 @@ class DigestIndex(abc.ABC):
             and not ``digests[n]``; 0 for a worker with no live entries. Multiply by the block
             size to get cached tokens.
         """
+
+    @abc.abstractmethod
+    async def stats(self, model_key: str) -> IndexStats:
+        """What the index holds for ``model_key`` now (cost: O(workers of that model))."""
 
     @abc.abstractmethod
     async def forget(self, model_key: str, worker_id: str) -> None:

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from router.index.base import DigestIndex, decode_batch, leading_hits
+from router.index.base import DigestIndex, IndexStats, decode_batch, leading_hits
 
 
 @dataclass
@@ -37,14 +37,16 @@ class MemoryIndex(DigestIndex):
         self._ttl = float(worker_ttl_s)
         self._clock = clock
         self._entries: dict[tuple[str, str], _Entry] = {}
+        self._last_event: dict[str, float] = {}  # model key -> clock time of its last write
         # A lower bound of the earliest expiry, so most calls skip the purge scan. Refreshes only
         # push expiries later, so the bound stays valid until the next scan recomputes it.
         self._next_purge = math.inf
 
-    async def publish(self, model_key: str, worker_id: str, payload: bytes) -> None:
+    async def publish(self, model_key: str, worker_id: str, payload: bytes) -> bool:
         """See :meth:`DigestIndex.publish`. Raises ValueError on a malformed payload."""
         events = decode_batch(payload)  # validate everything before touching state
         now = self._tick()
+        self._last_event[model_key] = now
         key = (model_key, worker_id)
         entry = self._entries.get(key)
         digests = entry.digests if entry else set()
@@ -56,13 +58,17 @@ class MemoryIndex(DigestIndex):
             else:
                 digests.clear()
         self._put(key, digests, now)
+        return entry is not None
 
-    async def heartbeat(self, model_key: str, worker_id: str) -> None:
+    async def heartbeat(self, model_key: str, worker_id: str) -> bool:
         """See :meth:`DigestIndex.heartbeat`."""
         now = self._tick()
+        self._last_event[model_key] = now
         entry = self._entries.get((model_key, worker_id))
-        if entry is not None:
-            entry.expires_at = now + self._ttl
+        if entry is None:
+            return False
+        entry.expires_at = now + self._ttl
+        return True
 
     async def match(
         self, model_key: str, digests: list[bytes], worker_ids: list[str]
@@ -76,6 +82,13 @@ class MemoryIndex(DigestIndex):
             result[worker_id] = leading_hits(digest in held for digest in digests)
         return result
 
+    async def stats(self, model_key: str) -> IndexStats:
+        """See :meth:`DigestIndex.stats` (scans every entry: O(workers of all models))."""
+        now = self._tick()
+        sizes = [len(e.digests) for (model, _), e in self._entries.items() if model == model_key]
+        last = self._last_event.get(model_key)
+        return IndexStats("memory", len(sizes), sum(sizes), None if last is None else now - last)
+
     async def forget(self, model_key: str, worker_id: str) -> None:
         """See :meth:`DigestIndex.forget`."""
         self._entries.pop((model_key, worker_id), None)
@@ -83,6 +96,7 @@ class MemoryIndex(DigestIndex):
     async def close(self) -> None:
         """Drop every entry."""
         self._entries.clear()
+        self._last_event.clear()
 
     def entry_count(self) -> int:
         """Live (model key, worker) entries held, after purging expired ones (for metrics)."""

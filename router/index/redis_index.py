@@ -1,8 +1,15 @@
 """Redis digest index: one SET of binary digests per (model key, worker), with a TTL.
 
-Layout: ``{key_prefix}:{model_key}:w:{worker_id}`` is a SET of 32-byte digests whose expiry is
-pushed to ``worker_ttl_s`` on every publish and heartbeat, so a dead worker's key vanishes on its
-own within one TTL (case R2) and Redis memory stays bounded by the live workers.
+Layout, under ``{key_prefix}:{model_key}``:
+
+* ``:w:{worker_id}``: a SET of 32-byte digests whose expiry is pushed to ``worker_ttl_s`` on
+  every publish and heartbeat, so a dead worker's key vanishes on its own within one TTL (case
+  R2) and Redis memory stays bounded by the live workers.
+* ``:workers``: a ZSET of the workers with entries, scored by their last write (ms, Redis
+  server time); pruned of silent ones at every write, so :meth:`RedisIndex.stats` visits only
+  the live workers (O(workers), never a SCAN of the keyspace).
+* ``:last``: the time (ms, Redis server time) of the model's last publish or heartbeat, for
+  ``last_event_age_s``; server time, so workers' and readers' clocks never need to agree.
 
 A publish is one EVALSHA: the script decodes the msgpack batch with Redis's bundled ``cmsgpack``,
 validates all of it, then applies it (stored→SADD, removed→SREM, cleared→DEL) and sets the TTL,
@@ -25,15 +32,50 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 from redis.retry import Retry
 
-from router.index.base import DigestIndex, IndexUnavailableError, decode_batch, leading_hits
+from router.index.base import (
+    DigestIndex,
+    IndexStats,
+    IndexUnavailableError,
+    decode_batch,
+    leading_hits,
+)
 from workers.identity import DIGEST_SIZE
 
 _BAD_BATCH = "BADBATCH"
 
-# KEYS[1]: the worker's SET. ARGV[1]: msgpack batch (raw format), ARGV[2]: TTL in ms,
-# ARGV[3]: digest size in bytes. Validates the whole batch before the first write, so a bad
-# batch leaves the SET as it was.
-_APPLY_LUA = """
+LAST_EVENT_TTL_MS = 24 * 3600 * 1000
+"""How long a model's ``:last`` key outlives its last write: a day of silence reads as never."""
+
+# Shared by both scripts: refresh the worker's TTL, registry score and the model's last-event
+# time; returns 1 when the worker's SET exists. KEYS[1]: the worker's SET, KEYS[2]: the model's
+# worker registry, KEYS[3]: the model's last-event time.
+_TOUCH_LUA = f"""
+local function touch(worker, ttl)
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local exists = redis.call('PEXPIRE', KEYS[1], ttl)
+  if exists == 1 then
+    redis.call('ZADD', KEYS[2], now, worker)
+  else
+    redis.call('ZREM', KEYS[2], worker)
+  end
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - ttl)
+  redis.call('PEXPIRE', KEYS[2], ttl)
+  redis.call('SET', KEYS[3], now, 'PX', {LAST_EVENT_TTL_MS})
+  return exists
+end
+"""
+
+# ARGV[1]: worker id, ARGV[2]: TTL in ms. Returns 1 when the worker had an entry (now
+# refreshed), else 0.
+_HEARTBEAT_LUA = _TOUCH_LUA + """
+return touch(ARGV[1], tonumber(ARGV[2]))
+"""
+
+# ARGV[1]: msgpack batch (raw format), ARGV[2]: TTL in ms, ARGV[3]: digest size in bytes,
+# ARGV[4]: worker id. Validates the whole batch before the first write, so a bad batch leaves
+# the SET as it was. Returns 1 when the worker had an entry before the batch, else 0.
+_APPLY_LUA = _TOUCH_LUA + """
 local function is_array(t)
   if type(t) ~= 'table' then return false end
   local n = 0
@@ -64,6 +106,7 @@ for i = 1, #batch do
 end
 
 local key, chunk = KEYS[1], 1000  -- chunked: Lua's unpack() is limited to a few thousand values
+local existed = redis.call('EXISTS', key)
 for i = 1, #batch do
   local kind, digests = batch[i][1], batch[i][2]
   if kind == 'cleared' then
@@ -75,8 +118,8 @@ for i = 1, #batch do
     end
   end
 end
-redis.call('PEXPIRE', key, ARGV[2])
-return 1
+touch(ARGV[4], tonumber(ARGV[2]))
+return existed
 """
 
 
@@ -113,21 +156,29 @@ class RedisIndex(DigestIndex):
             retry=Retry(NoBackoff(), 1),
         )
         self._apply_script = self._client.register_script(_APPLY_LUA)
+        self._heartbeat_script = self._client.register_script(_HEARTBEAT_LUA)
 
     def worker_key(self, model_key: str, worker_id: str) -> str:
         """Redis key of a worker's digest SET."""
         return f"{self._prefix}:{model_key}:w:{worker_id}"
 
-    async def publish(self, model_key: str, worker_id: str, payload: bytes) -> None:
+    def _model_keys(self, model_key: str, worker_id: str) -> list[str]:
+        """KEYS of both scripts: the worker's SET, the model's registry and last-event time."""
+        model = f"{self._prefix}:{model_key}"
+        return [self.worker_key(model_key, worker_id), f"{model}:workers", f"{model}:last"]
+
+    async def publish(self, model_key: str, worker_id: str, payload: bytes) -> bool:
         """See :meth:`DigestIndex.publish`. Raises ValueError on a malformed payload."""
         events = decode_batch(payload)
         raw = msgpack.packb([[e.kind, e.digests] for e in events], use_bin_type=False)
-        await self._apply(model_key, worker_id, raw)
+        return await self._apply(model_key, worker_id, raw)
 
-    async def heartbeat(self, model_key: str, worker_id: str) -> None:
+    async def heartbeat(self, model_key: str, worker_id: str) -> bool:
         """See :meth:`DigestIndex.heartbeat` (PEXPIRE; a missing key stays missing)."""
         async with _redis_errors():
-            await self._client.pexpire(self.worker_key(model_key, worker_id), self._ttl_ms)
+            existed = await self._heartbeat_script(
+                keys=self._model_keys(model_key, worker_id), args=[worker_id, self._ttl_ms])
+        return existed == 1
 
     async def match(
         self, model_key: str, digests: list[bytes], worker_ids: list[str]
@@ -142,24 +193,47 @@ class RedisIndex(DigestIndex):
             replies = await pipe.execute()
         return {w: leading_hits(flags) for w, flags in zip(worker_ids, replies, strict=True)}
 
+    async def stats(self, model_key: str) -> IndexStats:
+        """See :meth:`DigestIndex.stats`: two round trips, the second one SCARD per worker."""
+        _, registry, last = self._model_keys(model_key, "")
+        async with _redis_errors():
+            pipe = self._client.pipeline(transaction=False)
+            pipe.time()
+            pipe.get(last)
+            pipe.zrange(registry, 0, -1)
+            (seconds, micros), last_ms, workers = await pipe.execute()
+            pipe = self._client.pipeline(transaction=False)
+            for worker in workers:
+                pipe.scard(self.worker_key(model_key, worker.decode()))
+            sizes = [size for size in await pipe.execute() if size]
+        age = None if last_ms is None else max(0.0, seconds + micros / 1e6 - int(last_ms) / 1000)
+        return IndexStats("redis", len(sizes), sum(sizes), age)
+
     async def forget(self, model_key: str, worker_id: str) -> None:
         """See :meth:`DigestIndex.forget`."""
+        key, registry, _ = self._model_keys(model_key, worker_id)
         async with _redis_errors():
-            await self._client.delete(self.worker_key(model_key, worker_id))
+            pipe = self._client.pipeline(transaction=False)
+            pipe.delete(key)
+            pipe.zrem(registry, worker_id)
+            await pipe.execute()
 
     async def close(self) -> None:
         """Close the connection pool."""
         await self._client.aclose()
 
-    async def _apply(self, model_key: str, worker_id: str, raw_batch: bytes) -> None:
-        """Run the apply script on a raw-format msgpack batch (validated again in Lua).
+    async def _apply(self, model_key: str, worker_id: str, raw_batch: bytes) -> bool:
+        """Run the apply script on a raw-format msgpack batch (validated again in Lua);
+        returns whether the worker had an entry before it.
 
         Raises:
             ValueError: the script rejected the batch; nothing was written.
         """
-        key = self.worker_key(model_key, worker_id)
         async with _redis_errors():
-            await self._apply_script(keys=[key], args=[raw_batch, self._ttl_ms, DIGEST_SIZE])
+            existed = await self._apply_script(
+                keys=self._model_keys(model_key, worker_id),
+                args=[raw_batch, self._ttl_ms, DIGEST_SIZE, worker_id])
+        return existed == 1
 
 
 @contextlib.asynccontextmanager

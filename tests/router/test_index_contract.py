@@ -13,7 +13,7 @@ import msgpack
 import pytest
 import redis
 
-from router.index import DigestIndex, IndexUnavailableError, MemoryIndex, make_index
+from router.index import DigestIndex, IndexStats, IndexUnavailableError, MemoryIndex, make_index
 from router.index.redis_index import RedisIndex
 from workers.kv_events import KVEvent, encode_events
 
@@ -65,6 +65,7 @@ class FakeClock:
 class MemoryBackend:
     """MemoryIndex on a fake clock: time passes in steps of a quarter TTL."""
 
+    name = "memory"
     short_ttl_s = 30.0
     max_ticks = 10
 
@@ -88,6 +89,7 @@ class MemoryBackend:
 class RedisBackend:
     """RedisIndex under a per-test key prefix: real time, polled every 50 ms (10 s deadline)."""
 
+    name = "redis"
     short_ttl_s = 1.0
     max_ticks = 200
 
@@ -199,6 +201,10 @@ async def test_r2_dead_worker_expires_and_frees_its_key(
 
         result = await index.match(model_key, chain(4), ["A", "B", "C"])
         assert result == {"A": 0, "B": 4, "C": 4}
+        assert (await index.stats(model_key)).workers == 2
+        # A heartbeat after the expiry refreshes nothing and says so: A must resync.
+        assert await index.heartbeat(model_key, "A") is False
+        assert await index.match(model_key, chain(4), ["A"]) == {"A": 0}
 
         # A comes back empty under the same id: only what it publishes now counts.
         await index.publish(model_key, "A", batch(stored(h(9))))
@@ -240,6 +246,95 @@ async def test_heartbeat_of_unknown_worker_creates_nothing(
 
     assert await index.match(model_key, chain(1), ["A"]) == {"A": 0}
     assert await backend.stored_entries(model_key) == 0
+
+
+async def test_heartbeat_and_publish_report_whether_the_entry_existed(
+    index: DigestIndex, model_key: str
+) -> None:
+    assert await index.heartbeat(model_key, "A") is False  # never published
+    assert await index.publish(model_key, "A", batch(stored(h(1)))) is False  # created now
+    assert await index.heartbeat(model_key, "A") is True
+    assert await index.publish(model_key, "A", batch(stored(h(2)))) is True
+
+    await index.forget(model_key, "A")  # as if the index had restarted empty
+    assert await index.heartbeat(model_key, "A") is False
+    assert await index.publish(model_key, "A", batch(stored(h(3)))) is False
+
+    assert await index.publish(model_key, "A", batch(cleared())) is True
+    assert await index.heartbeat(model_key, "A") is False  # an empty set is no entry
+    assert await index.match(model_key, [h(3)], ["A"]) == {"A": 0}
+
+
+async def test_stats_count_live_workers_and_their_digests(
+    backend: MemoryBackend | RedisBackend, index: DigestIndex, model_key: str
+) -> None:
+    assert await index.stats(model_key) == IndexStats(backend.name, 0, 0, None)
+
+    await index.publish(model_key, "A", batch(stored(*chain(4))))
+    await index.publish(model_key, "B", batch(stored(h(1), h(2))))
+    await index.publish(model_key, "C", batch(stored(h(1)), cleared()))  # holds nothing
+    await index.publish(uuid.uuid4().hex, "D", batch(stored(*chain(8))))  # another model
+
+    stats = await index.stats(model_key)
+    assert (stats.backend, stats.workers, stats.digests) == (backend.name, 2, 6)
+    assert stats.last_event_age_s is not None and 0.0 <= stats.last_event_age_s < 1.0
+
+    await index.publish(model_key, "A", batch(removed(h(4))))
+    await index.forget(model_key, "B")
+    stats = await index.stats(model_key)
+    assert (stats.workers, stats.digests) == (1, 3)
+
+
+async def test_stats_age_of_the_last_publish_or_heartbeat(model_key: str) -> None:
+    clock = FakeClock()
+    index = MemoryIndex(30.0, clock=clock)
+    await index.publish(model_key, "A", batch(stored(h(1))))
+    clock.advance(7.5)
+    assert (await index.stats(model_key)).last_event_age_s == 7.5
+
+    await index.heartbeat(model_key, "B")  # a heartbeat counts, even one that finds no entry
+    clock.advance(2.0)
+    assert await index.stats(model_key) == IndexStats("memory", 1, 1, 2.0)
+
+    clock.advance(30.0)  # every entry expired; the last event stays known
+    assert await index.stats(model_key) == IndexStats("memory", 0, 0, 32.0)
+
+
+async def test_redis_stats_age_follows_the_server_clock(
+    redis_url: str, redis_key_prefix: str, model_key: str
+) -> None:
+    index = RedisIndex(redis_url, redis_key_prefix, worker_ttl_s=30.0)
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        await index.heartbeat(model_key, "A")
+        seconds, micros = raw.time()
+        raw.set(f"{redis_key_prefix}:{model_key}:last", seconds * 1000 + micros // 1000 - 7500)
+        age = (await index.stats(model_key)).last_event_age_s
+        assert age is not None and 7.5 <= age < 8.5
+    finally:
+        raw.close()
+        await index.close()
+
+
+async def test_redis_stats_visit_only_live_workers(
+    redis_url: str, redis_key_prefix: str, model_key: str
+) -> None:
+    """Workers gone silent leave the registry at the next write, so stats stay O(workers)."""
+    index = RedisIndex(redis_url, redis_key_prefix, worker_ttl_s=0.2)
+    raw = redis.Redis.from_url(redis_url)
+    registry = f"{redis_key_prefix}:{model_key}:workers"
+    try:
+        for worker in ("A", "B", "C"):
+            await index.publish(model_key, worker, batch(stored(h(1))))
+        assert raw.zcard(registry) == 3
+        await asyncio.sleep(0.3)  # all three expire
+        await index.publish(model_key, "D", batch(stored(h(1), h(2))))
+        assert raw.zrange(registry, 0, -1) == [b"D"]
+        stats = await index.stats(model_key)
+        assert (stats.workers, stats.digests) == (1, 2)
+    finally:
+        raw.close()
+        await index.close()
 
 
 async def test_entries_are_scoped_by_model_key(index: DigestIndex, model_key: str) -> None:
@@ -403,11 +498,16 @@ async def test_actor_index_is_shared_and_survives_actor_death(
     second = ActorIndex(name)  # another process of the cluster would do the same
     assert isinstance(first, ActorIndex)
 
-    await first.publish(model_key, "A", batch(stored(*chain(4))))
+    assert await first.publish(model_key, "A", batch(stored(*chain(4)))) is False
     await first.publish(model_key, "B", batch(stored(*chain(2))))
     with pytest.raises(ValueError):
         await first.publish(model_key, "A", b"\xc1")
     assert await second.match(model_key, chain(4), ["A", "B"]) == {"A": 4, "B": 2}
+    assert await second.heartbeat(model_key, "A") is True
+    assert await second.heartbeat(model_key, "C") is False
+    stats = await second.stats(model_key)
+    assert (stats.backend, stats.workers, stats.digests) == ("actor", 2, 6)
+    assert stats.last_event_age_s is not None and 0.0 <= stats.last_event_age_s < 5.0
 
     await second.publish(model_key, "A", batch(cleared()))
     await second.forget(model_key, "B")
