@@ -12,7 +12,7 @@ import pytest
 
 from cluster.event_publisher import EventPublisher
 from router.index import IndexUnavailableError, MemoryIndex
-from workers.kv_events import KVEvent, encode_events
+from workers.kv_events import KVEvent, decode_events, encode_events
 
 MODEL = "model-key"
 WORKER = "w1"
@@ -23,23 +23,28 @@ def digest(i: int) -> bytes:
 
 
 class FlakyIndex(MemoryIndex):
-    """A MemoryIndex that refuses every call while ``down``."""
+    """A MemoryIndex that refuses every call while ``down``. Like a client of a shared index,
+    closing it keeps the entries (it only counts the calls)."""
 
     def __init__(self):
         super().__init__(worker_ttl_s=60)
         self.down = False
         self.publishes = 0
+        self.closes = 0
+
+    async def close(self):
+        self.closes += 1
 
     async def publish(self, model_key, worker_id, payload):
         if self.down:
             raise IndexUnavailableError("index down")
         self.publishes += 1
-        await super().publish(model_key, worker_id, payload)
+        return await super().publish(model_key, worker_id, payload)
 
     async def heartbeat(self, model_key, worker_id):
         if self.down:
             raise IndexUnavailableError("index down")
-        await super().heartbeat(model_key, worker_id)
+        return await super().heartbeat(model_key, worker_id)
 
 
 async def held(index: MemoryIndex, digests: list[bytes]) -> int:
@@ -111,3 +116,139 @@ async def test_heartbeat_keeps_an_idle_worker_alive_and_heals_after_outage(cache
     assert index.publishes > before
     assert await held(index, [digest(1)]) == 1
     await publisher.close()
+
+
+class GatedIndex(FlakyIndex):
+    """A FlakyIndex that can hold the next resync (a batch starting with ``cleared``) until the
+    test opens the gate: a slow snapshot publish, reproduced deterministically."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate: asyncio.Event | None = None
+        self.holding = asyncio.Event()
+
+    async def publish(self, model_key, worker_id, payload):
+        gate = self.gate
+        if gate is not None and not self.down and decode_events(payload)[0].kind == "cleared":
+            self.gate = None
+            self.holding.set()
+            await gate.wait()
+        return await super().publish(model_key, worker_id, payload)
+
+
+async def test_slow_resync_never_overtakes_a_later_removal(cache_state):
+    stale = digest(1)
+    cache_state.append(stale)
+    index = GatedIndex()
+    publisher = EventPublisher(index, MODEL, WORKER, lambda: list(cache_state),
+                               heartbeat_s=0.01)
+    await publisher.flush()
+    index.down = True  # a failed publish: the worker owes a resync
+    publisher.submit_threadsafe([KVEvent("stored", [digest(2)])])
+    cache_state.append(digest(2))
+    await asyncio.sleep(0)
+    await publisher.flush()
+
+    gate = index.gate = asyncio.Event()
+    index.down = False
+    await asyncio.wait_for(index.holding.wait(), 5)  # a resync holding the snapshot {1, 2}
+    cache_state.remove(stale)  # evicted while that snapshot is in flight
+    publisher.submit_threadsafe([KVEvent("removed", [stale])])
+    for _ in range(50):  # let any other task run as far as it can before the snapshot lands
+        await asyncio.sleep(0)
+    gate.set()
+    await asyncio.sleep(0)
+    await publisher.flush()
+    await asyncio.sleep(0.05)  # a few heartbeats: they must not keep a stale entry alive
+
+    assert await held(index, [stale]) == 0
+    assert await held(index, [digest(2)]) == 1
+    await publisher.close()
+
+
+async def wait_until(condition, timeout_s: float = 5.0) -> None:
+    """Poll an async condition every 10 ms; fails the test after ``timeout_s``."""
+    for _ in range(int(timeout_s / 0.01)):
+        if await condition():
+            return
+        await asyncio.sleep(0.01)
+    pytest.fail("condition not reached in time")
+
+
+async def test_heartbeat_that_finds_no_entry_resyncs(cache_state, caplog):
+    """The index restarted empty between two heartbeats, and the worker publishes nothing:
+    no write failed, yet the next heartbeat must bring the worker's blocks back."""
+    cache_state.extend([digest(1), digest(2)])
+    index = FlakyIndex()
+    publisher = EventPublisher(index, MODEL, WORKER, lambda: list(cache_state),
+                               heartbeat_s=0.01)
+    await wait_until(lambda: held(index, [digest(1), digest(2)]))
+
+    with caplog.at_level(logging.INFO, logger="cluster.event_publisher"):
+        await index.forget(MODEL, WORKER)  # what a restarted, empty Redis holds for us
+        await wait_until(lambda: held(index, [digest(1), digest(2)]), 2.0)
+    assert await held(index, [digest(1), digest(2)]) == 2
+    assert [r.message for r in caplog.records if "no entry" in r.message] == [
+        f"digest index had no entry for worker {WORKER} at a heartbeat; resyncing 2 digests"]
+    await publisher.close()
+
+
+async def test_publish_that_finds_no_entry_resyncs(cache_state):
+    """Redis restarted between two publishes and the client reconnected at once: the publish
+    succeeds on an empty index, which must not end up holding that one batch only."""
+    cache_state.append(digest(1))
+    index = FlakyIndex()
+    publisher = EventPublisher(index, MODEL, WORKER, lambda: list(cache_state), heartbeat_s=60)
+    await wait_until(lambda: held(index, [digest(1)]))
+    await index.forget(MODEL, WORKER)
+
+    cache_state.append(digest(2))
+    publisher.submit_threadsafe([KVEvent("stored", [digest(2)])])
+    await asyncio.sleep(0)
+    await publisher.flush()
+
+    assert await held(index, [digest(1), digest(2)]) == 2
+    await publisher.close()
+
+
+async def test_an_empty_cache_is_not_resynced_at_every_heartbeat(cache_state):
+    index = FlakyIndex()
+    publisher = EventPublisher(index, MODEL, WORKER, lambda: list(cache_state),
+                               heartbeat_s=0.01)
+    await publisher.flush()
+    assert index.publishes == 1  # the clean slate at start
+    await asyncio.sleep(0.1)  # about ten heartbeats, each finding no entry (nothing held)
+    assert index.publishes == 1
+
+    cache_state.append(digest(1))  # the first block: the publish creates the entry itself
+    publisher.submit_threadsafe([KVEvent("stored", [digest(1)])])
+    await asyncio.sleep(0)
+    await publisher.flush()
+    assert index.publishes == 2
+    assert await held(index, [digest(1)]) == 1
+    await publisher.close()
+
+
+async def test_close_removes_the_workers_entries(cache_state):
+    cache_state.append(digest(1))
+    index = FlakyIndex()
+    other = EventPublisher(index, MODEL, "w2", lambda: [digest(1)], heartbeat_s=60)
+    publisher = EventPublisher(index, MODEL, WORKER, lambda: list(cache_state), heartbeat_s=60)
+    await publisher.flush()
+    await other.flush()
+    publisher.submit_threadsafe([KVEvent("stored", [digest(2)])])  # still queued at close
+
+    await publisher.close()
+
+    assert await index.match(MODEL, [digest(1)], [WORKER, "w2"]) == {WORKER: 0, "w2": 1}
+    assert (index.entry_count(), index.closes) == (1, 1)
+    await other.close()
+
+
+async def test_close_with_the_index_down_returns(cache_state):
+    index = FlakyIndex()
+    publisher = EventPublisher(index, MODEL, WORKER, lambda: list(cache_state), heartbeat_s=60)
+    await publisher.flush()
+    index.down = True
+    await asyncio.wait_for(publisher.close(timeout_s=1.0), 2.0)
+    assert index.closes == 1
