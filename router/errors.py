@@ -175,6 +175,8 @@ def _message(kind: str, param: str, msg: str) -> str:
         return f"Unrecognized request argument supplied: {param}"
     if kind == "missing":
         return f"Missing required parameter: '{param}'"
+    if msg.startswith(param):  # our own validators name the field already
+        return msg
     return f"{param}: {msg}"
 
 

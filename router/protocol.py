@@ -12,6 +12,7 @@ Validation errors are raised as ``PydanticCustomError`` whose *type* is the Open
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import (
@@ -25,32 +26,82 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-# Neutral values of the OpenAI parameters we accept but do not implement: any other non-null
-# value is refused by name. ``None`` (JSON null) always means "not given".
+# Neutral values of the parameters we accept but do not implement: any other non-null value is
+# refused by name. ``None`` (JSON null) always means "not given". README.md ("Request
+# extensions") lists every decision with its reason.
 _CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tools": ([],),
     "tool_choice": ("none",),
-    "parallel_tool_calls": (),
     "functions": ([],),
     "function_call": ("none",),
-    "response_format": ({"type": "text"},),
     "audio": (),
     "modalities": (["text"],),
     "prediction": (),
     "web_search_options": (),
     "reasoning_effort": (),
     "verbosity": (),
-    "metadata": ({},),
-    "store": (False,),
-    "service_tier": ("auto", "default"),
-    "prompt_cache_key": (),
+    # vLLM's chat extensions.
+    "echo": (False,),
+    "add_special_tokens": (False,),
+    "chat_template": (),
+    "documents": ([],),
+    "best_of": (1,),
 }
 
 _COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "echo": (False,),
     "best_of": (1,),
     "suffix": ("",),
+    "add_special_tokens": (True,),
 }
+
+# Both endpoints: OpenAI's ``response_format`` and vLLM's extensions that would change the
+# output if ignored.
+_GENERATION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "response_format": ({"type": "text"},),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (),
+    "structural_tag": (),
+    "structured_outputs": (),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "prompt_logprobs": (),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "logits_processors": (),
+    "return_tokens_as_token_ids": (False,),
+    "return_token_ids": (False,),
+    "use_beam_search": (False,),
+    "mm_processor_kwargs": ({},),
+    "kv_transfer_params": (),
+    "vllm_xargs": (),
+}
+
+# Why a refused parameter is refused, where its name does not say it.
+_WHY_UNSUPPORTED: dict[str, str] = {
+    "response_format": "structured output is not implemented, so the text would not follow "
+                       "the format",
+    "tools": "tool calling is not implemented",
+    "echo": "the prompt is not echoed",
+    "include_stop_str_in_output": "the matched stop string is never returned",
+    "skip_special_tokens": "special tokens are always left out of the text",
+    "prompt_logprobs": "prompt logprobs are not computed",
+    "allowed_token_ids": "the vocabulary cannot be restricted",
+    "bad_words": "word bans are not implemented",
+    "return_tokens_as_token_ids": "logprob tokens are always returned as text",
+    "return_token_ids": "token ids are not returned",
+    "chat_template": "only the model's own chat template is used",
+    "documents": "documents are not passed to the chat template",
+    "add_special_tokens": "special tokens are added as the endpoint's default only",
+}
+for _name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+              "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag",
+              "structured_outputs"):
+    _WHY_UNSUPPORTED[_name] = "guided decoding is not implemented"
 
 # Message fields a text-only chat without tools cannot honour.
 _MESSAGE_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -65,14 +116,20 @@ _MESSAGE_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 """Roles a chat message may have; ``developer`` is rendered as ``system`` (its OpenAI meaning)."""
 
+MAX_REQUEST_ID_CHARS = 256
+"""Longest ``request_id`` a client may set (it is echoed in the answer's ``id``)."""
+
 
 def _refuse_unless_neutral(value: Any, name: str, neutral: tuple[Any, ...]) -> Any:
     """Returns ``value`` if it asks for nothing; otherwise raises ``unsupported_parameter``."""
     if value is None or value in neutral:
         return value
-    raise PydanticCustomError(
-        "unsupported_parameter", "{name} is not supported by this server", {"name": name}
-    )
+    why = _WHY_UNSUPPORTED.get(name)
+    message = "{name} is not supported by this server" + (f" ({why})" if why else "")
+    if neutral:
+        message += "; the only value accepted is " + " or ".join(
+            json.dumps(v) for v in neutral)
+    raise PydanticCustomError("unsupported_parameter", message, {"name": name})
 
 
 class _StrictModel(BaseModel):
@@ -82,9 +139,27 @@ class _StrictModel(BaseModel):
 
 
 class StreamOptions(_StrictModel):
-    """``stream_options``: only ``include_usage`` is implemented."""
+    """``stream_options`` of a streaming request.
 
-    include_usage: bool = False
+    ``include_usage`` (OpenAI) adds a last event carrying only ``usage``.
+    ``continuous_usage_stats`` (vLLM's extension, sent by GuideLLM) also puts the cumulative
+    ``usage`` on every event. As in vLLM, where ``include_usage`` defaults to true once
+    ``stream_options`` is given, ``continuous_usage_stats`` alone turns both on, and an explicit
+    ``include_usage: false`` turns both off.
+    """
+
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+    def final_usage(self) -> bool:
+        """Whether the stream ends with a usage-only event."""
+        if self.include_usage is None:
+            return bool(self.continuous_usage_stats)
+        return self.include_usage
+
+    def usage_on_every_event(self) -> bool:
+        """Whether every event carries the usage so far."""
+        return bool(self.continuous_usage_stats) and self.final_usage()
 
 
 class ChatMessage(_StrictModel):
@@ -173,12 +248,16 @@ class _GenerationBody(_StrictModel):
     """Fields shared by chat and text completions.
 
     ``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``stop_token_ids``,
-    ``ignore_eos`` and ``cache_salt`` are extensions (vLLM spells them the same way). Ranges
-    are checked by :meth:`workers.request.SamplingParams.validate`; ``logit_bias`` keys (token
-    ids as strings, OpenAI's form) are parsed here and range-checked against the vocabulary by
-    the app. ``user`` and ``safety_identifier`` are end-user identifiers for abuse
-    monitoring; they never change the output, so accepting them ignores nothing a client relies
-    on.
+    ``ignore_eos``, ``cache_salt``, ``truncate_prompt_tokens`` (keep the prompt's last k
+    tokens) and ``request_id`` (the answer's ``id`` becomes ``<prefix>-<request_id>``) are
+    vLLM's extensions, spelled and meant as vLLM does. Ranges are checked by
+    :meth:`workers.request.SamplingParams.validate`; ``logit_bias`` keys (token ids as strings,
+    OpenAI's form) are parsed here and range-checked against the vocabulary by the app.
+
+    Accepted and ignored, because they never change the output: ``user`` and
+    ``safety_identifier`` (end-user identifiers for abuse monitoring), ``metadata`` and
+    ``store`` (nothing is stored), ``service_tier`` and ``priority`` (one tier, first come
+    first served), ``spaces_between_special_tokens`` (special tokens are never in the text).
     """
 
     model: str | None = None
@@ -202,6 +281,40 @@ class _GenerationBody(_StrictModel):
     cache_salt: str | None = Field(default=None, min_length=1)
     user: str | None = None
     safety_identifier: str | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    request_id: str | None = Field(default=None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)
+    priority: int | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    spaces_between_special_tokens: bool | None = None
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structural_tag: Any = None
+    structured_outputs: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    prompt_logprobs: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    use_beam_search: Any = None
+    mm_processor_kwargs: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+
+    @field_validator(*_GENERATION_UNSUPPORTED)
+    @classmethod
+    def _unsupported_extension(cls, value: Any, info: ValidationInfo) -> Any:
+        neutral = _GENERATION_UNSUPPORTED[info.field_name]
+        return _refuse_unless_neutral(value, info.field_name, neutral)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -230,22 +343,26 @@ class ChatCompletionRequest(_GenerationBody):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    prompt_cache_key: str | None = None
     tools: Any = None
     tool_choice: Any = None
-    parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
     web_search_options: Any = None
     reasoning_effort: Any = None
     verbosity: Any = None
-    metadata: Any = None
-    store: Any = None
-    service_tier: Any = None
-    prompt_cache_key: Any = None
+    echo: Any = None
+    add_special_tokens: Any = None
+    chat_template: Any = None
+    documents: Any = None
+    best_of: Any = None
 
     @field_validator("messages")
     @classmethod
@@ -271,6 +388,14 @@ class ChatCompletionRequest(_GenerationBody):
         """Alternatives per token the worker is asked for; None when logprobs are off."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def template_options(self) -> dict[str, Any]:
+        """Keyword arguments of ``apply_chat_template`` besides the messages: vLLM's
+        ``add_generation_prompt`` (default true), ``continue_final_message`` (default false)
+        and the template variables of ``chat_template_kwargs``."""
+        return {**(self.chat_template_kwargs or {}),
+                "add_generation_prompt": self.add_generation_prompt is not False,
+                "continue_final_message": bool(self.continue_final_message)}
+
 
 class CompletionRequest(_GenerationBody):
     """Body of ``POST /v1/completions``.
@@ -284,6 +409,7 @@ class CompletionRequest(_GenerationBody):
     echo: Any = None
     best_of: Any = None
     suffix: Any = None
+    add_special_tokens: Any = None
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -62,7 +62,7 @@ class ChatFormat:
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None,
                ) -> ChatCompletionChunk:
         job = self.job
-        return ChatCompletionChunk(id=job.request.request_id, created=job.created,
+        return ChatCompletionChunk(id=job.response_id, created=job.created,
                                    model=job.model, choices=choices, usage=usage)
 
     def opening(self) -> list[BaseModel]:
@@ -91,7 +91,7 @@ class ChatFormat:
         choices = [ChatChoice(index=index, message=AssistantMessage(content="".join(c.text)),
                               logprobs=self._logprobs(c.logprobs), finish_reason=c.finish_reason)
                    for index, c in tally.ordered()]
-        return ChatCompletionResponse(id=job.request.request_id, created=job.created,
+        return ChatCompletionResponse(id=job.response_id, created=job.created,
                                       model=job.model, choices=choices, usage=tally.usage())
 
     def _logprobs(self, entries: list[TokenLogprob] | None) -> ChatLogprobs | None:
@@ -117,7 +117,7 @@ class CompletionFormat:
     def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None,
                ) -> CompletionResponse:
         job = self.job
-        return CompletionResponse(id=job.request.request_id, created=job.created,
+        return CompletionResponse(id=job.response_id, created=job.created,
                                   model=job.model, choices=choices, usage=usage)
 
     def opening(self) -> list[BaseModel]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import anyio
 
 from router.api.backend import ServingBackend
-from router.api.prompts import chat_template_ids, checked_ids
+from router.api.prompts import chat_template_ids, check_template_kwargs, checked_ids
 from router.api.sampling import chat_max_tokens, fit_context, sampling_params
 from router.errors import APIError, invalid_request
 from router.protocol import ChatCompletionRequest, CompletionRequest
@@ -34,16 +34,22 @@ class Job:
 
     Attributes:
         request: what the worker generates.
+        response_id: the answer's ``id``: the request's own, or ``<prefix>-<request_id>``
+            when the client set vLLM's ``request_id``.
         model: the served model name the answer reports.
         stream: answer as SSE events.
         include_usage: stream a final usage-only event (``stream_options.include_usage``).
+        continuous_usage: put the usage so far on every event
+            (``stream_options.continuous_usage_stats``).
         created: Unix time in seconds, the answer's ``created``.
     """
 
     request: GenerationRequest
+    response_id: str
     model: str
     stream: bool
     include_usage: bool
+    continuous_usage: bool
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -81,9 +87,18 @@ class JobBuilder:
                 ``Authorization``, 404 for another model.
         """
         max_tokens, max_param = chat_max_tokens(body)
+        options = body.template_options()
+        if options["continue_final_message"] and options["add_generation_prompt"]:
+            raise invalid_request("continue_final_message needs add_generation_prompt: false "
+                                  "(the last message is continued, not answered)",
+                                  "continue_final_message")
+        check_template_kwargs(self.backend.tokenizer, body.chat_template_kwargs)
         messages = [message.template_dict() for message in body.messages]
-        return await self._job(body, lambda: chat_template_ids(self.backend.tokenizer, messages),
-                               "messages", max_tokens, max_param, authorization, "chatcmpl")
+
+        def tokenize() -> list[int]:
+            return chat_template_ids(self.backend.tokenizer, messages, options)
+        return await self._job(body, tokenize, "messages", max_tokens, max_param,
+                               authorization, "chatcmpl")
 
     async def completion_job(self, body: CompletionRequest, authorization: str | None) -> Job:
         """Validates a text-completion request and tokenizes its prompt.
@@ -116,22 +131,31 @@ class JobBuilder:
             tenant=tenant_from_api_key(bearer_key(authorization), self.backend.namespace_secret),
             cache_salt=body.cache_salt,
         )
-        token_ids, digests = await anyio.to_thread.run_sync(self._tokens_and_digests, tokenize,
-                                                            namespace, prompt_param)
+        token_ids, digests = await anyio.to_thread.run_sync(
+            self._tokens_and_digests, tokenize, body.truncate_prompt_tokens, namespace,
+            prompt_param)
         sampling = fit_context(sampling, len(token_ids), self.backend.max_model_len,
                                max_tokens is not None, prompt_param, max_param)
+        # Our own id stays unique (it cancels the request on its worker); a client's
+        # ``request_id`` only names the answer, as in vLLM.
         request = GenerationRequest(f"{id_prefix}-{uuid.uuid4().hex}", token_ids, sampling,
                                     namespace, digests)
+        response_id = f"{id_prefix}-{body.request_id}" if body.request_id else request.request_id
         # The tenant is a keyed hash; a prefix of it is enough to correlate logs.
-        logger.debug("request %s: tenant %s, %d prompt tokens, %d digests", request.request_id,
-                     namespace.tenant[:12], len(token_ids), len(digests))
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return Job(request, self.backend.served_model_name, bool(body.stream), include_usage)
+        logger.debug("request %s (answer id %s): tenant %s, %d prompt tokens, %d digests",
+                     request.request_id, response_id, namespace.tenant[:12], len(token_ids),
+                     len(digests))
+        options = body.stream_options
+        return Job(request, response_id, self.backend.served_model_name, bool(body.stream),
+                   include_usage=options is not None and options.final_usage(),
+                   continuous_usage=options is not None and options.usage_on_every_event())
 
-    def _tokens_and_digests(self, tokenize: Callable[[], list[int]], namespace: CacheNamespace,
-                            prompt_param: str) -> tuple[list[int], list[bytes]]:
+    def _tokens_and_digests(self, tokenize: Callable[[], list[int]], keep_last: int | None,
+                            namespace: CacheNamespace, prompt_param: str,
+                            ) -> tuple[list[int], list[bytes]]:
         """Runs in a worker thread: tokenization and hashing are CPU work the event loop
-        should not wait on.
+        should not wait on. ``keep_last`` (``truncate_prompt_tokens``) keeps only the prompt's
+        last tokens, as vLLM truncates: from the left.
 
         Raises:
             APIError: 400 naming ``prompt_param`` when the tokenizer rejects the text (e.g. a
@@ -143,6 +167,8 @@ class JobBuilder:
             except (TypeError, ValueError, UnicodeError) as exc:
                 raise invalid_request(f"the tokenizer rejected the {prompt_param}: {exc}",
                                       prompt_param) from exc
+        if keep_last is not None:
+            token_ids = token_ids[-keep_last:]
         identity = self.backend.identity
         root = identity.with_namespace(namespace).root_digest
         return token_ids, block_digests(root, token_ids, identity.block_size)

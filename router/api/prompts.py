@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,9 +11,13 @@ from jinja2 import TemplateError
 from router.errors import invalid_request
 
 
-def chat_template_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of the chat template applied to ``messages``, with the assistant's turn
-    opened (``add_generation_prompt``).
+def chat_template_ids(tokenizer: Any, messages: list[dict[str, str]],
+                      options: dict[str, Any]) -> list[int]:
+    """Token ids of the chat template applied to ``messages``.
+
+    ``options`` are ``apply_chat_template``'s keyword arguments besides the messages
+    (``add_generation_prompt``, ``continue_final_message``, template variables); see
+    :meth:`~router.protocol.ChatCompletionRequest.template_options`.
 
     Raises:
         APIError: 400 naming ``messages`` when the model has no chat template or the template
@@ -22,13 +27,29 @@ def chat_template_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[in
         raise invalid_request("this model has no chat template; use /v1/completions",
                               "messages", "unsupported_value")
     try:
-        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                tokenize=True)
+        encoded = tokenizer.apply_chat_template(messages, tokenize=True, **options)
     except TemplateError as exc:
         # Templates reject some conversations themselves (e.g. roles that do not alternate).
         raise invalid_request(f"messages: the model's chat template refused them: {exc}",
                               "messages") from exc
     return plain_token_ids(encoded)
+
+
+def check_template_kwargs(tokenizer: Any, template_kwargs: dict[str, Any] | None) -> None:
+    """Refuses ``chat_template_kwargs`` keys that would override ``apply_chat_template``'s own
+    arguments (``tokenize``, ``tools`` ...) or the ``messages`` the template renders: they are
+    template variables only.
+
+    Raises:
+        APIError: 400 naming ``chat_template_kwargs`` and the key.
+    """
+    parameters = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+    reserved = {p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    for key in template_kwargs or {}:
+        if key in reserved | {"messages"}:
+            raise invalid_request(
+                f"chat_template_kwargs: '{key}' is not a template variable; set it as a "
+                "request field if the API has one", "chat_template_kwargs")
 
 
 def plain_token_ids(encoded: Any) -> list[int]:

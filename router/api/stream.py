@@ -60,20 +60,31 @@ async def collect(job: Job, first: GenerationChunk,
 
 async def sse_events(job: Job, fmt: Format, first: GenerationChunk,
                      chunks: AsyncIterator[GenerationChunk]) -> AsyncIterator[str]:
-    """The SSE events of a streaming answer; always ends with ``data: [DONE]``."""
+    """The SSE events of a streaming answer; always ends with ``data: [DONE]``.
+
+    With ``job.continuous_usage`` every event carries the usage so far: the prompt and its
+    cached tokens from the first event on (0 completion tokens on the role events), and the
+    output tokens of all choices streamed up to and including that event.
+    """
     tally = Tally(prompt_tokens=len(job.request.token_ids))
+    tally.admit(first)
+
+    def sse(event: BaseModel) -> str:
+        if job.continuous_usage:
+            event = event.model_copy(update={"usage": tally.usage()})
+        return _sse(event, job.include_usage)
+
     try:
         for event in fmt.opening():
-            yield _sse(event, job.include_usage)
+            yield sse(event)
         chunk = first
         while True:
             tally.add(chunk)
             if chunk.text or chunk.logprobs:
-                yield _sse(fmt.text(chunk.index, chunk.text, chunk.logprobs),
-                           job.include_usage)
+                yield sse(fmt.text(chunk.index, chunk.text, chunk.logprobs))
             if chunk.finish_reason is not None:
                 reason = finish_reason(chunk.finish_reason)
-                yield _sse(fmt.finish(chunk.index, reason), job.include_usage)
+                yield sse(fmt.finish(chunk.index, reason))
                 if chunk.is_last:
                     break
             chunk = await next_chunk(chunks)
@@ -88,6 +99,7 @@ async def sse_events(job: Job, fmt: Format, first: GenerationChunk,
 
 
 def _sse(event: BaseModel, include_usage: bool) -> str:
-    """One SSE event; ``usage`` appears (as null until the last event) only when asked for."""
+    """One SSE event; ``usage`` appears (as null until the last event, unless continuous)
+    only when asked for."""
     exclude = None if include_usage else {"usage"}
     return f"data: {event.model_dump_json(exclude=exclude, serialize_as_any=True)}\n\n"

@@ -110,13 +110,18 @@ class Tally:
     cached_tokens: int = 0
     choices: dict[int, ChoiceTally] = field(default_factory=dict)
 
+    def admit(self, chunk: GenerationChunk) -> None:
+        """Records the prompt and prefix-cache counts a chunk carries, not its output (what
+        is known when a request is admitted, before its first token)."""
+        self.prompt_tokens = chunk.prompt_tokens or self.prompt_tokens
+        if chunk.index == 0:  # later choices reuse the first one's prompt blocks
+            self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
+
     def add(self, chunk: GenerationChunk) -> None:
         """Folds one chunk in."""
         # Counts are per choice (cumulative or fixed at admission); ``max`` keeps them right
         # whether a worker repeats them on every chunk or sends them once.
-        self.prompt_tokens = chunk.prompt_tokens or self.prompt_tokens
-        if chunk.index == 0:  # later choices reuse the first one's prompt blocks
-            self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
+        self.admit(chunk)
         choice = self.choices.setdefault(chunk.index, ChoiceTally())
         choice.completion_tokens = max(choice.completion_tokens, chunk.completion_tokens)
         choice.text.append(chunk.text)
