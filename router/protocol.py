@@ -5,6 +5,8 @@ not an integer), so a client never gets an answer to a question it did not ask. 
 parameters this server does not implement are declared here only so that a non-neutral value is
 refused by name (``unsupported_parameter``); sending their neutral value (``logprobs: false``,
 ``n: 1``, ``tools: []`` ...) or ``null`` is allowed, because it asks for nothing we ignore.
+Fields that cannot change the output (``user``, ``metadata``, ``priority`` ...) are accepted.
+README.md ("Request extensions") gives the decision for each field vLLM-targeted clients send.
 
 Validation errors are raised as ``PydanticCustomError`` whose *type* is the OpenAI error ``code``
 (``router.errors`` turns them into ``{"error": {...}}`` bodies with that code).
@@ -27,8 +29,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 # Neutral values of the parameters we accept but do not implement: any other non-null value is
-# refused by name. ``None`` (JSON null) always means "not given". README.md ("Request
-# extensions") lists every decision with its reason.
+# refused by name. ``None`` (JSON null) always means "not given".
 _CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tools": ([],),
     "tool_choice": ("none",),

@@ -43,9 +43,11 @@ def check_template_kwargs(tokenizer: Any, template_kwargs: dict[str, Any] | None
     Raises:
         APIError: 400 naming ``chat_template_kwargs`` and the key.
     """
+    if not template_kwargs:
+        return
     parameters = inspect.signature(tokenizer.apply_chat_template).parameters.values()
     reserved = {p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-    for key in template_kwargs or {}:
+    for key in template_kwargs:
         if key in reserved | {"messages"}:
             raise invalid_request(
                 f"chat_template_kwargs: '{key}' is not a template variable; set it as a "
