@@ -1,0 +1,275 @@
+"""More than one node, on one machine (issue 6): a Ray head and two worker nodes.
+
+Run by ``tests/k8s/test_multinode.py`` in its own process (a pytest session already holds a Ray
+instance): ``python tests/k8s/multinode_run.py --model-dir D --redis-url U --out F``.
+It starts ``ray.cluster_utils.Cluster`` with a head (the Serve proxy and ingress, no worker)
+and two worker nodes that each offer one unit of the custom resource ``nalar_target``, so each
+node runs exactly one worker replica, deploys the application against a real Redis index,
+then writes what it saw as JSON (the test asserts on it):
+
+1. ``placement``: worker id → node id, for both workers;
+2. ``routing``: for a prompt prefix first served on each worker, where a repeat with the same
+   prefix went and how many of its tokens were cached;
+3. ``index_workers``: the workers the Redis index credits with those prefixes;
+4. ``removal``: streams running on both nodes while one node is removed: how each ended
+   (completed or an explicit error), whether any hung, how long until the index stopped
+   crediting the removed worker, and a request for the removed worker's prefix afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import ray
+from ray import serve
+from ray.cluster_utils import Cluster
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from cluster.app import APP_NAME, WORKER_DEPLOYMENT, build_app  # noqa: E402
+from cluster.config import INDEX_ACTOR_NAMESPACE, ClusterConfig  # noqa: E402
+from cluster.ingress_deployment import identity_from_dict  # noqa: E402
+from router.index.redis_index import RedisIndex  # noqa: E402
+from workers.identity import CacheNamespace, block_digests, tenant_from_api_key  # noqa: E402
+
+NODE_MEMORY = 80 << 20
+PREFIX_TOKENS = 128
+STREAM_TOKENS = 48
+REQUEST_TIMEOUT_S = 120
+
+
+def start_nodes() -> tuple[Cluster, list]:
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "object_store_memory": NODE_MEMORY})
+    nodes = [cluster.add_node(num_cpus=1, resources={"nalar_target": 1},
+                              object_store_memory=NODE_MEMORY) for _ in range(2)]
+    cluster.wait_for_nodes()
+    return cluster, nodes
+
+
+def deploy(config: ClusterConfig, address: str) -> None:
+    ray.init(address=address, namespace=INDEX_ACTOR_NAMESPACE, log_to_driver=False)
+    serve.start(proxy_location="HeadOnly",
+                http_options={"host": config.host, "port": config.port})
+    serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+
+
+async def describe_workers() -> dict[str, dict]:
+    """Every worker replica's ``describe()``, by asking through the handle until both answer."""
+    handle = serve.get_deployment_handle(WORKER_DEPLOYMENT, APP_NAME)
+    seen: dict[str, dict] = {}
+    for _ in range(50):
+        answers = await asyncio.gather(*(handle.describe.remote() for _ in range(8)))
+        for description in answers:
+            seen[description["worker_id"]] = description
+        if len(seen) == 2:
+            break
+    return seen
+
+
+class Probe:
+    """HTTP requests with a token-id prompt under one tenant key, and their index digests."""
+
+    def __init__(self, base_url: str, config: ClusterConfig, description: dict):
+        self.base_url = base_url
+        self.identity = identity_from_dict(description["identity"])
+        self.secret = bytes.fromhex(config.namespace_secret)
+        self.index = RedisIndex(config.redis_url, config.key_prefix)
+
+    def prompt(self, seed: int, length: int) -> list[int]:
+        return [(seed * 7919 + i * 31) % 4000 + 100 for i in range(length)]
+
+    def digests(self, key: str, ids: list[int]) -> list[bytes]:
+        tenant = tenant_from_api_key(key, self.secret)
+        root = self.identity.with_namespace(CacheNamespace(tenant)).root_digest
+        return block_digests(root, ids, self.identity.block_size)
+
+    async def credited(self, key: str, ids: list[int], workers: list[str]) -> dict[str, int]:
+        return await self.index.match(self.identity.model_key, self.digests(key, ids), workers)
+
+    async def complete(self, client: httpx.AsyncClient, key: str, ids: list[int],
+                       max_tokens: int = 4) -> dict:
+        body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        response = await client.post("/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S,
+                                     headers={"Authorization": f"Bearer {key}"})
+        payload = response.json()
+        usage = payload.get("usage") or {}
+        return {"status": response.status_code,
+                "worker": response.headers.get("x-nalar-worker"),
+                "cached_tokens": (usage.get("prompt_tokens_details") or {}).get(
+                    "cached_tokens", 0),
+                "error": payload.get("error")}
+
+    async def stream(self, client: httpx.AsyncClient, key: str, ids: list[int],
+                     started: asyncio.Event) -> dict:
+        """One streamed completion: how it ended (``completed``, ``error_event``, ``http_error``,
+        ``broken_stream``), its worker and tokens received."""
+        body = {"prompt": ids, "max_tokens": STREAM_TOKENS, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        outcome = {"worker": None, "chunks": 0, "ended": "broken_stream", "detail": None}
+        try:
+            async with client.stream("POST", "/v1/completions", json=body,
+                                     timeout=REQUEST_TIMEOUT_S,
+                                     headers={"Authorization": f"Bearer {key}"}) as response:
+                outcome["worker"] = response.headers.get("x-nalar-worker")
+                if response.status_code != 200:
+                    outcome.update(ended="http_error", detail=(await response.aread()).decode())
+                    return outcome
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[len("data: "):]
+                    if data == "[DONE]":
+                        outcome["ended"] = ("completed" if outcome["ended"] == "finished"
+                                            else outcome["ended"])
+                        break
+                    event = json.loads(data)
+                    if "error" in event:
+                        outcome.update(ended="error_event", detail=event["error"])
+                        continue
+                    outcome["chunks"] += 1
+                    started.set()
+                    if any(c.get("finish_reason") for c in event.get("choices", [])):
+                        outcome["ended"] = "finished"
+        except httpx.HTTPError as exc:
+            outcome["detail"] = repr(exc)
+        return outcome
+
+
+async def wait_for(predicate, deadline_s: float, period_s: float = 0.1) -> float | None:
+    """Seconds until ``await predicate()`` is true, or ``None`` at the deadline."""
+    started = time.monotonic()
+    while time.monotonic() - started < deadline_s:
+        if await predicate():
+            return time.monotonic() - started
+        await asyncio.sleep(period_s)
+    return None
+
+
+async def observe(cluster: Cluster, nodes: list, config: ClusterConfig) -> dict:
+    workers = await describe_workers()
+    placement = {w: d["node_id"] for w, d in workers.items()}
+    probe = Probe(f"http://{config.host}:{config.port}", config, next(iter(workers.values())))
+    worker_ids = sorted(workers)
+    result: dict = {"placement": placement,
+                    "head_node_id": cluster.head_node.node_id,
+                    "worker_node_ids": [n.node_id for n in nodes]}
+    async with httpx.AsyncClient(base_url=probe.base_url) as client:
+        holders = await place_prefixes(client, probe, worker_ids)
+        result["routing"] = await repeat_prefixes(client, probe, holders)
+        result["index_workers"] = sorted({
+            w for key, (ids, _) in holders.items()
+            for w, n in (await probe.credited(key, ids, worker_ids)).items() if n > 0})
+        result["removal"] = await remove_a_node(cluster, nodes, client, probe, holders,
+                                                placement, config)
+    await probe.index.close()
+    return result
+
+
+async def place_prefixes(client, probe: Probe, worker_ids: list[str]) -> dict:
+    """Distinct prefixes until each worker has served (and the index credits) at least one:
+    ``{key: (prompt ids, holder)}``."""
+    holders: dict[str, tuple[list[int], str]] = {}
+    blocks = PREFIX_TOKENS // probe.identity.block_size
+    for seed in range(1, 40):
+        key = f"tenant-{seed}"
+        ids = probe.prompt(seed, PREFIX_TOKENS)
+        answer = await probe.complete(client, key, ids)
+        holder = answer["worker"]
+
+        async def credited(key=key, ids=ids, holder=holder) -> bool:
+            return (await probe.credited(key, ids, [holder]))[holder] >= blocks
+
+        if answer["status"] == 200 and await wait_for(credited, 30):
+            holders[key] = (ids, holder)
+        if {h for _, h in holders.values()} >= set(worker_ids):
+            break
+    return holders
+
+
+async def repeat_prefixes(client, probe: Probe, holders: dict) -> list[dict]:
+    """The same prefix with a new suffix, once per prefix: where it went, what was cached."""
+    repeats = []
+    for key, (ids, holder) in holders.items():
+        answer = await probe.complete(client, key, ids + [7, 8, 9, 10])
+        repeats.append({"key": key, "holder": holder, **answer})
+    return repeats
+
+
+async def remove_a_node(cluster, nodes, client, probe: Probe, holders: dict,
+                        placement: dict, config: ClusterConfig) -> dict:
+    """Streams on both workers; remove the node of one of them once tokens flow."""
+    victim_worker = next(iter({h for _, h in holders.values()}))
+    victim_node = next(n for n in nodes if n.node_id == placement[victim_worker])
+    started = asyncio.Event()
+    tasks = [asyncio.create_task(probe.stream(client, key, ids + [11, 12], started))
+             for key, (ids, _) in holders.items() for _ in range(2)]
+    await asyncio.wait_for(started.wait(), REQUEST_TIMEOUT_S)
+    cluster.remove_node(victim_node, allow_graceful=False)
+    removed_at = time.monotonic()
+    done, pending = await asyncio.wait(tasks, timeout=REQUEST_TIMEOUT_S)
+    for task in pending:
+        task.cancel()
+    victim_keys = [k for k, (_, h) in holders.items() if h == victim_worker]
+
+    async def uncredited() -> bool:
+        for key in victim_keys:
+            ids = holders[key][0]
+            if (await probe.credited(key, ids, [victim_worker]))[victim_worker] > 0:
+                return False
+        return True
+
+    uncredited_after = await wait_for(uncredited, 3 * config.worker_ttl_s)
+    after = await probe.complete(client, victim_keys[0], holders[victim_keys[0]][0] + [13])
+    return {"victim_worker": victim_worker, "victim_node": victim_node.node_id,
+            "streams": [t.result() for t in done], "hung": len(pending),
+            "uncredited_after_s": (None if uncredited_after is None
+                                   else round(time.monotonic() - removed_at, 2)),
+            "request_after": after}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--redis-url", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    config = ClusterConfig(model=args.model_dir, dtype="float32", num_workers=2,
+                           redis_url=args.redis_url,
+                           key_prefix=f"nalar-multinode-{uuid.uuid4().hex[:8]}",
+                           port=args.port, kv_cache_mib=16, worker_threads=1,
+                           worker_resources={"nalar_target": 1}, speculative="off",
+                           routing_stats_period_s=0.2, worker_ttl_s=6)
+    cluster, nodes = start_nodes()
+    try:
+        deploy(config, cluster.address)
+        result = asyncio.run(observe(cluster, nodes, config))
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+        cleanup(config)
+    return 0
+
+
+def cleanup(config: ClusterConfig) -> None:
+    import redis
+
+    client = redis.Redis.from_url(config.redis_url)
+    keys = list(client.scan_iter(match=f"{config.key_prefix}*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""More than one node (issue 6): a Ray head and two worker nodes on this machine, one worker
+replica pinned to each by a custom resource, a real Redis index (``multinode_run.py`` runs the
+cluster in its own process and reports what it saw)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).with_name("multinode_run.py")
+RUN_TIMEOUT_S = 480
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def report(tiny_model_dir, redis_url, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("multinode") / "report.json"
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model-dir", str(tiny_model_dir),
+         "--redis-url", redis_url, "--port", str(_free_port()), "--out", str(out)],
+        capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    return json.loads(out.read_text())
+
+
+def test_one_worker_on_each_worker_node(report) -> None:
+    placement = report["placement"]
+    assert len(placement) == 2
+    assert sorted(placement.values()) == sorted(report["worker_node_ids"])
+    assert report["head_node_id"] not in placement.values()
+
+
+def test_a_shared_prefix_goes_to_the_node_that_holds_it(report) -> None:
+    assert {r["holder"] for r in report["routing"]} == set(report["placement"])
+    for repeat in report["routing"]:
+        assert repeat["status"] == 200
+        assert repeat["worker"] == repeat["holder"], repeat
+        assert repeat["cached_tokens"] >= 112, repeat  # 7 of the 8 prefix blocks, at least
+
+
+def test_the_index_credits_workers_on_both_nodes(report) -> None:
+    assert report["index_workers"] == sorted(report["placement"])
+
+
+def test_removing_a_node_loses_no_request_silently(report) -> None:
+    removal = report["removal"]
+    assert removal["hung"] == 0
+    streams = removal["streams"]
+    assert len(streams) == 2 * len(report["routing"])
+    victim = removal["victim_worker"]
+    for stream in streams:
+        assert stream["ended"] in ("completed", "error_event", "http_error"), stream
+        if stream["worker"] != victim:
+            assert stream["ended"] == "completed", stream
+    assert any(s["worker"] == victim and s["ended"] != "completed" for s in streams), streams
+    assert removal["uncredited_after_s"] is not None
+    after = removal["request_after"]
+    assert after["status"] == 200 and after["worker"] != victim, after
