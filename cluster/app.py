@@ -19,7 +19,8 @@ INGRESS_DEPLOYMENT = "NalarIngress"
 
 
 def router_config(config: ClusterConfig) -> RequestRouterConfig:
-    """Attach the prefix-aware router to the worker deployment's handles."""
+    """Attach the request router to the worker deployment's handles, with the configured
+    routing policy (``config.routing``: prefix, round-robin or power-of-two)."""
     return RequestRouterConfig(
         request_router_class=PrefixAwareRequestRouter,
         request_router_kwargs={
@@ -27,6 +28,7 @@ def router_config(config: ClusterConfig) -> RequestRouterConfig:
             "key_prefix": config.key_prefix,
             "index_actor_name": config.index_actor_name,
             "index_actor_namespace": INDEX_ACTOR_NAMESPACE,
+            "routing": config.routing,
             "block_size": config.block_size,
             "worker_ttl_s": config.worker_ttl_s,
         },

@@ -9,14 +9,24 @@ from router.routing.request_input import RoutingInput
 
 
 @dataclass
-class _Sent:
-    """One request this router sent (or is about to send) to a worker."""
+class SentEntry:
+    """One request this router sent (or is about to send) to a worker.
+
+    Attributes:
+        worker_id: where it went.
+        tokens: work it adds there (``RoutingInput.work_tokens``).
+        sent_at: when it was chosen or accepted, in the router's clock (seconds).
+        plan: what routing read from the request (``None``: unreadable).
+        cached: the index's answer: worker id → leading prompt blocks held.
+        fallback: why its routing was load-only, if it was (a ``RoutingDecision`` reason).
+    """
 
     worker_id: str
     tokens: int
     sent_at: float
     plan: RoutingInput | None
     cached: dict[str, int]
+    fallback: str | None = None
 
 
 class SentLedger:
@@ -27,9 +37,10 @@ class SentLedger:
     snapshot taken after it was sent arrives (the snapshot already counts it), and leaves the
     ledger when the request completes or after ``max_age_s`` (a completion signal may be lost).
 
-    Work tokens of one request = prompt tokens the worker still has to prefill + ``max_tokens``;
-    this is the same unit the worker must report as ``queued_tokens`` (summed over its queued
-    and running requests, minus what it already prefilled or generated).
+    Work tokens of one request = prompt tokens the worker still has to prefill + every output
+    token it may produce (:mod:`router.routing.request_input`); this is the same unit the
+    worker must report as ``queued_tokens`` (summed over its queued and running requests, minus
+    what it already prefilled or generated).
 
     Args:
         max_age_s: seconds after which an entry is dropped regardless (positive).
@@ -37,21 +48,31 @@ class SentLedger:
 
     def __init__(self, max_age_s: float = 60.0):
         self.max_age_s = max_age_s
-        self._by_key: dict[str, _Sent] = {}
-        self._by_worker: dict[str, dict[str, _Sent]] = {}
+        self._by_key: dict[str, SentEntry] = {}
+        self._by_worker: dict[str, dict[str, SentEntry]] = {}
 
     def __len__(self) -> int:
         return len(self._by_key)
 
-    def get(self, key: str) -> _Sent | None:
+    def get(self, key: str) -> SentEntry | None:
         """The entry for request ``key``, if any."""
         return self._by_key.get(key)
 
-    def record(self, key: str, entry: _Sent) -> None:
+    def record(self, key: str, entry: SentEntry) -> None:
         """Adds (or replaces: a retried request is routed again) the entry for ``key``."""
         self.remove(key)
         self._by_key[key] = entry
         self._by_worker.setdefault(entry.worker_id, {})[key] = entry
+
+    def move(self, key: str, worker_id: str, tokens: int) -> None:
+        """Moves the entry for ``key`` (if any) to ``worker_id``, now counting ``tokens``."""
+        entry = self._by_key.get(key)
+        if entry is None:
+            return
+        self.remove(key)
+        entry.worker_id = worker_id
+        entry.tokens = tokens
+        self.record(key, entry)
 
     def remove(self, key: str, worker_id: str | None = None) -> None:
         """Drops the entry for ``key``; only if it is on ``worker_id`` when that is given."""
@@ -95,7 +116,7 @@ class SentLedger:
             self.drop_worker(worker_id)
 
 
-def _counted_by_snapshot(entry: _Sent, snapshot_at: float | None,
+def _counted_by_snapshot(entry: SentEntry, snapshot_at: float | None,
                          listed: Mapping[str, int] | None) -> bool:
     request_id = entry.plan.request_id if entry.plan is not None else None
     if listed is not None and request_id:

@@ -1,4 +1,7 @@
-"""The scoring policy: which replica a request costs the least work on, in tokens.
+"""Routing policies: how a request's candidate replicas are ranked.
+
+``prefix`` (the default, :class:`PrefixPolicy`) sends each request where it costs the least work,
+in tokens:
 
     score(replica) = prompt tokens the replica would still prefill
                      (uncached, at least 1: the last token is always recomputed for its logits)
@@ -15,27 +18,33 @@ Equal scores are broken by "least recently chosen" so that equal candidates spre
 the index does not answer, or the request cannot be read, the choice falls back to the power of
 two choices on load alone (M. Mitzenmacher, "The Power of Two Choices in Randomized Load
 Balancing", IEEE TPDS 12(10), 2001).
+
+The baselines it is compared against: ``round-robin`` (:class:`RoundRobinPolicy`) and
+``power-of-two`` (:class:`PowerOfTwoPolicy`, Ray Serve's default router), both blind to the cache.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
+
+from router.routing.request_input import uncached_tokens
 
 DEFAULT_BLOCK_SIZE = 16
 """Tokens per KV block, as the workers use by default."""
 
 
-
 @dataclass(frozen=True)
 class ReplicaView:
-    """What the scorer knows about one candidate replica.
+    """What a policy knows about one candidate replica.
 
     Attributes:
         worker_id: the replica's id (``ReplicaID.unique_id``).
         cached_blocks: leading prompt blocks the replica holds per the index, or ``None`` when
-            the index did not answer.
+            the index did not answer (or was not asked).
         load_tokens: tokens of work queued or running there (reported plus sent since).
     """
 
@@ -44,53 +53,32 @@ class ReplicaView:
     load_tokens: int
 
 
-class PrefixScorer:
-    """Ranks candidate replicas by the work a request would cost there, in tokens.
-
-    Stateful only in what it needs for spreading: when each worker was last chosen.
+class RoutingPolicy(ABC):
+    """Ranks candidate replicas, best first; remembers when each worker was last chosen.
 
     Args:
-        block_size: tokens per KV block (positive).
-        rng: random source for the power-of-two sample and for ordering never-chosen ties;
-            seed it for reproducible tests.
-
-    Raises:
-        ValueError: ``block_size`` is not positive.
+        rng: random source for samples and for ordering never-chosen ties; seed it for
+            reproducible tests.
     """
 
-    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, rng: random.Random | None = None):
-        if block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {block_size}")
-        self.block_size = block_size
+    name: ClassVar[str]
+    uses_index: ClassVar[bool] = False
+    """Whether ranking needs the digest index's answer (``cached_blocks``)."""
+
+    def __init__(self, rng: random.Random | None = None):
         self._rng = rng or random.Random()
         self._last_chosen: dict[str, int] = {}
         self._choices = 0
 
-    def uncached_tokens(self, prompt_len: int, cached_blocks: int) -> int:
-        """Prompt tokens still to prefill when ``cached_blocks`` leading blocks are cached.
-
-        At least 1: a fully cached prompt still recomputes its last token to get logits.
-        """
-        return max(1, prompt_len - max(0, cached_blocks) * self.block_size)
-
-    def score(self, view: ReplicaView, prompt_len: int) -> int:
-        """Tokens of work ahead of this request's first output token on that replica."""
-        return self.uncached_tokens(prompt_len, view.cached_blocks or 0) + view.load_tokens
-
     def rank(self, views: Sequence[ReplicaView], prompt_len: int) -> list[str]:
         """Worker ids, best first.
-
-        By score when every view has an index answer; by the power of two choices on load when
-        any lacks one (the index did not answer, or the request could not be read).
 
         Raises:
             ValueError: ``views`` is empty.
         """
         if not views:
             raise ValueError("no candidate replicas to rank")
-        if any(view.cached_blocks is None for view in views):
-            return self._two_choices(views)
-        return self._sorted(views, lambda view: self.score(view, prompt_len))
+        return self._rank(views, prompt_len)
 
     def choose(self, views: Sequence[ReplicaView], prompt_len: int) -> list[str]:
         """:meth:`rank`, then records the best as just chosen."""
@@ -104,16 +92,21 @@ class PrefixScorer:
         self._last_chosen[worker_id] = self._choices
 
     def forget(self, worker_id: str) -> None:
-        """Drops what the scorer remembers of a worker that is gone."""
+        """Drops what the policy remembers of a worker that is gone."""
         self._last_chosen.pop(worker_id, None)
 
     def retain(self, worker_ids: set[str]) -> None:
-        """Drops what the scorer remembers of every worker not in ``worker_ids``."""
+        """Drops what the policy remembers of every worker not in ``worker_ids``."""
         for worker_id in list(self._last_chosen):
             if worker_id not in worker_ids:
                 del self._last_chosen[worker_id]
 
-    def _sorted(self, views: Sequence[ReplicaView], cost) -> list[str]:
+    @abstractmethod
+    def _rank(self, views: Sequence[ReplicaView], prompt_len: int) -> list[str]:
+        """Worker ids, best first, of a non-empty ``views``."""
+
+    def _sorted(self, views: Sequence[ReplicaView],
+                cost: Callable[[ReplicaView], int]) -> list[str]:
         # Ties go to the least recently chosen worker; among never-chosen workers the order is
         # random, so "first in the candidate list" never wins by position.
         keyed = [
@@ -131,3 +124,77 @@ class PrefixScorer:
         rest = [view for view in views if view.worker_id not in picked]
         return picked + self._sorted(rest, lambda view: view.load_tokens)
 
+
+class PrefixPolicy(RoutingPolicy):
+    """Least work in tokens: uncached prompt tokens there plus the load already there.
+
+    By score when every view has an index answer; by the power of two choices on load when any
+    lacks one (the index did not answer, or the request could not be read).
+
+    Args:
+        block_size: tokens per KV block (positive).
+        rng: as for :class:`RoutingPolicy`.
+
+    Raises:
+        ValueError: ``block_size`` is not positive.
+    """
+
+    name = "prefix"
+    uses_index = True
+
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, rng: random.Random | None = None):
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        super().__init__(rng)
+        self.block_size = block_size
+
+    def score(self, view: ReplicaView, prompt_len: int) -> int:
+        """Tokens of work ahead of this request's first output token on that replica."""
+        prefill = uncached_tokens(prompt_len, view.cached_blocks or 0, self.block_size)
+        return prefill + view.load_tokens
+
+    def _rank(self, views: Sequence[ReplicaView], prompt_len: int) -> list[str]:
+        if any(view.cached_blocks is None for view in views):
+            return self._two_choices(views)
+        return self._sorted(views, lambda view: self.score(view, prompt_len))
+
+
+class RoundRobinPolicy(RoutingPolicy):
+    """Each worker in turn, blind to cache and load: the least recently chosen first, workers
+    never chosen in worker-id order. A worker that joins is next in turn."""
+
+    name = "round-robin"
+
+    def _rank(self, views: Sequence[ReplicaView], prompt_len: int) -> list[str]:
+        ordered = sorted(views, key=lambda v: (self._last_chosen.get(v.worker_id, 0), v.worker_id))
+        return [view.worker_id for view in ordered]
+
+
+class PowerOfTwoPolicy(RoutingPolicy):
+    """Two workers sampled at random, the less loaded first (Ray Serve's default router);
+    blind to the cache."""
+
+    name = "power-of-two"
+
+    def _rank(self, views: Sequence[ReplicaView], prompt_len: int) -> list[str]:
+        return self._two_choices(views)
+
+
+POLICY_NAMES = (PrefixPolicy.name, RoundRobinPolicy.name, PowerOfTwoPolicy.name)
+"""The policies ``ClusterConfig.routing`` may name."""
+
+
+def make_policy(name: str, block_size: int = DEFAULT_BLOCK_SIZE,
+                rng: random.Random | None = None) -> RoutingPolicy:
+    """The policy called ``name`` (one of :data:`POLICY_NAMES`).
+
+    Raises:
+        ValueError: ``name`` is not a policy, or ``block_size`` is not positive.
+    """
+    if name == PrefixPolicy.name:
+        return PrefixPolicy(block_size, rng)
+    if name == RoundRobinPolicy.name:
+        return RoundRobinPolicy(rng)
+    if name == PowerOfTwoPolicy.name:
+        return PowerOfTwoPolicy(rng)
+    raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")

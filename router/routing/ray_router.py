@@ -1,32 +1,41 @@
-"""The Ray Serve glue: :class:`PrefixAwareRequestRouter`, a ``RequestRouter`` that places each
-request with :mod:`router.routing.policies`, reading requests, replica stats and the digest index.
-
-The scoring core (:mod:`~router.routing.policies`, :mod:`~router.routing.ledger`,
-:mod:`~router.routing.request_input`) has no Ray dependency.
+"""The Ray Serve glue: :class:`PrefixAwareRequestRouter`, a ``RequestRouter`` that ranks each
+request's candidate replicas with a policy (:mod:`router.routing.policies`), reading the request
+(:mod:`~router.routing.request_input`), the replicas' stats (:mod:`~router.routing.replica_stats`)
+and the digest index (:mod:`~router.routing.index_lookup`), keeping the work it sent in a ledger
+(:mod:`~router.routing.ledger`) and every decision in the telemetry
+(:mod:`~router.routing.telemetry`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import logging
 import random
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from router.routing.checks import is_count
-from router.routing.ledger import SentLedger, _Sent
-from router.routing.policies import DEFAULT_BLOCK_SIZE, PrefixScorer, ReplicaView
+from router.routing import replica_keys, telemetry
+from router.routing.index_lookup import IndexLookup, Lookup
+from router.routing.ledger import SentEntry, SentLedger
+from router.routing.policies import DEFAULT_BLOCK_SIZE, PrefixPolicy, ReplicaView, make_policy
 from router.routing.replica_stats import (
     STATS_MODEL_KEY,
     parse_request_tokens,
     parse_routing_stats,
 )
 from router.routing.request_input import RoutingInput, routing_input
+from router.routing.telemetry import RoutingDecision, RoutingTelemetry
 
 logger = logging.getLogger(__name__)
+
+# Ray Serve pickles this module by value to ship the router class (RequestRouterConfig), and a
+# global it captured would travel as a copy: the process-wide singletons are therefore always
+# reached through their modules (``telemetry.TELEMETRY``), which are pickled by reference.
 
 
 def worker_id_of(replica_id: Any) -> str:
@@ -42,38 +51,9 @@ def _request_key(pending_request: Any) -> str:
     return key if isinstance(key, str) and key else f"pending-{id(pending_request)}"
 
 
-async def _bounded(awaitable: Any, timeout_s: float) -> Any:
-    """Awaits ``awaitable`` for at most ``timeout_s`` seconds.
-
-    Unlike ``asyncio.wait_for``, it does not wait for a timed-out call to finish cancelling, so
-    an index call that ignores cancellation cannot stall routing.
-
-    Raises:
-        TimeoutError: no result within ``timeout_s``.
-        TypeError: ``awaitable`` is not awaitable.
-        Exception: whatever the call raised.
-    """
-    task = asyncio.ensure_future(awaitable)
-    task.add_done_callback(_consume_outcome)
-    try:
-        done, _ = await asyncio.wait({task}, timeout=timeout_s)
-    finally:
-        if not task.done():
-            task.cancel()  # on timeout, and when the caller itself is cancelled
-    if not done:
-        raise TimeoutError(f"no answer within {timeout_s * 1000:.0f} ms")
-    return task.result()
-
-
-def _consume_outcome(task: asyncio.Future) -> None:
-    # A call abandoned after the timeout may still fail later; retrieving its exception here
-    # keeps asyncio from logging "exception was never retrieved" for every such call.
-    if not task.cancelled():
-        task.exception()
-
-
 class PrefixAwareRequestRouter(RequestRouter):
-    """Ray Serve request router: prefix-cache affinity weighed against load, in tokens.
+    """Ray Serve request router: by default prefix-cache affinity weighed against load, in
+    tokens; ``routing="round-robin"`` or ``"power-of-two"`` select the cache-blind baselines.
 
     Attach to the worker deployment with
     ``@serve.deployment(request_router_config=RequestRouterConfig(
@@ -83,7 +63,8 @@ class PrefixAwareRequestRouter(RequestRouter):
     ``{"queued_tokens": int, "time": time.time()}`` (see :class:`SentLedger` for the unit), it
     publishes its digests under ``serve.get_replica_context().replica_id.unique_id``, and, unless
     ``model_key`` is configured, its ``record_replica_metadata()`` returns
-    ``{"model_key": identity.model_key}``.
+    ``{"model_key": identity.model_key}``; the keys seen are published to
+    :data:`~router.routing.replica_keys.REPLICA_MODEL_KEYS` for the ingress.
 
     Every hook here is failure-proof: routing never raises and never waits on the index for
     longer than ``index_timeout_s`` (``index_first_timeout_s`` for the very first lookup).
@@ -96,6 +77,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         index_actor_name: str | None = None,
         index_actor_namespace: str | None = None,
         model_key: str | None = None,
+        routing: str = PrefixPolicy.name,
         block_size: int = DEFAULT_BLOCK_SIZE,
         index_timeout_s: float = 0.05,
         index_first_timeout_s: float = 1.0,
@@ -103,6 +85,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         worker_ttl_s: float = 30.0,
         sent_max_age_s: float = 60.0,
         seed: int | None = None,
+        telemetry_sink: RoutingTelemetry | None = None,
     ) -> None:
         """Called by Ray Serve with ``RequestRouterConfig.request_router_kwargs``.
 
@@ -115,6 +98,8 @@ class PrefixAwareRequestRouter(RequestRouter):
             model_key: ``CacheIdentity.model_key`` (hex) the workers publish digests under;
                 ``None`` reads it from each replica's ``replica_metadata`` or ``routing_stats``
                 (key ``"model_key"``), since it hashes weights only the replicas have loaded.
+            routing: the policy, one of ``router.routing.policies.POLICY_NAMES``; only
+                ``"prefix"`` asks the index.
             block_size: tokens per KV block; must equal the workers'.
             index_timeout_s: seconds one index lookup may take before routing falls back to
                 load alone.
@@ -126,32 +111,33 @@ class PrefixAwareRequestRouter(RequestRouter):
             sent_max_age_s: seconds after which work this router sent stops counting as load
                 even without a completion or a newer stats snapshot.
             seed: seeds the random choices (tests).
+            telemetry_sink: where decisions are recorded (``None``: the process-wide
+                :data:`~router.routing.telemetry.TELEMETRY`).
 
         Raises:
-            ValueError: ``block_size`` is not positive. A failure to build the index does not
-                raise: it is logged and routing uses load alone.
+            ValueError: ``routing`` names no policy, or ``block_size`` is not positive. A
+                failure to build the index does not raise: it is logged and routing uses load
+                alone.
         """
-        self._scorer = PrefixScorer(block_size, random.Random(seed))
+        self._policy = make_policy(routing, block_size, random.Random(seed))
+        self._block_size = block_size
         self._ledger = SentLedger(sent_max_age_s)
         # Request id → when it finished; reports older than that still list it.
         self._finished: dict[str, float] = {}
         self._model_key = model_key
         self._worker_model_keys: dict[str, str] = {}
-        self._index_timeout_s = index_timeout_s
-        self._index_first_timeout_s = max(index_timeout_s, index_first_timeout_s)
-        self._index_tried = False
-        self._index_retry_s = index_retry_s
-        self._index_healthy = True
-        self._index_failures = 0
-        self._index_retry_at = 0.0
-        self._background: set[asyncio.Task] = set()
-        self._index = self._build_index(
+        # Request key → the pending request's future this router watches (one per attempt).
+        self._watched: dict[str, asyncio.Future] = {}
+        self._telemetry = telemetry_sink or telemetry.TELEMETRY
+        index = self._build_index(
             redis_url=redis_url,
             key_prefix=key_prefix,
             worker_ttl_s=worker_ttl_s,
             actor_name=index_actor_name,
             actor_namespace=index_actor_namespace,
-        )
+        ) if self._policy.uses_index else None
+        self._lookup = IndexLookup(index, self._telemetry, index_timeout_s,
+                                   index_first_timeout_s, index_retry_s, self._get_curr_time_s)
 
     def _build_index(
         self,
@@ -197,7 +183,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         try:
             ranked = await self._rank(candidate_replicas, pending_request)
         except Exception:
-            logger.exception("Prefix-aware routing failed; routing this request on load only.")
+            logger.exception("Request routing failed; routing this request on load only.")
             return [list(candidate_replicas)]
         return [tier for tier in (ranked[:1], ranked[1:]) if tier]
 
@@ -216,16 +202,37 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._ledger.expire(now)
         self._forget_finished_before(now - self._ledger.max_age_s)
         by_id = {worker_id_of(replica.replica_id): replica for replica in replicas}
+        self._note_model_keys(by_id)
         loads = {wid: self._load_tokens(wid, replica) for wid, replica in by_id.items()}
         plan = routing_input(pending_request)
-        cached = await self._cached_blocks(plan, by_id) if plan is not None else None
+        lookup = await self._look_up(plan, by_id)
         views = [
-            ReplicaView(wid, None if cached is None else cached.get(wid, 0), loads[wid])
+            ReplicaView(wid, None if lookup.cached is None else lookup.cached.get(wid, 0),
+                        loads[wid])
             for wid in by_id
         ]
-        ranked = self._scorer.choose(views, plan.prompt_len if plan else 0)
-        self._record_sent(_request_key(pending_request), ranked[0], plan, cached or {}, now)
+        ranked = self._policy.choose(views, plan.prompt_len if plan else 0)
+        key = _request_key(pending_request)
+        self._record_sent(key, ranked[0], plan, lookup, now)
+        self._watch(key, pending_request)
         return [by_id[wid] for wid in ranked]
+
+    async def _look_up(self, plan: RoutingInput | None, candidates: Mapping[str, Any]) -> Lookup:
+        """The index's answer for this request, as far as the policy wants one.
+
+        One lookup per model key among the candidates; a candidate whose key is not known yet
+        is left out of it, and so credited with nothing.
+        """
+        if not self._policy.uses_index:
+            return Lookup({})  # a cache-blind policy: nothing to ask, nothing to fall back from
+        if plan is None:
+            return Lookup(None, "no_prompt")
+        groups: dict[str, list[str]] = {}
+        for worker_id in candidates:
+            model_key = self._worker_model_keys.get(worker_id)
+            if model_key:
+                groups.setdefault(model_key, []).append(worker_id)
+        return await self._lookup.cached_blocks(plan.digests, groups)
 
     def _forget_finished_before(self, horizon: float) -> None:
         # Insertion order is completion order: the oldest come first.
@@ -248,42 +255,19 @@ class PrefixAwareRequestRouter(RequestRouter):
                          if rid not in self._finished)
         return queued + self._ledger.outstanding(worker_id, snapshot_at, per_request)
 
-    async def _cached_blocks(
-        self, plan: RoutingInput, replicas: Mapping[str, RunningReplica]
-    ) -> dict[str, int] | None:
-        """Leading prompt blocks each worker holds, or ``None`` when the index did not answer.
+    # ---- model keys ----------------------------------------------------------------------
 
-        One index lookup per model key among the candidates (normally exactly one); a worker
-        whose model key is not known yet is credited with nothing.
-        """
-        if not plan.digests:
-            return {}  # shorter than one block: nothing can be cached, nothing to ask
-        if self._index is None or self._get_curr_time_s() < self._index_retry_at:
-            return None
-        groups: dict[str, list[str]] = {}
+    def _note_model_keys(self, replicas: Mapping[str, RunningReplica]) -> None:
+        """Learns each replica's model key (kept until it dies, for the index's ``forget``)
+        and publishes the set of them for the ingress."""
+        live_keys = set()
         for worker_id, replica in replicas.items():
             model_key = self._model_key_of(replica)
             if model_key:
-                groups.setdefault(model_key, []).append(worker_id)
-                self._worker_model_keys[worker_id] = model_key  # for forget() after its death
-        if not groups:
-            return {}
-        try:
-            answers = await _bounded(
-                asyncio.gather(
-                    *(self._index.match(key, plan.digests, ids) for key, ids in groups.items())
-                ),
-                self._index_timeout_s if self._index_tried else self._index_first_timeout_s,
-            )
-            cached: dict[str, int] = {}
-            for worker_ids, answer in zip(groups.values(), answers, strict=True):
-                held = self._validated(answer, len(plan.digests))
-                cached.update({wid: held.get(wid, 0) for wid in worker_ids})
-        except Exception as exc:  # includes the timeout; cancellation still propagates
-            self._on_index_failure(exc)
-            return None
-        self._on_index_success()
-        return cached
+                self._worker_model_keys[worker_id] = model_key
+                live_keys.add(model_key)
+        deployment = (self._deployment_id.app_name, self._deployment_id.name)
+        replica_keys.REPLICA_MODEL_KEYS.update(deployment, live_keys)
 
     def _model_key_of(self, replica: RunningReplica) -> str | None:
         """The configured model key, else the one the replica reports.
@@ -302,45 +286,6 @@ class PrefixAwareRequestRouter(RequestRouter):
                 return key
         return None
 
-    @staticmethod
-    def _validated(answer: Any, max_blocks: int) -> dict[str, int]:
-        """The index answer as ``{worker id: blocks}``, clamped to ``[0, max_blocks]``.
-
-        Raises:
-            TypeError: the answer is not a mapping.
-        """
-        if not isinstance(answer, Mapping):
-            raise TypeError(f"index match returned {type(answer).__name__}, not a mapping")
-        return {
-            str(wid): min(int(blocks), max_blocks)
-            for wid, blocks in answer.items()
-            if is_count(blocks)
-        }
-
-    def _on_index_failure(self, exc: BaseException) -> None:
-        self._index_tried = True  # only the very first lookup gets the longer bound
-        self._index_failures += 1
-        self._index_retry_at = self._get_curr_time_s() + self._index_retry_s
-        if self._index_healthy:  # once per outage, not once per request
-            self._index_healthy = False
-            logger.warning(
-                "Digest index lookup failed (%s: %s); routing on load only "
-                "(power of two choices) until it answers again.",
-                type(exc).__name__,
-                exc,
-            )
-
-    def _on_index_success(self) -> None:
-        self._index_tried = True
-        if not self._index_healthy:
-            logger.info(
-                "Digest index answering again after %d failed lookups; "
-                "prefix-aware routing resumed.",
-                self._index_failures,
-            )
-            self._index_healthy = True
-            self._index_failures = 0
-
     # ---- accounting ----------------------------------------------------------------------
 
     def _record_sent(
@@ -348,27 +293,71 @@ class PrefixAwareRequestRouter(RequestRouter):
         key: str,
         worker_id: str,
         plan: RoutingInput | None,
-        cached: dict[str, int],
+        lookup: Lookup,
         now: float,
     ) -> None:
         # Recorded at choice time, before Ray confirms the send: requests routed concurrently
         # must already see each other's load.
+        cached = lookup.cached or {}
         tokens = self._work_tokens(plan, cached.get(worker_id, 0))
-        self._ledger.record(key, _Sent(worker_id, tokens, now, plan, cached))
+        self._ledger.record(key, SentEntry(worker_id, tokens, now, plan, cached, lookup.fallback))
         if plan is not None and plan.request_id:
             self._finished.pop(plan.request_id, None)  # routed again: live work once more
 
     def _work_tokens(self, plan: RoutingInput | None, cached_blocks: int) -> int:
         """Work one request adds to a worker, in tokens (1 for an unreadable request)."""
-        if plan is None:
-            return 1
-        prefill = self._scorer.uncached_tokens(plan.prompt_len, cached_blocks)
-        return prefill + plan.decode_tokens
+        return 1 if plan is None else plan.work_tokens(cached_blocks, self._block_size)
+
+    def _watch(self, key: str, pending_request: PendingRequest | None) -> None:
+        """Follows the pending request's future: Ray resolves it with the replica it picked,
+        or cancels it when the caller gave up before dispatch."""
+        future = getattr(pending_request, "future", None)
+        if not isinstance(future, asyncio.Future) or self._watched.get(key) is future:
+            return  # backoff asks again for the same attempt: already watched
+        self._watched[key] = future
+        future.add_done_callback(functools.partial(self._on_routing_done, key))
+
+    def _on_routing_done(self, key: str, future: asyncio.Future) -> None:
+        """The routing attempt ended: settle its entry where Ray sent it, or drop it when the
+        request was never dispatched (cancelled). Never raises."""
+        try:
+            if self._watched.get(key) is future:
+                del self._watched[key]
+            if future.cancelled() or future.exception() is not None:
+                self._ledger.remove(key)  # never sent: its work must not count as load
+                return
+            entry = self._settle(key, worker_id_of(future.result().replica_id))
+            if entry is not None:
+                self._record_decision(entry)
+        except Exception:
+            logger.exception("Routing bookkeeping failed; load accounting may drift briefly.")
+
+    def _settle(self, key: str, worker_id: str) -> SentEntry | None:
+        """Moves the entry for ``key`` to ``worker_id`` if Ray sent it elsewhere than the
+        first choice (which was full); returns it (``None`` when there is none)."""
+        entry = self._ledger.get(key)
+        if entry is not None and entry.worker_id != worker_id:
+            self._policy.mark_chosen(worker_id)
+            tokens = self._work_tokens(entry.plan, entry.cached.get(worker_id, 0))
+            self._ledger.move(key, worker_id, tokens)
+        return entry
+
+    def _record_decision(self, entry: SentEntry) -> None:
+        blocks = entry.cached.get(entry.worker_id, 0)
+        self._telemetry.record(RoutingDecision(
+            at=time.time(),
+            worker_id=entry.worker_id,
+            policy=self._policy.name,
+            prompt_tokens=entry.plan.prompt_len if entry.plan is not None else 0,
+            cached_blocks=blocks,
+            cached_tokens=blocks * self._block_size,
+            fallback=entry.fallback,
+        ))
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
-        """Ray Serve hook: the replica accepted the request. Moves the ledger entry there.
+        """Ray Serve hook: the replica accepted the request. Counts its work there from now.
 
         A replica that rejected the request first has already reported it completed, which
         removed its entry; it is recorded again here, as live work on the accepting replica.
@@ -377,18 +366,12 @@ class PrefixAwareRequestRouter(RequestRouter):
         try:
             worker_id = worker_id_of(replica_id)
             key = _request_key(pending_request)
-            entry = self._ledger.get(key)
             now = self._get_curr_time_s()
+            entry = self._settle(key, worker_id)
             if entry is None:
-                plan = routing_input(pending_request)
-                self._record_sent(key, worker_id, plan, {}, now)
+                self._record_sent(key, worker_id, routing_input(pending_request), Lookup({}), now)
                 return
-            if entry.worker_id != worker_id:  # the first choice was full; Ray fell back
-                self._scorer.mark_chosen(worker_id)
-                entry.tokens = self._work_tokens(entry.plan, entry.cached.get(worker_id, 0))
-                entry.worker_id = worker_id
             entry.sent_at = now
-            self._ledger.record(key, entry)
         except Exception:
             logger.exception("on_request_routed failed; load accounting may drift briefly.")
 
@@ -408,13 +391,16 @@ class PrefixAwareRequestRouter(RequestRouter):
     # ---- replica lifecycle ---------------------------------------------------------------
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        """Ray Serve hook: the replica set changed. Drops state of replicas that are gone."""
+        """Ray Serve hook: the replica set changed. Drops state of replicas that are gone and
+        publishes the live replicas' model keys (a redeploy shows here first)."""
         super().update_replicas(replicas)
-        live = {worker_id_of(replica.replica_id) for replica in replicas}
-        self._scorer.retain(live)
+        by_id = {worker_id_of(replica.replica_id): replica for replica in replicas}
+        live = set(by_id)
+        self._policy.retain(live)
         self._ledger.retain(live)
         for worker_id in [w for w in self._worker_model_keys if w not in live]:
             del self._worker_model_keys[worker_id]
+        self._note_model_keys(by_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         """Ray Serve hook: the replica's actor died. Forgets it locally and in the index.
@@ -425,29 +411,10 @@ class PrefixAwareRequestRouter(RequestRouter):
         super().on_replica_actor_died(replica_id)
         try:
             worker_id = worker_id_of(replica_id)
-            self._scorer.forget(worker_id)
+            self._policy.forget(worker_id)
             self._ledger.drop_worker(worker_id)
-            self._forget_in_index(worker_id)
+            model_key = self._worker_model_keys.pop(worker_id, None) or self._model_key
+            if model_key is not None:  # else its key is unknown here; the index TTL expires it
+                self._lookup.forget_in_background(model_key, worker_id)
         except Exception:
             logger.exception("Could not forget dead replica %s.", replica_id)
-
-    def _forget_in_index(self, worker_id: str) -> None:
-        model_key = self._worker_model_keys.pop(worker_id, None) or self._model_key
-        if self._index is None or model_key is None:
-            return  # its model key is unknown here; the index TTL expires its entries
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            logger.info("No event loop to tell the index %s died; its TTL expires it.", worker_id)
-            return
-        task = loop.create_task(self._forget(model_key, worker_id))
-        self._background.add(task)  # keep a reference until done, or the task may vanish
-        task.add_done_callback(self._background.discard)
-
-    async def _forget(self, model_key: str, worker_id: str) -> None:
-        try:
-            await _bounded(self._index.forget(model_key, worker_id), 5.0)
-        except Exception as exc:
-            logger.warning(
-                "Index could not forget dead worker %s (%s); its TTL expires it.", worker_id, exc
-            )

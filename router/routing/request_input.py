@@ -1,4 +1,11 @@
-"""What routing reads from one request: its prompt length, block digests and work."""
+"""What routing reads from one request: its prompt length, block digests and work in tokens.
+
+Work tokens of one request on a worker = prompt tokens the worker still has to prefill + every
+output token the request may still produce (``max_tokens`` per choice; the ingress sets
+``max_tokens`` to the rest of the context when the client gave none). This is the unit the
+workers report as ``queued_tokens`` (``workers.engine.Engine.load_by_request``), where tokens
+already prefilled or generated are subtracted.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +14,6 @@ from typing import Any
 
 from router.routing.checks import is_count
 from workers.identity import DIGEST_SIZE
-from workers.request import DECODE_HORIZON
 
 
 @dataclass(frozen=True)
@@ -18,8 +24,8 @@ class RoutingInput:
         prompt_len: prompt length in tokens (at least 1).
         digests: the prompt's 32-byte block digests, leading block first (may be empty when the
             prompt is shorter than one block).
-        decode_tokens: output tokens the request counts for in load: ``sampling.max_tokens``
-            capped at ``workers.request.DECODE_HORIZON``, as the workers count it.
+        decode_tokens: output tokens the request may produce: ``sampling.max_tokens`` times
+            ``sampling.n`` (the choices decode separately).
         request_id: the request's id, as the worker lists it in its routing stats.
     """
 
@@ -27,6 +33,19 @@ class RoutingInput:
     digests: list[bytes]
     decode_tokens: int
     request_id: str | None = None
+
+    def work_tokens(self, cached_blocks: int, block_size: int) -> int:
+        """Tokens of work the request adds to a worker holding ``cached_blocks`` of its
+        leading blocks (of ``block_size`` tokens each)."""
+        return uncached_tokens(self.prompt_len, cached_blocks, block_size) + self.decode_tokens
+
+
+def uncached_tokens(prompt_len: int, cached_blocks: int, block_size: int) -> int:
+    """Prompt tokens still to prefill when ``cached_blocks`` leading blocks are cached.
+
+    At least 1: a fully cached prompt still recomputes its last token to get logits.
+    """
+    return max(1, prompt_len - max(0, cached_blocks) * block_size)
 
 
 def routing_input(pending_request: Any) -> RoutingInput | None:
@@ -49,8 +68,16 @@ def routing_input(pending_request: Any) -> RoutingInput | None:
         return None
     if not all(isinstance(d, bytes) and len(d) == DIGEST_SIZE for d in digests):
         return None
-    max_tokens = getattr(getattr(request, "sampling", None), "max_tokens", 0)
-    decode_tokens = min(max_tokens, DECODE_HORIZON) if is_count(max_tokens) else 0
     request_id = getattr(request, "request_id", None)
-    return RoutingInput(len(token_ids), list(digests), decode_tokens,
+    return RoutingInput(len(token_ids), list(digests), _decode_tokens(request),
                         request_id if isinstance(request_id, str) else None)
+
+
+def _decode_tokens(request: Any) -> int:
+    """``max_tokens × n`` of the request's sampling parameters; 0 where unreadable."""
+    sampling = getattr(request, "sampling", None)
+    max_tokens = getattr(sampling, "max_tokens", 0)
+    choices = getattr(sampling, "n", 1)
+    if not is_count(max_tokens) or not is_count(choices):
+        return 0
+    return int(max_tokens) * max(1, int(choices))

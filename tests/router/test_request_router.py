@@ -18,13 +18,12 @@ from collections import Counter
 
 import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
-from ray.serve.request_router import PendingRequest, ReplicaID
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter
 
-from router.routing.ledger import SentLedger, _Sent
-from router.routing.policies import PrefixScorer, ReplicaView
 from router.routing.ray_router import PrefixAwareRequestRouter
-from router.routing.replica_stats import parse_request_tokens, parse_routing_stats
+from router.routing.replica_keys import REPLICA_MODEL_KEYS
 from router.routing.request_input import routing_input
+from router.routing.telemetry import RoutingTelemetry
 from workers.request import GenerationRequest, SamplingParams
 
 BLOCK = 16
@@ -113,6 +112,7 @@ def make_router(index, clock=None, seed=0, model_key="m", **kwargs) -> PrefixAwa
         handle_source=DeploymentHandleSource.UNKNOWN,
         get_curr_time_s=clock or Clock(),
     )
+    kwargs.setdefault("telemetry_sink", RoutingTelemetry())  # the process-wide one stays untouched
     router.initialize_state(block_size=BLOCK, seed=seed, model_key=model_key, **kwargs)
     return router
 
@@ -121,8 +121,16 @@ async def route(router, replicas, pr) -> str:
     """One routing decision as Ray makes it when the first choice accepts; returns its id."""
     tiers = await router.choose_replicas(replicas, pr)
     chosen = tiers[0][0]
+    dispatch(router, pr, chosen)
+    await asyncio.sleep(0)  # the future's done callbacks run on the next loop iteration
     router.on_request_routed(pr, chosen.replica_id, None)
     return chosen.replica_id.unique_id
+
+
+def dispatch(router, pr, replica):
+    """Ray resolves the pending request's future with the replica it picked."""
+    if isinstance(pr, PendingRequest):
+        pr.future.set_result(replica)
 
 
 def complete(router, pr, worker_id):
@@ -136,75 +144,7 @@ def assert_spread(counts: Counter, workers: list[str]):
     assert max(shares) <= 1.5 * min(shares), shares
 
 
-# ---- scoring core ---------------------------------------------------------------------------
-
-
-def test_uncached_tokens_never_below_one():
-    scorer = PrefixScorer(BLOCK)
-    assert scorer.uncached_tokens(100, 0) == 100
-    assert scorer.uncached_tokens(100, 2) == 68
-    assert scorer.uncached_tokens(64, 4) == 1  # whole prompt cached: last token recomputed
-    assert scorer.uncached_tokens(64, 9) == 1
-
-
-def test_block_size_must_be_positive():
-    with pytest.raises(ValueError):
-        PrefixScorer(0)
-
-
-def test_rank_needs_candidates():
-    with pytest.raises(ValueError):
-        PrefixScorer(BLOCK).rank([], 10)
-
-
-def test_longer_prefix_wins_when_loads_equal():
-    scorer = PrefixScorer(BLOCK, random.Random(0))
-    views = [ReplicaView("a", 2, 0), ReplicaView("b", 5, 0), ReplicaView("c", 0, 0)]
-    assert scorer.rank(views, 200) == ["b", "a", "c"]
-
-
-def test_r4_hit_never_wins_on_overloaded_replica():
-    # A holds the whole 600-token prompt but has 20 requests x ~600 tokens queued; B is idle.
-    scorer = PrefixScorer(BLOCK, random.Random(0))
-    views = [ReplicaView("A", 600 // BLOCK, 20 * 600), ReplicaView("B", 0, 0)]
-    assert scorer.rank(views, 600)[0] == "B"
-
-
-def test_hit_wins_over_small_load_gap():
-    scorer = PrefixScorer(BLOCK, random.Random(0))
-    views = [ReplicaView("A", 600 // BLOCK, 100), ReplicaView("B", 0, 0)]
-    assert scorer.rank(views, 600)[0] == "A"
-
-
-@pytest.mark.parametrize("seed", range(50))
-def test_r5_cache_misses_spread_on_every_seed(seed):
-    rng = random.Random(seed)
-    scorer = PrefixScorer(BLOCK, random.Random(seed))
-    workers = ["w0", "w1", "w2"]
-    counts = Counter()
-    for _ in range(30):
-        prompt_len = rng.randint(1, 400)
-        views = [ReplicaView(w, 0, 0) for w in rng.sample(workers, 3)]
-        counts[scorer.choose(views, prompt_len)[0]] += 1
-    assert_spread(counts, workers)
-
-
-def test_equal_candidates_not_always_first():
-    firsts = Counter()
-    for seed in range(20):
-        scorer = PrefixScorer(BLOCK, random.Random(seed))
-        firsts[scorer.rank([ReplicaView(w, 0, 0) for w in "abc"], 10)[0]] += 1
-    assert len(firsts) > 1
-
-
-def test_two_choices_without_index_answer():
-    scorer = PrefixScorer(BLOCK, random.Random(0))
-    loads = {"a": 0, "b": 500, "c": 1000}
-    for _ in range(200):
-        ranked = scorer.rank([ReplicaView(w, None, load) for w, load in loads.items()], 50)
-        assert sorted(ranked) == ["a", "b", "c"]
-        assert ranked[0] != "c"  # the most loaded never wins a pair
-    assert scorer.rank([ReplicaView("solo", None, 9)], 50) == ["solo"]
+# ---- reading a request ----------------------------------------------------------------------
 
 
 async def test_routing_input_reads_generation_request():
@@ -235,35 +175,6 @@ async def test_routing_input_reads_generation_request():
 )
 def test_routing_input_rejects_malformed(pr):
     assert routing_input(pr) is None
-
-
-def test_parse_routing_stats_is_defensive():
-    assert parse_routing_stats({"queued_tokens": 12, "time": 5.0}) == (12, 5.0)
-    assert parse_routing_stats({}) == (0, None)
-    assert parse_routing_stats(None) == (0, None)
-    assert parse_routing_stats({"queued_tokens": "lots", "time": True}) == (0, None)
-    assert parse_routing_stats({"queued_tokens": -3, "time": float("nan")}) == (0, None)
-
-
-def test_ledger_snapshot_and_age_clear_entries():
-    ledger = SentLedger(max_age_s=10.0)
-    ledger.record("r1", _Sent("a", 100, 1.0, None, {}))
-    ledger.record("r2", _Sent("a", 50, 3.0, None, {}))
-    assert ledger.outstanding("a", None) == 150
-    assert ledger.outstanding("a", 2.0) == 50  # the snapshot at t=2 already counts r1
-    assert ledger.get("r1") is not None  # kept until completion, which must name the request
-    ledger.expire(now=20.0)
-    assert ledger.outstanding("a", None) == 0
-    assert len(ledger) == 0
-
-
-def test_ledger_remove_only_on_named_worker():
-    ledger = SentLedger()
-    ledger.record("r", _Sent("b", 10, 1.0, None, {}))
-    ledger.remove("r", "a")  # a stale completion from an earlier, rejected attempt on "a"
-    assert ledger.outstanding("b", None) == 10
-    ledger.remove("r", "b")
-    assert len(ledger) == 0
 
 
 # ---- the Ray RequestRouter glue ---------------------------------------------------------------
@@ -352,12 +263,6 @@ async def test_accepted_request_counts_until_a_report_lists_it():
     assert router._load_tokens(worker, replica) == 164  # counted once, by the report
 
 
-def test_parse_request_tokens_skips_malformed_entries():
-    assert parse_request_tokens({"requests": {"a": 5, "b": -1, 3: 4, "c": "x"}}) == {"a": 5}
-    assert parse_request_tokens({"queued_tokens": 3}) is None
-    assert parse_request_tokens(None) is None
-
-
 async def test_longer_prefix_hit_wins_through_router():
     router = make_router(FakeIndex({"a": 1, "b": 6, "c": 3}))
     replicas = [FakeReplica(w) for w in "abc"]
@@ -438,7 +343,7 @@ async def test_r7_index_failure_falls_back_logs_once_and_recovers(caplog):
     router = make_router(index, clock, index_retry_s=1.0)
     replicas = [FakeReplica(w) for w in "abc"]
     index.fail = ConnectionError("redis down")
-    with caplog.at_level(logging.INFO, logger="router.routing.ray_router"):
+    with caplog.at_level(logging.INFO, logger="router.routing"):
         for _ in range(20):
             pr = pending(gen_request(200))
             worker = await route(router, replicas, pr)
@@ -566,7 +471,7 @@ def test_initialize_state_builds_index_with_make_index(monkeypatch):
     _install_fake_index_module(monkeypatch, make_index)
     router = _bare_router()
     router.initialize_state(redis_url="redis://x:6379", key_prefix="t1", worker_ttl_s=5.0)
-    assert isinstance(router._index, FakeIndex)
+    assert isinstance(router._lookup.index, FakeIndex)
     assert router._model_key is None  # discovered from the replicas
     _bare_router().initialize_state(index_actor_name="idx", index_actor_namespace="ns")
     _bare_router().initialize_state()  # no Redis: the shared actor, never a private index
@@ -617,3 +522,164 @@ async def test_routes_with_the_real_memory_index():
     router.on_replica_actor_died(replicas[1].replica_id)
     await asyncio.sleep(0.01)
     assert await index.match("m", request.routing_digests, ["b"]) == {"b": 0}
+
+
+# ---- faults of issue 8 ------------------------------------------------------------------------
+
+
+async def test_request_cancelled_before_dispatch_stops_counting_as_load():
+    # The router chose a replica, then the caller gave up before Ray sent the request: Ray
+    # cancels the pending request's future and never calls on_request_routed/completed.
+    router = make_router(FakeIndex())
+    replicas = [FakeReplica("A"), FakeReplica("B")]
+    pr = pending(gen_request(160, max_tokens=4, salt="gone"))
+    chosen = (await router.choose_replicas(replicas, pr))[0][0]
+    assert router._load_tokens(chosen.replica_id.unique_id, chosen) == 160 + 4
+    pr.future.cancel()
+    await asyncio.sleep(0)  # done callbacks run on the next loop iteration
+    assert router._load_tokens(chosen.replica_id.unique_id, chosen) == 0
+    assert len(router._ledger) == 0
+
+
+async def test_load_counts_the_whole_output_budget():
+    # Without max_tokens the ingress asks for the rest of the context (here 2048 - 160); the
+    # request may really produce all of it, so it counts for all of it, per choice.
+    plan = routing_input(pending(gen_request(160, max_tokens=2048 - 160)))
+    assert plan.decode_tokens == 1888
+    request = gen_request(160, max_tokens=300)
+    request.sampling.n = 3
+    assert routing_input(pending(request)).decode_tokens == 900
+    router = make_router(FakeIndex())
+    replicas = [FakeReplica("A"), FakeReplica("B")]
+    worker = await route(router, replicas, pending(gen_request(160, max_tokens=1888, salt="z")))
+    replica = {r.replica_id.unique_id: r for r in replicas}[worker]
+    assert router._load_tokens(worker, replica) == 160 + 1888
+
+
+async def test_fallback_route_leaves_nothing_on_the_first_choice():
+    # Ray took the second tier (the first choice was full): the work must leave "a" entirely,
+    # or "a" looks busier than it is until the entry ages out.
+    router = make_router(FakeIndex({"a": 10}))
+    a, b = FakeReplica("a"), FakeReplica("b")
+    pr = pending(gen_request(200))
+    assert (await router.choose_replicas([a, b], pr))[0][0] is a
+    router.on_request_routed(pr, b.replica_id, None)
+    assert router._ledger.outstanding("a", None) == 0
+    assert router._ledger.outstanding("b", None) == 200 + 16
+
+
+
+# ---- policies through the router, telemetry, model keys --------------------------------------
+
+
+async def test_round_robin_router_cycles_and_never_asks_the_index():
+    index = FakeIndex({"c": 10})
+    telemetry = RoutingTelemetry()
+    router = make_router(index, routing="round-robin", telemetry_sink=telemetry)
+    replicas = [FakeReplica(w, {"queued_tokens": 50 * i, "time": 0.0})
+                for i, w in enumerate("abc")]
+    chosen = [await route(router, replicas, pending(gen_request(200, salt=str(i))))
+              for i in range(6)]
+    assert chosen == ["a", "b", "c", "a", "b", "c"]
+    assert index.calls == 0
+    assert telemetry.share() == {"a": 2, "b": 2, "c": 2}
+    assert {(d.policy, d.cached_blocks, d.fallback) for d in telemetry.recent()} == {
+        ("round-robin", 0, None)}
+
+
+async def test_power_of_two_router_routes_on_load_only():
+    index = FakeIndex({"busy": 12})
+    router = make_router(index, routing="power-of-two")
+    replicas = [FakeReplica("busy", {"queued_tokens": 10_000, "time": 0.0}), FakeReplica("idle")]
+    for i in range(5):  # with two replicas both are sampled: the less loaded always wins
+        assert await route(router, replicas, pending(gen_request(200, salt=f"p{i}"))) == "idle"
+    assert index.calls == 0
+
+
+def test_unknown_routing_policy_is_refused():
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        make_router(FakeIndex(), routing="least-connections")
+
+
+async def test_decisions_record_credited_blocks_and_why_routing_was_load_only():
+    clock = Clock()
+    telemetry = RoutingTelemetry()
+    index = FakeIndex({"b": 6})
+    router = make_router(index, clock, telemetry_sink=telemetry, index_retry_s=1.0)
+    replicas = [FakeReplica(w) for w in "ab"]
+
+    async def decide(pr):
+        worker = await route(router, replicas, pr)
+        complete(router, pr, worker)
+        return telemetry.recent(1)[0]
+
+    hit = await decide(pending(gen_request(160)))
+    assert (hit.worker_id, hit.policy, hit.prompt_tokens, hit.cached_blocks, hit.cached_tokens,
+            hit.fallback) == ("b", "prefix", 160, 6, 96, None)
+    index.fail = ConnectionError("redis down")
+    assert (await decide(pending(gen_request(160)))).fallback == "index_error"
+    assert (await decide(pending(gen_request(160)))).fallback == "index_down"  # retry window
+    assert (await decide(pending("unreadable"))).fallback == "no_prompt"
+    short = await decide(pending(gen_request(10)))  # under one block: nothing to look up
+    assert (short.fallback, short.cached_blocks) == (None, 0)
+    health = telemetry.index_health()
+    assert (health["healthy"], health["lookups"]) == (False, 2)
+    assert health["last_error"] == "ConnectionError: redis down"
+    assert health["fallbacks"] == {"index_error": 1, "index_down": 1, "no_prompt": 1}
+    assert len(telemetry.recent()) == 5
+
+
+async def test_lookup_timeout_and_unknown_model_key_are_named():
+    telemetry = RoutingTelemetry()
+    index = FakeIndex({"a": 4})
+    index.hang = True
+    router = make_router(index, telemetry_sink=telemetry, index_timeout_s=0.01,
+                         index_first_timeout_s=0.01, index_retry_s=0.0)
+    await route(router, [FakeReplica("a")], pending(gen_request(64)))
+    assert telemetry.recent(1)[0].fallback == "index_timeout"
+    keyless = make_router(FakeIndex({"a": 4}), telemetry_sink=telemetry, model_key=None)
+    await route(keyless, [FakeReplica("a")], pending(gen_request(64)))
+    assert telemetry.recent(1)[0].fallback == "no_model_key"
+
+
+async def test_decision_names_the_replica_ray_fell_back_to():
+    telemetry = RoutingTelemetry()
+    router = make_router(FakeIndex({"a": 10, "b": 2}), telemetry_sink=telemetry)
+    a, b = FakeReplica("a"), FakeReplica("b")
+    pr = pending(gen_request(200))
+    assert (await router.choose_replicas([a, b], pr))[0][0] is a
+    dispatch(router, pr, b)  # a was full: Ray took the second tier
+    await asyncio.sleep(0)
+    decision = telemetry.recent(1)[0]
+    assert (decision.worker_id, decision.cached_blocks) == ("b", 2)
+    assert router._ledger.outstanding("b", None) == 200 - 2 * BLOCK + 16
+    assert router._ledger.outstanding("a", None) == 0
+
+
+async def test_cancelled_request_records_no_decision():
+    telemetry = RoutingTelemetry()
+    router = make_router(FakeIndex(), telemetry_sink=telemetry)
+    pr = pending(gen_request(64))
+    await router.choose_replicas([FakeReplica("a")], pr)
+    pr.future.cancel()
+    await asyncio.sleep(0)
+    assert telemetry.recent() == [] and telemetry.share() == {}
+
+
+async def test_router_publishes_the_replicas_model_keys():
+    router = make_router(FakeIndex(), model_key=None)
+    replicas = [FakeReplica("a", metadata={"model_key": "k1"}),
+                FakeReplica("b", stats={"model_key": "k2"}), FakeReplica("c")]
+    await route(router, replicas, pending(gen_request(64)))
+    assert REPLICA_MODEL_KEYS.keys(("nalar", "worker")) == {"k1", "k2"}
+
+
+def test_replica_update_publishes_the_redeployed_keys(monkeypatch):
+    # A redeploy reaches the router as a replica update before any request is routed.
+    monkeypatch.setattr(RequestRouter, "update_replicas", lambda self, replicas: None)
+    router = make_router(FakeIndex(), model_key=None)
+    router.update_replicas([FakeReplica("old", metadata={"model_key": "v1"})])
+    assert REPLICA_MODEL_KEYS.keys(("nalar", "worker")) == {"v1"}
+    router.update_replicas([FakeReplica("new", metadata={"model_key": "v2"})])
+    assert REPLICA_MODEL_KEYS.keys(("nalar", "worker")) == {"v2"}
+    assert router._worker_model_keys == {"new": "v2"}

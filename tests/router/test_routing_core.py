@@ -1,0 +1,204 @@
+"""Tests of the Ray-free routing core: the policies (prefix, round-robin, power-of-two) on
+synthetic replica views with known answers, stats parsing and the sent-request ledger.
+Cases R4 and R5 are from ``shared/cases/routing.md``."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from router.routing.ledger import SentEntry, SentLedger
+from router.routing.policies import (
+    POLICY_NAMES,
+    PowerOfTwoPolicy,
+    PrefixPolicy,
+    ReplicaView,
+    RoundRobinPolicy,
+    make_policy,
+)
+from router.routing.replica_stats import parse_request_tokens, parse_routing_stats
+from router.routing.request_input import uncached_tokens
+
+BLOCK = 16
+
+
+def assert_spread(counts: Counter, workers: list[str]):
+    shares = [counts.get(w, 0) for w in workers]
+    assert min(shares) > 0, shares
+    assert max(shares) <= 1.5 * min(shares), shares
+
+
+# ---- prefix ---------------------------------------------------------------------------------
+
+
+def test_uncached_tokens_never_below_one():
+    assert uncached_tokens(100, 0, BLOCK) == 100
+    assert uncached_tokens(100, 2, BLOCK) == 68
+    assert uncached_tokens(64, 4, BLOCK) == 1  # whole prompt cached: last token recomputed
+    assert uncached_tokens(64, 9, BLOCK) == 1
+
+
+def test_block_size_must_be_positive():
+    with pytest.raises(ValueError):
+        PrefixPolicy(0)
+
+
+def test_rank_needs_candidates():
+    with pytest.raises(ValueError):
+        PrefixPolicy(BLOCK).rank([], 10)
+
+
+def test_longer_prefix_wins_when_loads_equal():
+    policy = PrefixPolicy(BLOCK, random.Random(0))
+    views = [ReplicaView("a", 2, 0), ReplicaView("b", 5, 0), ReplicaView("c", 0, 0)]
+    assert policy.rank(views, 200) == ["b", "a", "c"]
+
+
+def test_r4_hit_never_wins_on_overloaded_replica():
+    # A holds the whole 600-token prompt but has 20 requests x ~600 tokens queued; B is idle.
+    policy = PrefixPolicy(BLOCK, random.Random(0))
+    views = [ReplicaView("A", 600 // BLOCK, 20 * 600), ReplicaView("B", 0, 0)]
+    assert policy.rank(views, 600)[0] == "B"
+
+
+def test_hit_wins_over_small_load_gap():
+    policy = PrefixPolicy(BLOCK, random.Random(0))
+    views = [ReplicaView("A", 600 // BLOCK, 100), ReplicaView("B", 0, 0)]
+    assert policy.rank(views, 600)[0] == "A"
+
+
+@pytest.mark.parametrize("seed", range(50))
+def test_r5_cache_misses_spread_on_every_seed(seed):
+    rng = random.Random(seed)
+    policy = PrefixPolicy(BLOCK, random.Random(seed))
+    workers = ["w0", "w1", "w2"]
+    counts = Counter()
+    for _ in range(30):
+        prompt_len = rng.randint(1, 400)
+        views = [ReplicaView(w, 0, 0) for w in rng.sample(workers, 3)]
+        counts[policy.choose(views, prompt_len)[0]] += 1
+    assert_spread(counts, workers)
+
+
+def test_equal_candidates_not_always_first():
+    firsts = Counter()
+    for seed in range(20):
+        policy = PrefixPolicy(BLOCK, random.Random(seed))
+        firsts[policy.rank([ReplicaView(w, 0, 0) for w in "abc"], 10)[0]] += 1
+    assert len(firsts) > 1
+
+
+def test_two_choices_without_index_answer():
+    policy = PrefixPolicy(BLOCK, random.Random(0))
+    loads = {"a": 0, "b": 500, "c": 1000}
+    for _ in range(200):
+        ranked = policy.rank([ReplicaView(w, None, load) for w, load in loads.items()], 50)
+        assert sorted(ranked) == ["a", "b", "c"]
+        assert ranked[0] != "c"  # the most loaded never wins a pair
+    assert policy.rank([ReplicaView("solo", None, 9)], 50) == ["solo"]
+
+
+def test_prefix_longest_cached_prefix_unless_load_outweighs_it():
+    # 320-token prompt: a holds 15 blocks (80 tokens to prefill), b 5 blocks (240), c none.
+    policy = PrefixPolicy(BLOCK, random.Random(0))
+    views = [ReplicaView("a", 15, 100), ReplicaView("b", 5, 0), ReplicaView("c", 0, 0)]
+    assert policy.rank(views, 320) == ["a", "b", "c"]  # scores 180, 240, 320
+    assert [policy.score(v, 320) for v in views] == [180, 240, 320]
+    heavier = [ReplicaView("a", 15, 161), ReplicaView("b", 5, 0), ReplicaView("c", 0, 0)]
+    assert policy.rank(heavier, 320) == ["b", "a", "c"]  # 241 > 240: the load outweighs it
+
+
+# ---- round-robin ----------------------------------------------------------------------------
+
+
+def test_round_robin_cycles_in_worker_order_whatever_cache_and_load():
+    policy = RoundRobinPolicy(random.Random(0))
+    views = [ReplicaView("c", 9, 0), ReplicaView("a", 0, 5000), ReplicaView("b", 3, 10)]
+    chosen = [policy.choose(views, 200)[0] for _ in range(7)]
+    assert chosen == ["a", "b", "c", "a", "b", "c", "a"]
+    assert policy.rank(views, 200) == ["b", "c", "a"]  # the whole order: next in turn first
+
+
+def test_round_robin_new_worker_is_next_and_gone_one_is_skipped():
+    policy = RoundRobinPolicy()
+    views = [ReplicaView(w, None, 0) for w in "ab"]
+    assert [policy.choose(views, 10)[0] for _ in range(3)] == ["a", "b", "a"]
+    joined = [*views, ReplicaView("z", None, 0)]
+    assert [policy.choose(joined, 10)[0] for _ in range(3)] == ["z", "b", "a"]
+    policy.retain({"b", "z"})
+    left = [ReplicaView(w, None, 0) for w in "bz"]
+    assert [policy.choose(left, 10)[0] for _ in range(2)] == ["z", "b"]
+
+
+# ---- power-of-two -----------------------------------------------------------------------------
+
+
+def test_power_of_two_picks_the_less_loaded_of_the_sampled_pair():
+    loads = {"a": 300, "b": 100, "c": 200, "d": 0}
+    views = [ReplicaView(w, 40, load) for w, load in loads.items()]  # the cache is ignored
+    for seed in range(30):
+        pair = random.Random(seed).sample(views, 2)
+        ranked = PowerOfTwoPolicy(random.Random(seed)).rank(views, 500)
+        assert set(ranked[:2]) == {v.worker_id for v in pair}
+        assert ranked[0] == min(pair, key=lambda v: v.load_tokens).worker_id
+        assert sorted(ranked) == sorted(loads)
+
+
+def test_power_of_two_never_picks_the_most_loaded_and_favours_the_least():
+    policy = PowerOfTwoPolicy(random.Random(7))
+    views = [ReplicaView(w, None, load) for w, load in zip("abcd", (0, 100, 200, 300), strict=True)]
+    firsts = Counter(policy.rank(views, 10)[0] for _ in range(6000))
+    assert firsts["d"] == 0
+    # The least loaded wins every pair it is in: 3 of the 6 pairs; the next 2 of 6; then 1.
+    assert abs(firsts["a"] / 6000 - 0.5) < 0.03
+    assert abs(firsts["b"] / 6000 - 1 / 3) < 0.03
+    assert abs(firsts["c"] / 6000 - 1 / 6) < 0.03
+
+
+def test_make_policy_names_each_policy():
+    assert POLICY_NAMES == ("prefix", "round-robin", "power-of-two")
+    made = [make_policy(name, BLOCK) for name in POLICY_NAMES]
+    assert [type(p) for p in made] == [PrefixPolicy, RoundRobinPolicy, PowerOfTwoPolicy]
+    assert [p.uses_index for p in made] == [True, False, False]
+    with pytest.raises(ValueError, match="unknown routing policy 'random'"):
+        make_policy("random")
+
+
+# ---- stats and the ledger ---------------------------------------------------------------------
+
+
+def test_parse_routing_stats_is_defensive():
+    assert parse_routing_stats({"queued_tokens": 12, "time": 5.0}) == (12, 5.0)
+    assert parse_routing_stats({}) == (0, None)
+    assert parse_routing_stats(None) == (0, None)
+    assert parse_routing_stats({"queued_tokens": "lots", "time": True}) == (0, None)
+    assert parse_routing_stats({"queued_tokens": -3, "time": float("nan")}) == (0, None)
+
+
+def test_parse_request_tokens_skips_malformed_entries():
+    assert parse_request_tokens({"requests": {"a": 5, "b": -1, 3: 4, "c": "x"}}) == {"a": 5}
+    assert parse_request_tokens({"queued_tokens": 3}) is None
+    assert parse_request_tokens(None) is None
+
+
+def test_ledger_snapshot_and_age_clear_entries():
+    ledger = SentLedger(max_age_s=10.0)
+    ledger.record("r1", SentEntry("a", 100, 1.0, None, {}))
+    ledger.record("r2", SentEntry("a", 50, 3.0, None, {}))
+    assert ledger.outstanding("a", None) == 150
+    assert ledger.outstanding("a", 2.0) == 50  # the snapshot at t=2 already counts r1
+    assert ledger.get("r1") is not None  # kept until completion, which must name the request
+    ledger.expire(now=20.0)
+    assert ledger.outstanding("a", None) == 0
+    assert len(ledger) == 0
+
+
+def test_ledger_remove_only_on_named_worker():
+    ledger = SentLedger()
+    ledger.record("r", SentEntry("b", 10, 1.0, None, {}))
+    ledger.remove("r", "a")  # a stale completion from an earlier, rejected attempt on "a"
+    assert ledger.outstanding("b", None) == 10
+    ledger.remove("r", "b")
+    assert len(ledger) == 0
