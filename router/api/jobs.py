@@ -69,9 +69,7 @@ class JobBuilder:
 
     def __init__(self, backend: ServingBackend, tokenizer_lock: threading.Lock):
         self.backend = backend
-        # One tokenizer call at a time: a Rust tokenizer shared across threads can fail with
-        # "Already borrowed" when calls overlap.
-        self._tokenizer_lock = tokenizer_lock
+        self._tokenizer_lock = tokenizer_lock  # held around every tokenizer call
 
     @functools.cached_property
     def vocab_size(self) -> int:
@@ -136,8 +134,8 @@ class JobBuilder:
             prompt_param)
         sampling = fit_context(sampling, len(token_ids), self.backend.max_model_len,
                                max_tokens is not None, prompt_param, max_param)
-        # Our own id stays unique (it cancels the request on its worker); a client's
-        # ``request_id`` only names the answer, as in vLLM.
+        # A client's ``request_id`` names the answer (vLLM's format) but not the worker's
+        # request: two clients may send the same one, and the id cancels the request.
         request = GenerationRequest(f"{id_prefix}-{uuid.uuid4().hex}", token_ids, sampling,
                                     namespace, digests)
         response_id = f"{id_prefix}-{body.request_id}" if body.request_id else request.request_id
