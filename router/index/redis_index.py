@@ -28,9 +28,10 @@ from collections.abc import AsyncIterator
 
 import msgpack
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
-from redis.retry import Retry
 
 from router.index.base import (
     DigestIndex,
@@ -146,14 +147,17 @@ class RedisIndex(DigestIndex):
             raise ValueError(f"worker_ttl_s must be positive, got {worker_ttl_s}")
         self._prefix = key_prefix
         self._ttl_ms = max(1, round(worker_ttl_s * 1000))
-        # One quick retry replaces a pooled connection that died while Redis restarted; the
-        # library's default (several retries with seconds of backoff) would stall the router.
+        # One quick retry, on a lost connection only, replaces a pooled connection that died
+        # while Redis restarted; the library's default (several retries with seconds of
+        # backoff) would stall the router, and a timeout retried would double the stall. It
+        # must be redis.asyncio's Retry: the synchronous one "retries" by returning the
+        # coroutine, so a dead connection failed the first call after every restart.
         self._client = aioredis.from_url(
             url,
             decode_responses=False,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 1),
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         )
         self._apply_script = self._client.register_script(_APPLY_LUA)
         self._heartbeat_script = self._client.register_script(_HEARTBEAT_LUA)

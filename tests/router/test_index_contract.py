@@ -7,11 +7,12 @@ import asyncio
 import hashlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import msgpack
 import pytest
 import redis
+from private_redis import PrivateRedis, private_redis_server
 
 from router.index import DigestIndex, IndexStats, IndexUnavailableError, MemoryIndex, make_index
 from router.index.redis_index import RedisIndex
@@ -474,6 +475,32 @@ async def test_redis_down_raises_index_unavailable_fast(model_key: str) -> None:
     finally:
         await index.close()
     assert time.monotonic() - started < 5.0
+
+
+@pytest.fixture
+def private_redis() -> Iterator[PrivateRedis]:
+    yield from private_redis_server()
+
+
+async def test_redis_restarted_empty_is_reported_not_raised(
+    private_redis: PrivateRedis, model_key: str
+) -> None:
+    """After Redis restarts, the client's pooled connection is dead: the call must reconnect
+    and tell the worker its entry is gone (so it resyncs), not fail or pass silently."""
+    index = RedisIndex(private_redis.url, "nalar-test-restart", worker_ttl_s=30.0)
+    try:
+        assert await index.publish(model_key, "A", batch(stored(h(1)))) is False
+        assert await index.heartbeat(model_key, "A") is True
+
+        private_redis.restart()
+        assert await index.heartbeat(model_key, "A") is False
+
+        private_redis.restart()
+        assert await index.publish(model_key, "A", batch(stored(h(2)))) is False
+        private_redis.restart()
+        assert await index.match(model_key, chain(2), ["A"]) == {"A": 0}
+    finally:
+        await index.close()
 
 
 def test_make_index_picks_the_backend(redis_url: str, redis_key_prefix: str) -> None:
