@@ -1,13 +1,12 @@
 """The OpenAI-compatible HTTP layer against a scripted fake backend and the real SmolLM2
-tokenizer: request validation, tokenization, routing digests, tenancy, response shapes, SSE,
-backend errors and client disconnects."""
+tokenizer: tokenization, routing digests, tenancy, response shapes, SSE, sampling parameters,
+logprobs, choices, models and health. Validation, failures and disconnects, extensions and
+streamed usage have their own files."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -25,18 +24,15 @@ from openai_fakes import (
     assert_error,
     chunk,
     expected_digests,
-    hello_world,
     sse_events,
     two_choices,
 )
 
-from router.errors import OverloadedError
 from router.openai_app import WORKER_HEADER, build_openai_app
 from workers.identity import CacheNamespace, tenant_from_api_key
 from workers.request import (
     GenerationChunk,
     GenerationRequest,
-    InvalidRequestError,
     TokenLogprob,
 )
 
@@ -360,243 +356,6 @@ async def test_n_choices_answer_and_usage(client, backend):
     assert usage["usage"]["completion_tokens"] == 5
 
 
-# -- request validation ------------------------------------------------------------------------
-
-LONG = "word " * 200  # well over MAX_MODEL_LEN tokens
-
-INVALID = [
-    # path, body, status, param, code
-    (CHAT, {}, 400, "messages", "missing_required_parameter"),
-    (CHAT, {"messages": []}, 400, "messages", "invalid_value"),
-    (CHAT, {"messages": HELLO, "bogus": 1}, 400, "bogus", "unknown_parameter"),
-    (CHAT, {"messages": [{"role": "user", "content": "x", "x": 1}]}, 400, "messages[0].x",
-     "unknown_parameter"),
-    (CHAT, {"messages": [{"role": "user"}]}, 400, "messages[0].content",
-     "missing_required_parameter"),
-    (CHAT, {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
-     400, "messages[0].content", "unsupported_content_type"),
-    (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content",
-     "invalid_type"),
-    (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role",
-     "unsupported_value"),
-    (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role",
-     "invalid_value"),
-    (CHAT, {"messages": [{"role": "user", "content": "x", "name": 5}]}, 400,
-     "messages[0].name", "invalid_type"),
-    (CHAT, {"messages": HELLO, "model": "gpt-4"}, 404, "model", "model_not_found"),
-    (CHAT, {"messages": HELLO, "temperature": 3}, 400, "temperature", "invalid_value"),
-    (CHAT, {"messages": HELLO, "temperature": "hot"}, 400, "temperature", "invalid_type"),
-    (CHAT, {"messages": HELLO, "top_p": 0}, 400, "top_p", "invalid_value"),
-    (CHAT, {"messages": HELLO, "top_k": -2}, 400, "top_k", "invalid_value"),
-    (CHAT, {"messages": HELLO, "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
-    (CHAT, {"messages": HELLO, "max_tokens": True}, 400, "max_tokens", "invalid_type"),
-    (CHAT, {"messages": HELLO, "max_completion_tokens": 0}, 400, "max_completion_tokens",
-     "invalid_value"),
-    (CHAT, {"messages": HELLO, "max_completion_tokens": 5, "max_tokens": 6}, 400, "max_tokens",
-     "invalid_value"),
-    (CHAT, {"messages": HELLO, "stop": [""]}, 400, "stop", "invalid_value"),
-    (CHAT, {"messages": HELLO, "stop_token_ids": [49152]}, 400, "stop_token_ids",
-     "invalid_value"),
-    (CHAT, {"messages": HELLO, "seed": 2**64}, 400, "seed", "invalid_value"),
-    (CHAT, {"messages": HELLO, "cache_salt": ""}, 400, "cache_salt", "invalid_value"),
-    (CHAT, {"messages": HELLO, "n": 129}, 400, "n", "invalid_value"),
-    (CHAT, {"messages": HELLO, "n": 0}, 400, "n", "invalid_value"),
-    (CHAT, {"messages": HELLO, "logprobs": 1}, 400, "logprobs", "invalid_type"),
-    (CHAT, {"messages": HELLO, "top_logprobs": 2}, 400, "top_logprobs", "invalid_value"),
-    (CHAT, {"messages": HELLO, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
-     "invalid_value"),
-    (CHAT, {"messages": HELLO, "min_p": 1.5}, 400, "min_p", "invalid_value"),
-    (CHAT, {"messages": HELLO, "repetition_penalty": 0}, 400, "repetition_penalty",
-     "invalid_value"),
-    (CHAT, {"messages": HELLO, "min_tokens": 5, "max_tokens": 3}, 400, "min_tokens",
-     "invalid_value"),
-    (CHAT, {"messages": HELLO, "min_tokens": MAX_MODEL_LEN}, 400, "min_tokens",
-     "invalid_value"),
-    (CHAT, {"messages": HELLO, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
-     "tools", "unsupported_parameter"),
-    (CHAT, {"messages": HELLO, "tool_choice": "auto"}, 400, "tool_choice",
-     "unsupported_parameter"),
-    (CHAT, {"messages": HELLO, "response_format": {"type": "json_object"}}, 400,
-     "response_format", "unsupported_parameter"),
-    (CHAT, {"messages": HELLO, "logit_bias": {"one": 5}}, 400, "logit_bias", "invalid_value"),
-    (CHAT, {"messages": HELLO, "logit_bias": {"49152": 5}}, 400, "logit_bias",
-     "invalid_value"),
-    (CHAT, {"messages": HELLO, "logit_bias": {"7": 100.5}}, 400, "logit_bias",
-     "invalid_value"),
-    (CHAT, {"messages": HELLO, "presence_penalty": 2.5}, 400, "presence_penalty",
-     "invalid_value"),
-    (CHAT, {"messages": HELLO, "frequency_penalty": -3}, 400, "frequency_penalty",
-     "invalid_value"),
-    (CHAT, {"messages": HELLO, "stream_options": {"include_usage": True}}, 400,
-     "stream_options", "invalid_value"),
-    (CHAT, {"messages": HELLO, "stream": True, "stream_options": {"x": True}}, 400,
-     "stream_options.x", "unknown_parameter"),
-    (CHAT, {"messages": [{"role": "user", "content": LONG}]}, 400, "messages",
-     "context_length_exceeded"),
-    (CHAT, {"messages": HELLO, "max_completion_tokens": MAX_MODEL_LEN}, 400,
-     "max_completion_tokens", "context_length_exceeded"),
-    (COMPLETIONS, {}, 400, "prompt", "missing_required_parameter"),
-    (COMPLETIONS, {"prompt": ""}, 400, "prompt", "invalid_value"),
-    (COMPLETIONS, {"prompt": []}, 400, "prompt", "invalid_value"),
-    (COMPLETIONS, {"prompt": ["a", "b"]}, 400, "prompt", "unsupported_value"),
-    (COMPLETIONS, {"prompt": [[1, 2], [3]]}, 400, "prompt", "unsupported_value"),
-    (COMPLETIONS, {"prompt": [1, True]}, 400, "prompt", "invalid_type"),
-    (COMPLETIONS, {"prompt": [1, 49152]}, 400, "prompt", "invalid_value"),
-    (COMPLETIONS, {"prompt": [-1, 5]}, 400, "prompt", "invalid_value"),
-    (COMPLETIONS, {"prompt": 7}, 400, "prompt", "invalid_type"),
-    (COMPLETIONS, {"prompt": LONG}, 400, "prompt", "context_length_exceeded"),
-    (COMPLETIONS, {"prompt": [1] * MAX_MODEL_LEN}, 400, "prompt", "context_length_exceeded"),
-    (COMPLETIONS, {"prompt": [1] * 100, "max_tokens": 29}, 400, "max_tokens",
-     "context_length_exceeded"),
-    (COMPLETIONS, {"prompt": "x", "echo": True}, 400, "echo", "unsupported_parameter"),
-    (COMPLETIONS, {"prompt": "x", "best_of": 2}, 400, "best_of", "unsupported_parameter"),
-    (COMPLETIONS, {"prompt": "x", "suffix": "!"}, 400, "suffix", "unsupported_parameter"),
-    (COMPLETIONS, {"prompt": "x", "logprobs": 21}, 400, "logprobs", "invalid_value"),
-    (COMPLETIONS, {"prompt": "x", "logprobs": True}, 400, "logprobs", "invalid_type"),
-    (COMPLETIONS, {"prompt": "x", "logit_bias": {"-1": 1}}, 400, "logit_bias",
-     "invalid_value"),
-    (COMPLETIONS, {"prompt": "x", "messages": HELLO}, 400, "messages", "unknown_parameter"),
-    (COMPLETIONS, {"prompt": "x", "model": "other"}, 404, "model", "model_not_found"),
-]
-
-
-@pytest.mark.parametrize(("path", "body", "status", "param", "code"), INVALID,
-                         ids=[f"{p.rsplit('/', 1)[-1]}-{c}-{pa}" for p, _, _, pa, c in INVALID])
-async def test_invalid_requests_are_refused_by_name(client, backend, path, body, status, param,
-                                                    code):
-    response = await client.post(path, json=body)
-    assert_error(response, status, param, code)
-    assert backend.requests == []
-
-
-@pytest.mark.parametrize(("path", "body", "message"), [
-    (CHAT, {"messages": HELLO, "logprobs": True, "top_logprobs": 21},
-     "top_logprobs must be in [0, 20]"),
-    (CHAT, {"messages": HELLO, "max_completion_tokens": 0},
-     "max_completion_tokens must be at least 1"),
-    (COMPLETIONS, {"prompt": "x", "logprobs": 21}, "logprobs must be in [0, 20]"),
-])
-async def test_a_refusal_message_names_the_field_the_client_sent(client, path, body, message):
-    response = await client.post(path, json=body)
-    assert response.status_code == 400
-    assert response.json()["error"]["message"] == message
-
-
-@pytest.mark.parametrize(("path", "field", "param"), [
-    (COMPLETIONS, '"prompt": "\\udc00 x"', "prompt"),
-    ("/v1/chat/completions", '"messages": [{"role": "user", "content": "\\ud800 lone"}]',
-     "messages"),
-])
-async def test_text_the_tokenizer_rejects_is_a_400(client, backend, path, field, param):
-    # Case R6: a lone UTF-16 surrogate is valid JSON but no tokenizer can encode it.
-    response = await client.post(path, content=("{" + field + ', "max_tokens": 2}').encode(),
-                                 headers={"content-type": "application/json"})
-    assert_error(response, 400, param, "invalid_value")
-    assert backend.requests == []
-    ok = await client.post(COMPLETIONS, json={"prompt": "fine", "max_tokens": 2})
-    assert ok.status_code == 200
-
-
-async def test_prompt_exactly_filling_the_context_with_output_is_accepted(client, backend):
-    response = await client.post(COMPLETIONS, json={"prompt": [1] * 100, "max_tokens": 28})
-    assert response.status_code == 200, response.text
-
-
-@pytest.mark.parametrize(("content", "headers"), [
-    (b'{"prompt": "x"', {"content-type": "application/json"}),
-    (b"", {"content-type": "application/json"}),
-    (b"[1, 2]", {"content-type": "application/json"}),
-    (b"prompt=x", {"content-type": "application/x-www-form-urlencoded"}),
-])
-async def test_malformed_bodies(client, backend, content, headers):
-    response = await client.post(COMPLETIONS, content=content, headers=headers)
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert error["type"] == "invalid_request_error" and error["param"] is None
-    assert error["code"] in ("invalid_json", "invalid_type", "missing_required_parameter")
-    assert backend.requests == []
-
-
-async def test_malformed_json_code(client):
-    response = await client.post(COMPLETIONS, content=b'{"prompt": ',
-                                 headers={"content-type": "application/json"})
-    assert_error(response, 400, None, "invalid_json")
-
-
-# -- backend errors ----------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("stream", [False, True])
-async def test_invalid_request_from_the_backend_is_a_400(client, backend, stream):
-    backend.script = lambda request: [InvalidRequestError("adapter unknown", "model", "bad_x")]
-    response = await client.post(CHAT, json={"messages": HELLO, "stream": stream})
-    assert_error(response, 400, "model", "bad_x")
-    assert backend.closed == [backend.requests[0].request_id]
-
-
-@pytest.mark.parametrize(("status", "error_type"), [(503, "server_error"),
-                                                    (429, "rate_limit_error")])
-@pytest.mark.parametrize("stream", [False, True])
-async def test_overload_is_refused_with_retry_after(client, backend, stream, status, error_type):
-    overload = OverloadedError("queues full", retry_after_s=2.5, status_code=status)
-    backend.script = lambda request: [overload]
-    response = await client.post(CHAT, json={"messages": HELLO, "stream": stream})
-    assert_error(response, status, None, "overloaded", error_type)
-    assert response.headers["retry-after"] == "3"
-
-
-@pytest.mark.parametrize("stream", [False, True])
-async def test_unexpected_backend_failure_before_output_is_a_500(client, backend, stream):
-    backend.script = lambda request: [RuntimeError("boom: internal detail")]
-    response = await client.post(COMPLETIONS, json={"prompt": "x", "stream": stream})
-    error = assert_error(response, 500, None, "internal_error", "server_error")
-    assert "internal detail" not in error["message"]
-
-
-async def test_failure_mid_stream_is_an_error_event_then_done(client, backend):
-    backend.script = lambda request: [chunk(request), chunk(request, "Hel", completion=1),
-                                      RuntimeError("worker died")]
-    response = await client.post(CHAT, json={"messages": HELLO, "stream": True})
-    assert response.status_code == 200
-    events = sse_events(response)
-    assert events[-1] == "[DONE]"
-    error = events[-2]["error"]
-    assert (error["type"], error["code"]) == ("server_error", "internal_error")
-    assert events[1]["choices"][0]["delta"] == {"content": "Hel"}
-    assert backend.closed == [backend.requests[0].request_id]
-
-
-async def test_failure_mid_answer_without_streaming_is_a_500(client, backend):
-    backend.script = lambda request: [chunk(request), chunk(request, "Hel", completion=1),
-                                      RuntimeError("worker died")]
-    response = await client.post(CHAT, json={"messages": HELLO})
-    assert_error(response, 500, None, "internal_error", "server_error")
-    assert response.headers[WORKER_HEADER] == "worker-7"
-
-
-async def test_abort_is_a_retryable_error_not_a_finished_answer(client, backend):
-    backend.script = lambda request: [chunk(request, "Hel", completion=1),
-                                      chunk(request, "", "abort", completion=1)]
-    response = await client.post(CHAT, json={"messages": HELLO})
-    assert_error(response, 503, None, "request_aborted", "server_error")
-    assert "retry-after" in response.headers
-    streamed = await client.post(CHAT, json={"messages": HELLO, "stream": True})
-    events = sse_events(streamed)
-    assert events[-2]["error"]["code"] == "request_aborted"
-    assert not any(e["choices"][0].get("finish_reason") for e in events[:-2])
-
-
-@pytest.mark.parametrize("stream", [False, True])
-async def test_stream_ending_without_finish_is_an_error(client, backend, stream):
-    backend.script = lambda request: [chunk(request, "Hel", completion=1)]
-    response = await client.post(CHAT, json={"messages": HELLO, "stream": stream})
-    if stream:
-        assert sse_events(response)[-2]["error"]["code"] == "internal_error"
-    else:
-        assert_error(response, 500, None, "internal_error", "server_error")
-
-
 # -- models, health, routes --------------------------------------------------------------------
 
 
@@ -622,133 +381,7 @@ async def test_unknown_route_is_openai_shaped(client):
     assert_error(await client.get(CHAT), 405, None, "method_not_allowed")
 
 
-# -- concurrency and disconnects ---------------------------------------------------------------
-
-
-async def test_bad_request_beside_a_good_one_does_not_disturb_it(client, backend):
-    gate = asyncio.Event()
-    backend.script = lambda request: [chunk(request), gate, *hello_world(request)[1:]]
-    good = asyncio.create_task(client.post(CHAT, json={"messages": HELLO}))
-    await asyncio.wait_for(backend.waiting.wait(), 5)
-    bad = await client.post(CHAT, json={"messages": HELLO, "temperature": -1})
-    assert_error(bad, 400, "temperature", "invalid_value")
-    gate.set()
-    response = await asyncio.wait_for(good, 5)
-    assert response.status_code == 200
-    assert response.json()["choices"][0]["message"]["content"] == "Hello world"
-    assert len(backend.requests) == 1
-
-
-async def test_concurrent_requests_each_get_their_own_answer(client, backend):
-    backend.script = lambda request: [chunk(request, request.request_id, "stop", completion=1)]
-    responses = await asyncio.gather(*(client.post(COMPLETIONS, json={"prompt": f"p{i}"})
-                                       for i in range(8)))
-    for response in responses:
-        body = response.json()
-        assert body["choices"][0]["text"] == body["id"]
-
-
-def asgi_call(app: Any, path: str, body: dict[str, Any],
-              disconnect_when: Callable[[list[dict[str, Any]]], bool] = lambda sent: False,
-              stall_headers: bool = False) -> tuple[Any, list[dict[str, Any]]]:
-    """One call of the ASGI app as a server would make it: the coroutine to run and the list
-    of messages the app sends.
-
-    The client is reported gone (``http.disconnect``) once ``disconnect_when(sent)`` holds.
-    With ``stall_headers``, sending the response start never completes (a dead connection), so
-    the body is never iterated.
-    """
-    sent: list[dict[str, Any]] = []
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
-             "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
-             "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
-             "client": ("127.0.0.1", 5000), "server": ("test", 80)}
-    messages = iter([{"type": "http.request", "body": json.dumps(body).encode(),
-                      "more_body": False}])
-
-    async def receive() -> dict[str, Any]:
-        message = next(messages, None)
-        if message is not None:
-            return message
-        while not disconnect_when(sent):
-            await asyncio.sleep(0.005)
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-        if stall_headers and message["type"] == "http.response.start":
-            await asyncio.Event().wait()
-
-    return app(scope, receive, send), sent
-
-
-async def call_until_disconnect(app: Any, path: str, body: dict[str, Any],
-                                disconnect_when: Callable[[list[dict[str, Any]]], bool],
-                                stall_headers: bool = False) -> list[dict[str, Any]]:
-    """Runs :func:`asgi_call` to its end (which must come soon after the disconnect)."""
-    call, sent = asgi_call(app, path, body, disconnect_when, stall_headers)
-    await asyncio.wait_for(call, 5)
-    return sent
-
-
-@pytest.mark.parametrize("stream", [False, True])
-async def test_disconnect_while_waiting_for_the_first_chunk_closes_the_backend(backend, stream):
-    backend.script = lambda request: [asyncio.Event()]  # queued forever
-    app = build_openai_app(backend)
-    waiting = backend.waiting
-    await call_until_disconnect(app, CHAT, {"messages": HELLO, "stream": stream},
-                                lambda sent: waiting.is_set())
-    assert backend.closed == [backend.requests[0].request_id]
-
-
-async def test_disconnect_mid_answer_closes_the_backend(backend):
-    backend.script = lambda request: [chunk(request), chunk(request, "Hel", completion=1),
-                                      asyncio.Event()]
-    app = build_openai_app(backend)
-    waiting = backend.waiting
-    await call_until_disconnect(app, CHAT, {"messages": HELLO}, lambda sent: waiting.is_set())
-    assert backend.closed == [backend.requests[0].request_id]
-
-
-async def test_disconnect_mid_stream_closes_the_backend(backend):
-    backend.script = lambda request: [chunk(request), chunk(request, "Hel", completion=1),
-                                      asyncio.Event()]
-    app = build_openai_app(backend)
-
-    def got_text(sent: list[dict[str, Any]]) -> bool:
-        return any(b"Hel" in message.get("body", b"") for message in sent)
-
-    sent = await call_until_disconnect(app, CHAT, {"messages": HELLO, "stream": True}, got_text)
-    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
-    assert (WORKER_HEADER.encode(), b"worker-7") in sent[0]["headers"]
-    assert backend.closed == [backend.requests[0].request_id]
-
-
-async def test_disconnect_while_sending_stream_headers_closes_the_backend(backend):
-    backend.script = lambda request: [chunk(request), chunk(request, "Hel", completion=1)]
-    app = build_openai_app(backend)
-
-    def headers_sent(sent: list[dict[str, Any]]) -> bool:
-        return any(message["type"] == "http.response.start" for message in sent)
-
-    await call_until_disconnect(app, CHAT, {"messages": HELLO, "stream": True}, headers_sent,
-                                stall_headers=True)
-    assert backend.closed == [backend.requests[0].request_id]
-
-
-@pytest.mark.parametrize("stream", [False, True])
-async def test_cancelled_request_task_closes_the_backend(backend, stream):
-    """Ray Serve reports a disconnected client by cancelling the replica's request task."""
-    backend.script = lambda request: [chunk(request), chunk(request, "Hel", completion=1),
-                                      asyncio.Event()]
-    call, _ = asgi_call(build_openai_app(backend), CHAT, {"messages": HELLO, "stream": stream})
-    task = asyncio.ensure_future(call)
-    await asyncio.wait_for(backend.waiting.wait(), 5)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await asyncio.wait_for(task, 5)
-    assert backend.closed == [backend.requests[0].request_id]
+# -- odds and ends -----------------------------------------------------------------------------
 
 
 async def test_cached_tokens_sent_once_still_reach_usage(client, backend):
