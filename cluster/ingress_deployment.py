@@ -16,11 +16,14 @@ from ray.serve.handle import DeploymentHandle
 from cluster.config import INDEX_ACTOR_NAMESPACE, ClusterConfig
 from cluster.dashboard import Dashboard, dashboard_router
 from cluster.metrics import SCRAPE_TIMEOUT_S, build_registry, fetch_worker_stats
+from cluster.worker_identity import WorkerIdentity
+from cluster.worker_identity import identity_from_dict as identity_from_dict  # re-exported
 from router.errors import OverloadedError
 from router.index import make_index
 from router.openai_app import build_openai_app
+from router.routing.replica_keys import REPLICA_MODEL_KEYS
 from router.routing.telemetry import TELEMETRY
-from workers.identity import AdapterRef, CacheIdentity, CacheNamespace
+from workers.identity import CacheIdentity
 from workers.model_loader import load_tokenizer
 from workers.request import GenerationChunk, GenerationRequest
 
@@ -29,21 +32,13 @@ log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 5.0
 
 
-def identity_from_dict(fields: dict) -> CacheIdentity:
-    """Rebuild a CacheIdentity from ``dataclasses.asdict`` output."""
-    adapter = fields.get("adapter")
-    return CacheIdentity(
-        model_digest=fields["model_digest"], numerics=fields["numerics"],
-        block_size=fields["block_size"], adapter=AdapterRef(**adapter) if adapter else None,
-        namespace=CacheNamespace(**fields.get("namespace") or {}))
-
-
 @serve.ingress()
 class NalarIngress:
     """Implements ``router.openai_app.ServingBackend`` over the worker deployment.
 
     The identity and tokenizer come from a worker at start-up, so the ingress tokenizes and
-    hashes exactly as the workers do (all replicas of one deployment share them).
+    hashes exactly as the workers do (all replicas of one deployment share them); the identity
+    is read again when the router sees the workers' model key change (``cluster.worker_identity``).
     ``metrics_registry`` is what ``GET /metrics`` renders: at each scrape it asks every worker
     replica for its engine stats (``cluster.metrics``), plus the router's telemetry.
     ``dashboard`` feeds ``GET /dashboard`` (``cluster.dashboard``); every stream through
@@ -57,8 +52,9 @@ class NalarIngress:
     async def __init__(self, workers: DeploymentHandle, config: ClusterConfig):
         self.workers = workers
         description = await workers.describe.remote()
-        self.identity = identity_from_dict(description["identity"])
-        self.max_model_len = description["max_model_len"]
+        live_keys = functools.partial(REPLICA_MODEL_KEYS.keys,
+                                      (workers.app_name, workers.deployment_name))
+        self.worker_identity = WorkerIdentity(workers.describe.remote, description, live_keys)
         self.served_model_name = config.served_model_name or description["served_name"]
         self.namespace_secret = bytes.fromhex(config.namespace_secret)
         source = Path(description["source_path"])
@@ -73,6 +69,16 @@ class NalarIngress:
         self.dashboard = Dashboard(fetch, self.served_model_name, TELEMETRY,
                                    lambda: self.index.stats(self.identity.model_key))
 
+    @property
+    def identity(self) -> CacheIdentity:
+        """The workers' cache identity, as last read."""
+        return self.worker_identity.identity
+
+    @property
+    def max_model_len(self) -> int:
+        """The workers' context length in tokens, as last read."""
+        return self.worker_identity.max_model_len
+
     def __serve_build_asgi_app__(self):
         app = build_openai_app(self)
         app.include_router(dashboard_router(self.dashboard))
@@ -84,6 +90,7 @@ class NalarIngress:
         Raises:
             OverloadedError: the workers' queues are full (mapped to 503 with Retry-After).
         """
+        request = await self.worker_identity.current(request)
         stream = self.workers.options(stream=True).generate.remote(request)
         timer = self.dashboard.timer()
         finished = False

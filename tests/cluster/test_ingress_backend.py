@@ -44,7 +44,11 @@ class FakeStream:
 def ingress_over(stream: FakeStream) -> SimpleNamespace:
     method = SimpleNamespace(remote=lambda request: stream)
     handle = SimpleNamespace(options=lambda stream: SimpleNamespace(generate=method))
-    return SimpleNamespace(workers=handle, dashboard=Dashboard(WorkerScrape, "m"))
+    async def current(request):  # the workers' identity never changes here
+        return request
+
+    return SimpleNamespace(workers=handle, dashboard=Dashboard(WorkerScrape, "m"),
+                           worker_identity=SimpleNamespace(current=current))
 
 
 def chunk(finish: str | None = None) -> GenerationChunk:
