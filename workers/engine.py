@@ -24,7 +24,6 @@ from workers.model_runner import ModelRunner
 from workers.model_support import check_supported
 from workers.paged_attention import ATTN_IMPLEMENTATION
 from workers.request import (
-    DECODE_HORIZON,
     GenerationChunk,
     GenerationRequest,
     InvalidRequestError,
@@ -351,13 +350,13 @@ class LLMEngine:
         self.pool.reset_cache()
 
     def load_by_request(self) -> dict[str, int]:
-        """Work queued or running here, in tokens, per request id: uncomputed tokens plus the
-        output tokens the request may still produce, capped at :data:`DECODE_HORIZON`."""
+        """Work queued or running here, in tokens, per request id: uncomputed tokens plus every
+        output token the request may still produce (the router counts in the same unit)."""
         load: dict[str, int] = {}
         for seq in list(self._seqs.values()):
             rid = seq.request.request_id
-            load[rid] = load.get(rid, 0) + seq.num_uncomputed_tokens + min(
-                seq.sampling.max_tokens - seq.num_output_tokens, DECODE_HORIZON)
+            load[rid] = load.get(rid, 0) + seq.num_uncomputed_tokens + (
+                seq.sampling.max_tokens - seq.num_output_tokens)
         return load
 
     def sequence(self, request_id: str) -> Sequence | None:

@@ -24,10 +24,6 @@ MAX_CHOICES = 128
 MAX_REPETITION_PENALTY = 10.0
 """Largest accepted ``repetition_penalty``; beyond it every seen token is all but banned."""
 
-DECODE_HORIZON = 128
-"""Output tokens a request is counted for when load is measured in tokens: a request with a
-large ``max_tokens`` rarely uses it all, so load counts at most this many (tokens)."""
-
 
 class InvalidRequestError(ValueError):
     """A request the engine cannot serve as asked; ``param`` names the offending field."""
