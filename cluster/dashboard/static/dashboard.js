@@ -9,7 +9,9 @@ const QUANTILES = ["p50", "p90", "p99"];
 const dash = "–";
 const pct = (x) => (x == null ? dash : (100 * x).toFixed(1) + " %");
 const num = (x, digits = 0) => (x == null ? dash : Number(x).toFixed(digits));
-const ms = (s) => (s == null ? dash : (1000 * s).toFixed(s < 0.1 ? 1 : 0) + " ms");
+// Seconds as "12.5 ms", "250 ms" or "2.50 s".
+const ms = (s) => (s == null ? dash : s >= 1 ? s.toFixed(2) + " s"
+  : (1000 * s).toFixed(s < 0.1 ? 1 : 0) + " ms");
 const clock = (t) => new Date(t * 1000).toLocaleTimeString([], { hour12: false });
 
 function el(tag, attrs = {}, text) {
