@@ -92,32 +92,47 @@ def _delete_keys(redis_url: str, prefix: str) -> None:
         client.close()
 
 
+def cluster_config(args: argparse.Namespace, routing: str, workers: int, key_prefix: str):
+    """The :class:`cluster.config.ClusterConfig` of one run (a free port, its own key prefix).
+
+    Raises:
+        pydantic.ValidationError: a flag out of range.
+    """
+    from cluster.config import ClusterConfig
+
+    return ClusterConfig(model=args.model, dtype=args.dtype, num_workers=workers,
+                         routing=routing, redis_url=args.redis_url, key_prefix=key_prefix,
+                         port=_free_port(), kv_cache_mib=args.kv_cache_mib,
+                         worker_threads=args.threads)
+
+
+def bench_config(args: argparse.Namespace, workload: str, port: int,
+                 tenant_key_prefix: str) -> BenchConfig:
+    """The ``nalar bench`` run against a cluster on ``port``: EOS ignored, so every policy
+    decodes the same number of tokens."""
+    return BenchConfig(
+        base_url=f"http://127.0.0.1:{port}", ignore_eos=True, progress=False,
+        workload=WorkloadConfig(name=workload, input_tokens=args.input_tokens,
+                                output_tokens=args.output_tokens, seed=args.seed,
+                                tenants=args.tenants, prefix_tokens=args.prefix_tokens,
+                                tenant_key_prefix=tenant_key_prefix, turns=args.turns),
+        load=LoadConfig(request_rate=args.request_rate, max_concurrency=args.max_concurrency,
+                        num_requests=args.requests, seed=args.seed))
+
+
 def run_one(args: argparse.Namespace, workload: str, routing: str, workers: int) -> dict:
     """One run on a fresh cluster: start it, drive the workload, delete the application."""
     from ray import serve
 
     from cluster.app import APP_NAME
-    from cluster.config import ClusterConfig
     from cluster.runtime import start_cluster
 
     key_prefix = f"nalar-bench-routing-{uuid.uuid4().hex[:8]}"
-    config = ClusterConfig(model=args.model, dtype=args.dtype, num_workers=workers,
-                           routing=routing, redis_url=args.redis_url, key_prefix=key_prefix,
-                           port=_free_port(), kv_cache_mib=args.kv_cache_mib,
-                           worker_threads=args.threads)
+    config = cluster_config(args, routing, workers, key_prefix)
     common.log(f"{workload}: {routing}, {workers} worker(s), starting")
     start_cluster(config)
     try:
-        bench = BenchConfig(
-            base_url=f"http://127.0.0.1:{config.port}", ignore_eos=True, progress=False,
-            workload=WorkloadConfig(name=workload, input_tokens=args.input_tokens,
-                                    output_tokens=args.output_tokens, seed=args.seed,
-                                    tenants=args.tenants, prefix_tokens=args.prefix_tokens,
-                                    tenant_key_prefix=key_prefix, turns=args.turns),
-            load=LoadConfig(request_rate=args.request_rate,
-                            max_concurrency=args.max_concurrency, num_requests=args.requests,
-                            seed=args.seed))
-        result = run_benchmark(bench)
+        result = run_benchmark(bench_config(args, workload, config.port, key_prefix))
     finally:
         serve.delete(APP_NAME)
         _delete_keys(args.redis_url, key_prefix)

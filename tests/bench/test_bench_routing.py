@@ -36,3 +36,19 @@ def test_figures_and_goals(tmp_path):
     assert [check["met"] for check in checks] == [False, False, False]
     png = routing.plot({"shared-prefix": table}, tmp_path / "routing.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_run_settings_from_flags():
+    args = routing.parse_args(["--threads", "1"])
+    assert (args.requests, args.tenants, args.prefix_tokens, args.workers) == (200, 8, 512, 2)
+    config = routing.cluster_config(args, "round-robin", 2, "nalar-bench-routing-x")
+    assert (config.routing, config.num_workers, config.key_prefix) == (
+        "round-robin", 2, "nalar-bench-routing-x")
+    assert config.redis_url == "redis://127.0.0.1:6379/0" and config.worker_threads == 1
+    bench = routing.bench_config(args, "shared-prefix", 8123, "tenant-x")
+    assert bench.base_url == "http://127.0.0.1:8123" and bench.ignore_eos
+    assert (bench.workload.name, bench.workload.tenants, bench.workload.prefix_tokens) == (
+        "shared-prefix", 8, 512)
+    assert (bench.load.num_requests, bench.load.max_concurrency) == (200, 8)
+    quick = routing.parse_args(["--quick"])
+    assert (quick.requests, quick.prefix_tokens) == (12, 64)
