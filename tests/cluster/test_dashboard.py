@@ -8,7 +8,6 @@ import asyncio
 import os
 import re
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -20,18 +19,9 @@ from cluster.dashboard import Dashboard, dashboard_router
 from cluster.dashboard.latency import LatencyRing, StreamTimer
 from cluster.dashboard.rates import CounterRates
 from cluster.metrics import WorkerScrape
+from router.index import IndexStats
 from router.routing.telemetry import RoutingDecision, RoutingTelemetry
 from workers.request_metrics import E2E, REQUEST_LATENCY_BUCKETS, Histogram
-
-
-@dataclass(frozen=True)
-class IndexStats:
-    """The fields of ``router.index.IndexStats``, which the dashboard shows as they are."""
-
-    backend: str
-    workers: int
-    digests: int
-    last_event_age_s: float | None
 
 
 class Clock:
