@@ -182,5 +182,8 @@ class NalarWorker:
                 "draft_failures": proposer.failures, "draft_skipped": proposer.skipped}
 
     async def __del__(self):
+        """Serve's clean shutdown: stop the engine (no more events), then remove this worker's
+        index entries (the publisher's ``close``), so the router stops crediting it at once
+        instead of one TTL later."""
         self.async_engine.shutdown()
         await self.publisher.close()
