@@ -1,8 +1,8 @@
 """Routing benchmark: prefix-aware routing against round-robin and power-of-two choices.
 
 Each routing policy serves the same ``nalar bench`` workload on a fresh cluster (``--workers``
-replicas, the real Redis index under a fresh key prefix, the application deleted and started
-again between runs so every run begins with empty caches), and so does a single worker: the
+replicas, the real Redis index under a fresh key prefix, Serve shut down and started again
+between runs (Ray stays up) so every run begins with empty caches), and so does a single worker: the
 oracle for reuse, since one worker sees every request and can reuse every prefix it still holds.
 Workloads: ``shared-prefix`` (8 tenants, 512-token system prompts, 200 requests) and
 ``multi-turn`` (conversations whose history grows turn by turn). Requests ignore EOS, so every
@@ -124,7 +124,6 @@ def run_one(args: argparse.Namespace, workload: str, routing: str, workers: int)
     """One run on a fresh cluster: start it, drive the workload, delete the application."""
     from ray import serve
 
-    from cluster.app import APP_NAME
     from cluster.runtime import start_cluster
 
     key_prefix = f"nalar-bench-routing-{uuid.uuid4().hex[:8]}"
@@ -134,7 +133,10 @@ def run_one(args: argparse.Namespace, workload: str, routing: str, workers: int)
     try:
         result = run_benchmark(bench_config(args, workload, config.port, key_prefix))
     finally:
-        serve.delete(APP_NAME)
+        # Not serve.delete: Serve's HTTP proxy keeps the first run's port for as long as Serve
+        # runs, so the next start_cluster would find its port taken (or serve on the old one).
+        # Shutting Serve down (Ray stays up) frees the port and the workers' caches.
+        serve.shutdown()
         _delete_keys(args.redis_url, key_prefix)
     summary = result.summary
     common.log(f"{workload}: {routing}: {summary['completed']} done, {summary['failed']} failed, "
