@@ -1,9 +1,10 @@
 """Routing benchmark: prefix-aware routing against round-robin and power-of-two choices.
 
-Each routing policy serves the same ``nalar bench`` workload on a fresh cluster (``--workers``
+Each routing policy serves the same ``nalar bench`` workload on a fresh cluster: ``--workers``
 replicas, the real Redis index under a fresh key prefix, Serve shut down and started again
-between runs (Ray stays up) so every run begins with empty caches), and so does a single worker: the
-oracle for reuse, since one worker sees every request and can reuse every prefix it still holds.
+between runs (Ray stays up), so every run begins with empty caches. So does a single worker:
+the oracle for reuse, since one worker sees every request and can reuse every prefix it still
+holds.
 Workloads: ``shared-prefix`` (8 tenants, 512-token system prompts, 200 requests) and
 ``multi-turn`` (conversations whose history grows turn by turn). Requests ignore EOS, so every
 policy decodes the same tokens.
