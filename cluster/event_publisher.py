@@ -78,7 +78,7 @@ class EventPublisher:
         self._ticker.cancel()
         self._closing = True
         self._queue.put_nowait(_FORGET)
-        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._writer, timeout_s)  # cancels the writer on timeout
         await self._index.close()
 
