@@ -1,7 +1,10 @@
 """Request routing for the worker deployment: a Ray Serve ``RequestRouter`` and its Ray-free parts.
 
-Modules: :mod:`~router.routing.request_input` (what routing reads from a request),
-:mod:`~router.routing.replica_stats` (what it reads from a replica's routing stats),
-:mod:`~router.routing.policies` (the scoring policy), :mod:`~router.routing.ledger` (work sent
-and not yet reported) and :mod:`~router.routing.ray_router` (the Ray Serve glue).
+Modules: :mod:`~router.routing.request_input` (what routing reads from a request, and its work
+in tokens), :mod:`~router.routing.replica_stats` (what it reads from a replica's routing stats),
+:mod:`~router.routing.policies` (prefix, round-robin, power-of-two),
+:mod:`~router.routing.ledger` (work sent and not yet reported), :mod:`~router.routing.index_lookup`
+(the bounded digest index query), :mod:`~router.routing.telemetry` (decisions and index health
+for ``/metrics`` and the dashboard), :mod:`~router.routing.replica_keys` (the replicas' model keys,
+for the ingress) and :mod:`~router.routing.ray_router` (the Ray Serve glue).
 """
