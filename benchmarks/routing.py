@@ -21,6 +21,7 @@ Goals (issue 8): prefix routing reaches >= 0.9 of the oracle's reuse, keeps the 
 from __future__ import annotations
 
 import argparse
+import math
 import socket
 import uuid
 from pathlib import Path
@@ -178,8 +179,13 @@ def goals(workload: str, table: dict[str, dict]) -> list[dict]:
                         prefix.get("ttft_p50_to_round_robin"), 0.5, at_least=False)]
 
 
+INFINITE_BAR = 10.0
+"""Height of a busiest / least busy bar when a worker served nothing (the ratio is infinite)."""
+
+
 def plot(tables: dict[str, dict[str, dict]], path: str | Path) -> Path:
-    """One row per workload: reuse ratio, busiest/least busy ratio and TTFT p50 per policy."""
+    """One row per workload: reuse ratio, busiest/least busy ratio and TTFT p50 per policy,
+    each bar labelled with its value."""
     panels = (("prefix_reuse_ratio", "prefix reuse ratio (cached / prompt)", None),
               ("busiest_to_least_busy", "busiest / least busy worker (requests)", 1.3),
               ("ttft_p50_ms", "TTFT p50 (ms)", None))
@@ -189,9 +195,10 @@ def plot(tables: dict[str, dict[str, dict]], path: str | Path) -> Path:
         for column, (key, title, goal_line) in enumerate(panels):
             axis = axes[row, column]
             names = [name for name in table if table[name][key] is not None]
-            values = [min(table[name][key], 10.0) for name in names]  # inf drawn as 10
-            axis.bar(names, values, color=["tab:green" if n == "prefix" else "tab:gray"
-                                           for n in names])
+            values = [table[name][key] for name in names]
+            bars = axis.bar(names, [INFINITE_BAR if math.isinf(v) else v for v in values],
+                            color=["tab:green" if n == "prefix" else "tab:gray" for n in names])
+            axis.bar_label(bars, labels=[f"{v:.3g}" for v in values], fontsize=8)
             if goal_line is not None:
                 axis.axhline(goal_line, color="tab:red", linestyle="--", label="goal")
             axis.set_title(f"{workload}: {title}", fontsize=9)
