@@ -310,16 +310,22 @@ class PrefixAwareRequestRouter(RequestRouter):
 
     def _watch(self, key: str, pending_request: PendingRequest | None) -> None:
         """Follows the pending request's future: Ray resolves it with the replica it picked,
-        or cancels it when the caller gave up before dispatch."""
+        or cancels it when the caller gave up before dispatch.
+
+        Calls without arguments (``describe``, health and stats probes) are routed too but
+        are not requests: they are kept out of the telemetry's decisions.
+        """
         future = getattr(pending_request, "future", None)
         if not isinstance(future, asyncio.Future) or self._watched.get(key) is future:
             return  # backoff asks again for the same attempt: already watched
         self._watched[key] = future
-        future.add_done_callback(functools.partial(self._on_routing_done, key))
+        is_request = bool(getattr(pending_request, "args", None))
+        future.add_done_callback(functools.partial(self._on_routing_done, key, is_request))
 
-    def _on_routing_done(self, key: str, future: asyncio.Future) -> None:
-        """The routing attempt ended: settle its entry where Ray sent it, or drop it when the
-        request was never dispatched (cancelled). Never raises."""
+    def _on_routing_done(self, key: str, is_request: bool, future: asyncio.Future) -> None:
+        """The routing attempt ended: settle its entry where Ray sent it (and record the
+        decision of a request), or drop it when it was never dispatched (cancelled). Never
+        raises."""
         try:
             if self._watched.get(key) is future:
                 del self._watched[key]
@@ -327,7 +333,7 @@ class PrefixAwareRequestRouter(RequestRouter):
                 self._ledger.remove(key)  # never sent: its work must not count as load
                 return
             entry = self._settle(key, worker_id_of(future.result().replica_id))
-            if entry is not None:
+            if entry is not None and is_request:
                 self._record_decision(entry)
         except Exception:
             logger.exception("Routing bookkeeping failed; load accounting may drift briefly.")

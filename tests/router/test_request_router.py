@@ -620,6 +620,8 @@ async def test_decisions_record_credited_blocks_and_why_routing_was_load_only():
     assert (await decide(pending(gen_request(160)))).fallback == "index_error"
     assert (await decide(pending(gen_request(160)))).fallback == "index_down"  # retry window
     assert (await decide(pending("unreadable"))).fallback == "no_prompt"
+    await route(router, replicas, pending())  # a call without arguments, like describe()
+    assert len(telemetry.recent()) == 4  # is not a request: no decision
     short = await decide(pending(gen_request(10)))  # under one block: nothing to look up
     assert (short.fallback, short.cached_blocks) == (None, 0)
     health = telemetry.index_health()
