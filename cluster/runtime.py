@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 
 import ray
@@ -30,10 +31,21 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def init_ray(num_cpus: int | None = None, log_to_driver: bool = True) -> None:
-    """Start a local Ray sized for a small machine (no dashboard, small object store)."""
-    if not ray.is_initialized():
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver,
-                 object_store_memory=OBJECT_STORE_BYTES, namespace=INDEX_ACTOR_NAMESPACE)
+    """Join the Ray cluster named by ``$RAY_ADDRESS`` (a ``ray start`` cluster), else start a
+    local Ray sized for a small machine (no dashboard, small object store).
+
+    Never joins a cluster by discovery: another process's local Ray (a test run, a benchmark)
+    would otherwise be joined, and its ``nalar`` application replaced by ours.
+    """
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    if address and address != "local":
+        ray.init(address=address, log_to_driver=log_to_driver, namespace=INDEX_ACTOR_NAMESPACE)
+        return
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+             log_to_driver=log_to_driver, object_store_memory=OBJECT_STORE_BYTES,
+             namespace=INDEX_ACTOR_NAMESPACE)
 
 
 def start_index_actor(config: ClusterConfig) -> None:
