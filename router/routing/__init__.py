@@ -4,7 +4,9 @@ Modules: :mod:`~router.routing.request_input` (what routing reads from a request
 in tokens), :mod:`~router.routing.replica_stats` (what it reads from a replica's routing stats),
 :mod:`~router.routing.policies` (prefix, round-robin, power-of-two),
 :mod:`~router.routing.ledger` (work sent and not yet reported), :mod:`~router.routing.index_lookup`
-(the bounded digest index query), :mod:`~router.routing.telemetry` (decisions and index health
-for ``/metrics`` and the dashboard), :mod:`~router.routing.replica_keys` (the replicas' model keys,
-for the ingress) and :mod:`~router.routing.ray_router` (the Ray Serve glue).
+(the bounded digest index query), :mod:`~router.routing.sent_prefixes` (the prompt prefixes this
+router sent to each worker: its fallback while the index is down or late),
+:mod:`~router.routing.telemetry` (decisions and index health for ``/metrics`` and the dashboard),
+:mod:`~router.routing.replica_keys` (the replicas' model keys, for the ingress) and
+:mod:`~router.routing.ray_router` (the Ray Serve glue).
 """

@@ -18,6 +18,10 @@ from router.routing.telemetry import RoutingTelemetry
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_LOOKUP_DEADLINE_S = 0.05
+"""Seconds one index lookup may take before routing goes on without it (placeholder, sized by
+``benchmarks/index_deadline.py``)."""
+
 
 @dataclass(frozen=True)
 class Lookup:
@@ -25,7 +29,7 @@ class Lookup:
 
     Attributes:
         cached: worker id → leading prompt blocks it holds, or ``None`` when the index did not
-            answer (routing is then load-only).
+            answer (routing then uses the router's own record, else load alone).
         fallback: why the answer credits nothing or is missing (a ``RoutingDecision.fallback``
             reason), else ``None``.
     """
@@ -43,11 +47,12 @@ class IndexLookup:
         telemetry: where lookups are recorded.
         timeout_s: seconds one lookup may take.
         first_timeout_s: seconds the very first lookup may take (it also connects).
-        retry_s: seconds to stay load-only after a failed lookup before asking again.
+        retry_s: seconds to go without the index after a failed lookup before asking again.
         clock: monotonic-enough time in seconds (the router's ``_get_curr_time_s``).
     """
 
-    def __init__(self, index: Any | None, telemetry: RoutingTelemetry, timeout_s: float = 0.05,
+    def __init__(self, index: Any | None, telemetry: RoutingTelemetry,
+                 timeout_s: float = DEFAULT_LOOKUP_DEADLINE_S,
                  first_timeout_s: float = 1.0, retry_s: float = 1.0,
                  clock: Callable[[], float] = time.time):
         self.index = index
@@ -127,8 +132,9 @@ class IndexLookup:
         if self._healthy:  # once per outage, not once per request
             self._healthy = False
             logger.warning(
-                "Digest index lookup failed (%s: %s); routing on load only "
-                "(power of two choices) until it answers again.",
+                "Digest index lookup failed (%s: %s); routing on this router's own record of "
+                "the prefixes it sent, weighed against load (load only where it has none), "
+                "until the index answers again.",
                 type(exc).__name__,
                 exc,
             )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from router.routing.request_input import RoutingInput
 
@@ -18,7 +18,10 @@ class SentEntry:
         sent_at: when it was chosen or accepted, in the router's clock (seconds).
         plan: what routing read from the request (``None``: unreadable).
         cached: the index's answer: worker id → leading prompt blocks held.
-        fallback: why its routing was load-only, if it was (a ``RoutingDecision`` reason).
+        fallback: why its routing went without the index's answer, if it did (a
+            ``RoutingDecision`` reason).
+        recorded: without the index's answer, worker id → leading prompt blocks this router's
+            own record says it sent there (empty when the record was not used).
     """
 
     worker_id: str
@@ -27,6 +30,12 @@ class SentEntry:
     plan: RoutingInput | None
     cached: dict[str, int]
     fallback: str | None = None
+    recorded: dict[str, int] = field(default_factory=dict)
+
+    def credited_blocks(self, worker_id: str) -> int:
+        """Leading prompt blocks routing took ``worker_id`` to hold: the index's answer, or the
+        router's own record when the index did not answer."""
+        return self.cached.get(worker_id, self.recorded.get(worker_id, 0))
 
 
 class SentLedger:

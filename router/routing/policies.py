@@ -15,9 +15,11 @@ hit length expressed as the tokens they cost, so affinity never outweighs a larg
 
 Equal scores are broken by "least recently chosen" so that equal candidates spread (a plain
 ``min`` would pile everything on the first replica; a uniform random pick is too uneven). When
-the index does not answer, or the request cannot be read, the choice falls back to the power of
-two choices on load alone (M. Mitzenmacher, "The Power of Two Choices in Randomized Load
-Balancing", IEEE TPDS 12(10), 2001).
+the index does not answer, the router credits each replica from its own record of the prefixes
+it sent there instead (:mod:`router.routing.sent_prefixes`), scored the same way; when that
+record holds nothing of the prompt either, or the request cannot be read, the choice falls back
+to the power of two choices on load alone (M. Mitzenmacher, "The Power of Two Choices in
+Randomized Load Balancing", IEEE TPDS 12(10), 2001).
 
 The baselines it is compared against: ``round-robin`` (:class:`RoundRobinPolicy`) and
 ``power-of-two`` (:class:`PowerOfTwoPolicy`, Ray Serve's default router), both blind to the cache.
@@ -43,8 +45,9 @@ class ReplicaView:
 
     Attributes:
         worker_id: the replica's id (``ReplicaID.unique_id``).
-        cached_blocks: leading prompt blocks the replica holds per the index, or ``None`` when
-            the index did not answer (or was not asked).
+        cached_blocks: leading prompt blocks the replica holds per the index (or, when the
+            index did not answer, per the router's own record of what it sent there), or
+            ``None`` when neither knows anything of the prompt.
         load_tokens: tokens of work queued or running there (reported plus sent since).
     """
 
@@ -128,8 +131,9 @@ class RoutingPolicy(ABC):
 class PrefixPolicy(RoutingPolicy):
     """Least work in tokens: uncached prompt tokens there plus the load already there.
 
-    By score when every view has an index answer; by the power of two choices on load when any
-    lacks one (the index did not answer, or the request could not be read).
+    By score when every view has a count of cached blocks (from the index, or from the router's
+    own record when the index did not answer); by the power of two choices on load when any
+    lacks one (nothing known of the prompt, or the request could not be read).
 
     Args:
         block_size: tokens per KV block (positive).

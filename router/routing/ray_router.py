@@ -2,7 +2,8 @@
 request's candidate replicas with a policy (:mod:`router.routing.policies`), reading the request
 (:mod:`~router.routing.request_input`), the replicas' stats (:mod:`~router.routing.replica_stats`)
 and the digest index (:mod:`~router.routing.index_lookup`), keeping the work it sent in a ledger
-(:mod:`~router.routing.ledger`) and every decision in the telemetry
+(:mod:`~router.routing.ledger`), the prefixes it sent where (:mod:`~router.routing.sent_prefixes`,
+its fallback while the index is down or late) and every decision in the telemetry
 (:mod:`~router.routing.telemetry`).
 """
 
@@ -20,7 +21,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from router.routing import replica_keys, telemetry
-from router.routing.index_lookup import IndexLookup, Lookup
+from router.routing.index_lookup import DEFAULT_LOOKUP_DEADLINE_S, IndexLookup, Lookup
 from router.routing.ledger import SentEntry, SentLedger
 from router.routing.policies import DEFAULT_BLOCK_SIZE, PrefixPolicy, ReplicaView, make_policy
 from router.routing.replica_stats import (
@@ -29,6 +30,7 @@ from router.routing.replica_stats import (
     parse_routing_stats,
 )
 from router.routing.request_input import RoutingInput, routing_input
+from router.routing.sent_prefixes import DEFAULT_MAX_AGE_S, DEFAULT_MAX_ENTRIES, SentPrefixes
 from router.routing.telemetry import RoutingDecision, RoutingTelemetry
 
 logger = logging.getLogger(__name__)
@@ -42,6 +44,14 @@ def worker_id_of(replica_id: Any) -> str:
     """The worker id a replica publishes under: ``ReplicaID.unique_id`` (``str(...)`` else)."""
     unique_id = getattr(replica_id, "unique_id", None)
     return unique_id if isinstance(unique_id, str) else str(replica_id)
+
+
+def _credited(lookup: Lookup, recorded: Mapping[str, int] | None, worker_id: str) -> int | None:
+    """Leading prompt blocks routing credits ``worker_id`` with: the index's answer, else this
+    router's own record, else ``None`` (neither: the policy routes on load alone)."""
+    if lookup.cached is not None:
+        return lookup.cached.get(worker_id, 0)
+    return None if recorded is None else recorded.get(worker_id, 0)
 
 
 def _request_key(pending_request: Any) -> str:
@@ -79,11 +89,13 @@ class PrefixAwareRequestRouter(RequestRouter):
         model_key: str | None = None,
         routing: str = PrefixPolicy.name,
         block_size: int = DEFAULT_BLOCK_SIZE,
-        index_timeout_s: float = 0.05,
+        index_timeout_s: float = DEFAULT_LOOKUP_DEADLINE_S,
         index_first_timeout_s: float = 1.0,
         index_retry_s: float = 1.0,
         worker_ttl_s: float = 30.0,
         sent_max_age_s: float = 60.0,
+        record_max_blocks: int = DEFAULT_MAX_ENTRIES,
+        record_max_age_s: float = DEFAULT_MAX_AGE_S,
         seed: int | None = None,
         telemetry_sink: RoutingTelemetry | None = None,
     ) -> None:
@@ -102,26 +114,32 @@ class PrefixAwareRequestRouter(RequestRouter):
                 ``"prefix"`` asks the index.
             block_size: tokens per KV block; must equal the workers'.
             index_timeout_s: seconds one index lookup may take before routing falls back to
-                load alone.
+                this router's own record of the prefixes it sent (default sized by
+                ``benchmarks/index_deadline.py``, see
+                :data:`~router.routing.index_lookup.DEFAULT_LOOKUP_DEADLINE_S`).
             index_first_timeout_s: seconds the first lookup may take: it also connects to the
                 index (Redis, or the index actor's handle), which takes longer than a lookup.
-            index_retry_s: seconds to route on load alone after a failed lookup before asking
-                the index again (so an outage costs one timeout per period, not per request).
+            index_retry_s: seconds to route without the index after a failed lookup before
+                asking it again (so an outage costs one timeout per period, not per request).
             worker_ttl_s: seconds a worker's index entries live without a refresh.
             sent_max_age_s: seconds after which work this router sent stops counting as load
                 even without a completion or a newer stats snapshot.
+            record_max_blocks: most ``(worker, block digest)`` pairs kept in the router's own
+                record of the prefixes it sent (:class:`SentPrefixes`).
+            record_max_age_s: seconds a sent prefix keeps counting in that record.
             seed: seeds the random choices (tests).
             telemetry_sink: where decisions are recorded (``None``: the process-wide
                 :data:`~router.routing.telemetry.TELEMETRY`).
 
         Raises:
-            ValueError: ``routing`` names no policy, or ``block_size`` is not positive. A
-                failure to build the index does not raise: it is logged and routing uses load
-                alone.
+            ValueError: ``routing`` names no policy, or ``block_size``, ``record_max_blocks``
+                or ``record_max_age_s`` is not positive. A failure to build the index does not
+                raise: it is logged and routing goes without the index.
         """
         self._policy = make_policy(routing, block_size, random.Random(seed))
         self._block_size = block_size
         self._ledger = SentLedger(sent_max_age_s)
+        self._sent_prefixes = SentPrefixes(record_max_blocks, record_max_age_s)
         # Request id → when it finished; reports older than that still list it.
         self._finished: dict[str, float] = {}
         self._model_key = model_key
@@ -206,14 +224,11 @@ class PrefixAwareRequestRouter(RequestRouter):
         loads = {wid: self._load_tokens(wid, replica) for wid, replica in by_id.items()}
         plan = routing_input(pending_request)
         lookup = await self._look_up(plan, by_id)
-        views = [
-            ReplicaView(wid, None if lookup.cached is None else lookup.cached.get(wid, 0),
-                        loads[wid])
-            for wid in by_id
-        ]
+        recorded = self._recorded_blocks(plan, lookup, by_id, now)
+        views = [ReplicaView(wid, _credited(lookup, recorded, wid), loads[wid]) for wid in by_id]
         ranked = self._policy.choose(views, plan.prompt_len if plan else 0)
         key = _request_key(pending_request)
-        self._record_sent(key, ranked[0], plan, lookup, now)
+        self._record_sent(key, ranked[0], plan, lookup, now, recorded)
         self._watch(key, pending_request)
         return [by_id[wid] for wid in ranked]
 
@@ -233,6 +248,16 @@ class PrefixAwareRequestRouter(RequestRouter):
             if model_key:
                 groups.setdefault(model_key, []).append(worker_id)
         return await self._lookup.cached_blocks(plan.digests, groups)
+
+    def _recorded_blocks(self, plan: RoutingInput | None, lookup: Lookup,
+                         candidates: Mapping[str, Any], now: float) -> dict[str, int] | None:
+        """Without the index's answer, the leading blocks of the prompt this router itself sent
+        to each candidate; ``None`` when the index answered, the request is unreadable, or
+        nothing of the prompt was sent to any candidate (routing is then on load alone)."""
+        if lookup.cached is not None or plan is None:
+            return None
+        recorded = self._sent_prefixes.leading_blocks(plan.digests, candidates, now)
+        return recorded if any(recorded.values()) else None
 
     def _forget_finished_before(self, horizon: float) -> None:
         # Insertion order is completion order: the oldest come first.
@@ -295,14 +320,19 @@ class PrefixAwareRequestRouter(RequestRouter):
         plan: RoutingInput | None,
         lookup: Lookup,
         now: float,
-    ) -> None:
+        recorded: dict[str, int] | None = None,
+    ) -> SentEntry:
+        """Counts the request's work on ``worker_id`` from now; returns its ledger entry.
+        ``recorded``: the blocks this router's own record credited, when it was used."""
         # Recorded at choice time, before Ray confirms the send: requests routed concurrently
         # must already see each other's load.
-        cached = lookup.cached or {}
-        tokens = self._work_tokens(plan, cached.get(worker_id, 0))
-        self._ledger.record(key, SentEntry(worker_id, tokens, now, plan, cached, lookup.fallback))
+        entry = SentEntry(worker_id, 0, now, plan, lookup.cached or {}, lookup.fallback,
+                          recorded or {})
+        entry.tokens = self._work_tokens(plan, entry.credited_blocks(worker_id))
+        self._ledger.record(key, entry)
         if plan is not None and plan.request_id:
             self._finished.pop(plan.request_id, None)  # routed again: live work once more
+        return entry
 
     def _work_tokens(self, plan: RoutingInput | None, cached_blocks: int) -> int:
         """Work one request adds to a worker, in tokens (1 for an unreadable request)."""
@@ -333,8 +363,10 @@ class PrefixAwareRequestRouter(RequestRouter):
                 self._ledger.remove(key)  # never sent: its work must not count as load
                 return
             entry = self._settle(key, worker_id_of(future.result().replica_id))
-            if entry is not None and is_request:
-                self._record_decision(entry)
+            if entry is not None:
+                self._remember_prefix(entry)
+                if is_request:
+                    self._record_decision(entry)
         except Exception:
             logger.exception("Routing bookkeeping failed; load accounting may drift briefly.")
 
@@ -344,9 +376,15 @@ class PrefixAwareRequestRouter(RequestRouter):
         entry = self._ledger.get(key)
         if entry is not None and entry.worker_id != worker_id:
             self._policy.mark_chosen(worker_id)
-            tokens = self._work_tokens(entry.plan, entry.cached.get(worker_id, 0))
+            tokens = self._work_tokens(entry.plan, entry.credited_blocks(worker_id))
             self._ledger.move(key, worker_id, tokens)
         return entry
+
+    def _remember_prefix(self, entry: SentEntry) -> None:
+        """Adds the request's prompt to this router's record of what it sent where."""
+        if entry.plan is not None and entry.plan.digests:
+            self._sent_prefixes.record(entry.worker_id, entry.plan.digests,
+                                       self._get_curr_time_s())
 
     def _record_decision(self, entry: SentEntry) -> None:
         blocks = entry.cached.get(entry.worker_id, 0)
@@ -358,6 +396,7 @@ class PrefixAwareRequestRouter(RequestRouter):
             cached_blocks=blocks,
             cached_tokens=blocks * self._block_size,
             fallback=entry.fallback,
+            record_blocks=entry.recorded.get(entry.worker_id, 0),
         ))
 
     def on_request_routed(
@@ -375,9 +414,11 @@ class PrefixAwareRequestRouter(RequestRouter):
             now = self._get_curr_time_s()
             entry = self._settle(key, worker_id)
             if entry is None:
-                self._record_sent(key, worker_id, routing_input(pending_request), Lookup({}), now)
-                return
-            entry.sent_at = now
+                entry = self._record_sent(key, worker_id, routing_input(pending_request),
+                                          Lookup({}), now)
+            else:
+                entry.sent_at = now
+            self._remember_prefix(entry)
         except Exception:
             logger.exception("on_request_routed failed; load accounting may drift briefly.")
 
@@ -404,6 +445,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         live = set(by_id)
         self._policy.retain(live)
         self._ledger.retain(live)
+        self._sent_prefixes.retain(live)
         for worker_id in [w for w in self._worker_model_keys if w not in live]:
             del self._worker_model_keys[worker_id]
         self._note_model_keys(by_id)
@@ -419,6 +461,7 @@ class PrefixAwareRequestRouter(RequestRouter):
             worker_id = worker_id_of(replica_id)
             self._policy.forget(worker_id)
             self._ledger.drop_worker(worker_id)
+            self._sent_prefixes.drop_worker(worker_id)
             model_key = self._worker_model_keys.pop(worker_id, None) or self._model_key
             if model_key is not None:  # else its key is unknown here; the index TTL expires it
                 self._lookup.forget_in_background(model_key, worker_id)

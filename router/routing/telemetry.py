@@ -36,9 +36,11 @@ class RoutingDecision:
         prompt_tokens: the request's prompt length in tokens (0 when unreadable).
         cached_blocks: leading prompt blocks the index credited to that worker (0 if unknown).
         cached_tokens: ``cached_blocks * block_size``.
-        fallback: ``None``, or why routing was load-only: ``"index_error"``,
+        fallback: ``None``, or why routing went without the index's answer: ``"index_error"``,
             ``"index_timeout"``, ``"index_down"`` (waiting to retry after a failed lookup),
             ``"no_index"``, ``"no_model_key"``, ``"no_prompt"`` (the request was unreadable).
+        record_blocks: on a fallback, leading prompt blocks the router's own record of the
+            prefixes it sent credited to that worker (0: routed on load alone there).
     """
 
     at: float
@@ -48,6 +50,7 @@ class RoutingDecision:
     cached_blocks: int
     cached_tokens: int
     fallback: str | None
+    record_blocks: int = 0
 
 
 class RoutingTelemetry:
@@ -55,7 +58,9 @@ class RoutingTelemetry:
 
     Register it with ``registry.register(telemetry)``; :meth:`collect` yields
     ``nalar:router_decisions_total{worker,policy}``, ``nalar:router_cached_blocks_total{worker}``,
-    ``nalar:router_fallbacks_total{reason}``, ``nalar:index_up`` and the histogram
+    ``nalar:router_fallbacks_total{reason}``, ``nalar:router_record_hits_total{reason}`` (the
+    fallbacks whose worker the router's own record credited with part of the prompt),
+    ``nalar:index_up`` and the histogram
     ``nalar:index_lookup_seconds``. Thread-safe.
 
     Args:
@@ -70,6 +75,7 @@ class RoutingTelemetry:
         self._decisions: Counter[tuple[str, str]] = Counter()
         self._cached_blocks: Counter[str] = Counter()
         self._fallbacks: Counter[str] = Counter()
+        self._record_hits: Counter[str] = Counter()
         self._lookups = 0
         self._lookup_buckets = [0] * (len(LOOKUP_BUCKETS_S) + 1)  # the last is +Inf
         self._lookup_sum_s = 0.0
@@ -85,6 +91,8 @@ class RoutingTelemetry:
             self._cached_blocks[decision.worker_id] += decision.cached_blocks
             if decision.fallback is not None:
                 self._fallbacks[decision.fallback] += 1
+                if decision.record_blocks > 0:
+                    self._record_hits[decision.fallback] += 1
 
     def record_lookup(self, seconds: float, ok: bool, error: str | None = None) -> None:
         """Counts one index lookup that took ``seconds``; ``error`` says why one failed."""
@@ -117,7 +125,8 @@ class RoutingTelemetry:
 
         ``healthy`` is whether the latest lookup succeeded (``True`` before any);
         ``last_error`` the latest failure's description, ``last_ok_age_s`` seconds since the
-        latest success (``None`` before any), ``fallbacks`` load-only decisions per reason.
+        latest success (``None`` before any), ``fallbacks`` decisions routed without the
+        index's answer, per reason.
         """
         with self._lock:
             age = None if self._last_ok_at is None else self._clock() - self._last_ok_at
@@ -135,6 +144,7 @@ class RoutingTelemetry:
             decisions = dict(self._decisions)
             cached_blocks = dict(self._cached_blocks)
             fallbacks = dict(self._fallbacks)
+            record_hits = dict(self._record_hits)
             buckets = list(self._lookup_buckets)
             lookup_sum = self._lookup_sum_s
             healthy = self._healthy
@@ -143,8 +153,13 @@ class RoutingTelemetry:
         yield _counter("nalar:router_cached_blocks",
                        "Prompt blocks the index credited to the chosen worker.", ["worker"],
                        {(worker,): n for worker, n in cached_blocks.items()})
-        yield _counter("nalar:router_fallbacks", "Requests routed on load only, by reason.",
+        yield _counter("nalar:router_fallbacks",
+                       "Requests routed without the index's answer, by reason.",
                        ["reason"], {(reason,): n for reason, n in fallbacks.items()})
+        yield _counter("nalar:router_record_hits",
+                       "Requests routed without the index's answer to a worker the router's own "
+                       "record of sent prefixes credited with part of the prompt, by reason.",
+                       ["reason"], {(reason,): n for reason, n in record_hits.items()})
         yield GaugeMetricFamily("nalar:index_up",
                                 "1 when the latest digest index lookup succeeded, else 0.",
                                 value=1 if healthy else 0)
