@@ -4,6 +4,7 @@ One module per concept:
 
 * :mod:`router.api.app`: the FastAPI routes and the serving of one job;
 * :mod:`router.api.backend`: what the app needs from the cluster (:class:`ServingBackend`);
+* :mod:`router.api.auth`: API keys, and the guard refusing a request without an accepted one;
 * :mod:`router.api.jobs`: a validated request turned into a worker's ``GenerationRequest``;
 * :mod:`router.api.sampling`: sampling parameters from the body, fitted to the context;
 * :mod:`router.api.prompts`: tokenization (chat template, token-id prompts);

@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Receive
 
+from router.api.auth import ApiKeyGuard
 from router.api.backend import WORKER_HEADER, ServingBackend
 from router.api.disconnect import (
     ClientDisconnected,
@@ -62,13 +63,17 @@ def build_openai_app(backend: ServingBackend) -> FastAPI:
     Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
     ``GET /v1/models/{model}``, ``GET /health``, ``GET /metrics`` (Prometheus text of the
     backend's ``metrics_registry``, a ``prometheus_client.CollectorRegistry``; 404 for a
-    backend without one).
+    backend without one). When the backend's ``api_keys`` (:class:`~router.api.auth.ApiKeys`)
+    requires keys, every route but ``/health``, ``/metrics`` and ``/dashboard`` answers 401 to
+    a request without an accepted key (:mod:`router.api.auth`).
     """
     # FastAPI's strict Content-Type check stays on: a JSON body needs ``application/json``,
     # so a web page cannot make a browser drive a local, key-less server without a CORS
     # preflight (FastAPI's CSRF guard). The 400 says what to send.
     app = FastAPI(title="Nalar Serve")
     install_error_handlers(app)
+    # Read per request: a Serve ingress sets ``api_keys`` after the app is built; none = open.
+    app.add_middleware(ApiKeyGuard, keys=lambda: getattr(backend, "api_keys", None))
     ingress = _Ingress(backend)
 
     @app.post("/v1/chat/completions", response_model=None)

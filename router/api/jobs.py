@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
+from router.api.auth import bearer_key
 from router.api.backend import ServingBackend
 from router.api.prompts import chat_template_ids, check_template_kwargs, checked_ids
 from router.api.sampling import chat_max_tokens, fit_context, sampling_params
@@ -82,7 +83,8 @@ class JobBuilder:
 
         Raises:
             APIError: 400 naming the parameter at fault, 401 for a malformed
-                ``Authorization``, 404 for another model.
+                ``Authorization`` (keys are checked before, by :mod:`router.api.auth`),
+                404 for another model.
         """
         max_tokens, max_param = chat_max_tokens(body)
         options = body.template_options()
@@ -125,6 +127,8 @@ class JobBuilder:
             checked_ids(body.stop_token_ids, self.vocab_size, "stop_token_ids")
         checked_ids(list(body.logit_bias_ids()), self.vocab_size, "logit_bias")
         sampling = sampling_params(body, max_tokens, max_param)
+        # The key has passed ``router.api.auth.ApiKeyGuard`` (accepted, or no keys required),
+        # so a tenant scope only ever comes from an accepted key.
         namespace = CacheNamespace(
             tenant=tenant_from_api_key(bearer_key(authorization), self.backend.namespace_secret),
             cache_salt=body.cache_salt,
@@ -170,22 +174,6 @@ class JobBuilder:
         identity = self.backend.identity
         root = identity.with_namespace(namespace).root_digest
         return token_ids, block_digests(root, token_ids, identity.block_size)
-
-
-def bearer_key(authorization: str | None) -> str | None:
-    """The API key of an ``Authorization: Bearer <key>`` header; ``None`` without a header.
-
-    Keys are not checked against a list: a key only selects the cache namespace. A header in
-    another form is refused (401) rather than served in the shared anonymous namespace, which
-    the client did not ask for.
-    """
-    if authorization is None:
-        return None
-    scheme, _, key = authorization.strip().partition(" ")
-    if scheme.lower() != "bearer" or not key.strip():
-        raise APIError(401, "the Authorization header must be 'Bearer <api key>'",
-                       code="invalid_api_key", error_type="invalid_request_error")
-    return key.strip()
 
 
 def check_stream_options(body: ChatCompletionRequest | CompletionRequest) -> None:
