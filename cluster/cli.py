@@ -52,6 +52,20 @@ def _serve_parser(commands) -> None:
     serve_cmd.add_argument("--worker-threads", type=int, default=None,
                            help="torch threads per worker (default: cores / --workers)")
     _speculative_flags(serve_cmd)
+    _auth_flags(serve_cmd)
+
+
+def _auth_flags(serve_cmd) -> None:
+    auth = serve_cmd.add_argument_group(
+        "authentication", "Without a key the API is open. /health, /metrics and /dashboard "
+        "never need one: keep them on a private network.")
+    auth.add_argument("--api-key", action="append", default=None, dest="api_keys",
+                      metavar="KEY",
+                      help="accept this bearer key (repeatable or comma-separated; "
+                           "default: $NALAR_API_KEY)")
+    auth.add_argument("--api-keys-file", default=None, metavar="PATH",
+                      help="accept the keys in this file too: one per line, '#' comments; "
+                           "re-read within a second of a change, no restart")
 
 
 def _milliseconds(value: str) -> float:
@@ -116,7 +130,8 @@ def serve_command(args: argparse.Namespace) -> int:
     config = serve_config(args)
     index = f"Redis at {config.redis_url}" if config.redis_url else "embedded"
     print(f"starting Nalar Serve: model {config.model}, {config.num_workers} workers, "
-          f"index {index}, speculation {_speculation(config)} ...", flush=True)
+          f"index {index}, speculation {_speculation(config)}, {_auth(config)} ...",
+          flush=True)
     try:
         start_cluster(config)
     except PortInUseError as exc:
@@ -142,6 +157,16 @@ def _speculation(config: ClusterConfig) -> str:
     where = (f"{config.draft_replicas} draft replica(s)" if config.draft_is_remote
              else "in each worker")
     return f"{config.speculative} k<={config.num_speculative_tokens} {where}"
+
+
+def _auth(config: ClusterConfig) -> str:
+    """One phrase for the start-up line: whether the API needs a key (never the keys)."""
+    if not config.api_keys and config.api_keys_file is None:
+        return "no API key (open to anyone who can reach the port)"
+    source = f"{len(config.api_keys)} API key(s)"
+    if config.api_keys_file is not None:
+        source += f" + the keys in {config.api_keys_file}"
+    return f"auth by {source}"
 
 
 def _api_base(url: str) -> str:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 
 from workers.config import EngineConfig, MiB
 from workers.spec.config import SpeculativeConfig
@@ -20,6 +22,18 @@ def _has_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def split_api_keys(values: str | Iterable[str]) -> list[str]:
+    """API keys given as one comma-separated string or several (``--api-key a,b --api-key c``),
+    as a list; blanks dropped."""
+    values = [values] if isinstance(values, str) else values
+    return [key.strip() for value in values for key in value.split(",") if key.strip()]
+
+
+def _api_keys_from_env() -> list[SecretStr]:
+    """``$NALAR_API_KEY`` (comma-separated), read where the configuration is built."""
+    return [SecretStr(key) for key in split_api_keys(os.environ.get("NALAR_API_KEY", ""))]
 
 
 class ClusterConfig(BaseModel):
@@ -41,6 +55,12 @@ class ClusterConfig(BaseModel):
     ``routing`` is the request-routing policy: ``prefix`` (longest cached prefix weighed
     against load, the default), ``round-robin`` or ``power-of-two`` (the less loaded of two
     random workers), the latter two as baselines to compare against.
+
+    Authentication (``router.api.auth``): ``api_keys`` (default ``$NALAR_API_KEY``,
+    comma-separated) are accepted for the server's life; ``api_keys_file`` names a file of keys
+    (one per line, ``#`` comments) that the ingress reads and re-reads when it changes, so it
+    must be readable where the ingress runs. With neither, the API is open. The keys are
+    ``SecretStr``: a printed or logged configuration shows ``**********``.
 
     Raises:
         pydantic.ValidationError: a field out of range, or ``ngram_min > ngram_max``.
@@ -73,6 +93,8 @@ class ClusterConfig(BaseModel):
     routing: Literal["prefix", "round-robin", "power-of-two"] = "prefix"
     routing_stats_period_s: float = Field(0.5, gt=0)
     worker_ttl_s: float = Field(30.0, gt=0)
+    api_keys: list[SecretStr] = Field(default_factory=_api_keys_from_env)
+    api_keys_file: str | None = None
     namespace_secret: str = Field(
         default_factory=lambda: os.environ.get("NALAR_NAMESPACE_SECRET") or secrets.token_hex(32))
     speculative: Literal["off", "ngram", "suffix", "model"] = "ngram"
@@ -93,6 +115,20 @@ class ClusterConfig(BaseModel):
         if value not in known:
             raise ValueError(f"dtype must be one of {sorted(known)}")
         return value
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_api_keys(cls, value: object) -> object:
+        if isinstance(value, str) or (isinstance(value, list)
+                                      and all(isinstance(key, str) for key in value)):
+            return split_api_keys(value)
+        return value
+
+    @field_validator("api_keys_file")
+    @classmethod
+    def _absolute_keys_file(cls, value: str | None) -> str | None:
+        # Absolute: the ingress replica does not share the CLI's working directory.
+        return None if value is None else str(Path(value).expanduser().absolute())
 
     @model_validator(mode="after")
     def _valid_speculation(self) -> ClusterConfig:

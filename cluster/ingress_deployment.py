@@ -18,6 +18,7 @@ from cluster.dashboard import Dashboard, dashboard_router
 from cluster.metrics import SCRAPE_TIMEOUT_S, build_registry, fetch_worker_stats
 from cluster.worker_identity import WorkerIdentity
 from cluster.worker_identity import identity_from_dict as identity_from_dict  # re-exported
+from router.api.auth import ApiKeys
 from router.errors import OverloadedError
 from router.index import make_index
 from router.openai_app import build_openai_app
@@ -57,6 +58,9 @@ class NalarIngress:
         self.worker_identity = WorkerIdentity(workers.describe.remote, description, live_keys)
         self.served_model_name = config.served_model_name or description["served_name"]
         self.namespace_secret = bytes.fromhex(config.namespace_secret)
+        # The keys file is read here, in the ingress process (a Secret volume on Kubernetes).
+        self.api_keys = ApiKeys([key.get_secret_value() for key in config.api_keys],
+                                config.api_keys_file)
         source = Path(description["source_path"])
         # Same machine: read the worker's converted copy; elsewhere, resolve the source again.
         self.tokenizer = load_tokenizer(str(source) if source.is_dir() else config.model)
