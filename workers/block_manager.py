@@ -29,7 +29,8 @@ class BlockManager:
         """
         hits: list[Block] = []
         for index in range((seq.num_tokens - 1) // self.block_size):
-            block = self.pool.lookup(seq.digest(index), seq.block_tokens(index))
+            block = self.pool.lookup(seq.digest(index), seq.block_tokens(index),
+                                     seq.parent_digest(index), hits[-1] if hits else None)
             if block is None:
                 break
             hits.append(block)
@@ -66,18 +67,27 @@ class BlockManager:
         """Record that the KV of ``num_new_tokens`` more tokens is written; register full blocks.
 
         Only blocks whose every token is computed get a digest, so a cached block never holds
-        a token whose KV was not produced by the forward pass.
+        a token whose KV was not produced by the forward pass. A block is registered only as
+        the extension of its parent's cached copy; when that copy has been evicted meanwhile
+        (the parent was a private duplicate of it), the parent is registered again first.
         """
         seq.num_computed_tokens += num_new_tokens
         full_blocks = seq.num_computed_tokens // self.block_size
-        for index in range(seq.num_registered_blocks, full_blocks):
+        index = seq.num_registered_blocks
+        while index < full_blocks:
+            parent = self.pool.blocks[seq.block_table[index - 1]] if index else None
+            if parent is not None and not self.pool.has_cached_copy(parent):
+                index -= 1
+                continue
             block = self.pool.blocks[seq.block_table[index]]
-            if not self.pool.register(block, seq.digest(index), seq.block_tokens(index)):
+            if not self.pool.register(block, seq.digest(index), seq.block_tokens(index),
+                                      seq.parent_digest(index), parent):
                 # A digest collision: this block and every later one chain from a digest whose
                 # cached copy holds other tokens, so none may be found under it. Retried on
                 # the next commit, in case the colliding copy has been evicted meanwhile.
                 break
-            seq.num_registered_blocks = index + 1
+            index += 1
+        seq.num_registered_blocks = index
 
     def trim(self, seq: Sequence) -> None:
         """Return the blocks past what ``seq``'s tokens need: after a verification step they

@@ -4,6 +4,13 @@ Bookkeeping only; the KV tensors themselves live in ``workers.kv_cache``. The de
 vLLM's block manager (and nano-vllm's): a block whose tokens are all committed gets a chained
 digest; once unreferenced it stays reusable until the pool needs it back, least recently used
 first. Every change to the set of reusable digests is an event for the index.
+
+A hit never rests on the digest alone (case P6: digests may collide). A cached block records
+its tokens, the digest its chain extends (its parent digest; the identity's root for block 0)
+and the very cached copy of its parent block whose KV it was computed after: a
+:class:`BlockRef`, which dies when that copy is evicted. A lookup walks a prefix block by
+block and accepts block *i* only if it holds block *i*'s tokens and extends the block found
+for *i - 1*, so a hit is always a chain of copies computed one after the other.
 """
 
 from __future__ import annotations
@@ -11,12 +18,25 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from workers.kv_events import KVEvent
 
 
 class NoFreeBlocksError(RuntimeError):
     """The pool has no free or evictable block left."""
+
+
+class BlockRef(NamedTuple):
+    """One cached copy of a block: its id and the generation it was cached in.
+
+    The pool bumps a block's generation whenever the block stops being a cached copy (evicted,
+    cleared, or replaced as unreachable), so an old reference never names the KV that a later
+    occupant of the same block holds.
+    """
+
+    block_id: int
+    generation: int
 
 
 @dataclass
@@ -26,14 +46,30 @@ class Block:
     Attributes:
         block_id: index into the KV tensors' block dimension.
         ref_count: sequences whose block tables hold it.
-        digest: chained digest once the block is full of committed tokens, else None.
-        token_ids: the tokens it holds, kept to verify every prefix hit (digest collisions).
+        digest: chained digest once the block is a cached copy, else None.
+        token_ids: the tokens a cached copy holds, kept to verify every hit.
+        parent_digest: the digest a cached copy's chain extends: the previous block's, or the
+            identity's root digest for block 0.
+        parent: the cached copy of the previous block that this block's KV was computed
+            after (None for block 0).
+        copy_of: for a private block that duplicates a cached copy (the same prefix computed
+            twice at once), that copy: blocks computed after this one extend it.
+        generation: bumped whenever the block stops being a cached copy (see :class:`BlockRef`).
     """
 
     block_id: int
     ref_count: int = 0
     digest: bytes | None = None
     token_ids: tuple[int, ...] = ()
+    parent_digest: bytes | None = None
+    parent: BlockRef | None = None
+    copy_of: BlockRef | None = None
+    generation: int = 0
+
+    @property
+    def ref(self) -> BlockRef:
+        """This block as it is now (meaningful while it is a cached copy)."""
+        return BlockRef(self.block_id, self.generation)
 
 
 class BlockPool:
@@ -76,16 +112,26 @@ class BlockPool:
     def num_in_use(self) -> int:
         return self.num_blocks - self.num_available
 
-    def lookup(self, digest: bytes, token_ids: Sequence[int]) -> Block | None:
-        """The cached block for ``digest``, only if it really holds ``token_ids``.
+    def lookup(self, digest: bytes, token_ids: Sequence[int], parent_digest: bytes,
+               parent: Block | None = None) -> Block | None:
+        """The cached block for ``digest``, only if it really continues the caller's prefix.
 
-        The token comparison refuses a hit whose digest collides with another prefix's.
+        Args:
+            digest: the block's chained digest.
+            token_ids: the tokens the block must hold.
+            parent_digest: the digest the caller's chain extends here (its root for block 0).
+            parent: the block this lookup found for the previous block; None for block 0.
+
+        Returns:
+            The block, if it holds ``token_ids``, extends ``parent_digest`` and was computed
+            after ``parent`` itself; else None, even when the digest matches (a collision).
         """
         block_id = self._by_digest.get(digest)
         if block_id is None:
             return None
         block = self.blocks[block_id]
-        return block if block.token_ids == tuple(token_ids) else None
+        expected = (tuple(token_ids), parent_digest, None if parent is None else parent.ref)
+        return block if (block.token_ids, block.parent_digest, block.parent) == expected else None
 
     def is_evictable(self, block: Block) -> bool:
         return block.block_id in self._evictable
@@ -107,7 +153,7 @@ class BlockPool:
         elif self._evictable:
             block_id, _ = self._evictable.popitem(last=False)
             block = self.blocks[block_id]
-            self._forget_digest(block)
+            self._uncache(block)
         else:
             raise NoFreeBlocksError("no free KV block")
         block.ref_count = 1
@@ -126,29 +172,63 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 if block.digest is None:
+                    block.copy_of = None
                     self._free.append(block_id)
                 else:
                     self._evictable[block_id] = None
 
-    def register(self, block: Block, digest: bytes, token_ids: Sequence[int]) -> bool:
+    def has_cached_copy(self, block: Block) -> bool:
+        """Whether ``block`` is a cached copy, or a private duplicate of one still cached: what
+        a block must be before the block computed after it can be registered."""
+        return self._cached_copy(block) is not None
+
+    def register(self, block: Block, digest: bytes, token_ids: Sequence[int],
+                 parent_digest: bytes, parent: Block | None = None) -> bool:
         """Mark a full block of committed tokens reusable under ``digest``.
 
-        If another block already holds this digest (two sequences computed the same prefix
-        at once), the first stays the cached copy and this one remains private, so the index
-        sees one ``stored`` per digest.
+        If another block already holds this digest with the same tokens, parent digest and
+        parent copy (two sequences computed the same prefix at once), the first stays the cached
+        copy and this one remains private, a duplicate of it, so the index sees one ``stored``
+        per digest. A holder whose parent copy is gone can no longer be reached by any lookup;
+        this block replaces it.
+
+        Args:
+            block: the block, full of committed tokens.
+            digest: its chained digest.
+            token_ids: its tokens.
+            parent_digest: the digest its chain extends (the root digest for block 0).
+            parent: the block before it in the sequence's table, whose KV it was computed
+                after; None for block 0.
 
         Returns:
-            False when the digest is held by a block with other token ids: a digest collision.
-            The block stays private, and so must every later block of its sequence, whose KV
-            was computed after this block's tokens, not after the holder's.
+            False when the digest is held by a block with other tokens or another parent: a
+            digest collision. The block stays private, and so must every later block of its
+            sequence. Also False for a block that is already cached under another digest.
+
+        Raises:
+            ValueError: ``parent`` is neither a cached copy nor a duplicate of one (check
+                :meth:`has_cached_copy` first).
         """
-        holder = self._by_digest.get(digest)
-        if holder is not None:
-            return self.blocks[holder].token_ids == tuple(token_ids)
         if block.digest is not None:
-            return True
-        block.digest = digest
-        block.token_ids = tuple(token_ids)
+            return block.digest == digest
+        link = None
+        if parent is not None:
+            link = self._cached_copy(parent)
+            if link is None:
+                raise ValueError(f"block {parent.block_id} is no cached copy to extend")
+        holder_id = self._by_digest.get(digest)
+        if holder_id is not None:
+            holder = self.blocks[holder_id]
+            if (holder.token_ids, holder.parent_digest) != (tuple(token_ids), parent_digest):
+                return False
+            if self._is_current(holder.parent):
+                if holder.parent != link:
+                    return False
+                block.copy_of = holder.ref
+                return True
+            self._uncache(holder)  # unreachable: the copy it was computed after is gone
+        block.digest, block.token_ids = digest, tuple(token_ids)
+        block.parent_digest, block.parent, block.copy_of = parent_digest, link, None
         self._by_digest[digest] = block.block_id
         self._emit("stored", digest)
         return True
@@ -161,8 +241,8 @@ class BlockPool:
         for block_id in list(self._evictable):
             self._free.append(block_id)
         self._evictable.clear()
-        for block in self.blocks:
-            block.digest, block.token_ids = None, ()
+        for block_id in self._by_digest.values():
+            self._forget(self.blocks[block_id])
         self._by_digest.clear()
         self._events.append(KVEvent("cleared"))
 
@@ -181,7 +261,9 @@ class BlockPool:
 
         Every block is in exactly one state: free (unreferenced, no digest), evictable
         (unreferenced, with a digest) or in use (referenced); reference counts are never
-        negative; the digest map names exactly the blocks that carry a digest, under it.
+        negative; the digest map names exactly the blocks that carry a digest, under it; a
+        cached copy's parent, while current, holds its parent digest; only private blocks
+        duplicate a cached copy, and a free block duplicates none.
 
         Raises:
             AssertionError: naming the first broken invariant.
@@ -193,21 +275,50 @@ class BlockPool:
             assert block.ref_count >= 0, f"block {block.block_id} has ref_count < 0"
             assert sum(state) == 1, f"block {block.block_id} is in {sum(state)} states"
             if block.block_id in free:
-                assert block.digest is None, f"free block {block.block_id} has a digest"
+                assert block.digest is None and block.copy_of is None, (
+                    f"free block {block.block_id} has a digest or duplicates a cached copy")
             if block.block_id in evictable:
                 assert block.digest is not None, f"evictable block {block.block_id} has no digest"
-            if block.digest is not None:
-                assert self._by_digest.get(block.digest) == block.block_id, (
-                    f"block {block.block_id}'s digest maps elsewhere")
-                assert len(block.token_ids) == self.block_size
+            if block.digest is None:
+                assert (block.token_ids, block.parent_digest, block.parent) == ((), None, None), (
+                    f"private block {block.block_id} keeps a cached copy's identity")
+            else:
+                self._check_cached(block)
         assert all(self.blocks[i].digest == d for d, i in self._by_digest.items()), (
             "the digest map names a block that no longer holds that digest")
 
-    def _forget_digest(self, block: Block) -> None:
+    def _check_cached(self, block: Block) -> None:
+        assert self._by_digest.get(block.digest) == block.block_id, (
+            f"block {block.block_id}'s digest maps elsewhere")
+        assert len(block.token_ids) == self.block_size
+        assert block.parent_digest is not None and block.copy_of is None
+        if block.parent is not None and self._is_current(block.parent):
+            assert self.blocks[block.parent.block_id].digest == block.parent_digest, (
+                f"block {block.block_id}'s parent copy holds another digest")
+
+    def _cached_copy(self, block: Block) -> BlockRef | None:
+        """The cached copy ``block`` is, or duplicates; None if there is none (any more)."""
         if block.digest is not None:
-            del self._by_digest[block.digest]
-            self._emit("removed", block.digest)
-            block.digest, block.token_ids = None, ()
+            return block.ref
+        return block.copy_of if self._is_current(block.copy_of) else None
+
+    def _is_current(self, ref: BlockRef | None) -> bool:
+        """Whether ``ref`` still names a cached copy (None, block 0's parent, always does)."""
+        return ref is None or self.blocks[ref.block_id].generation == ref.generation
+
+    def _uncache(self, block: Block) -> None:
+        """Evict or replace a cached copy: it becomes private (free, if nobody holds it)."""
+        del self._by_digest[block.digest]
+        self._emit("removed", block.digest)
+        self._forget(block)
+        if block.block_id in self._evictable:
+            del self._evictable[block.block_id]
+            self._free.append(block.block_id)
+
+    @staticmethod
+    def _forget(block: Block) -> None:
+        block.digest, block.token_ids, block.parent_digest, block.parent = None, (), None, None
+        block.generation += 1
 
     def _emit(self, kind: str, digest: bytes) -> None:
         if self._events and self._events[-1].kind == kind:

@@ -102,6 +102,10 @@ class Sequence:
             self._digests.append(block_digest(parent, self.block_tokens(len(self._digests))))
         return self._digests[index]
 
+    def parent_digest(self, index: int) -> bytes:
+        """The digest block ``index``'s chain extends: the previous block's, or the root's."""
+        return self.digest(index - 1) if index else self.root_digest
+
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks to hold the KV of the first ``num_tokens`` tokens."""
         return -(-num_tokens // self.block_size)

@@ -14,6 +14,9 @@ from workers.sequence import Sequence
 BLOCK = 4
 
 
+ROOT = b"\x00" * 32  # the identity root digest every test chain starts from
+
+
 def digest(n: int) -> bytes:
     return bytes([n]) * 32
 
@@ -32,7 +35,7 @@ def cached_table(pool: BlockPool, first: int, count: int) -> list[int]:
     table = []
     for n in range(first, first + count):
         block = pool.allocate()
-        pool.register(block, digest(n), tokens(n))
+        pool.register(block, digest(n), tokens(n), ROOT)
         table.append(block.block_id)
     return table
 
@@ -56,7 +59,7 @@ def test_allocate_references_blocks_and_runs_out():
 def test_refcounts_keep_a_shared_block_in_use_until_the_last_release():
     pool = BlockPool(4, BLOCK)
     (block_id,) = cached_table(pool, 1, 1)
-    block = pool.lookup(digest(1), tokens(1))
+    block = pool.lookup(digest(1), tokens(1), ROOT)
     assert block is pool.blocks[block_id]
     pool.acquire(block)
     assert block.ref_count == 2
@@ -92,9 +95,9 @@ def test_released_block_without_digest_is_free_not_cached():
 def test_lookup_verifies_token_ids():
     pool = BlockPool(2, BLOCK)
     cached_table(pool, 5, 1)
-    assert pool.lookup(digest(5), tokens(5)) is not None
-    assert pool.lookup(digest(5), tokens(6)) is None  # same digest, other tokens: a collision
-    assert pool.lookup(digest(6), tokens(5)) is None
+    assert pool.lookup(digest(5), tokens(5), ROOT) is not None
+    assert pool.lookup(digest(5), tokens(6), ROOT) is None  # same digest, other tokens
+    assert pool.lookup(digest(6), tokens(5), ROOT) is None
 
 
 def test_tail_blocks_of_a_released_table_are_evicted_first():
@@ -110,7 +113,7 @@ def test_tail_blocks_of_a_released_table_are_evicted_first():
         assert event.kind == "removed"
         evicted.extend(event.digests)
     assert evicted == [digest(3), digest(2), digest(1)]
-    assert pool.lookup(digest(1), tokens(1)) is None
+    assert pool.lookup(digest(1), tokens(1), ROOT) is None
 
 
 def test_lru_evicts_the_least_recently_released_table_first_and_hits_refresh():
@@ -120,7 +123,7 @@ def test_lru_evicts_the_least_recently_released_table_first_and_hits_refresh():
     pool.release(reversed(a))
     pool.release(reversed(b))
     # a hit on a's head moves it to the most recently used end
-    head = pool.lookup(digest(1), tokens(1))
+    head = pool.lookup(digest(1), tokens(1), ROOT)
     pool.acquire(head)
     pool.release([head.block_id])
     pool.drain_events()
@@ -153,12 +156,12 @@ def test_events_are_per_digest_and_merged_in_order():
     pool = BlockPool(3, BLOCK)
     first = pool.allocate()
     twin = pool.allocate()
-    pool.register(first, digest(1), tokens(1))
-    pool.register(twin, digest(1), tokens(1))  # same prefix computed twice at once
-    pool.register(first, digest(9), tokens(9))  # an already registered block keeps its digest
+    pool.register(first, digest(1), tokens(1), ROOT)
+    pool.register(twin, digest(1), tokens(1), ROOT)  # same prefix computed twice at once
+    assert not pool.register(first, digest(9), tokens(9), ROOT)  # a cached block keeps its digest
     assert twin.digest is None and first.digest == digest(1)
     other = pool.allocate()
-    pool.register(other, digest(2), tokens(2))
+    pool.register(other, digest(2), tokens(2), ROOT)
     assert pool.drain_events() == [KVEvent("stored", [digest(1), digest(2)])]
     assert pool.drain_events() == []
 
@@ -178,7 +181,7 @@ def test_stored_again_only_after_removed():
     (block_id,) = cached_table(pool, 1, 1)
     pool.release([block_id])
     block = pool.allocate()  # evicts digest 1
-    pool.register(block, digest(1), tokens(1))
+    pool.register(block, digest(1), tokens(1), ROOT)
     assert pool.drain_events() == [KVEvent("stored", [digest(1)]), KVEvent("removed", [digest(1)]),
                                    KVEvent("stored", [digest(1)])]
 
@@ -191,7 +194,7 @@ def test_reset_cache_forgets_every_prefix_with_one_cleared_event():
     pool.reset_cache()
     assert pool.drain_events() == [KVEvent("cleared")]
     assert (pool.num_free, pool.num_evictable, pool.num_in_use) == (2, 0, 2)
-    assert all(pool.lookup(digest(n), tokens(n)) is None for n in (1, 2, 3))
+    assert all(pool.lookup(digest(n), tokens(n), ROOT) is None for n in (1, 2, 3))
     pool.release(table[1:])  # in-use blocks became private: they come back free, no events
     assert (pool.num_free, pool.num_evictable) == (4, 0)
     assert pool.drain_events() == []
@@ -210,9 +213,9 @@ def test_event_batches_round_trip_through_msgpack():
 def test_register_reports_a_digest_collision():
     pool = BlockPool(3, BLOCK)
     holder, same, other = pool.allocate(), pool.allocate(), pool.allocate()
-    assert pool.register(holder, digest(1), tokens(1))
-    assert pool.register(same, digest(1), tokens(1))  # an identical prefix: not a collision
-    assert not pool.register(other, digest(1), tokens(2))  # same digest, other tokens
+    assert pool.register(holder, digest(1), tokens(1), ROOT)
+    assert pool.register(same, digest(1), tokens(1), ROOT)  # an identical prefix: no collision
+    assert not pool.register(other, digest(1), tokens(2), ROOT)  # same digest, other tokens
     assert (same.digest, other.digest) == (None, None)
     assert pool.drain_events() == [KVEvent("stored", [digest(1)])]
 
@@ -225,7 +228,7 @@ def test_blocks_after_a_collision_are_not_registered_until_it_is_gone():
     prompt = list(range(1, 13))
     chain = block_digests(root, prompt, BLOCK)
     squatter = pool.allocate()  # holds block 0's digest with other tokens: a collision
-    pool.register(squatter, chain[0], tokens(99))
+    pool.register(squatter, chain[0], tokens(99), ROOT)
     pool.drain_events()
 
     seq = Sequence(GenerationRequest("r", prompt), root, BLOCK)
@@ -234,7 +237,7 @@ def test_blocks_after_a_collision_are_not_registered_until_it_is_gone():
     manager.commit(seq, len(prompt))
     assert seq.num_registered_blocks == 0
     assert pool.drain_events() == []  # neither block 0 nor blocks 1, 2 chained from it
-    assert pool.lookup(chain[1], prompt[4:8]) is None
+    assert manager.cached_prefix(seq) == []
 
     pool.release([squatter.block_id])
     for _ in range(5):  # 4 free blocks, then the squatter is evicted
@@ -244,3 +247,103 @@ def test_blocks_after_a_collision_are_not_registered_until_it_is_gone():
     assert seq.num_registered_blocks == 3
     assert pool.drain_events() == [KVEvent("stored", chain)]
     assert [b.block_id for b in manager.cached_prefix(seq)] == seq.block_table[:2]
+
+
+def chained(pool: BlockPool, chain: list[tuple[bytes, list[int]]]) -> list:
+    """Allocate and register blocks that extend one another: ``(digest, tokens)`` each."""
+    blocks: list = []
+    for block_digest, block_tokens in chain:
+        block = pool.allocate()
+        parent_digest, parent = (blocks[-1].digest, blocks[-1]) if blocks else (ROOT, None)
+        assert pool.register(block, block_digest, block_tokens, parent_digest, parent)
+        blocks.append(block)
+    return blocks
+
+
+def test_a_hit_needs_the_parent_digest_it_was_computed_after():
+    """Case P6's chain collision: the same tokens after another prefix, under the same digest."""
+    pool = BlockPool(4, BLOCK)
+    head, tail = chained(pool, [(digest(1), tokens(1)), (digest(2), tokens(2))])
+    assert pool.lookup(digest(2), tokens(2), digest(1), head) is tail
+    assert pool.lookup(digest(2), tokens(2), digest(7), head) is None
+    assert pool.lookup(digest(1), tokens(1), digest(7)) is None  # another root
+    # registering it after another parent digest is a collision: no second copy, no event
+    pool.drain_events()
+    other = pool.allocate()
+    assert not pool.register(other, digest(2), tokens(2), digest(7), head)
+    assert (other.digest, other.copy_of, pool.drain_events()) == (None, None, [])
+    pool.check_invariants()
+
+
+def test_a_hit_needs_the_very_parent_copy_not_only_its_digest():
+    """A block's parent digest may name a later copy with other tokens (a collision at the
+    parent, after the first copy was evicted): the generation tells the copies apart, even in
+    the same physical block."""
+    pool = BlockPool(2, BLOCK)
+    head, tail = chained(pool, [(digest(1), tokens(1)), (digest(2), tokens(2))])
+    pool.release([head.block_id])
+    again = pool.allocate()  # evicts the head: the tail now extends a copy that is gone
+    assert again is head
+    assert pool.register(again, digest(1), tokens(7), ROOT)  # a collider takes the digest
+    assert pool.lookup(digest(1), tokens(7), ROOT) is again
+    assert pool.lookup(digest(2), tokens(2), digest(1), again) is None
+    pool.check_invariants()
+
+
+def test_an_unreachable_cached_block_is_replaced_by_a_reachable_copy():
+    pool = BlockPool(4, BLOCK)
+    head, tail = chained(pool, [(digest(1), tokens(1)), (digest(2), tokens(2))])
+    pool.release([tail.block_id, head.block_id])
+    pool.acquire(tail)  # keep the tail cached while the head is evicted
+    pool.release([tail.block_id])
+    for _ in range(3):  # two free blocks, then the head (the oldest)
+        pool.allocate()
+    assert pool.cached_digests() == [digest(2)]
+    pool.release([0, 2, 3])
+    new_head, new_tail = chained(pool, [(digest(1), tokens(1)), (digest(2), tokens(2))])
+    assert pool.drain_events()[-3:] == [KVEvent("stored", [digest(1)]),
+                                        KVEvent("removed", [digest(2)]),
+                                        KVEvent("stored", [digest(2)])]
+    # the old copy is simply free now, beside the block the head never took back
+    assert (tail.digest, pool.num_free, pool.num_in_use) == (None, 2, 2)
+    assert pool.lookup(digest(2), tokens(2), digest(1), new_head) is new_tail
+    pool.check_invariants()
+
+
+def test_a_block_computed_after_a_duplicate_extends_the_cached_copy():
+    """Two sequences compute the same block 0 at once: the second's copy stays private, and
+    its block 1 is found through the first's block 0. When that copy is evicted before block 1
+    is registered, the duplicate is registered in its place first."""
+    pool = BlockPool(8, BLOCK)
+    manager = BlockManager(pool)
+    root = b"\x03" * 32
+    prompt = list(range(1, 13))  # three full blocks
+    chain = block_digests(root, prompt, BLOCK)
+    first = Sequence(GenerationRequest("first", prompt[:6]), root, BLOCK)
+    second = Sequence(GenerationRequest("second", prompt), root, BLOCK)
+    manager.admit(first, [], 6)
+    manager.admit(second, [], BLOCK)  # a prefill chunk of one block
+    manager.commit(first, 6)
+    manager.commit(second, BLOCK)
+    duplicate = pool.blocks[second.block_table[0]]
+    assert duplicate.digest is None and duplicate.copy_of == pool.blocks[first.block_table[0]].ref
+    assert pool.drain_events() == [KVEvent("stored", chain[:1])]
+
+    manager.free(first)
+    taken = [pool.allocate().block_id for _ in range(7)]  # 6 free blocks, then first's copy
+    assert pool.drain_events() == [KVEvent("removed", chain[:1])]
+    pool.release(taken)
+    assert manager.reserve(second, 8)
+    manager.commit(second, 8)
+    assert second.num_registered_blocks == 3
+    assert pool.drain_events() == [KVEvent("stored", chain)]
+    probe = Sequence(GenerationRequest("probe", prompt + [99]), root, BLOCK)
+    assert [b.block_id for b in manager.cached_prefix(probe)] == second.block_table
+    pool.check_invariants()
+
+
+def test_register_refuses_a_parent_that_is_no_cached_copy():
+    pool = BlockPool(2, BLOCK)
+    parent, block = pool.allocate(), pool.allocate()
+    with pytest.raises(ValueError, match="no cached copy"):
+        pool.register(block, digest(2), tokens(2), digest(1), parent)

@@ -144,9 +144,10 @@ def test_p4_model_numerics_are_identity(tiny_qwen, tiny_qwen_bf16, make_engine):
     assert len(fp32_digests) == len(bf16_digests) == 3
     assert not fp32_digests & bf16_digests  # the index can never credit one with the other's
 
-    # neither engine finds the other's digests, even for the very same tokens
-    for index, digest in enumerate(block_digests(fp32.identity.root_digest, prompt, BLOCK)):
-        assert bf16.pool.lookup(digest, prompt[index * BLOCK:(index + 1) * BLOCK]) is None
+    # neither engine finds the other's prefix, even for the very same tokens
+    probe = workers.sequence.Sequence(greedy("probe", prompt), fp32.identity.root_digest, BLOCK)
+    assert bf16.block_manager.cached_prefix(probe) == []
+    assert len(fp32.block_manager.cached_prefix(probe)) == 3
     # control: a second fp32 engine over the same weights computes the same digests
     twin = make_engine(tiny_qwen, num_blocks=16)
     assert twin.identity == fp32.identity
@@ -212,12 +213,112 @@ def test_p6_digest_collision_is_refused(tiny_qwen, make_engine, monkeypatch):
     assert (out, cached, prefilled) == (references["second"], 0, len(second))  # refused
     # the colliding block was never published, nor anything computed after it
     assert stored_digests(engine.drain_events()) == set()
-    assert engine.pool.lookup(collided, p_block) is not None
+    root = engine.identity.with_namespace(CacheNamespace()).root_digest
+    assert engine.pool.lookup(collided, p_block, root) is not None
 
     # a third request that matches the first's block 0 and the second's block 1 may reuse
     # block 0 only: the second's block 1 was computed after other tokens
     out, cached, prefilled = serve(engine, greedy("third", third))
     assert (out, cached, prefilled) == (references["third"], BLOCK, len(third) - BLOCK)
+
+
+def test_p6_chain_collision_after_other_tokens_is_refused(tiny_qwen, make_engine, monkeypatch):
+    """Block 1 holds the same tokens in two contexts whose block 0 differ, and the two block 1
+    digests collide: the cached block 1 was computed after the other block 0, so its stored
+    parent digest refuses the hit."""
+    p_block, q_block, shared, tail = (random_prompt(64 + i, BLOCK) for i in range(4))
+    first = p_block + shared + tail[:3]
+    other = q_block + tail[:5]  # caches q_block as the block 0 of another context
+    victim = q_block + shared + tail[:6]
+    engine = make_engine(tiny_qwen, num_blocks=32)
+    reference = cold(engine, greedy("cold", victim))
+    root = engine.identity.with_namespace(CacheNamespace()).root_digest
+    after_p, after_q = block_digest(root, p_block), block_digest(root, q_block)
+
+    def chain_collision(parent: bytes, token_ids) -> bytes:
+        return block_digest(after_p if parent == after_q else parent, token_ids)
+
+    monkeypatch.setattr(workers.sequence, "block_digest", chain_collision)
+    engine.reset_prefix_cache()
+    serve(engine, greedy("first", first))
+    serve(engine, greedy("other", other))
+    engine.drain_events()
+    out, cached, prefilled = serve(engine, greedy("victim", victim))
+    assert (out, cached, prefilled) == (reference, BLOCK, len(victim) - BLOCK)  # block 0 only
+    # the victim's own block 1 collides with the first's: it stays private
+    assert stored_digests(engine.drain_events()) == set()
+
+
+def evict(pool, digest: bytes) -> None:
+    """Take blocks from the pool (free ones first, then least recently used) until
+    ``digest`` is no longer cached, then give them back."""
+    taken = []
+    while digest in pool.cached_digests():
+        taken.append(pool.allocate().block_id)
+    pool.release(taken)
+
+
+def computed_twice(engine, p_block: list[int], shared: list[int], tail: list[int]) -> bytes:
+    """Serve two requests that compute ``p_block`` in the same step: the shorter one's copy
+    becomes the cached block 0, the longer one's stays private, and the longer one's
+    ``shared`` block, computed after its private copy, becomes the cached block 1.
+
+    Returns the digest of that block 1.
+    """
+    root = engine.identity.with_namespace(CacheNamespace()).root_digest
+    after_p = block_digest(root, p_block)
+    shared_after_p = block_digest(after_p, shared)
+    engine.reset_prefix_cache()
+    engine.drain_events()
+    chunks = engine.generate([greedy("short", p_block + tail[:3], max_tokens=2),
+                              greedy("long", p_block + shared + tail[:5])])
+    assert [c.cached_tokens for c in chunks["long"]][-1] == 0  # computed at once, not reused
+    assert stored_digests(engine.drain_events()) == {after_p, shared_after_p}
+    return shared_after_p
+
+
+def test_p6_blocks_computed_twice_at_once_are_still_reused(tiny_qwen, make_engine):
+    """The parent checks cost no reuse: a block 1 computed after a private duplicate of the
+    cached block 0 is found through that cached block 0."""
+    p_block, shared, tail = (random_prompt(72 + i, BLOCK) for i in range(3))
+    probe = p_block + shared + tail[:7]
+    engine = make_engine(tiny_qwen, num_blocks=32)
+    reference = cold(engine, greedy("cold", probe))
+    computed_twice(engine, p_block, shared, tail)
+    out, cached, prefilled = serve(engine, greedy("probe", probe))
+    assert (out, cached, prefilled) == (reference, 2 * BLOCK, len(probe) - 2 * BLOCK)
+
+
+def test_p6_collision_at_a_replaced_parent_is_refused(tiny_qwen, make_engine, monkeypatch):
+    """The deeper case: the cached block 1 was computed after a private copy of block 0; the
+    cached block 0 is evicted, and a colliding block 0 (other tokens, same digest) takes its
+    digest. Block 1's parent digest still matches, but its parent copy is gone: no hit."""
+    p_block, q_block, shared, tail = (random_prompt(68 + i, BLOCK) for i in range(4))
+    collider = q_block + tail[:4]
+    victim = q_block + shared + tail[:6]
+    again = q_block + shared + tail[:7]
+    engine = make_engine(tiny_qwen, num_blocks=32)
+    references = {name: cold(engine, greedy(f"cold-{name}", prompt))
+                  for name, prompt in (("victim", victim), ("again", again))}
+
+    def colliding(parent: bytes, token_ids) -> bytes:
+        return block_digest(parent, p_block if list(token_ids) == q_block else token_ids)
+
+    monkeypatch.setattr(workers.sequence, "block_digest", colliding)
+    shared_after_p = computed_twice(engine, p_block, shared, tail)
+    collided = block_digest(engine.identity.with_namespace(CacheNamespace()).root_digest,
+                            p_block)
+    evict(engine.pool, collided)
+    assert engine.pool.cached_digests() == [shared_after_p]  # block 1 outlived its parent
+    serve(engine, greedy("collider", collider))  # q_block is cached under p_block's digest
+    assert set(engine.pool.cached_digests()) == {collided, shared_after_p}
+
+    out, cached, prefilled = serve(engine, greedy("victim", victim))
+    assert (out, cached, prefilled) == (references["victim"], BLOCK, len(victim) - BLOCK)
+    # the victim's own block 1 replaced the unreachable one, and is found from now on
+    out, cached, prefilled = serve(engine, greedy("again", again))
+    assert (out, cached, prefilled) == (references["again"], 2 * BLOCK, len(again) - 2 * BLOCK)
+    engine.pool.check_invariants()
 
 
 def test_p7_honest_hit_accounting_under_pressure(tiny_qwen, make_engine):
