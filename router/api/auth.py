@@ -104,7 +104,8 @@ class ApiKeys:
         self._failing = False
         if self._path is not None:
             self._load(os.stat(self._path))
-        logger.info("API keys: %s", self.describe())
+        # An open server is a warning: it is the line an operator must not miss.
+        (logger.info if self.enabled else logger.warning)("API keys: %s", self.describe())
 
     @property
     def enabled(self) -> bool:
