@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,6 +23,9 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from workers.request import InvalidRequestError
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +85,10 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
 
 
+_KNOWN = (APIError, InvalidRequestError, OverloadedError)
+"""Errors whose kind decides their answer (400, 503/429 ...); anything else is a 500."""
+
+
 def _default_type(status_code: int) -> str:
     if status_code >= 500:
         return "server_error"
@@ -93,12 +101,17 @@ def invalid_request(message: str, param: str | None = None,
     return APIError(400, message, param=param, code=code)
 
 
+def retry_after_headers(seconds: float) -> dict[str, str]:
+    """``Retry-After`` in whole seconds (at least 1, as HTTP requires) and ``retry-after-ms``
+    in milliseconds, which the OpenAI clients prefer when both are present."""
+    return {"Retry-After": str(max(1, math.ceil(seconds))),
+            "retry-after-ms": str(max(0, round(seconds * 1000)))}
+
+
 def overloaded(exc: OverloadedError, headers: Mapping[str, str] | None = None) -> APIError:
-    """The answer to an :class:`OverloadedError`: its status with ``Retry-After`` (whole seconds,
-    at least 1, as HTTP requires)."""
-    retry_after = str(max(1, math.ceil(exc.retry_after_s)))
+    """The answer to an :class:`OverloadedError`: its status with ``Retry-After``."""
     return APIError(exc.status_code, str(exc), code="overloaded",
-                    headers={**(headers or {}), "Retry-After": retry_after})
+                    headers={**(headers or {}), **retry_after_headers(exc.retry_after_s)})
 
 
 def from_backend_exception(exc: Exception, request_id: str,
@@ -108,7 +121,11 @@ def from_backend_exception(exc: Exception, request_id: str,
     ``InvalidRequestError`` (the engine refused the request) is the client's fault: 400 with its
     ``param`` and ``code``. ``OverloadedError`` is 503/429 with ``Retry-After``. Anything else
     is logged with its traceback and answered 500 without internal details.
+
+    The error is first taken out of the wrappers it may arrive in (:func:`typed_error`), so
+    its kind decides the answer however many layers it crossed.
     """
+    exc = typed_error(exc)
     if isinstance(exc, APIError):
         exc.headers = {**(headers or {}), **exc.headers}
         return exc
@@ -119,6 +136,28 @@ def from_backend_exception(exc: Exception, request_id: str,
     logger.error("request %s failed in the backend", request_id, exc_info=exc)
     return APIError(500, f"internal error while serving request {request_id}",
                     code="internal_error", headers=headers)
+
+
+def typed_error(exc: BaseException) -> BaseException:
+    """The error that decides the answer to a failure that arrived as ``exc``.
+
+    A task group (``asyncio.TaskGroup``, anyio's) raises its failures as an exception group:
+    the answer is that of its first leaf that is an error the API knows (``APIError``,
+    ``InvalidRequestError``, ``OverloadedError``), else of its first leaf. Anything else is its
+    own answer.
+    """
+    if not isinstance(exc, BaseExceptionGroup):
+        return exc
+    leaves = list(_leaves(exc))
+    return next((leaf for leaf in leaves if isinstance(leaf, _KNOWN)), leaves[0])
+
+
+def _leaves(group: BaseExceptionGroup) -> Iterator[BaseException]:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc
 
 
 # Pydantic error types that mean "wrong JSON type", reported with code ``invalid_type``.
@@ -201,6 +240,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        typed = typed_error(exc)
+        if isinstance(typed, _KNOWN):  # a known error inside a task group's exception group
+            return from_backend_exception(typed, "-").response()
         # Starlette logs the exception itself after this answer goes out.
         return APIError(500, "internal server error", code="internal_error").response()
 

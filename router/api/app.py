@@ -12,7 +12,10 @@ Per request, the app:
 4. computes the prompt's block digests under the deployment's identity for the prefix-aware
    router, and hands a :class:`~workers.request.GenerationRequest` to the backend
    (:mod:`router.api.jobs`);
-5. awaits the backend's first chunk before answering, so that ``x-nalar-worker`` names the
+5. admits the request only if the work it asks for, in tokens, fits under the ingress's
+   bound, else answers 503 with ``Retry-After`` at once, before tokenizing
+   (:mod:`router.api.admission`);
+6. awaits the backend's first chunk before answering, so that ``x-nalar-worker`` names the
    replica and a refusal (``InvalidRequestError``, ``OverloadedError``) is a proper HTTP error,
    then answers with JSON or an SSE stream ending in ``data: [DONE]`` (:mod:`router.api.stream`).
 
@@ -27,7 +30,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Callable
 
 import anyio
 from fastapi import FastAPI, Request
@@ -35,6 +38,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Receive
 
+from router.api.admission import Admission, AdmittedStream, requested_work, shutting_down
 from router.api.auth import ApiKeyGuard
 from router.api.backend import WORKER_HEADER, ServingBackend
 from router.api.disconnect import (
@@ -49,7 +53,6 @@ from router.api.stream import collect, next_chunk, sse_events
 from router.api.token_strings import TokenStrings
 from router.errors import APIError, from_backend_exception, install_error_handlers
 from router.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from workers.request import GenerationChunk
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +60,10 @@ HEALTH_TIMEOUT_S = 5.0
 """``GET /health`` answers 503 when the backend does not say it is ready within this time."""
 
 
-def build_openai_app(backend: ServingBackend) -> FastAPI:
+def build_openai_app(backend: ServingBackend, admission: Admission | None = None) -> FastAPI:
     """The OpenAI-compatible FastAPI app serving ``backend``.
+
+    ``admission`` bounds the work in flight and drains on a clean stop (default: no bound).
 
     Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
     ``GET /v1/models/{model}``, ``GET /health``, ``GET /metrics`` (Prometheus text of the
@@ -74,21 +79,24 @@ def build_openai_app(backend: ServingBackend) -> FastAPI:
     install_error_handlers(app)
     # Read per request: a Serve ingress sets ``api_keys`` after the app is built; none = open.
     app.add_middleware(ApiKeyGuard, keys=lambda: getattr(backend, "api_keys", None))
-    ingress = _Ingress(backend)
+    ingress = _Ingress(backend, admission or Admission())
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """Chat completion (OpenAI ``chat.completion``), streamed as SSE when ``stream``."""
-        job = await ingress.jobs.chat_job(body, request.headers.get("authorization"))
-        return await ingress.serve(job, ChatFormat(job, ingress.token_strings),
-                                   request.receive)
+        admitted = ingress.admit(body)
+        return await ingress.serve(
+            admitted, lambda: ingress.jobs.chat_job(body, request.headers.get("authorization")),
+            ChatFormat, request.receive)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """Text completion of one prompt (a string or token ids), SSE when ``stream``."""
-        job = await ingress.jobs.completion_job(body, request.headers.get("authorization"))
-        return await ingress.serve(job, CompletionFormat(job, ingress.token_strings),
-                                   request.receive)
+        admitted = ingress.admit(body)
+        return await ingress.serve(
+            admitted,
+            lambda: ingress.jobs.completion_job(body, request.headers.get("authorization")),
+            CompletionFormat, request.receive)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
@@ -103,7 +111,9 @@ def build_openai_app(backend: ServingBackend) -> FastAPI:
 
     @app.get("/health", response_model=None)
     async def health() -> Response:
-        """200 when the cluster can serve, else 503."""
+        """200 when the cluster can serve, else 503 (``shutting_down`` while draining)."""
+        if ingress.admission.draining:
+            return shutting_down().response()
         if await ingress.ready():
             return JSONResponse({"status": "ok"})
         return APIError(503, "the cluster is not ready to serve", code="not_ready").response()
@@ -125,8 +135,9 @@ def build_openai_app(backend: ServingBackend) -> FastAPI:
 class _Ingress:
     """Job building, readiness and answer assembly for one backend."""
 
-    def __init__(self, backend: ServingBackend):
+    def __init__(self, backend: ServingBackend, admission: Admission):
         self.backend = backend
+        self.admission = admission
         self.created = int(time.time())
         # One tokenizer call at a time: a Rust tokenizer shared across threads can fail with
         # "Already borrowed" when calls overlap.
@@ -151,15 +162,33 @@ class _Ingress:
             logger.warning("readiness check failed", exc_info=True)
             return False
 
-    async def serve(self, job: Job, fmt: Format, receive: Receive) -> Response:
-        """Runs ``job`` on the backend and answers with JSON or an SSE stream."""
+    def admit(self, body: ChatCompletionRequest | CompletionRequest) -> AdmittedStream:
+        """Admits a request on the work its body asks for, before any tokenizing.
+
+        Raises:
+            OverloadedError: the work does not fit under the bound (503 + Retry-After).
+            APIError: 503 ``shutting_down`` while draining.
+        """
+        return self.admission.admit(requested_work(body, self.backend.max_model_len))
+
+    async def serve(self, admitted: AdmittedStream, build_job: Callable[[], Awaitable[Job]],
+                    format_for: Callable[[Job, TokenStrings], Format],
+                    receive: Receive) -> Response:
+        """Builds the admitted request's job, runs it on the backend and answers with JSON or
+        an SSE stream; ``admitted`` is closed on every path (by the stream when streaming)."""
+        try:
+            job = await build_job()
+        except BaseException:
+            await close_stream(admitted)
+            raise
+        fmt = format_for(job, self.token_strings)
         request_id = job.request.request_id
         # No x-request-id of our own: the Serve proxy sets one; the body's ``id`` names the job.
         headers: dict[str, str] = {}
-        chunks: AsyncIterator[GenerationChunk] | None = None
+        chunks = admitted
         streaming = False
         try:
-            chunks = self.backend.generate(job.request)
+            chunks.start(job.request, self.backend.generate)
             first = await unless_disconnected(receive, next_chunk(chunks))
             headers[WORKER_HEADER] = first.worker_id or "unknown"
             if job.stream:
@@ -176,5 +205,5 @@ class _Ingress:
         except Exception as exc:
             raise from_backend_exception(exc, request_id, headers) from exc
         finally:
-            if chunks is not None and not streaming:
+            if not streaming:
                 await close_stream(chunks)

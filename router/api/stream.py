@@ -16,7 +16,7 @@ from router.api.disconnect import close_stream
 from router.api.formats import Format
 from router.api.jobs import Job
 from router.api.usage import Tally
-from router.errors import APIError, from_backend_exception
+from router.errors import APIError, from_backend_exception, retry_after_headers
 from workers.request import GenerationChunk
 
 DONE_EVENT = "data: [DONE]\n\n"
@@ -41,7 +41,7 @@ def finish_reason(reason: str | None) -> str:
     if reason in ("stop", "length"):
         return reason
     raise APIError(503, "the request was aborted by the server before it finished; retry",
-                   code="request_aborted", headers={"Retry-After": "1"})
+                   code="request_aborted", headers=retry_after_headers(1.0))
 
 
 async def collect(job: Job, first: GenerationChunk,

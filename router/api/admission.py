@@ -1,0 +1,261 @@
+"""Load shedding and draining at the ingress: who gets in, and how the in-flight work ends.
+
+The ingress counts its own admitted, unfinished work in tokens, in the routing load unit
+(:mod:`router.routing.request_input`): prompt tokens not yet prefilled plus every output token
+a request may still produce (``max_tokens × n``). A request whose work would take that count
+past the bound is refused at once with 503 and ``Retry-After``, before it reaches any queue
+and before it is tokenized: the decision is taken on the work its body asks for
+(:func:`requested_work`), so a burst is refused without queueing for the tokenizer. Once
+tokenized, a request counts its exact work; the bound may then be passed by the text prompts
+of the requests admitted in that same instant, never by more.
+
+Why the ingress's own count and not the workers' routing stats: the count is exact and
+current at the instant of the decision, while the workers' ``queued_tokens`` arrive every
+routing-stats period (0.5 s by default), so a burst (the case shedding exists for) would be
+judged on a picture from before it began; nor do those stats see requests still waiting in the
+handle's queue for a replica. The deployment runs one ingress replica, so its count is the
+cluster's HTTP work.
+
+Why 503 and not 429: OpenAI answers 429 when *a client* exceeds its rate limit or quota and
+503 when the service is overloaded; vLLM's servers and Ray Serve's backpressure also use 503
+for a full server. Here nobody exceeded a quota: the cluster is full for everyone. The OpenAI
+clients retry both, honouring ``retry-after-ms`` (sent alongside ``Retry-After``).
+
+A drain (a clean stop) refuses new requests with 503 ``shutting_down``, lets the admitted ones
+finish, and after its deadline ends each one still running with an error (an SSE error event
+for a stream), closing its backend stream so the worker frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import anyio
+
+from router.api.disconnect import close_stream
+from router.errors import APIError, OverloadedError, retry_after_headers
+from router.protocol import ChatCompletionRequest, CompletionRequest
+from workers.request import GenerationChunk, GenerationRequest
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1.0
+"""What a refused client is told to wait, in seconds: about the time a few short requests
+take to leave a busy cluster."""
+
+CUT_GRACE_S = 5.0
+"""After a drain's deadline, how long the cut requests get to send their error and close."""
+
+
+def work_tokens(request: GenerationRequest) -> int:
+    """Tokens of work ``request`` brings: its prompt plus ``max_tokens`` for each of its ``n``
+    choices (the routing load unit before anything is prefilled)."""
+    return len(request.token_ids) + request.sampling.max_tokens * max(1, request.sampling.n)
+
+
+def requested_work(body: ChatCompletionRequest | CompletionRequest, max_model_len: int) -> int:
+    """The work a request body asks for, read before tokenizing, in tokens: its output limit
+    (``max_completion_tokens`` or ``max_tokens``; at most the context length, which is also the
+    limit when none is set) for each of
+    its ``n`` choices, plus the prompt when it is token ids. A text prompt's tokens are not
+    known yet; they are counted once it is tokenized (:meth:`AdmittedStream.start`)."""
+    limit = getattr(body, "max_completion_tokens", None)
+    if limit is None:
+        limit = body.max_tokens
+    # Capped at the context: a larger limit is refused with a 400 once tokenized, not a 503.
+    output = min(max_model_len, limit or max_model_len) * max(1, body.n or 1)
+    prompt = getattr(body, "prompt", None)
+    return output + (len(prompt) if isinstance(prompt, list) else 0)
+
+
+def shutting_down() -> APIError:
+    """The 503 of a server that is draining: retry elsewhere or once it is back."""
+    return APIError(503, "the server is shutting down; retry later", code="shutting_down",
+                    headers=retry_after_headers(RETRY_AFTER_S))
+
+
+@dataclass(frozen=True)
+class DrainReport:
+    """How a drain ended.
+
+    Attributes:
+        finished: requests in flight when the drain began that ended on their own.
+        cut: requests still running at the deadline, ended with a ``shutting_down`` error.
+        left: requests that had not closed even ``CUT_GRACE_S`` after being cut (0 normally).
+    """
+
+    finished: int
+    cut: int
+    left: int
+
+
+class Admission:
+    """Admits requests while their work fits under a token bound; drains on a clean stop.
+
+    Args:
+        max_pending_tokens: the bound on admitted, unfinished work in tokens, or ``None`` for
+            no bound. A request larger than the bound on its own is still admitted when
+            nothing else is in flight (it could never run otherwise; the engine refuses what
+            exceeds the context).
+    """
+
+    def __init__(self, max_pending_tokens: int | None = None):
+        self.max_pending_tokens = max_pending_tokens
+        self.pending_tokens = 0
+        self.draining = False
+        self._streams: set[AdmittedStream] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._cut = False
+
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted and not yet closed."""
+        return len(self._streams)
+
+    def admit(self, tokens: int) -> AdmittedStream:
+        """Admits a request asking for ``tokens`` of work (:func:`requested_work`) if it fits,
+        counting that work until the returned stream is closed; the caller must close it
+        (:func:`router.api.disconnect.close_stream`), started or not.
+
+        Raises:
+            APIError: 503 ``shutting_down`` while draining.
+            OverloadedError: the work does not fit under the bound (503).
+        """
+        if self.draining:
+            raise shutting_down()
+        if self._full(tokens):
+            raise self._overloaded()
+        stream = AdmittedStream(self, tokens)
+        self._streams.add(stream)
+        self.pending_tokens += tokens
+        self._idle.clear()
+        return stream
+
+    def _full(self, tokens: int) -> bool:
+        return (self.max_pending_tokens is not None and self.in_flight > 0
+                and self.pending_tokens + tokens > self.max_pending_tokens)
+
+    def _overloaded(self) -> OverloadedError:
+        return OverloadedError(
+            f"the server is overloaded ({self.pending_tokens} tokens of work in flight, "
+            f"bound {self.max_pending_tokens}); retry later", retry_after_s=RETRY_AFTER_S)
+
+    def give_back(self, tokens: int) -> None:
+        """Work of an admitted request that is done (or will not be done), in tokens; negative
+        for work found to be larger than requested."""
+        self.pending_tokens -= tokens
+
+    def release(self, stream: AdmittedStream) -> None:
+        """Forgets a closed stream (its work was given back)."""
+        self._streams.discard(stream)
+        if not self._streams:
+            self._idle.set()
+
+    @property
+    def cut(self) -> bool:
+        """Whether a drain's deadline has passed: running requests end with an error."""
+        return self._cut
+
+    async def drain(self, timeout_s: float) -> DrainReport:
+        """Refuses new requests from now on, waits up to ``timeout_s`` seconds for the admitted
+        ones to end, then cuts the rest (each ends with a ``shutting_down`` error) and waits up
+        to ``CUT_GRACE_S`` for them to close."""
+        self.draining = True
+        running = self.in_flight
+        logger.info("draining: %d requests in flight, deadline %.1f s", running, timeout_s)
+        if await self._wait_idle(timeout_s):
+            return DrainReport(finished=running, cut=0, left=0)
+        self._cut = True
+        cut = list(self._streams)
+        for stream in cut:
+            stream.cut()
+        left = 0 if await self._wait_idle(CUT_GRACE_S) else self.in_flight
+        logger.warning("drain deadline passed: %d requests cut, %d not closed", len(cut), left)
+        return DrainReport(finished=running - len(cut), cut=len(cut), left=left)
+
+    async def _wait_idle(self, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+
+class AdmittedStream:
+    """The backend's chunk stream of one admitted request, once :meth:`start` ed.
+
+    Counts the work the request asked for until it is started, then its exact work, given back
+    as it is done (the prompt with the first chunk, then each output token) and the rest when
+    closed. Once a drain's deadline passes, it ends with a ``shutting_down`` error instead of
+    the next chunk. Errors of the backend pass through unchanged.
+    """
+
+    def __init__(self, admission: Admission, tokens: int):
+        self._admission = admission
+        self._chunks: AsyncIterator[GenerationChunk] | None = None
+        self._remaining = tokens
+        self._prompt_tokens = 0
+        self._waiting: anyio.CancelScope | None = None
+        self._closed = False
+
+    def start(self, request: GenerationRequest,
+              generate: Callable[[GenerationRequest], AsyncIterator[GenerationChunk]]) -> None:
+        """Counts ``request``'s exact work from now on and starts ``generate(request)``.
+
+        Raises:
+            APIError: 503 ``shutting_down`` when a drain's deadline has passed meanwhile.
+        """
+        if self._admission.cut:
+            raise shutting_down()
+        exact = work_tokens(request)
+        self._admission.give_back(self._remaining - exact)
+        self._remaining = exact
+        self._prompt_tokens = len(request.token_ids)
+        self._chunks = generate(request)
+
+    def __aiter__(self) -> AdmittedStream:
+        return self
+
+    async def __anext__(self) -> GenerationChunk:
+        if self._chunks is None:
+            raise RuntimeError("an admitted stream was read before it was started")
+        if self._admission.cut:
+            raise shutting_down()
+        # ``cut()`` cancels this scope, which interrupts a wait already under way (for the next
+        # token, or in a worker's queue); the backend's generator sees the cancellation and
+        # cancels the worker's request.
+        try:
+            with anyio.CancelScope() as self._waiting:
+                chunk = await anext(self._chunks)
+        finally:
+            self._waiting = None
+        if self._admission.cut:  # the scope was cancelled, or the cut came with the chunk
+            raise shutting_down()
+        self._spend(self._prompt_tokens + len(chunk.token_ids))
+        self._prompt_tokens = 0
+        return chunk
+
+    def _spend(self, tokens: int) -> None:
+        tokens = min(tokens, self._remaining)
+        self._remaining -= tokens
+        self._admission.give_back(tokens)
+
+    def cut(self) -> None:
+        """Ends the wait for the next chunk now (a drain's deadline passed)."""
+        if self._waiting is not None:
+            self._waiting.cancel()
+
+    async def aclose(self) -> None:
+        """Gives the request's remaining work back and closes the backend's stream (which
+        tells the worker to stop and free the request's blocks). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._spend(self._remaining)
+        self._admission.release(self)
+        if self._chunks is not None:
+            await close_stream(self._chunks)
