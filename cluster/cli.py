@@ -51,6 +51,9 @@ def _serve_parser(commands) -> None:
                                 "(prefix, the default), round-robin, or power-of-two choices")
     serve_cmd.add_argument("--worker-threads", type=int, default=None,
                            help="torch threads per worker (default: cores / --workers)")
+    serve_cmd.add_argument("--drain-timeout", type=float, default=None, dest="drain_timeout_s",
+                           help="on SIGTERM or Ctrl-C, seconds requests in flight get to finish "
+                                "(new ones get 503) before they end with an error (default 30)")
     _speculative_flags(serve_cmd)
     _auth_flags(serve_cmd)
 
@@ -144,10 +147,32 @@ def serve_command(args: argparse.Namespace) -> int:
     print(f"Nalar Serve is ready: http://{config.host}:{config.port}/v1 "
           "(Ctrl-C to stop)", flush=True)
     stop.wait()
+    _drain(config.drain_timeout_s)
     print("stopping ...", flush=True)
     stop_cluster()
     print("stopped.", flush=True)
     return 0
+
+
+def _drain(timeout_s: float) -> None:
+    """Asks the ingress to drain (``NalarIngress.drain``) and waits for it: new requests get
+    503 from now on, those in flight get ``timeout_s`` seconds to finish. A failed drain is
+    reported, and the stop goes on."""
+    from ray import serve
+
+    from cluster.app import APP_NAME
+    from router.api.admission import CUT_GRACE_S
+
+    print(f"draining: new requests get 503; requests in flight get up to {timeout_s:g} s ...",
+          flush=True)
+    try:
+        report = serve.get_app_handle(APP_NAME).drain.remote(timeout_s).result(
+            timeout_s=timeout_s + CUT_GRACE_S + 10)
+    except Exception as exc:
+        print(f"nalar: the drain failed ({exc}); stopping anyway", file=sys.stderr, flush=True)
+        return
+    print(f"drained: {report['finished']} finished, {report['cut']} ended at the deadline",
+          flush=True)
 
 
 def _speculation(config: ClusterConfig) -> str:

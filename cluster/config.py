@@ -56,6 +56,15 @@ class ClusterConfig(BaseModel):
     against load, the default), ``round-robin`` or ``power-of-two`` (the less loaded of two
     random workers), the latter two as baselines to compare against.
 
+    Overload and stops: the ingress admits a request only while the work it holds, in tokens
+    (prompt tokens not yet prefilled plus every output token a request may still produce, the
+    routing load unit), stays within ``pending_tokens_per_worker`` per worker replica
+    (:meth:`max_pending_tokens`); beyond, it answers 503 with ``Retry-After`` at once, never
+    queueing (``router.api.admission``). The default, 131,072, is 64 sequences
+    (``max_num_seqs``' default) of 2,048 tokens each per worker. On SIGTERM or Ctrl-C,
+    ``nalar serve`` drains: new requests get 503, those in flight get up to
+    ``drain_timeout_s`` to finish before they end with an error, then Serve stops.
+
     Authentication (``router.api.auth``): ``api_keys`` (default ``$NALAR_API_KEY``,
     comma-separated) are accepted for the server's life; ``api_keys_file`` names a file of keys
     (one per line, ``#`` comments) that the ingress reads and re-reads when it changes, so it
@@ -90,6 +99,8 @@ class ClusterConfig(BaseModel):
     worker_resources: dict[str, float] = Field(default_factory=dict)
     worker_max_ongoing_requests: int = Field(128, ge=1)
     worker_max_queued_requests: int = Field(256, ge=1)
+    pending_tokens_per_worker: int = Field(131_072, ge=1)
+    drain_timeout_s: float = Field(30.0, gt=0)
     routing: Literal["prefix", "round-robin", "power-of-two"] = "prefix"
     routing_stats_period_s: float = Field(0.5, gt=0)
     worker_ttl_s: float = Field(30.0, gt=0)
@@ -172,6 +183,11 @@ class ClusterConfig(BaseModel):
         """Whether the application deploys draft replicas."""
         config = self.speculative_config()
         return config.enabled and config.remote
+
+    def max_pending_tokens(self) -> int:
+        """The ingress's bound on admitted, unfinished work: ``pending_tokens_per_worker``
+        times the worker replicas, in tokens."""
+        return self.pending_tokens_per_worker * self.num_workers
 
     def threads_per_worker(self) -> int:
         """``worker_threads``, else this machine's cores shared evenly among the workers.

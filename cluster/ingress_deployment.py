@@ -4,13 +4,15 @@ handle whose requests the prefix-aware router places."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 from ray import serve
-from ray.serve.exceptions import BackPressureError
+from ray.exceptions import RayTaskError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from cluster.config import INDEX_ACTOR_NAMESPACE, ClusterConfig
@@ -18,15 +20,16 @@ from cluster.dashboard import Dashboard, dashboard_router
 from cluster.metrics import SCRAPE_TIMEOUT_S, build_registry, fetch_worker_stats
 from cluster.worker_identity import WorkerIdentity
 from cluster.worker_identity import identity_from_dict as identity_from_dict  # re-exported
+from router.api.admission import RETRY_AFTER_S, Admission
 from router.api.auth import ApiKeys
-from router.errors import OverloadedError
+from router.errors import OverloadedError, typed_error
 from router.index import make_index
 from router.openai_app import build_openai_app
 from router.routing.replica_keys import REPLICA_MODEL_KEYS
 from router.routing.telemetry import TELEMETRY
 from workers.identity import CacheIdentity
 from workers.model_loader import load_tokenizer
-from workers.request import GenerationChunk, GenerationRequest
+from workers.request import GenerationChunk, GenerationRequest, InvalidRequestError
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +46,8 @@ class NalarIngress:
     ``metrics_registry`` is what ``GET /metrics`` renders: at each scrape it asks every worker
     replica for its engine stats (``cluster.metrics``), plus the router's telemetry.
     ``dashboard`` feeds ``GET /dashboard`` (``cluster.dashboard``); every stream through
-    :meth:`generate` adds its TTFT and ITL to it.
+    :meth:`generate` adds its TTFT and ITL to it. ``admission`` sheds load past
+    ``config.max_pending_tokens()`` and drains on a clean stop (:meth:`drain`).
 
     Args:
         workers: handle to the worker deployment.
@@ -61,6 +65,7 @@ class NalarIngress:
         # The keys file is read here, in the ingress process (a Secret volume on Kubernetes).
         self.api_keys = ApiKeys([key.get_secret_value() for key in config.api_keys],
                                 config.api_keys_file)
+        self.admission = Admission(config.max_pending_tokens())
         source = Path(description["source_path"])
         # Same machine: read the worker's converted copy; elsewhere, resolve the source again.
         self.tokenizer = load_tokenizer(str(source) if source.is_dir() else config.model)
@@ -84,7 +89,7 @@ class NalarIngress:
         return self.worker_identity.max_model_len
 
     def __serve_build_asgi_app__(self):
-        app = build_openai_app(self)
+        app = build_openai_app(self, self.admission)
         app.include_router(dashboard_router(self.dashboard))
         return app
 
@@ -92,25 +97,40 @@ class NalarIngress:
         """Stream a request from whichever worker the router picks; closing cancels it.
 
         Raises:
-            OverloadedError: the workers' queues are full (mapped to 503 with Retry-After).
+            OverloadedError: Serve refused the call (the workers' queues are full, or no
+                replica is up): 503 with Retry-After.
+            InvalidRequestError: the worker refused the request (400), as the worker raised it.
         """
-        request = await self.worker_identity.current(request)
-        stream = self.workers.options(stream=True).generate.remote(request)
+        stream = None
         timer = self.dashboard.timer()
         finished = False
         try:
+            request = await self.worker_identity.current(request)
+            stream = self.workers.options(stream=True).generate.remote(request)
             async for chunk in stream:
                 timer.chunk(len(chunk.token_ids))
                 finished = chunk.is_last
                 yield chunk
-        except BackPressureError as exc:
-            # Refused before any worker took it: nothing to cancel, and cancelling would raise
-            # the BackPressureError again, replacing this answer with a 500.
+        except Exception as exc:
+            # The call failed: nothing is left to cancel, and cancelling would raise its error
+            # again (Ray fetches the call's result first), replacing this one.
             finished = True
-            raise OverloadedError(str(exc)) from exc
+            error = serve_error(exc)
+            if error is exc:
+                raise
+            raise error from exc
         finally:
-            if not finished:
+            if stream is not None and not finished:
                 stream.cancel()  # reaches the worker as cancellation: it frees the blocks
+
+    async def drain(self, timeout_s: float) -> dict[str, int]:
+        """A clean stop's first step: refuse new requests (503 ``shutting_down``), let those in
+        flight finish for up to ``timeout_s`` seconds, then end the rest with an error.
+
+        Returns:
+            ``router.api.admission.DrainReport`` as a dict (``finished``, ``cut``, ``left``).
+        """
+        return dataclasses.asdict(await self.admission.drain(timeout_s))
 
     async def is_ready(self) -> bool:
         try:
@@ -119,3 +139,25 @@ class NalarIngress:
             log.warning("health check failed: %s", exc)
             return False
         return True
+
+
+def serve_error(exc: Exception) -> Exception:
+    """The error a failed worker call means to the API, out of Ray's wrapping.
+
+    Serve's refusals (``BackPressureError``: the handle's queue is full;
+    ``DeploymentUnavailableError``: no worker deployment) become :class:`OverloadedError`
+    with Serve's status and retry delay. A worker's own refusal arrives as a ``RayTaskError``
+    whose message is the remote traceback: its cause is what the client is answered with.
+    Anything else is returned as it is (a 500, logged with the remote traceback).
+    """
+    cause = typed_error(exc)
+    while isinstance(cause, RayTaskError) and isinstance(cause.cause, Exception):
+        cause = cause.cause
+    if isinstance(cause, BackPressureError):
+        retry_after_s = RETRY_AFTER_S if cause.retry_after_s is None else cause.retry_after_s
+        return OverloadedError(str(cause), retry_after_s, cause.status_code)
+    if isinstance(cause, DeploymentUnavailableError):
+        return OverloadedError(str(cause), retry_after_s=RETRY_AFTER_S)
+    if isinstance(cause, (InvalidRequestError, OverloadedError)):
+        return cause
+    return exc
