@@ -102,9 +102,12 @@ def cluster_config(args: argparse.Namespace, routing: str, workers: int, key_pre
     """
     from cluster.config import ClusterConfig
 
+    # The oracle's one worker gets the whole cluster's KV budget, so the oracle differs from
+    # the cluster only in routing, not in how much it can cache.
+    kv_cache_mib = args.kv_cache_mib * (args.workers if workers == 1 else 1)
     return ClusterConfig(model=args.model, dtype=args.dtype, num_workers=workers,
                          routing=routing, redis_url=args.redis_url, key_prefix=key_prefix,
-                         port=_free_port(), kv_cache_mib=args.kv_cache_mib,
+                         port=_free_port(), kv_cache_mib=kv_cache_mib,
                          worker_threads=args.threads)
 
 
