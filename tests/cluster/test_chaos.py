@@ -168,13 +168,15 @@ def test_soak_prompts_fit_the_context_and_the_mix_varies():
     assert any("stop" in i.sampling for i in items) and any("seed" in i.sampling for i in items)
 
 
-def test_soak_capacity_needs_the_rate_kept_up_with_and_no_growing_queue():
-    def phase(ttfts: list[float], failed: int = 0) -> soak.Phase:
-        records = [RequestRecord("r", start_s=i, ttft_s=t) for i, t in enumerate(ttfts)]
+def test_soak_capacity_needs_no_failure_and_no_queue_building_up():
+    def phase(ttfts: list[float], wall_s: float = 11.0, failed: int = 0) -> soak.Phase:
+        records = [RequestRecord("r", start_s=i, ttft_s=t, e2e_s=1.0)
+                   for i, t in enumerate(ttfts)]
         records += [record("http", 500) for _ in range(failed)]
-        return soak.Phase(records, 0, 10.0)
+        return soak.Phase(records, 0, wall_s, 10.0)
 
-    assert soak.sustained(phase([0.2] * 9), 1.0)[0]  # 0.9 req/s of 1.0, flat TTFT
-    assert not soak.sustained(phase([0.2] * 8), 1.0)[0]  # fell behind
-    assert not soak.sustained(phase([0.2] * 6 + [0.5] * 3), 1.0)[0]  # queue growing
+    assert soak.sustained(phase([0.2] * 9), 1.0)[0]  # flat TTFT, drained in 1 s
+    assert not soak.sustained(phase([0.2] * 9, wall_s=12.5), 1.0)[0]  # a backlog drained
+    assert not soak.sustained(phase([0.2] * 6 + [0.5] * 3), 1.0)[0]  # TTFT growing
     assert not soak.sustained(phase([0.2] * 9, failed=1), 1.0)[0]
+    assert not soak.sustained(phase([]), 1.0)[0]
