@@ -179,11 +179,12 @@ async def blocks_in_use() -> dict[str, int]:
 async def test_a_burst_past_the_bound_gets_200s_and_503s_and_leaks_nothing(cluster):
     description = await serve.get_deployment_handle(WORKER_DEPLOYMENT, APP_NAME).describe.remote()
     prompt = [1, 2, 3, 4]
-    max_tokens = description["max_model_len"] - len(prompt)
-    work = len(prompt) + max_tokens  # tokens of work of each request
+    max_tokens, choices = description["max_model_len"] - len(prompt), 4
+    work = len(prompt) + max_tokens * choices  # tokens of work of each request
     fits = cluster.config.max_pending_tokens() // work
     assert 1 <= fits < BURST // 4  # the burst is far past the bound
-    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    body = {"prompt": prompt, "max_tokens": max_tokens, "n": choices, "ignore_eos": True,
+            "stream": True}
     answered: list[int] = []
     everyone = asyncio.Event()
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
