@@ -15,6 +15,7 @@ Validation errors are raised as ``PydanticCustomError`` whose *type* is the Open
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import (
@@ -121,6 +122,20 @@ MAX_REQUEST_ID_CHARS = 256
 """Longest ``request_id`` a client may set (it is echoed in the answer's ``id``)."""
 
 
+_TOKEN_ID_KEY = re.compile(r"\s*-?[0-9]{1,18}\s*")
+"""A ``logit_bias`` key: a decimal token id (ASCII digits only: ``int()`` also takes "²" as a
+digit, and no string past 4300 digits)."""
+
+_UNPAIRED_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _quoted(text: str, limit: int = 40) -> str:
+    """``text`` as a JSON string literal for an error message: escaped, so an unpaired UTF-16
+    surrogate (valid in JSON, not encodable as UTF-8) cannot break the answer, and cut to
+    ``limit`` characters."""
+    return json.dumps(text[:limit]) + ("..." if len(text) > limit else "")
+
+
 def _refuse_unless_neutral(value: Any, name: str, neutral: tuple[Any, ...]) -> Any:
     """Returns ``value`` if it asks for nothing; otherwise raises ``unsupported_parameter``."""
     if value is None or value in neutral:
@@ -192,8 +207,8 @@ class ChatMessage(_StrictModel):
             )
         if role not in CHAT_ROLES:
             raise PydanticCustomError(
-                "invalid_value", "role must be one of {roles}, got '{role}'",
-                {"roles": ", ".join(CHAT_ROLES), "role": role},
+                "invalid_value", "role must be one of {roles}, got {role}",
+                {"roles": ", ".join(CHAT_ROLES), "role": _quoted(role)},
             )
         return role
 
@@ -234,8 +249,8 @@ def _text_of_part(part: Any, index: int) -> str:
     if part["type"] != "text":
         raise PydanticCustomError(
             "unsupported_content_type",
-            "content[{index}] has type '{type}'; only 'text' parts are supported",
-            {"index": index, "type": part["type"]},
+            "content[{index}] has type {type}; only 'text' parts are supported",
+            {"index": index, "type": _quoted(part["type"])},
         )
     if set(part) != {"type", "text"} or not isinstance(part["text"], str):
         raise PydanticCustomError(
@@ -326,11 +341,20 @@ class _GenerationBody(_StrictModel):
     @classmethod
     def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
         for key in bias or {}:
-            if not key.strip().lstrip("-").isdigit():
+            if not _TOKEN_ID_KEY.fullmatch(key):
                 raise PydanticCustomError(
-                    "invalid_value", "logit_bias keys must be token ids, got '{key}'",
-                    {"key": key})
+                    "invalid_value", "logit_bias keys must be token ids, got {key}",
+                    {"key": _quoted(key)})
         return bias
+
+    @field_validator("model")
+    @classmethod
+    def _encodable_model(cls, model: str | None) -> str | None:
+        # The name is echoed by a 404, which could not be encoded.
+        if model is not None and _UNPAIRED_SURROGATE.search(model):
+            raise PydanticCustomError(
+                "invalid_value", "model must be text without unpaired UTF-16 surrogates")
+        return model
 
     def logit_bias_ids(self) -> dict[int, float]:
         """``logit_bias`` with integer token ids."""
