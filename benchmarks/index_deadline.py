@@ -39,14 +39,12 @@ import time
 import uuid
 from typing import Any
 
-import redis
-
 try:
     from benchmarks import common
 except ImportError:  # run as a script: benchmarks/ is on sys.path, the repo root is not
     import common
 
-from router.index.redis_index import RedisIndex  # noqa: E402
+from router.index.redis_index import RedisIndex, delete_key_prefix  # noqa: E402
 from router.routing.index_lookup import DEFAULT_LOOKUP_DEADLINE_S, IndexLookup  # noqa: E402
 from router.routing.telemetry import RoutingTelemetry  # noqa: E402
 from workers.kv_events import KVEvent, encode_events  # noqa: E402
@@ -205,16 +203,6 @@ def recommend(rows: list[dict[str, Any]], headroom: float, cluster_workers: int 
                 default=None)}
 
 
-def delete_prefix(url: str, key_prefix: str) -> int:
-    """Deletes every key under ``key_prefix`` (this run's own); returns how many."""
-    client = redis.Redis.from_url(url)
-    try:
-        keys = list(client.scan_iter(match=f"{key_prefix}:*", count=1000))
-        return client.delete(*keys) if keys else 0
-    finally:
-        client.close()
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.quick:
@@ -225,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         rows = asyncio.run(measure(args, key_prefix))
     finally:
-        delete_prefix(args.redis_url, key_prefix)
+        delete_key_prefix(args.redis_url, f"{key_prefix}:")
     result = {
         "benchmark": "index_deadline",
         "machine": common.machine_info(),

@@ -31,7 +31,6 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-import redis  # noqa: E402
 
 try:
     from benchmarks import common
@@ -83,17 +82,6 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _delete_keys(redis_url: str, prefix: str) -> None:
-    """Deletes this run's index keys (its own prefix only; nothing else is flushed)."""
-    client = redis.Redis.from_url(redis_url)
-    try:
-        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
-        if keys:
-            client.delete(*keys)
-    finally:
-        client.close()
-
-
 def cluster_config(args: argparse.Namespace, routing: str, workers: int, key_prefix: str):
     """The :class:`cluster.config.ClusterConfig` of one run (a free port, its own key prefix).
 
@@ -130,6 +118,7 @@ def run_one(args: argparse.Namespace, workload: str, routing: str, workers: int)
     from ray import serve
 
     from cluster.runtime import start_cluster
+    from router.index.redis_index import delete_key_prefix
 
     key_prefix = f"nalar-bench-routing-{uuid.uuid4().hex[:8]}"
     config = cluster_config(args, routing, workers, key_prefix)
@@ -142,7 +131,7 @@ def run_one(args: argparse.Namespace, workload: str, routing: str, workers: int)
         # runs, so the next start_cluster would find its port taken (or serve on the old one).
         # Shutting Serve down (Ray stays up) frees the port and the workers' caches.
         serve.shutdown()
-        _delete_keys(args.redis_url, key_prefix)
+        delete_key_prefix(args.redis_url, key_prefix)
     summary = result.summary
     common.log(f"{workload}: {routing}: {summary['completed']} done, {summary['failed']} failed, "
                f"reuse {summary['prefix_reuse_ratio']}, TTFT p50 {summary['median_ttft_ms']} ms")

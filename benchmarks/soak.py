@@ -38,7 +38,6 @@ from typing import Any
 import httpx
 import numpy as np
 import psutil
-import redis
 
 from bench.arrival import poisson_gaps
 from bench.client import OpenAIClient, first_model
@@ -375,6 +374,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from cluster.app import APP_NAME, WORKER_DEPLOYMENT
     from cluster.runtime import start_cluster, stop_cluster
+    from router.index.redis_index import delete_key_prefix
 
     key_prefix = f"nalar-soak-{uuid.uuid4().hex[:8]}"
     config = cluster_config(args, key_prefix, chaos.free_port())
@@ -385,11 +385,7 @@ def main(argv: list[str] | None = None) -> dict:
                                   serve.get_deployment_handle(WORKER_DEPLOYMENT, APP_NAME)))
     finally:
         stop_cluster()
-        client = redis.Redis.from_url(args.redis_url)
-        keys = list(client.scan_iter(match=f"{key_prefix}*", count=1000))
-        if keys:
-            client.delete(*keys)
-        client.close()
+        delete_key_prefix(args.redis_url, key_prefix)
     result = {"benchmark": "soak", "machine": common.machine_info(args.dtype),
               "settings": {k: v for k, v in vars(args).items() if k != "out"}, **result}
     common.log_goals(result["checks"])

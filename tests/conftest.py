@@ -86,14 +86,9 @@ def redis_key_prefix(redis_url: str) -> Iterator[str]:
     """A key prefix unique to this test; afterwards deletes only the keys under it."""
     prefix = f"nalar-test-{uuid.uuid4().hex[:8]}"
     yield prefix
-    client = redis.Redis.from_url(redis_url)
-    try:
-        # The random prefix contains no glob characters, so MATCH selects exactly our keys.
-        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
-        if keys:
-            client.delete(*keys)
-    finally:
-        client.close()
+    from router.index.redis_index import delete_key_prefix
+
+    delete_key_prefix(redis_url, prefix)  # the random prefix holds no glob characters
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import msgpack
+import redis
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -252,3 +253,20 @@ async def _redis_errors() -> AsyncIterator[None]:
         raise IndexUnavailableError(f"Redis index error: {exc}") from exc
     except (RedisError, OSError) as exc:
         raise IndexUnavailableError(f"Redis index unavailable: {exc}") from exc
+
+
+def delete_key_prefix(url: str, key_prefix: str) -> int:
+    """Deletes every key whose name starts with ``key_prefix`` (one run's own keys, after a test
+    or benchmark; nothing else is flushed) and returns how many went.
+
+    ``key_prefix`` should hold no glob characters (``*?[``): it is used as a SCAN pattern.
+
+    Raises:
+        redis.exceptions.RedisError: the server could not be reached or refused a command.
+    """
+    client = redis.Redis.from_url(url)
+    try:
+        keys = list(client.scan_iter(match=f"{key_prefix}*", count=1000))
+        return client.delete(*keys) if keys else 0
+    finally:
+        client.close()

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-import redis
 
 from cluster.config import ClusterConfig
+from router.index.redis_index import delete_key_prefix
 
 
 @dataclass
@@ -40,8 +40,4 @@ def cluster(ray_session, redis_url: str) -> Iterator[ClusterUnderTest]:
     start_cluster(config)
     yield ClusterUnderTest(config, f"http://127.0.0.1:{config.port}")
     serve.delete(APP_NAME)
-    client = redis.Redis.from_url(redis_url)
-    keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
+    delete_key_prefix(redis_url, prefix)

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from cluster.app import APP_NAME, WORKER_DEPLOYMENT, build_app  # noqa: E402
 from cluster.config import INDEX_ACTOR_NAMESPACE, ClusterConfig  # noqa: E402
 from cluster.ingress_deployment import identity_from_dict  # noqa: E402
-from router.index.redis_index import RedisIndex  # noqa: E402
+from router.index.redis_index import RedisIndex, delete_key_prefix  # noqa: E402
 from workers.identity import CacheNamespace, block_digests, tenant_from_api_key  # noqa: E402
 
 NODE_MEMORY = 80 << 20
@@ -257,18 +257,8 @@ def main() -> int:
         serve.shutdown()
         ray.shutdown()
         cluster.shutdown()
-        cleanup(config)
+        delete_key_prefix(config.redis_url, config.key_prefix)
     return 0
-
-
-def cleanup(config: ClusterConfig) -> None:
-    import redis
-
-    client = redis.Redis.from_url(config.redis_url)
-    keys = list(client.scan_iter(match=f"{config.key_prefix}*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
 
 
 if __name__ == "__main__":

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis
 import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
+from router.index.redis_index import delete_key_prefix
 from workers.model_loader import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,11 +59,7 @@ def served(tmp_path, tiny_model_dir, redis_url, free_port) -> Iterator[str]:
         yield base_url
     finally:
         _stop(process)
-        client = redis.Redis.from_url(redis_url)
-        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
-        if keys:
-            client.delete(*keys)
-        client.close()
+        delete_key_prefix(redis_url, prefix)
 
 
 def _wait_until_healthy(base_url: str, process: subprocess.Popen, log: Path) -> None:

@@ -15,7 +15,7 @@ import redis
 from private_redis import PrivateRedis, private_redis_server
 
 from router.index import DigestIndex, IndexStats, IndexUnavailableError, MemoryIndex, make_index
-from router.index.redis_index import RedisIndex
+from router.index.redis_index import RedisIndex, delete_key_prefix
 from workers.kv_events import KVEvent, encode_events
 
 # ---------------------------------------------------------------------------------- helpers
@@ -554,3 +554,19 @@ async def test_actor_index_is_shared_and_survives_actor_death(
     assert await first.match(model_key, chain(4), ["A"]) == {"A": 1}
     await first.close()
     await second.close()
+
+
+def test_delete_key_prefix_deletes_only_that_prefix(redis_url: str) -> None:
+    run = f"nalar-test-{uuid.uuid4().hex[:8]}"
+    client = redis.Redis.from_url(redis_url)
+    try:
+        client.set(f"{run}-a:x", 1)
+        client.set(f"{run}-a:y", 1)
+        client.set(f"{run}-b:x", 1)
+        assert delete_key_prefix(redis_url, f"{run}-a:") == 2
+        assert client.exists(f"{run}-a:x", f"{run}-a:y") == 0
+        assert client.get(f"{run}-b:x") == b"1"
+        assert delete_key_prefix(redis_url, f"{run}-a:") == 0
+    finally:
+        assert delete_key_prefix(redis_url, run) == 1
+        client.close()
