@@ -69,7 +69,7 @@ def build_app(config: ClusterConfig) -> Application:
     ingress = serve.deployment(NalarIngress).options(
         name=INGRESS_DEPLOYMENT,
         num_replicas=1,
-        ray_actor_options={"num_cpus": 0.1},
+        ray_actor_options={"num_cpus": 0.1, "resources": config.ingress_resources},
         max_ongoing_requests=1024,
     )
     draft = (draft_app(config),) if config.draft_is_remote else ()

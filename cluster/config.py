@@ -51,6 +51,9 @@ class ClusterConfig(BaseModel):
 
     ``worker_resources`` are Ray custom resources each worker replica asks for: giving every
     node one unit of a resource (``{"nalar_target": 1}``) places one worker per node.
+    ``ingress_resources`` do the same for the ingress replica. A lost ingress cuts every
+    stream it writes (no process is left to send an SSE error event), so on a cluster whose
+    worker nodes come and go, pin it to a node whose loss is the cluster's anyway (the head).
 
     ``routing`` is the request-routing policy: ``prefix`` (longest cached prefix weighed
     against load, the default), ``round-robin`` or ``power-of-two`` (the less loaded of two
@@ -61,7 +64,9 @@ class ClusterConfig(BaseModel):
     routing load unit), stays within ``pending_tokens_per_worker`` per worker replica
     (:meth:`max_pending_tokens`); beyond, it answers 503 with ``Retry-After`` at once, never
     queueing (``router.api.admission``). The default, 131,072, is 64 sequences
-    (``max_num_seqs``' default) of 2,048 tokens each per worker. On SIGTERM or Ctrl-C,
+    (``max_num_seqs``' default) of 2,048 tokens each per worker. ``max_queue_delay_s`` bounds
+    the same work in time: a request is refused while the work in flight would take longer
+    than that to drain at the rate the ingress measures (none by default). On SIGTERM or Ctrl-C,
     ``nalar serve`` drains: new requests get 503, those in flight get up to
     ``drain_timeout_s`` to finish before they end with an error, then Serve stops.
 
@@ -97,9 +102,11 @@ class ClusterConfig(BaseModel):
     worker_gpus: float = Field(default_factory=lambda: 1.0 if _has_cuda() else 0.0, ge=0)
     worker_threads: int | None = Field(None, ge=1)
     worker_resources: dict[str, float] = Field(default_factory=dict)
+    ingress_resources: dict[str, float] = Field(default_factory=dict)
     worker_max_ongoing_requests: int = Field(128, ge=1)
     worker_max_queued_requests: int = Field(256, ge=1)
     pending_tokens_per_worker: int = Field(131_072, ge=1)
+    max_queue_delay_s: float | None = Field(None, gt=0)
     drain_timeout_s: float = Field(30.0, gt=0)
     routing: Literal["prefix", "round-robin", "power-of-two"] = "prefix"
     routing_stats_period_s: float = Field(0.5, gt=0)

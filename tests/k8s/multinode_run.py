@@ -2,12 +2,13 @@
 
 Run by ``tests/k8s/test_multinode.py`` in its own process (a pytest session already holds a Ray
 instance): ``python tests/k8s/multinode_run.py --model-dir D --redis-url U --out F``.
-It starts ``ray.cluster_utils.Cluster`` with a head (the Serve proxy and ingress, no worker)
-and two worker nodes that each offer one unit of the custom resource ``nalar_target``, so each
+It starts ``ray.cluster_utils.Cluster`` with a head (the Serve proxy and ingress, no worker:
+the ingress is pinned there by the custom resource ``nalar_ingress``, as ``k8s/`` pins it) and
+two worker nodes that each offer one unit of the custom resource ``nalar_target``, so each
 node runs exactly one worker replica, deploys the application against a real Redis index,
 then writes what it saw as JSON (the test asserts on it):
 
-1. ``placement``: worker id → node id, for both workers;
+1. ``placement``: worker id → node id, for both workers, and ``ingress_node_id``;
 2. ``routing``: for a prompt prefix first served on each worker, where a repeat with the same
    prefix went and how many of its tokens were cached;
 3. ``index_workers``: the workers the Redis index credits with those prefixes;
@@ -30,6 +31,7 @@ import httpx
 import ray
 from ray import serve
 from ray.cluster_utils import Cluster
+from ray.util.state import list_actors
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -47,7 +49,7 @@ REQUEST_TIMEOUT_S = 120
 
 def start_nodes() -> tuple[Cluster, list]:
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "object_store_memory": NODE_MEMORY})
+        "num_cpus": 1, "resources": {"nalar_ingress": 1}, "object_store_memory": NODE_MEMORY})
     nodes = [cluster.add_node(num_cpus=1, resources={"nalar_target": 1},
                               object_store_memory=NODE_MEMORY) for _ in range(2)]
     cluster.wait_for_nodes()
@@ -72,6 +74,13 @@ async def describe_workers() -> dict[str, dict]:
         if len(seen) == 2:
             break
     return seen
+
+
+def ingress_node_id() -> str:
+    """The node the live ingress replica runs on (Ray's state API)."""
+    (actor,) = list_actors(filters=[("state", "=", "ALIVE"),
+                                    ("class_name", "=", f"ServeReplica:{APP_NAME}:NalarIngress")])
+    return actor.node_id
 
 
 class Probe:
@@ -160,6 +169,7 @@ async def observe(cluster: Cluster, nodes: list, config: ClusterConfig) -> dict:
     worker_ids = sorted(workers)
     result: dict = {"placement": placement,
                     "head_node_id": cluster.head_node.node_id,
+                    "ingress_node_id": ingress_node_id(),
                     "worker_node_ids": [n.node_id for n in nodes]}
     async with httpx.AsyncClient(base_url=probe.base_url) as client:
         holders = await place_prefixes(client, probe, worker_ids)
@@ -246,7 +256,8 @@ def main() -> int:
                            redis_url=args.redis_url,
                            key_prefix=f"nalar-multinode-{uuid.uuid4().hex[:8]}",
                            port=args.port, kv_cache_mib=16, worker_threads=1,
-                           worker_resources={"nalar_target": 1}, speculative="off",
+                           worker_resources={"nalar_target": 1},
+                           ingress_resources={"nalar_ingress": 1}, speculative="off",
                            routing_stats_period_s=0.2, worker_ttl_s=6)
     cluster, nodes = start_nodes()
     try:

@@ -150,6 +150,10 @@ def test_cluster_shape_gpu_targets_separate_drafts_idle_head() -> None:
     assert deployments["NalarDraft"]["ray_actor_options"]["resources"] == {"nalar_draft": 1}
     assert "nalar_draft" in drafts["resources"]
     assert deployments["NalarDraft"]["autoscaling_config"]["max_replicas"] > 1
+    # the ingress on the head: losing a GPU or draft pod must not cut every stream
+    assert deployments["NalarIngress"]["ray_actor_options"] == {
+        "num_cpus": 0, "resources": {"nalar_ingress": 1}}
+    assert cluster["headGroupSpec"]["resources"] == {"nalar_ingress": "1"}
 
 
 def test_secrets_are_references_never_literals() -> None:

@@ -40,6 +40,11 @@ def test_one_worker_on_each_worker_node(report) -> None:
     assert report["head_node_id"] not in placement.values()
 
 
+def test_the_ingress_stays_on_the_head(report) -> None:
+    # a removed worker node must not take the ingress, and every stream, with it
+    assert report["ingress_node_id"] == report["head_node_id"]
+
+
 def test_a_shared_prefix_goes_to_the_node_that_holds_it(report) -> None:
     assert {r["holder"] for r in report["routing"]} == set(report["placement"])
     for repeat in report["routing"]:
