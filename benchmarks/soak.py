@@ -309,6 +309,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ramp-factor", type=float, default=1.5)
     parser.add_argument("--ramp-steps", type=int, default=8)
     parser.add_argument("--ramp-step-s", type=float, default=30.0)
+    parser.add_argument("--max-queue-delay", type=float, default=60.0,
+                        help="the server's --max-queue-delay, s: overload is refused past it "
+                             "(well under --request-timeout, so it is an answer, not a timeout)")
     parser.add_argument("--max-in-flight", type=int, default=512)
     parser.add_argument("--request-timeout", type=float, default=300.0,
                         help="a request not finished by then is a timeout, s")
@@ -330,7 +333,8 @@ def cluster_config(args: argparse.Namespace, key_prefix: str, port: int):
 
     return ClusterConfig(num_workers=args.workers, dtype=args.dtype, redis_url=args.redis_url,
                          key_prefix=key_prefix, port=port, kv_cache_mib=args.kv_cache_mib,
-                         max_model_len=args.max_model_len)
+                         max_model_len=args.max_model_len,
+                         max_queue_delay_s=args.max_queue_delay)
 
 
 async def soak(args: argparse.Namespace, base_url: str, workers: Any) -> dict[str, Any]:

@@ -54,6 +54,11 @@ def _serve_parser(commands) -> None:
     serve_cmd.add_argument("--drain-timeout", type=float, default=None, dest="drain_timeout_s",
                            help="on SIGTERM or Ctrl-C, seconds requests in flight get to finish "
                                 "(new ones get 503) before they end with an error (default 30)")
+    serve_cmd.add_argument("--max-queue-delay", type=float, default=None,
+                           dest="max_queue_delay_s",
+                           help="refuse a request with 503 while the work in flight would take "
+                                "longer than this many seconds at the measured rate "
+                                "(default: no time bound, only the token bound)")
     _speculative_flags(serve_cmd)
     _auth_flags(serve_cmd)
 

@@ -47,7 +47,8 @@ class NalarIngress:
     replica for its engine stats (``cluster.metrics``), plus the router's telemetry.
     ``dashboard`` feeds ``GET /dashboard`` (``cluster.dashboard``); every stream through
     :meth:`generate` adds its TTFT and ITL to it. ``admission`` sheds load past
-    ``config.max_pending_tokens()`` and drains on a clean stop (:meth:`drain`).
+    ``config.max_pending_tokens()`` (and ``config.max_queue_delay_s``) and drains on a clean
+    stop (:meth:`drain`).
 
     Args:
         workers: handle to the worker deployment.
@@ -65,7 +66,7 @@ class NalarIngress:
         # The keys file is read here, in the ingress process (a Secret volume on Kubernetes).
         self.api_keys = ApiKeys([key.get_secret_value() for key in config.api_keys],
                                 config.api_keys_file)
-        self.admission = Admission(config.max_pending_tokens())
+        self.admission = Admission(config.max_pending_tokens(), config.max_queue_delay_s)
         source = Path(description["source_path"])
         # Same machine: read the worker's converted copy; elsewhere, resolve the source again.
         self.tokenizer = load_tokenizer(str(source) if source.is_dir() else config.model)

@@ -9,6 +9,14 @@ and before it is tokenized: the decision is taken on the work its body asks for
 tokenized, a request counts its exact work; the bound may then be passed by the text prompts
 of the requests admitted in that same instant, never by more.
 
+A second, optional bound is on time (``max_queue_delay_s``): a token count means nothing to a
+client until it is divided by how fast the cluster gets through it, and on a slow cluster a
+token bound that fits the fast one lets the queue grow to minutes, where clients time out
+instead of being told to retry. So the ingress also measures its drain rate
+(:class:`DrainRate`: tokens of admitted work done per second of busy time) and refuses a
+request while the work ahead of it would take longer than the bound to drain at that rate.
+Until the rate has been observed (a cold start), only the token bound applies.
+
 Why the ingress's own count and not the workers' routing stats: the count is exact and
 current at the instant of the decision, while the workers' ``queued_tokens`` arrive every
 routing-stats period (0.5 s by default), so a burst (the case shedding exists for) would be
@@ -30,6 +38,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -92,18 +103,81 @@ class DrainReport:
     left: int
 
 
+class DrainRate:
+    """How fast admitted work is done, in tokens per second of *busy* time (seconds while any
+    request is in flight), over the last ``window_s`` busy seconds.
+
+    Idle time is left out, so a burst after a quiet spell is judged on the rate the cluster
+    reaches when it has work, not diluted by the quiet. Work counts when it is done: prompt
+    and output tokens as their chunks arrive, and the rest of a request's output limit when it
+    finishes early (that work left the queue too); a cancelled request's remainder is not
+    evidence of speed and does not count.
+
+    Args:
+        window_s: busy seconds the rate is averaged over.
+        min_observed_s: busy seconds of observation before a rate is given.
+        clock: monotonic seconds (injectable for tests).
+    """
+
+    def __init__(self, window_s: float = 30.0, min_observed_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.window_s = window_s
+        self.min_observed_s = min_observed_s
+        self._clock = clock
+        self._busy_before = 0.0
+        self._busy_since: float | None = None
+        self._done: deque[tuple[float, int]] = deque()
+        self._done_in_window = 0
+
+    def busy_seconds(self) -> float:
+        """Busy seconds observed so far."""
+        running = 0.0 if self._busy_since is None else self._clock() - self._busy_since
+        return self._busy_before + running
+
+    def set_busy(self, busy: bool) -> None:
+        """Marks the start (``True``) or end of a busy spell."""
+        if busy and self._busy_since is None:
+            self._busy_since = self._clock()
+        elif not busy and self._busy_since is not None:
+            self._busy_before = self.busy_seconds()
+            self._busy_since = None
+
+    def record(self, tokens: int) -> None:
+        """``tokens`` of admitted work done now."""
+        if tokens > 0:
+            self._done.append((self.busy_seconds(), tokens))
+            self._done_in_window += tokens
+
+    def tokens_per_s(self) -> float | None:
+        """The rate over the window, or ``None`` before ``min_observed_s`` busy seconds or
+        before any work was done."""
+        now = self.busy_seconds()
+        while self._done and self._done[0][0] < now - self.window_s:
+            self._done_in_window -= self._done.popleft()[1]
+        if now < self.min_observed_s or self._done_in_window == 0:
+            return None
+        return self._done_in_window / min(now, self.window_s)
+
+
 class Admission:
-    """Admits requests while their work fits under a token bound; drains on a clean stop.
+    """Admits requests while their work fits under a token bound and, optionally, drains
+    within a time bound at the measured rate; drains on a clean stop.
 
     Args:
         max_pending_tokens: the bound on admitted, unfinished work in tokens, or ``None`` for
             no bound. A request larger than the bound on its own is still admitted when
             nothing else is in flight (it could never run otherwise; the engine refuses what
             exceeds the context).
+        max_queue_delay_s: the bound on the seconds the admitted work would take at the
+            measured :class:`DrainRate`, or ``None`` for none.
+        drain_rate: the rate estimator (a default one when omitted).
     """
 
-    def __init__(self, max_pending_tokens: int | None = None):
+    def __init__(self, max_pending_tokens: int | None = None,
+                 max_queue_delay_s: float | None = None, drain_rate: DrainRate | None = None):
         self.max_pending_tokens = max_pending_tokens
+        self.max_queue_delay_s = max_queue_delay_s
+        self.drain_rate = drain_rate or DrainRate()
         self.pending_tokens = 0
         self.draining = False
         self._streams: set[AdmittedStream] = set()
@@ -127,33 +201,49 @@ class Admission:
         """
         if self.draining:
             raise shutting_down()
-        if self._full(tokens):
-            raise self._overloaded()
+        if self.in_flight > 0:
+            self._check_tokens(tokens)
+            self._check_delay()
         stream = AdmittedStream(self, tokens)
         self._streams.add(stream)
         self.pending_tokens += tokens
         self._idle.clear()
+        self.drain_rate.set_busy(True)
         return stream
 
-    def _full(self, tokens: int) -> bool:
-        return (self.max_pending_tokens is not None and self.in_flight > 0
-                and self.pending_tokens + tokens > self.max_pending_tokens)
+    def _check_tokens(self, tokens: int) -> None:
+        if (self.max_pending_tokens is not None
+                and self.pending_tokens + tokens > self.max_pending_tokens):
+            raise OverloadedError(
+                f"the server is overloaded ({self.pending_tokens} tokens of work in flight, "
+                f"bound {self.max_pending_tokens}); retry later", retry_after_s=RETRY_AFTER_S)
 
-    def _overloaded(self) -> OverloadedError:
-        return OverloadedError(
-            f"the server is overloaded ({self.pending_tokens} tokens of work in flight, "
-            f"bound {self.max_pending_tokens}); retry later", retry_after_s=RETRY_AFTER_S)
+    def _check_delay(self) -> None:
+        rate = self.drain_rate.tokens_per_s()
+        if self.max_queue_delay_s is None or rate is None:
+            return
+        delay_s = self.pending_tokens / rate
+        if delay_s > self.max_queue_delay_s:
+            # Retry once the work over the bound should have drained.
+            wait_s = max(RETRY_AFTER_S, math.ceil(delay_s - self.max_queue_delay_s))
+            raise OverloadedError(
+                f"the server is overloaded (the work in flight takes about {delay_s:.0f} s at "
+                f"{rate:.0f} tokens/s, bound {self.max_queue_delay_s:g} s); retry later",
+                retry_after_s=wait_s)
 
-    def give_back(self, tokens: int) -> None:
-        """Work of an admitted request that is done (or will not be done), in tokens; negative
-        for work found to be larger than requested."""
+    def give_back(self, tokens: int, done: bool = False) -> None:
+        """Work of an admitted request that is ``done``, or will not be done, in tokens;
+        negative for work found to be larger than requested."""
         self.pending_tokens -= tokens
+        if done:
+            self.drain_rate.record(tokens)
 
     def release(self, stream: AdmittedStream) -> None:
         """Forgets a closed stream (its work was given back)."""
         self._streams.discard(stream)
         if not self._streams:
             self._idle.set()
+            self.drain_rate.set_busy(False)
 
     @property
     def cut(self) -> bool:
@@ -201,6 +291,7 @@ class AdmittedStream:
         self._prompt_tokens = 0
         self._waiting: anyio.CancelScope | None = None
         self._closed = False
+        self._finished = False
 
     def start(self, request: GenerationRequest,
               generate: Callable[[GenerationRequest], AsyncIterator[GenerationChunk]]) -> None:
@@ -235,14 +326,15 @@ class AdmittedStream:
             self._waiting = None
         if self._admission.cut:  # the scope was cancelled, or the cut came with the chunk
             raise shutting_down()
-        self._spend(self._prompt_tokens + len(chunk.token_ids))
+        self._spend(self._prompt_tokens + len(chunk.token_ids), done=True)
         self._prompt_tokens = 0
+        self._finished = self._finished or chunk.is_last
         return chunk
 
-    def _spend(self, tokens: int) -> None:
+    def _spend(self, tokens: int, done: bool) -> None:
         tokens = min(tokens, self._remaining)
         self._remaining -= tokens
-        self._admission.give_back(tokens)
+        self._admission.give_back(tokens, done)
 
     def cut(self) -> None:
         """Ends the wait for the next chunk now (a drain's deadline passed)."""
@@ -255,7 +347,7 @@ class AdmittedStream:
         if self._closed:
             return
         self._closed = True
-        self._spend(self._remaining)
+        self._spend(self._remaining, done=self._finished)
         self._admission.release(self)
         if self._chunks is not None:
             await close_stream(self._chunks)

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from openai_fakes import CHAT, COMPLETIONS, HELLO, FakeBackend, assert_error, chunk, sse_events
 
-from router.api.admission import Admission, requested_work, work_tokens
+from router.api.admission import Admission, DrainRate, requested_work, work_tokens
 from router.errors import OverloadedError
 from router.openai_app import build_openai_app
 from router.protocol import ChatCompletionRequest, CompletionRequest
@@ -244,6 +244,94 @@ async def test_work_is_given_back_as_it_is_done_and_the_rest_on_close(backend):
     await stream.aclose()  # idempotent
     assert (admission.pending_tokens, admission.in_flight) == (0, 0)
     assert backend.closed == ["r1"]
+
+
+# -- the time bound: work in flight ÷ the measured drain rate ---------------------------------
+
+
+class Clock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_drain_rate_counts_busy_time_only_over_its_window():
+    clock = Clock()
+    rate = DrainRate(window_s=10, min_observed_s=2, clock=clock)
+    rate.set_busy(True)
+    rate.record(100)
+    clock.now += 1
+    assert rate.tokens_per_s() is None  # 1 busy second < 2 observed
+    clock.now += 1
+    assert rate.tokens_per_s() == pytest.approx(50.0)  # 100 tokens in 2 busy seconds
+    rate.set_busy(False)
+    clock.now += 1000  # a quiet spell does not dilute the rate
+    assert rate.tokens_per_s() == pytest.approx(50.0)
+    rate.set_busy(True)
+    clock.now += 8
+    rate.record(300)
+    assert rate.busy_seconds() == pytest.approx(10.0)
+    assert rate.tokens_per_s() == pytest.approx(40.0)  # 400 tokens over the 10 s window
+    clock.now += 5  # the first 100 tokens (busy second 0) leave the window
+    assert rate.tokens_per_s() == pytest.approx(30.0)  # 300 tokens over the last 10 s
+
+
+def timed_admission(clock: Clock, bound_s: float) -> Admission:
+    """An admission with a time bound whose rate is 10 tokens/s already (20 tokens done in 2
+    busy seconds), and no token bound."""
+    admission = Admission(None, bound_s, DrainRate(window_s=10, min_observed_s=1, clock=clock))
+    warm = admission.admit(20)
+    clock.now += 2
+    warm._spend(20, done=True)
+    admission.release(warm)
+    assert admission.drain_rate.tokens_per_s() == pytest.approx(10.0)
+    return admission
+
+
+def test_the_time_bound_refuses_work_that_would_wait_too_long():
+    clock = Clock()
+    admission = timed_admission(clock, bound_s=5)
+    first = admission.admit(40)  # nothing in flight: always admitted
+    second = admission.admit(50)  # 40 tokens ahead: 4 s at the rate, within 5 s
+    assert admission.pending_tokens == 90
+    with pytest.raises(OverloadedError, match="about 9 s at 10 tokens/s, bound 5 s") as refused:
+        admission.admit(1)
+    assert refused.value.retry_after_s == 4  # until 4 s of the 9 have drained
+    second._spend(40, done=True)
+    first._spend(30, done=True)  # 20 tokens left, at a rate that has risen
+    admission.admit(1)
+
+
+def test_a_finished_request_drains_its_unused_limit_and_a_cancelled_one_does_not():
+    clock = Clock()
+    admission = timed_admission(clock, bound_s=60)
+    finished, cancelled = admission.admit(50), admission.admit(50)
+    finished._finished = True  # its last chunk came after fewer tokens than its limit
+    asyncio.run(finished.aclose())
+    asyncio.run(cancelled.aclose())
+    rate = admission.drain_rate
+    assert sum(tokens for _, tokens in rate._done) == 20 + 50
+
+
+async def test_a_request_past_the_time_bound_gets_a_503_through_the_app(backend):
+    gate = asyncio.Event()
+    backend.script = gated(gate)
+    clock = Clock()
+    admission = timed_admission(clock, bound_s=1)
+    async with app_client(backend, admission) as client:
+        held = asyncio.create_task(client.post(COMPLETIONS, json={"prompt": PROMPT,
+                                                                   "max_tokens": MAX_TOKENS}))
+        await until(lambda: admission.in_flight == 1)  # 16 tokens ahead: 1.6 s > 1 s
+        refused = await client.post(COMPLETIONS, json={"prompt": PROMPT, "max_tokens": 1})
+        assert_error(refused, 503, None, "overloaded", "server_error")
+        assert refused.headers["retry-after"] == "1"
+        gate.set()
+        assert (await held).status_code == 200
+    assert len(backend.requests) == 1
 
 
 # -- drain -------------------------------------------------------------------------------------
