@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from router.routing.request_input import RoutingInput
+from router.routing.sent_prefixes import leading_run
 
 
 @dataclass
@@ -51,6 +53,10 @@ class SentLedger:
     worker must report as ``queued_tokens`` (summed over its queued and running requests, minus
     what it already prefilled or generated).
 
+    The ledger also knows the prompt blocks of the requests in flight on each worker
+    (:meth:`leading_blocks_in_flight`): a running request's blocks are pinned in its worker's
+    pool, and those of one still queued or prefilling will be, before the index hears of them.
+
     Args:
         max_age_s: seconds after which an entry is dropped regardless (positive).
     """
@@ -59,6 +65,7 @@ class SentLedger:
         self.max_age_s = max_age_s
         self._by_key: dict[str, SentEntry] = {}
         self._by_worker: dict[str, dict[str, SentEntry]] = {}
+        self._digests_in_flight: dict[str, Counter[bytes]] = {}
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -72,6 +79,9 @@ class SentLedger:
         self.remove(key)
         self._by_key[key] = entry
         self._by_worker.setdefault(entry.worker_id, {})[key] = entry
+        if entry.plan is not None:
+            self._digests_in_flight.setdefault(entry.worker_id, Counter()).update(
+                entry.plan.digests)
 
     def move(self, key: str, worker_id: str, tokens: int) -> None:
         """Moves the entry for ``key`` (if any) to ``worker_id``, now counting ``tokens``."""
@@ -93,6 +103,18 @@ class SentLedger:
         on_worker.pop(key, None)
         if not on_worker:
             self._by_worker.pop(entry.worker_id, None)
+        if entry.plan is not None:
+            in_flight = self._digests_in_flight[entry.worker_id]
+            in_flight.subtract(entry.plan.digests)
+            for digest in entry.plan.digests:
+                if in_flight[digest] <= 0:
+                    del in_flight[digest]
+            if not in_flight:
+                del self._digests_in_flight[entry.worker_id]
+
+    def leading_blocks_in_flight(self, worker_id: str, digests: Sequence[bytes]) -> int:
+        """How many leading ``digests`` some request in flight on ``worker_id`` shares."""
+        return leading_run(digests, self._digests_in_flight.get(worker_id, ()))
 
     def outstanding(self, worker_id: str, snapshot_at: float | None,
                     listed: Mapping[str, int] | None = None) -> int:

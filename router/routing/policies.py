@@ -13,6 +13,15 @@ this router itself has sent since that report. Weighing a cache hit against load
 the cache-aware routing of SGLang's router and the vLLM production-stack router, with load and
 hit length expressed as the tokens they cost, so affinity never outweighs a large load gap.
 
+A prompt no replica holds any of (a new tenant's system prompt, a new conversation) decides
+where that prefix will live from then on, since later requests follow their cached prefix. So
+among the replicas within one prefill's work of the least loaded, it goes to the one asked to
+keep the fewest *other* prefixes (distinct leading blocks this router recently sent there).
+Placing prefixes by load alone at such a moment can put five hot prefixes on one worker and
+three on the other; the first then evicts, and misses, in turn (SGLang's cache-aware router
+likewise sends a low-match request to the worker with the smallest tree). Counting prefixes,
+not blocks, also spreads one-off prompts evenly by number (case R5).
+
 Equal scores are broken by "least recently chosen" so that equal candidates spread (a plain
 ``min`` would pile everything on the first replica; a uniform random pick is too uneven). When
 the index does not answer, the router credits each replica from its own record of the prefixes
@@ -49,11 +58,14 @@ class ReplicaView:
             index did not answer, per the router's own record of what it sent there), or
             ``None`` when neither knows anything of the prompt.
         load_tokens: tokens of work queued or running there (reported plus sent since).
+        other_prefixes: distinct prompt prefixes other than this one that this router
+            recently sent there (``SentPrefixes.other_prefixes``).
     """
 
     worker_id: str
     cached_blocks: int | None
     load_tokens: int
+    other_prefixes: int = 0
 
 
 class RoutingPolicy(ABC):
@@ -109,7 +121,7 @@ class RoutingPolicy(ABC):
         """Worker ids, best first, of a non-empty ``views``."""
 
     def _sorted(self, views: Sequence[ReplicaView],
-                cost: Callable[[ReplicaView], int]) -> list[str]:
+                cost: Callable[[ReplicaView], int | tuple[int, ...]]) -> list[str]:
         # Ties go to the least recently chosen worker; among never-chosen workers the order is
         # random, so "first in the candidate list" never wins by position.
         keyed = [
@@ -160,7 +172,19 @@ class PrefixPolicy(RoutingPolicy):
     def _rank(self, views: Sequence[ReplicaView], prompt_len: int) -> list[str]:
         if any(view.cached_blocks is None for view in views):
             return self._two_choices(views)
+        if all(view.cached_blocks == 0 for view in views):
+            return self._place_new_prefix(views, prompt_len)
         return self._sorted(views, lambda view: self.score(view, prompt_len))
+
+    def _place_new_prefix(self, views: Sequence[ReplicaView], prompt_len: int) -> list[str]:
+        """A prompt cached nowhere: the fewest other prefixes among the replicas whose score is
+        within one prefill of this prompt of the best, then the rest by score."""
+        best = min(self.score(view, prompt_len) for view in views)
+        near = [view for view in views if self.score(view, prompt_len) <= best + prompt_len]
+        far = [view for view in views if view not in near]
+        return (self._sorted(near, lambda view: (view.other_prefixes,
+                                                 self.score(view, prompt_len)))
+                + self._sorted(far, lambda view: self.score(view, prompt_len)))
 
 
 class RoundRobinPolicy(RoutingPolicy):

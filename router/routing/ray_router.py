@@ -225,12 +225,26 @@ class PrefixAwareRequestRouter(RequestRouter):
         plan = routing_input(pending_request)
         lookup = await self._look_up(plan, by_id)
         recorded = self._recorded_blocks(plan, lookup, by_id, now)
-        views = [ReplicaView(wid, _credited(lookup, recorded, wid), loads[wid]) for wid in by_id]
+        views = [self._view(wid, plan, lookup, recorded, loads[wid], now) for wid in by_id]
         ranked = self._policy.choose(views, plan.prompt_len if plan else 0)
         key = _request_key(pending_request)
         self._record_sent(key, ranked[0], plan, lookup, now, recorded)
         self._watch(key, pending_request)
         return [by_id[wid] for wid in ranked]
+
+    def _view(self, worker_id: str, plan: RoutingInput | None, lookup: Lookup,
+              recorded: Mapping[str, int] | None, load_tokens: int, now: float) -> ReplicaView:
+        """What the policy sees of one candidate. Its credited blocks are at least those of a
+        request in flight there: they are pinned or being computed, and the index hears of
+        them only once they are."""
+        credited = _credited(lookup, recorded, worker_id)
+        if plan is None:
+            return ReplicaView(worker_id, credited, load_tokens)
+        if credited is not None:
+            credited = max(credited,
+                           self._ledger.leading_blocks_in_flight(worker_id, plan.digests))
+        other = self._sent_prefixes.other_prefixes(worker_id, plan.digests, now)
+        return ReplicaView(worker_id, credited, load_tokens, other)
 
     async def _look_up(self, plan: RoutingInput | None, candidates: Mapping[str, Any]) -> Lookup:
         """The index's answer for this request, as far as the policy wants one.

@@ -16,7 +16,7 @@ evicted those blocks since); a worker that dies or leaves loses its entries at o
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 
 DEFAULT_MAX_ENTRIES = 65_536
 """Default cap on ``(worker, digest)`` pairs: about 8k blocks per worker at 8 workers, the order
@@ -26,6 +26,17 @@ keeps alive and the dict and set entries; measured with tracemalloc)."""
 DEFAULT_MAX_AGE_S = 300.0
 """Default seconds a sent prefix keeps counting. A stale entry costs at most what load-only
 routing costs (one miss), and load still weighs against it, so the bound is generous."""
+
+
+def leading_run(digests: Sequence[bytes], held: Container[bytes]) -> int:
+    """How many leading ``digests`` are in ``held``. Block digests are chained, so a held
+    digest stands for the whole prefix up to its block."""
+    count = 0
+    for digest in digests:
+        if digest not in held:
+            break
+        count += 1
+    return count
 
 
 class SentPrefixes:
@@ -53,6 +64,7 @@ class SentPrefixes:
         # (worker, digest) → when last sent, least recently sent first.
         self._sent_at: OrderedDict[tuple[str, bytes], float] = OrderedDict()
         self._per_worker: dict[str, set[bytes]] = {}
+        self._roots: dict[str, set[bytes]] = {}  # the leading-block digests among them
 
     def __len__(self) -> int:
         return len(self._sent_at)
@@ -69,6 +81,8 @@ class SentPrefixes:
             self._sent_at[key] = now
             self._sent_at.move_to_end(key)
             held.add(digest)
+        if digests:
+            self._roots.setdefault(worker_id, set()).add(digests[0])
         while len(self._sent_at) > self.max_entries:
             self._pop_oldest()
 
@@ -79,10 +93,19 @@ class SentPrefixes:
         self._expire(now)
         return {worker_id: self._leading_run(worker_id, digests) for worker_id in worker_ids}
 
+    def other_prefixes(self, worker_id: str, digests: Sequence[bytes], now: float) -> int:
+        """Distinct prompt prefixes (leading blocks) this router sent to ``worker_id`` within
+        the last ``max_age_s`` seconds, besides the one starting ``digests``: how many other
+        prefixes it asked that worker to keep cached."""
+        self._expire(now)
+        roots = self._roots.get(worker_id, set())
+        return len(roots) - (1 if digests and digests[0] in roots else 0)
+
     def drop_worker(self, worker_id: str) -> None:
         """Forgets everything sent to ``worker_id`` (it died or left the deployment)."""
         for digest in self._per_worker.pop(worker_id, ()):
             del self._sent_at[(worker_id, digest)]
+        self._roots.pop(worker_id, None)
 
     def retain(self, worker_ids: set[str]) -> None:
         """Forgets every worker not in ``worker_ids``."""
@@ -94,15 +117,7 @@ class SentPrefixes:
         return set(self._per_worker)
 
     def _leading_run(self, worker_id: str, digests: Sequence[bytes]) -> int:
-        held = self._per_worker.get(worker_id)
-        if not held:
-            return 0
-        count = 0
-        for digest in digests:
-            if digest not in held:
-                break
-            count += 1
-        return count
+        return leading_run(digests, self._per_worker.get(worker_id, ()))
 
     def _expire(self, now: float) -> None:
         # Oldest first: stop at the first pair young enough to count.
@@ -114,5 +129,9 @@ class SentPrefixes:
         (worker_id, digest), _ = self._sent_at.popitem(last=False)
         held = self._per_worker[worker_id]
         held.discard(digest)
+        roots = self._roots.get(worker_id)
+        if roots is not None:
+            roots.discard(digest)
         if not held:
             del self._per_worker[worker_id]
+            self._roots.pop(worker_id, None)

@@ -293,12 +293,46 @@ async def test_back_to_back_requests_spread_with_stale_zero_stats():
 
 
 async def test_own_accounting_shifts_choice_away_from_hit():
-    # "a" caches 160 of 200 tokens: 40 to prefill, plus 16 decode tokens of work per request.
-    router = make_router(FakeIndex({"a": 10}))
+    # "a" caches 192 of 200 tokens: 8 to prefill, plus 16 decode tokens of work per request.
+    router = make_router(FakeIndex({"a": 12}))
     replicas = [FakeReplica(w, {"queued_tokens": 0, "time": 0.0}) for w in "ab"]
-    chosen = [await route(router, replicas, pending(gen_request(200))) for _ in range(5)]
-    # a's score grows 40, 96, 152, 208 (> b's 200): the fourth goes to b.
-    assert chosen[:4] == ["a", "a", "a", "b"]
+    chosen = [await route(router, replicas, pending(gen_request(200))) for _ in range(9)]
+    # a's score grows 8, 32, ..., 8 + 24 * 8 = 200 (= b's 200, a tie: the least recently
+    # chosen, b, wins): the ninth goes to b.
+    assert chosen == ["a"] * 8 + ["b"]
+
+
+async def test_blocks_of_a_request_in_flight_count_before_the_index_hears_of_them():
+    # The index knows nothing yet; the holder was sent a 200-token prompt, has prefilled it and
+    # is decoding it (its report lists 16 tokens of work left for it).
+    router = make_router(FakeIndex({}))
+    replicas = {w: FakeReplica(w, {"queued_tokens": 0, "time": 0.0}) for w in "ab"}
+    first = gen_request(200, salt="shared")
+    holder = await route(router, list(replicas.values()), pending(first))
+    replicas[holder].routing_stats = {"queued_tokens": 16, "requests": {first.request_id: 16},
+                                      "time": 1.0}
+    second = GenerationRequest(request_id="r-second", token_ids=list(range(200)),
+                               sampling=SamplingParams(max_tokens=16),
+                               routing_digests=first.routing_digests)
+    # holder: 8 to prefill (12 blocks pinned by the first) + 16 = 24; the other: 200.
+    assert await route(router, list(replicas.values()), pending(second)) == holder
+
+
+async def test_new_prefixes_go_where_the_fewest_other_prefixes_live():
+    index = FakeIndex({})
+    router = make_router(index)
+    a = FakeReplica("a", {"queued_tokens": 1000, "time": 0.0})
+    b = FakeReplica("b", {"queued_tokens": 0, "time": 0.0})
+    for tenant in range(3):  # a is busier by more than a prefill: b is sent three prefixes
+        pr = pending(gen_request(200, salt=f"tenant-{tenant}"))
+        assert await route(router, [a, b], pr) == "b"
+        complete(router, pr, "b")
+    # a is busier by less than one prefill of the prompt and holds fewer other prefixes.
+    a.routing_stats = {"queued_tokens": 100, "time": 0.0}
+    assert await route(router, [a, b], pending(gen_request(200, salt="tenant-new"))) == "a"
+    # A prefix b already holds some of is not new: it follows its cached blocks.
+    index.held = {"b": 5}
+    assert await route(router, [a, b], pending(gen_request(200, salt="tenant-0"))) == "b"
 
 
 async def test_stats_snapshot_clears_router_own_entries():
@@ -306,8 +340,8 @@ async def test_stats_snapshot_clears_router_own_entries():
     router = make_router(FakeIndex({"a": 10}), clock)
     a = FakeReplica("a", {"queued_tokens": 0, "time": clock.now - 5})
     b = FakeReplica("b", {"queued_tokens": 0, "time": clock.now - 5})
-    for _ in range(3):
-        await route(router, [a, b], pending(gen_request(200)))
+    for i in range(3):  # other prompts than the next (no blocks of it in flight on a)
+        await route(router, [a, b], pending(gen_request(200, salt=str(i))))
         clock.now += 0.01
     assert await route(router, [a, b], pending(gen_request(200))) == "b"
     # a reports after those sends and has finished them: its own-sent entries are dropped.

@@ -19,7 +19,7 @@ from router.routing.policies import (
     make_policy,
 )
 from router.routing.replica_stats import parse_request_tokens, parse_routing_stats
-from router.routing.request_input import uncached_tokens
+from router.routing.request_input import RoutingInput, uncached_tokens
 
 BLOCK = 16
 
@@ -202,3 +202,22 @@ def test_ledger_remove_only_on_named_worker():
     assert ledger.outstanding("b", None) == 10
     ledger.remove("r", "b")
     assert len(ledger) == 0
+
+
+def test_ledger_knows_the_prompt_blocks_in_flight_on_each_worker():
+    ledger = SentLedger()
+    shared = [bytes([i]) * 32 for i in range(6)]
+    plan = RoutingInput(96, shared, 16, "r1")
+    other = RoutingInput(64, shared[:2] + [b"x" * 32, b"y" * 32], 16, "r2")
+    ledger.record("r1", SentEntry("a", 10, 1.0, plan, {}))
+    ledger.record("r2", SentEntry("a", 10, 1.0, other, {}))
+    assert ledger.leading_blocks_in_flight("a", shared) == 6
+    assert ledger.leading_blocks_in_flight("a", shared[:3] + [b"z" * 32]) == 3
+    assert ledger.leading_blocks_in_flight("b", shared) == 0
+    ledger.remove("r1")  # finished: only r2's first two blocks remain pinned
+    assert ledger.leading_blocks_in_flight("a", shared) == 2
+    ledger.move("r2", "b", 10)  # Ray sent it elsewhere
+    assert ledger.leading_blocks_in_flight("a", shared) == 0
+    assert ledger.leading_blocks_in_flight("b", shared) == 2
+    ledger.drop_worker("b")
+    assert ledger.leading_blocks_in_flight("b", shared) == 0

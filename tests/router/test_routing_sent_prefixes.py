@@ -82,3 +82,21 @@ def test_dead_or_removed_workers_are_forgotten():
 def test_bounds_must_be_positive(kwargs):
     with pytest.raises(ValueError):
         SentPrefixes(**kwargs)
+
+
+def test_other_prefixes_counts_distinct_leading_blocks_besides_the_prompts_own():
+    record = SentPrefixes(max_entries=100, max_age_s=10.0)
+    tenant_a, tenant_b = chain(8, "tenant-a"), chain(8, "tenant-b")
+    record.record("w", tenant_a + chain(2, "turn-1"), now=0.0)
+    record.record("w", tenant_a + chain(2, "turn-2"), now=1.0)  # the same prefix again
+    record.record("w", tenant_b, now=2.0)
+    assert record.other_prefixes("w", tenant_a, now=3.0) == 1  # tenant b's only
+    assert record.other_prefixes("w", chain(4, "new"), now=3.0) == 2
+    assert record.other_prefixes("elsewhere", tenant_a, now=3.0) == 0
+    assert record.other_prefixes("w", [], now=3.0) == 2
+    # Aged out, evicted or forgotten prefixes no longer count.
+    assert record.other_prefixes("w", chain(4, "new"), now=11.5) == 1  # tenant a's aged out
+    record.record("v", chain(100, "big"), now=12.0)  # the cap evicts every pair of w's
+    assert record.other_prefixes("w", chain(4, "new"), now=12.0) == 0
+    record.drop_worker("v")
+    assert record.other_prefixes("v", chain(4, "new"), now=12.0) == 0
