@@ -197,11 +197,11 @@ def test_s4_seeds_reproduce_and_match_plain_sampling(tiny_qwen, make_engine, pla
 
 def test_s8_verification_is_lossless():
     """Fixed target logits (V = 8, temperature 0.5, top-k 3) and a one-hot draft: the first
-    committed token's histogram over 20,000 verifications matches the target's p."""
+    committed token's histogram over 6,000 verifications matches the target's p."""
     logits = torch.tensor([[1.0, 0.2, 0.9, -1.0, 0.5, 0.0, 0.4, -0.3]] * 2)
     params = SamplingParams(temperature=0.5, top_k=3)
     p = filtered_probs(logits[:1].clone(), [params])[0]
-    draws = 20_000
+    draws = 6_000
     for draft in (0, 4, 3):  # the likeliest, a kept one, one top-k filters out
         counts = torch.zeros(8)
         generator = torch.Generator().manual_seed(draft)
@@ -212,7 +212,7 @@ def test_s8_verification_is_lossless():
         assert counts[~support].sum() == 0
         result = chisquare(counts[support].numpy(), (p[support] * draws).numpy())
         assert result.pvalue > 1e-3, (draft, counts, p)
-        assert torch.allclose(counts / draws, p, atol=0.015)
+        assert torch.allclose(counts / draws, p, atol=0.02)  # 3 sigma at p = 0.5
 
 
 def test_s9_rejected_state_is_gone(tiny_qwen, make_engine, plain):
