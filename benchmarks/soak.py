@@ -6,11 +6,12 @@ client with a mixed workload: random sampling settings (temperature, top_p, top_
 stop strings), short prompts and prompts near ``max_model_len``, and clients that disconnect
 mid-stream (``--cancel-fraction``).
 
-1. Capacity: a ramp of request rates (``--ramp-step-s`` of arrivals each, without
-   cancellations); a rate is sustained when nothing fails and no queue builds up: the median
-   TTFT of the phase's last third is at most 2x its first third's, and the requests still in
-   flight when arrivals stop finish within 2x the median E2E latency (a backlog would take
-   longer). Capacity is the highest sustained rate.
+1. Capacity: a ramp of request rates (``--ramp-step-s`` of arrivals each, or longer, until
+   ``--ramp-min-requests`` arrivals are expected; without cancellations); a rate is
+   sustained when nothing fails and no queue builds up: the median TTFT of the phase's last
+   third is at most 2x its first third's, and the requests still in flight when arrivals stop
+   finish within 2x the median E2E latency (a backlog would take longer). Capacity is the
+   highest sustained rate.
 2. Soak: Poisson arrivals at ``--load-factor`` (2) x capacity for ``--duration`` seconds
    (default 1,800), at most ``--max-in-flight`` requests at once; the RSS of every worker and
    ingress replica process is sampled every ``--sample-period`` seconds.
@@ -193,7 +194,10 @@ async def measure_capacity(client: SamplingClient, args: argparse.Namespace) -> 
     ramp, capacity, rate = [], None, args.ramp_start
     for step in range(args.ramp_steps):
         workload = MixedWorkload(args.max_model_len, args.long_fraction, 0.0, args.seed + step)
-        phase = await drive(client, workload, rate, args.ramp_step_s, args.max_in_flight,
+        # Long enough for --ramp-min-requests arrivals: a third of a handful of mixed-length
+        # requests is too few for a TTFT median (short and long prompts alternate).
+        step_s = max(args.ramp_step_s, args.ramp_min_requests / rate)
+        phase = await drive(client, workload, rate, step_s, args.max_in_flight,
                             args.seed + step)
         ok, figures = sustained(phase, rate)
         ramp.append(figures | {"sustained": ok})
@@ -308,7 +312,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ramp-start", type=float, default=0.25, help="first ramp rate, req/s")
     parser.add_argument("--ramp-factor", type=float, default=1.5)
     parser.add_argument("--ramp-steps", type=int, default=8)
-    parser.add_argument("--ramp-step-s", type=float, default=30.0)
+    parser.add_argument("--ramp-step-s", type=float, default=30.0,
+                        help="shortest ramp step, s")
+    parser.add_argument("--ramp-min-requests", type=int, default=30,
+                        help="a ramp step lasts until this many arrivals are expected")
     parser.add_argument("--max-queue-delay", type=float, default=60.0,
                         help="the server's --max-queue-delay, s: overload is refused past it "
                              "(well under --request-timeout, so it is an answer, not a timeout)")
@@ -320,11 +327,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the most RSS growth allowed over the second half, MiB/min")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true",
-                        help="a short ramp (10 s steps, 4 at most); --duration still applies")
+                        help="a short ramp (10 s steps, 4 at most, 3 requests suffice); --duration "
+                             "still applies")
     parser.add_argument("--out", default=str(common.RESULTS_DIR / "soak.json"))
     args = parser.parse_args(argv)
     if args.quick:
-        args.ramp_step_s, args.ramp_steps = 10.0, 4
+        args.ramp_step_s, args.ramp_steps, args.ramp_min_requests = 10.0, 4, 3
     return args
 
 
