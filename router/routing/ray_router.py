@@ -243,7 +243,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         if credited is not None:
             credited = max(credited,
                            self._ledger.leading_blocks_in_flight(worker_id, plan.digests))
-        other = self._sent_prefixes.other_prefixes(worker_id, plan.digests, now)
+        # A prompt under one block leaves nothing cached: where it goes is a matter of load.
+        other = (self._sent_prefixes.other_prefixes(worker_id, plan.digests, now)
+                 if plan.digests else 0)
         return ReplicaView(worker_id, credited, load_tokens, other)
 
     async def _look_up(self, plan: RoutingInput | None, candidates: Mapping[str, Any]) -> Lookup:
