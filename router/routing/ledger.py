@@ -105,9 +105,9 @@ class SentLedger:
             self._by_worker.pop(entry.worker_id, None)
         if entry.plan is not None:
             in_flight = self._digests_in_flight[entry.worker_id]
-            in_flight.subtract(entry.plan.digests)
             for digest in entry.plan.digests:
-                if in_flight[digest] <= 0:
+                in_flight[digest] -= 1
+                if not in_flight[digest]:
                     del in_flight[digest]
             if not in_flight:
                 del self._digests_in_flight[entry.worker_id]

@@ -179,12 +179,12 @@ class PrefixPolicy(RoutingPolicy):
     def _place_new_prefix(self, views: Sequence[ReplicaView], prompt_len: int) -> list[str]:
         """A prompt cached nowhere: the fewest other prefixes among the replicas whose score is
         within one prefill of this prompt of the best, then the rest by score."""
-        best = min(self.score(view, prompt_len) for view in views)
-        near = [view for view in views if self.score(view, prompt_len) <= best + prompt_len]
-        far = [view for view in views if view not in near]
-        return (self._sorted(near, lambda view: (view.other_prefixes,
-                                                 self.score(view, prompt_len)))
-                + self._sorted(far, lambda view: self.score(view, prompt_len)))
+        scores = {view.worker_id: self.score(view, prompt_len) for view in views}
+        bound = min(scores.values()) + prompt_len
+        near = [view for view in views if scores[view.worker_id] <= bound]
+        far = [view for view in views if scores[view.worker_id] > bound]
+        return (self._sorted(near, lambda view: (view.other_prefixes, scores[view.worker_id]))
+                + self._sorted(far, lambda view: scores[view.worker_id]))
 
 
 class RoundRobinPolicy(RoutingPolicy):

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pydantic
 import pytest
 
-from cluster.cli import _api_base, main
+from cluster.cli import _api_base, build_parser, main, serve_config
 
 
 @pytest.mark.parametrize("url", ["http://h:1", "http://h:1/", "http://h:1/v1", "http://h:1/v1/"])
@@ -26,3 +27,13 @@ def test_serve_refuses_a_taken_port(capsys):
         port = taken.getsockname()[1]
         assert main(["serve", "--port", str(port)]) == 1
     assert f"127.0.0.1:{port} is already in use" in capsys.readouterr().err
+
+
+def test_max_queue_delay_reaches_the_config_and_a_bad_one_is_refused():
+    def config(*argv: str):
+        return serve_config(build_parser().parse_args(["serve", *argv]))
+
+    assert config().max_queue_delay_s is None  # off by default: only the token bound
+    assert config("--max-queue-delay", "60").max_queue_delay_s == 60.0
+    with pytest.raises(pydantic.ValidationError, match="max_queue_delay_s"):
+        config("--max-queue-delay", "0")

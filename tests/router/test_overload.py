@@ -286,7 +286,7 @@ def timed_admission(clock: Clock, bound_s: float) -> Admission:
     admission = Admission(None, bound_s, DrainRate(window_s=10, min_observed_s=1, clock=clock))
     warm = admission.admit(20)
     clock.now += 2
-    warm._spend(20, done=True)
+    admission.give_back(20, done=True)
     admission.release(warm)
     assert admission.drain_rate.tokens_per_s() == pytest.approx(10.0)
     return admission
@@ -295,26 +295,31 @@ def timed_admission(clock: Clock, bound_s: float) -> Admission:
 def test_the_time_bound_refuses_work_that_would_wait_too_long():
     clock = Clock()
     admission = timed_admission(clock, bound_s=5)
-    first = admission.admit(40)  # nothing in flight: always admitted
-    second = admission.admit(50)  # 40 tokens ahead: 4 s at the rate, within 5 s
+    admission.admit(40)  # nothing in flight: always admitted
+    admission.admit(50)  # 40 tokens ahead: 4 s at the rate, within 5 s
     assert admission.pending_tokens == 90
     with pytest.raises(OverloadedError, match="about 9 s at 10 tokens/s, bound 5 s") as refused:
         admission.admit(1)
     assert refused.value.retry_after_s == 4  # until 4 s of the 9 have drained
-    second._spend(40, done=True)
-    first._spend(30, done=True)  # 20 tokens left, at a rate that has risen
+    admission.give_back(70, done=True)  # 20 tokens left, at a rate that has risen
     admission.admit(1)
 
 
-def test_a_finished_request_drains_its_unused_limit_and_a_cancelled_one_does_not():
+async def test_a_finished_request_drains_its_unused_limit_and_a_cancelled_one_does_not(backend):
     clock = Clock()
     admission = timed_admission(clock, bound_s=60)
-    finished, cancelled = admission.admit(50), admission.admit(50)
-    finished._finished = True  # its last chunk came after fewer tokens than its limit
-    asyncio.run(finished.aclose())
-    asyncio.run(cancelled.aclose())
-    rate = admission.drain_rate
-    assert sum(tokens for _, tokens in rate._done) == 20 + 50
+    # Asked for 5 prompt + 10 output tokens; finished after 1: all 15 left the queue.
+    backend.script = lambda r: [chunk(r), chunk(r, "a", "stop", completion=1)]
+    finished = admission.admit(15)
+    finished.start(request_of(5, 10), backend.generate)
+    assert (await anext(finished)).finish_reason is None
+    assert (await anext(finished)).is_last
+    await finished.aclose()
+    assert admission.drain_rate.tokens_per_s() == pytest.approx((20 + 15) / 2)
+    cancelled = admission.admit(50)  # closed before its first chunk: no evidence of speed
+    await cancelled.aclose()
+    assert admission.drain_rate.tokens_per_s() == pytest.approx((20 + 15) / 2)
+    assert admission.pending_tokens == 0
 
 
 async def test_a_request_past_the_time_bound_gets_a_503_through_the_app(backend):
