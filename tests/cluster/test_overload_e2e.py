@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 import uuid
@@ -47,16 +48,18 @@ KINDS = {
     4: (lambda: RuntimeError("engine exploded: internal detail"),
         500, "server_error", "internal_error", None),
 }
-SLOW = 9  # first token id of a request the scripted worker answers after a second
+GATED = 9  # first token id of a request the scripted worker holds until its gate file exists
 
 
 class ScriptedWorker:
     """Stands in for ``NalarWorker``: describes itself as the session's workers do, and plays
-    a script chosen by the prompt: first token id = error kind (or ``SLOW``), second token id
-    = chunks sent before raising (0, or 2: the token-less first chunk and one token)."""
+    a script chosen by the prompt: first token id = error kind (or ``GATED``), second token id
+    = chunks sent before raising (0, or 2: the token-less first chunk and one token).
+    A ``GATED`` request waits for ``gate`` to exist, so a test decides when its slot frees."""
 
-    def __init__(self, description: dict):
+    def __init__(self, description: dict, gate: str):
         self.description = description
+        self.gate = gate
 
     def describe(self) -> dict:
         return self.description
@@ -65,8 +68,10 @@ class ScriptedWorker:
         kind, sent_first = request.token_ids[0], request.token_ids[1]
         first = GenerationChunk(request.request_id, [], "", None, len(request.token_ids), 0, 0,
                                 "scripted")
-        if kind == SLOW:
-            await asyncio.sleep(1.0)
+        if kind == GATED:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(self.gate) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
         if kind in KINDS and not sent_first:
             raise KINDS[kind][0]()
         yield first
@@ -79,10 +84,10 @@ class ScriptedWorker:
 
 
 @pytest.fixture(scope="module")
-def scripted(cluster):
+def scripted(cluster, tmp_path_factory):
     """The real ingress over one scripted worker that takes one call at a time and queues
     one more (so a third concurrent call is refused by Serve), served under
-    ``SCRIPTED_ROUTE`` on the session's HTTP proxy."""
+    ``SCRIPTED_ROUTE`` on the session's HTTP proxy; yields its URL and its gate file."""
     description = serve.get_deployment_handle(WORKER_DEPLOYMENT, APP_NAME).describe.remote()
     worker = serve.deployment(ScriptedWorker).options(
         name="ScriptedWorker", num_replicas=1, ray_actor_options={"num_cpus": 0},
@@ -93,9 +98,10 @@ def scripted(cluster):
     config = ClusterConfig(redis_url=cluster.config.redis_url,
                            key_prefix=f"nalar-test-{uuid.uuid4().hex[:8]}", num_workers=1,
                            worker_gpus=0)
-    serve.run(ingress.bind(worker.bind(description.result()), config), name=SCRIPTED_APP,
-              route_prefix=SCRIPTED_ROUTE)
-    yield f"{cluster.base_url}{SCRIPTED_ROUTE}"
+    gate = tmp_path_factory.mktemp("scripted") / "gate"
+    serve.run(ingress.bind(worker.bind(description.result(), str(gate)), config),
+              name=SCRIPTED_APP, route_prefix=SCRIPTED_ROUTE)
+    yield f"{cluster.base_url}{SCRIPTED_ROUTE}", gate
     serve.delete(SCRIPTED_APP)
 
 
@@ -111,7 +117,7 @@ def sse_events(text: str) -> list:
 async def test_each_error_kind_crosses_ray_with_its_answer(scripted, kind, sent_first, stream):
     _, status, error_type, code, param = KINDS[kind]
     body = {"prompt": [kind, sent_first, 7, 7], "max_tokens": 4, "stream": stream}
-    async with httpx.AsyncClient(base_url=scripted, timeout=60) as client:
+    async with httpx.AsyncClient(base_url=scripted[0], timeout=60) as client:
         response = await client.post("/v1/completions", json=body)
     if stream and sent_first:
         assert response.status_code == 200
@@ -132,13 +138,20 @@ async def test_each_error_kind_crosses_ray_with_its_answer(scripted, kind, sent_
 
 
 async def test_serve_backpressure_is_a_503_never_a_500(scripted):
-    body = {"prompt": [SLOW, 0, 7, 7], "max_tokens": 4}
-    async with httpx.AsyncClient(base_url=scripted, timeout=60) as client:
-        responses = await asyncio.gather(*(client.post("/v1/completions", json=body)
-                                           for _ in range(8)))
+    url, gate = scripted
+    body = {"prompt": [GATED, 0, 7, 7], "max_tokens": 4}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        calls = [asyncio.ensure_future(client.post("/v1/completions", json=body))
+                 for _ in range(8)]
+        # While the gate is shut no slot frees, however the 8 calls spread in time: one runs,
+        # one waits, and Serve refuses the other 6. Then the gate lets the 2 finish.
+        deadline = time.monotonic() + 60
+        while sum(call.done() for call in calls) < 6 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        gate.touch()
+        responses = await asyncio.gather(*calls)
     statuses = [response.status_code for response in responses]
-    # One call runs and one waits: at least 6 of 8 are refused, by Serve, as 503s.
-    assert set(statuses) == {200, 503} and statuses.count(503) >= 6, statuses
+    assert sorted(statuses) == [200] * 2 + [503] * 6, statuses
     for response in responses:
         if response.status_code == 503:
             error = response.json()["error"]
