@@ -22,6 +22,7 @@ from workers.kv_events import KVEvent
 from workers.model_loader import LoadedModel, load_model, numerics_tag
 from workers.model_runner import ModelRunner
 from workers.model_support import check_supported
+from workers.models.linear import bound_primitive_caches
 from workers.paged_attention import ATTN_IMPLEMENTATION
 from workers.request import (
     GenerationChunk,
@@ -90,6 +91,7 @@ class LLMEngine:
                  proposer: Proposer | None = None):
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        bound_primitive_caches()
         self.config = config
         self.loaded = loaded or load_model(config.model, config.dtype, config.device)
         self.tokenizer = self.loaded.tokenizer

@@ -22,6 +22,7 @@ from benchmarks import (  # noqa: E402
     common,
     interference,
     kernel_choices,
+    memory_growth,
     prefill,
     spec_paper_check,
     speculative,
@@ -176,6 +177,23 @@ def test_step_profile_quick(tmp_path):
     assert result["weights_bytes"] == sum(p.numel() * p.element_size()
                                           for p in tiny.parameters())
     assert 0 < result["prefill"]["fraction_of_matmul_limit"] < 1
+
+
+def test_memory_growth_quick(tmp_path):
+    result = run_main(memory_growth, tmp_path)
+    assert result["requests"] >= 4 and result["steps"] > 0
+    samples = result["samples"]
+    assert samples[0]["t_s"] == 0 and len(samples) >= 3
+    assert [s["t_s"] for s in samples] == sorted(s["t_s"] for s in samples)
+    assert (result["rss_first_mib"], result["rss_last_mib"]) == (
+        samples[0]["rss_mib"], samples[-1]["rss_mib"])
+    assert result["slope_second_half_mib_per_min"] is not None
+
+
+def test_second_half_slope_is_least_squares_in_mib_per_minute():
+    samples = [{"t_s": t, "rss_mib": 100 + (0 if t < 50 else 0.5 * t)} for t in range(0, 101, 10)]
+    assert memory_growth.second_half_slope(samples) == pytest.approx(30.0)
+    assert memory_growth.second_half_slope(samples[:1]) is None
 
 
 def test_prefill_flops_of_the_tiny_llama():

@@ -180,3 +180,22 @@ def test_soak_capacity_needs_no_failure_and_no_queue_building_up():
     assert not soak.sustained(phase([0.2] * 6 + [0.5] * 3), 1.0)[0]  # TTFT growing
     assert not soak.sustained(phase([0.2] * 9, failed=1), 1.0)[0]
     assert not soak.sustained(phase([]), 1.0)[0]
+
+
+async def test_soak_ramp_reruns_a_failed_rate_once_before_it_stops(monkeypatch):
+    verdicts = iter([True, False, True, False, False, True])  # 1st, 2nd (then rerun), 3rd ...
+    rates = []
+
+    async def drive(client, workload, rate, *rest):
+        rates.append(rate)
+        return rate
+
+    monkeypatch.setattr(soak, "drive", drive)
+    monkeypatch.setattr(soak, "sustained", lambda phase, rate: (next(verdicts), {"rate": rate}))
+    args = soak.parse_args(["--ramp-start", "1", "--ramp-factor", "2", "--ramp-steps", "6"])
+    capacity, ramp = await soak.measure_capacity(None, args)
+    # 1 holds; 2 fails, and holds when rerun; 4 fails twice: the ramp stops at 2.
+    assert rates == [1, 2, 2, 4, 4] and capacity == 2
+    assert [(r["rate"], r["sustained"], r["rerun"]) for r in ramp] == [
+        (1, True, False), (2, False, False), (2, True, True), (4, False, False),
+        (4, False, True)]

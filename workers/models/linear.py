@@ -13,15 +13,38 @@ with prepacked weights, 98 ms. Rounding differs from MKL's (≈1e-6 relative), s
 part of the cache identity's numerics (:func:`linear_kernel`).
 
 From :data:`PREPACKED_MAX_ROWS` rows on, prefills keep the plain kernel.
+
+oneDNN, and ideep above it, cache a primitive per operation shape (1,024 each by default, at
+up to about half a MiB apiece). Prompt and context lengths bring new shapes for as long as a
+worker runs: under mixed prompt lengths its RSS grew by about 100 MiB a minute, and under
+fixed lengths it stayed flat. With both caches bounded to :data:`PRIMITIVE_CACHE_CAPACITY` it
+stayed flat at the same steps per second (``benchmarks/memory_growth.py``).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 
 PREPACKED_MAX_ROWS = 256
 """Matmuls with fewer rows than this use the prepacked weight (measured crossover)."""
+
+PRIMITIVE_CACHE_CAPACITY = 64
+"""Primitives kept per cache: a decode step uses under a dozen matmul shapes."""
+
+PRIMITIVE_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+"""oneDNN's primitive cache, and ideep's (torch's oneDNN wrapper), sized from these variables
+when the first primitive is made."""
+
+
+def bound_primitive_caches() -> None:
+    """Size oneDNN's and ideep's per-shape caches to :data:`PRIMITIVE_CACHE_CAPACITY` unless
+    the environment already sets them. Effective only before this process's first oneDNN
+    primitive (the caches read the variables then), so the engine calls it first thing."""
+    for name in PRIMITIVE_CACHES:
+        os.environ.setdefault(name, str(PRIMITIVE_CACHE_CAPACITY))
 
 
 def _prepacking_pays(dtype: torch.dtype, device: torch.device) -> bool:
