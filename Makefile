@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/step_profile.py $(BENCH_ARGS)
 	$(BIN)/python benchmarks/kernel_choices.py $(BENCH_ARGS)
 	$(BIN)/python benchmarks/sampler_speed.py
+	$(BIN)/python benchmarks/memory_growth.py $(BENCH_ARGS)
 
 bench-http: $(STAMP)
 	$(BIN)/python benchmarks/throughput.py --rows http --out benchmarks/results/throughput_http.json $(BENCH_ARGS)

@@ -108,8 +108,8 @@ class DrainRate:
     request is in flight), over the last ``window_s`` busy seconds.
 
     Idle time is left out, so a burst after a quiet spell is judged on the rate the cluster
-    reaches when it has work, not diluted by the quiet. Work counts when it is done: prompt
-    and output tokens as their chunks arrive, and the rest of a request's output limit when it
+    reaches when it has work, not diluted by the quiet. Work counts when it is done: the
+    prompt with the first output token, output tokens as their chunks arrive, and the rest of a request's output limit when it
     finishes early (that work left the queue too); a cancelled request's remainder is not
     evidence of speed and does not count.
 
@@ -279,7 +279,7 @@ class AdmittedStream:
     """The backend's chunk stream of one admitted request, once :meth:`start` ed.
 
     Counts the work the request asked for until it is started, then its exact work, given back
-    as it is done (the prompt with the first chunk, then each output token) and the rest when
+    as it is done (the prompt with the first token, then each output token) and the rest when
     closed. Once a drain's deadline passes, it ends with a ``shutting_down`` error instead of
     the next chunk. Errors of the backend pass through unchanged.
     """
@@ -326,8 +326,11 @@ class AdmittedStream:
             self._waiting = None
         if self._admission.cut:  # the scope was cancelled, or the cut came with the chunk
             raise shutting_down()
-        self._spend(self._prompt_tokens + len(chunk.token_ids), done=True)
-        self._prompt_tokens = 0
+        # The worker's first chunk only says it accepted the request: the prompt is done
+        # with the first token (or the end), which may come long after, from its queue.
+        if chunk.token_ids or chunk.is_last:
+            self._spend(self._prompt_tokens + len(chunk.token_ids), done=True)
+            self._prompt_tokens = 0
         self._finished = self._finished or chunk.is_last
         return chunk
 

@@ -12,6 +12,7 @@ its fault must (and must only) cost.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 
 import pytest
@@ -180,6 +181,9 @@ def test_soak_capacity_needs_no_failure_and_no_queue_building_up():
     assert not soak.sustained(phase([0.2] * 6 + [0.5] * 3), 1.0)[0]  # TTFT growing
     assert not soak.sustained(phase([0.2] * 9, failed=1), 1.0)[0]
     assert not soak.sustained(phase([]), 1.0)[0]
+    # A queue already standing in the first third: flat, but 3x the lowest rate's TTFT.
+    assert soak.sustained(phase([0.6] * 9), 1.0, unloaded_ttft_s=0.3)[0]
+    assert not soak.sustained(phase([0.9] * 9), 1.0, unloaded_ttft_s=0.3)[0]
 
 
 async def test_soak_ramp_reruns_a_failed_rate_once_before_it_stops(monkeypatch):
@@ -191,11 +195,18 @@ async def test_soak_ramp_reruns_a_failed_rate_once_before_it_stops(monkeypatch):
         return rate
 
     monkeypatch.setattr(soak, "drive", drive)
-    monkeypatch.setattr(soak, "sustained", lambda phase, rate: (next(verdicts), {"rate": rate}))
+    unloaded = []
+
+    def sustained(phase, rate, unloaded_ttft_s):
+        unloaded.append(unloaded_ttft_s)
+        return next(verdicts), {"rate": rate, "ttft_median_first_third_s": 0.5 + rate}
+
+    monkeypatch.setattr(soak, "sustained", sustained)
     args = soak.parse_args(["--ramp-start", "1", "--ramp-factor", "2", "--ramp-steps", "6"])
     capacity, ramp = await soak.measure_capacity(None, args)
     # 1 holds; 2 fails, and holds when rerun; 4 fails twice: the ramp stops at 2.
     assert rates == [1, 2, 2, 4, 4] and capacity == 2
+    assert unloaded == [math.inf] + [1.5] * 4  # the first rate's TTFT bounds the later ones
     assert [(r["rate"], r["sustained"], r["rerun"]) for r in ramp] == [
         (1, True, False), (2, False, False), (2, True, True), (4, False, False),
         (4, False, True)]

@@ -235,9 +235,10 @@ async def test_work_is_given_back_as_it_is_done_and_the_rest_on_close(backend):
     assert (admission.pending_tokens, admission.in_flight) == (12, 1)
     stream.start(request, backend.generate)
     assert (admission.pending_tokens, admission.in_flight) == (15, 1)
-    await anext(stream)  # the first chunk: the prompt is prefilled
-    assert admission.pending_tokens == 10
-    await anext(stream)
+    await anext(stream)  # the token-less first chunk: accepted, maybe only queued there
+    assert admission.pending_tokens == 15
+    await anext(stream)  # the first token: the prompt is prefilled
+    assert admission.pending_tokens == 9
     await anext(stream)
     assert admission.pending_tokens == 8
     await stream.aclose()
@@ -318,6 +319,14 @@ async def test_a_finished_request_drains_its_unused_limit_and_a_cancelled_one_do
     assert admission.drain_rate.tokens_per_s() == pytest.approx((20 + 15) / 2)
     cancelled = admission.admit(50)  # closed before its first chunk: no evidence of speed
     await cancelled.aclose()
+    assert admission.drain_rate.tokens_per_s() == pytest.approx((20 + 15) / 2)
+    # Accepted by a worker (its token-less first chunk) and cancelled while queued there: its
+    # 40 prompt tokens were never prefilled, so they are not evidence of speed either.
+    queued = admission.admit(50)
+    queued.start(request_of(40, 10), backend.generate)
+    assert (await anext(queued)).token_ids == []
+    assert admission.pending_tokens == 50
+    await queued.aclose()
     assert admission.drain_rate.tokens_per_s() == pytest.approx((20 + 15) / 2)
     assert admission.pending_tokens == 0
 
