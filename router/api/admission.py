@@ -109,9 +109,9 @@ class DrainRate:
 
     Idle time is left out, so a burst after a quiet spell is judged on the rate the cluster
     reaches when it has work, not diluted by the quiet. Work counts when it is done: the
-    prompt with the first output token, output tokens as their chunks arrive, and the rest of a request's output limit when it
-    finishes early (that work left the queue too); a cancelled request's remainder is not
-    evidence of speed and does not count.
+    prompt with the first output token, output tokens as their chunks arrive, and the rest of
+    a request's output limit when it finishes early (that work left the queue too); a
+    cancelled request's remainder is not evidence of speed and does not count.
 
     Args:
         window_s: busy seconds the rate is averaged over.
