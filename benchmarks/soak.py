@@ -176,9 +176,9 @@ async def drive(client: SamplingClient, workload: MixedWorkload, rate: float,
 def sustained(phase: Phase, rate: float,
               unloaded_ttft_s: float = math.inf) -> tuple[bool, dict[str, Any]]:
     """Whether ``phase`` kept up with ``rate`` (see the module docstring), and its figures.
-    ``unloaded_ttft_s``: the ramp's first (lowest) rate's median TTFT, seconds; the last
-    third's may not exceed twice it either, since past capacity a queue can already stand in
-    the phase's first third."""
+    ``unloaded_ttft_s``: the median TTFT of the first third of the ramp's first (lowest)
+    rate, seconds; the last third's may not exceed twice it either, since past capacity a
+    queue can already stand in the phase's first third."""
     done = [r for r in phase.records if r.ok]
     timed = sorted((r for r in done if r.ttft_s is not None), key=lambda r: r.start_s)
     third = max(1, len(timed) // 3)

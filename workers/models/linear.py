@@ -16,7 +16,7 @@ From :data:`PREPACKED_MAX_ROWS` rows on, prefills keep the plain kernel.
 
 oneDNN, and ideep above it, cache a primitive per operation shape (1,024 each by default, at
 up to about half a MiB apiece). Prompt and context lengths bring new shapes for as long as a
-worker runs: under mixed prompt lengths its RSS grew by about 100 MiB a minute, and under
+worker runs: under mixed prompt lengths its RSS grew by about 90 MiB a minute, and under
 fixed lengths it stayed flat. With both caches bounded to :data:`PRIMITIVE_CACHE_CAPACITY` it
 stayed flat at the same steps per second (``benchmarks/memory_growth.py``).
 """
