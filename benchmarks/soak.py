@@ -6,13 +6,9 @@ client with a mixed workload: random sampling settings (temperature, top_p, top_
 stop strings), short prompts and prompts near ``max_model_len``, and clients that disconnect
 mid-stream (``--cancel-fraction``).
 
-1. Capacity: a ramp of request rates (``--ramp-step-s`` of arrivals each, or longer, until
-   ``--ramp-min-requests`` arrivals are expected; without cancellations); a rate is
-   sustained when nothing fails and no queue builds up: the median TTFT of the phase's last
-   third is at most 2x its first third's and 2x the first rate's, and the requests still in
-   flight when arrivals stop finish within 2x the median E2E latency (a backlog would take
-   longer). A rate that fails runs once more before the ramp stops. Capacity is the highest
-   sustained rate.
+1. Capacity: saturation throughput, the requests completed per second by
+   ``--capacity-concurrency`` closed-loop clients (the mix without cancellations) over
+   ``--capacity-s`` seconds, the first ``--capacity-warmup-s`` not counted.
 2. Soak: Poisson arrivals at ``--load-factor`` (2) x capacity for ``--duration`` seconds
    (default 1,800), at most ``--max-in-flight`` requests at once; the RSS of every worker and
    ingress replica process is sampled every ``--sample-period`` seconds.
@@ -29,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import math
 import random
 import time
 import uuid
@@ -49,6 +44,8 @@ from bench.text import random_words
 from benchmarks import chaos, common
 
 OVERLOAD_STATUSES = {429, 503}
+OVERLOAD_BACKOFF_S = 1.0
+"""How long a closed-loop client waits after an overload answer: the server's ``Retry-After``."""
 PROMPT_MARGIN_TOKENS = 48
 """Room left below ``max_model_len`` by the longest prompts: the completion template's own
 tokens and the one-token-per-word estimate's error."""
@@ -173,52 +170,58 @@ async def drive(client: SamplingClient, workload: MixedWorkload, rate: float,
                  duration_s)
 
 
-def sustained(phase: Phase, rate: float,
-              unloaded_ttft_s: float = math.inf) -> tuple[bool, dict[str, Any]]:
-    """Whether ``phase`` kept up with ``rate`` (see the module docstring), and its figures.
-    ``unloaded_ttft_s``: the median TTFT of the first third of the ramp's first (lowest)
-    rate, seconds; the last third's may not exceed twice it either, since past capacity a
-    queue can already stand in the phase's first third."""
-    done = [r for r in phase.records if r.ok]
-    timed = sorted((r for r in done if r.ttft_s is not None), key=lambda r: r.start_s)
-    third = max(1, len(timed) // 3)
-    first = float(np.median([r.ttft_s for r in timed[:third]])) if timed else math.inf
-    last = float(np.median([r.ttft_s for r in timed[-third:]])) if timed else math.inf
-    e2e = float(np.median([r.e2e_s for r in done])) if done else math.inf
-    figures = {"rate": rate, "achieved": len(done) / phase.duration_s,
-               "completed": len(done), "failed": len(phase.records) - len(done),
-               "ttft_median_first_third_s": first, "ttft_median_last_third_s": last,
-               "drain_s": phase.duration_s - phase.window_s, "e2e_median_s": e2e}
-    ok = (bool(done) and figures["failed"] == 0 and last <= 2 * min(first, unloaded_ttft_s)
-          and figures["drain_s"] <= 2 * e2e)
-    return ok, figures
+async def closed_loop(client: SamplingClient, workload: MixedWorkload, concurrency: int,
+                      duration_s: float) -> list[RequestRecord]:
+    """``concurrency`` clients that each send their next request as soon as the last one ends,
+    for ``duration_s``; a client refused for overload waits :data:`OVERLOAD_BACKOFF_S` first,
+    as ``Retry-After`` asks. Returns every request's record, refusals included."""
+    origin = time.perf_counter()
+    records: list[RequestRecord] = []
+
+    async def user() -> None:
+        while time.perf_counter() - origin < duration_s:
+            item = workload.next()
+            client.sampling[item.request.label] = item.sampling
+            try:
+                record = await client.send(item.request, origin)
+            finally:
+                client.sampling.pop(item.request.label, None)
+            records.append(record)
+            if record.http_status in OVERLOAD_STATUSES:
+                await asyncio.sleep(OVERLOAD_BACKOFF_S)
+
+    await asyncio.gather(*(user() for _ in range(concurrency)))
+    return records
 
 
-async def measure_capacity(client: SamplingClient, args: argparse.Namespace) -> tuple[float, list]:
-    """The ramp: rates from ``--ramp-start`` up by ``--ramp-factor`` while sustained. A rate
-    that fails is run once more before the ramp stops: a few dozen mixed-length requests
-    fail the TTFT rule by chance (stop 12's ramp stopped at 0.56 req/s, and its soak at
-    0.75 req/s then kept up for 30 minutes)."""
-    ramp, capacity, rate, retried, unloaded = [], None, args.ramp_start, False, math.inf
-    for step in range(args.ramp_steps):
-        workload = MixedWorkload(args.max_model_len, args.long_fraction, 0.0, args.seed + step)
-        # Long enough for --ramp-min-requests arrivals: a third of a handful of mixed-length
-        # requests is too few for a TTFT median (short and long prompts alternate).
-        step_s = max(args.ramp_step_s, args.ramp_min_requests / rate)
-        phase = await drive(client, workload, rate, step_s, args.max_in_flight,
-                            args.seed + step)
-        ok, figures = sustained(phase, rate, unloaded)
-        if step == 0:
-            unloaded = figures["ttft_median_first_third_s"]
-        ramp.append(figures | {"sustained": ok, "rerun": retried})
-        common.log(f"ramp {rate:.2f} req/s: {figures} sustained={ok}")
-        if not ok and retried:
-            break
-        retried = not ok
-        if ok:
-            capacity, rate = rate, rate * args.ramp_factor
-    # Not even the first rate held: the capacity is what that phase completed per second.
-    return capacity if capacity is not None else max(ramp[0]["achieved"], 0.05), ramp
+def completions_per_second(records: list[RequestRecord], warmup_s: float,
+                           end_s: float) -> float:
+    """Successful requests that ended in ``[warmup_s, end_s]`` (seconds since the phase
+    began), per second of that window: the saturation throughput, once the warm-up has
+    filled the batches and before the closed loop stops sending."""
+    ended = [r for r in records if r.ok and warmup_s <= r.start_s + r.e2e_s <= end_s]
+    return len(ended) / (end_s - warmup_s)
+
+
+async def measure_capacity(client: SamplingClient, args: argparse.Namespace) -> tuple[float, dict]:
+    """Capacity as saturation throughput (``vllm bench serve`` at an infinite request rate
+    measures the same): requests completed per second with ``--capacity-concurrency``
+    requests always in flight, the soak's mix without cancellations. A rising-rate ramp
+    judged by TTFT growth was tried first and stopped at 0.4-0.6 req/s, by the noise of a
+    few dozen mixed-length requests, where the cluster completes about 1.7 req/s once
+    overloaded: its "twice capacity" did not overload."""
+    workload = MixedWorkload(args.max_model_len, args.long_fraction, 0.0, args.seed)
+    records = await closed_loop(client, workload, args.capacity_concurrency, args.capacity_s)
+    capacity = completions_per_second(records, args.capacity_warmup_s, args.capacity_s)
+    statuses = Counter(r.http_status for r in records)
+    figures = {"concurrency": args.capacity_concurrency, "window_s":
+               [args.capacity_warmup_s, args.capacity_s], "requests": len(records),
+               "completed": sum(r.ok for r in records), "statuses": dict(statuses),
+               "completions_per_s": capacity}
+    common.log(f"saturation: {figures}")
+    if capacity <= 0:
+        raise RuntimeError(f"no request completed inside the capacity window: {figures}")
+    return capacity, figures
 
 
 # --- memory -----------------------------------------------------------------------------------
@@ -321,13 +324,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="share of prompts near max_model_len")
     parser.add_argument("--cancel-fraction", type=float, default=0.15,
                         help="share of clients that disconnect mid-stream")
-    parser.add_argument("--ramp-start", type=float, default=0.25, help="first ramp rate, req/s")
-    parser.add_argument("--ramp-factor", type=float, default=1.5)
-    parser.add_argument("--ramp-steps", type=int, default=8)
-    parser.add_argument("--ramp-step-s", type=float, default=30.0,
-                        help="shortest ramp step, s")
-    parser.add_argument("--ramp-min-requests", type=int, default=30,
-                        help="a ramp step lasts until this many arrivals are expected")
+    parser.add_argument("--capacity-concurrency", type=int, default=32,
+                        help="requests kept in flight while capacity is measured")
+    parser.add_argument("--capacity-s", type=float, default=240.0,
+                        help="length of the capacity measurement, s")
+    parser.add_argument("--capacity-warmup-s", type=float, default=60.0,
+                        help="its first seconds, not counted")
     parser.add_argument("--max-queue-delay", type=float, default=60.0,
                         help="the server's --max-queue-delay, s: overload is refused past it "
                              "(well under --request-timeout, so it is an answer, not a timeout)")
@@ -339,12 +341,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the most RSS growth allowed over the second half, MiB/min")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true",
-                        help="a short ramp (10 s steps, 4 at most, 3 requests suffice); --duration "
-                             "still applies")
+                        help="a short capacity measurement (20 s, 5 s of warm-up, 4 in "
+                             "flight); --duration still applies")
     parser.add_argument("--out", default=str(common.RESULTS_DIR / "soak.json"))
     args = parser.parse_args(argv)
     if args.quick:
-        args.ramp_step_s, args.ramp_steps, args.ramp_min_requests = 10.0, 4, 3
+        args.capacity_s, args.capacity_warmup_s, args.capacity_concurrency = 20.0, 5.0, 4
     return args
 
 
@@ -358,7 +360,7 @@ def cluster_config(args: argparse.Namespace, key_prefix: str, port: int):
 
 
 async def soak(args: argparse.Namespace, base_url: str, workers: Any) -> dict[str, Any]:
-    """Ramp, soak, drain and check (steps 1-3 of the module docstring)."""
+    """Capacity, soak, drain and check (steps 1-3 of the module docstring)."""
     from cluster.app import APP_NAME
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -366,7 +368,7 @@ async def soak(args: argparse.Namespace, base_url: str, workers: Any) -> dict[st
         model = await first_model(http, base_url, None)
         client = SamplingClient(http, base_url, model, "completions",
                                 timeout_s=args.request_timeout)
-        capacity, ramp = await measure_capacity(client, args)
+        capacity, saturation = await measure_capacity(client, args)
         rate = args.load_factor * capacity
         common.log(f"capacity {capacity:.2f} req/s; soaking at {rate:.2f} req/s for "
                    f"{args.duration:.0f} s")
@@ -385,7 +387,7 @@ async def soak(args: argparse.Namespace, base_url: str, workers: Any) -> dict[st
     outcome = answers(phase)
     slopes = rss_slopes(samples, phase.duration_s)
     done = [r for r in phase.records if r.ok]
-    return {"capacity_req_s": capacity, "ramp": ramp, "soak_rate_req_s": rate,
+    return {"capacity_req_s": capacity, "saturation": saturation, "soak_rate_req_s": rate,
             "soak_wall_s": phase.duration_s, "answers": outcome,
             "latency": summarize(done, phase.duration_s) if done else None,
             "pools": pools, "rss": slopes, "rss_samples": samples,

@@ -11,8 +11,9 @@ its fault must (and must only) cost.
 
 from __future__ import annotations
 
+import asyncio
 import json
-import math
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -169,44 +170,44 @@ def test_soak_prompts_fit_the_context_and_the_mix_varies():
     assert any("stop" in i.sampling for i in items) and any("seed" in i.sampling for i in items)
 
 
-def test_soak_capacity_needs_no_failure_and_no_queue_building_up():
-    def phase(ttfts: list[float], wall_s: float = 11.0, failed: int = 0) -> soak.Phase:
-        records = [RequestRecord("r", start_s=i, ttft_s=t, e2e_s=1.0)
-                   for i, t in enumerate(ttfts)]
-        records += [record("http", 500) for _ in range(failed)]
-        return soak.Phase(records, 0, wall_s, 10.0)
+def test_soak_capacity_counts_only_successes_ending_inside_the_window():
+    def ended(start_s: float, e2e_s: float, failure: str | None = None) -> RequestRecord:
+        return RequestRecord("r", start_s=start_s, e2e_s=e2e_s, failure=failure)
 
-    assert soak.sustained(phase([0.2] * 9), 1.0)[0]  # flat TTFT, drained in 1 s
-    assert not soak.sustained(phase([0.2] * 9, wall_s=12.5), 1.0)[0]  # a backlog drained
-    assert not soak.sustained(phase([0.2] * 6 + [0.5] * 3), 1.0)[0]  # TTFT growing
-    assert not soak.sustained(phase([0.2] * 9, failed=1), 1.0)[0]
-    assert not soak.sustained(phase([]), 1.0)[0]
-    # A queue already standing in the first third: flat, but 3x the lowest rate's TTFT.
-    assert soak.sustained(phase([0.6] * 9), 1.0, unloaded_ttft_s=0.3)[0]
-    assert not soak.sustained(phase([0.9] * 9), 1.0, unloaded_ttft_s=0.3)[0]
+    records = [ended(0.0, 4.0),  # in the warm-up
+               ended(3.0, 3.0), ended(8.0, 2.0), ended(12.0, 8.0),  # end at 6, 10 and 20
+               ended(6.0, 1.0, failure="http"),  # a refusal
+               ended(19.0, 2.0)]  # ends after the window
+    assert soak.completions_per_second(records, warmup_s=5.0, end_s=20.0) == pytest.approx(
+        3 / 15)
 
 
-async def test_soak_ramp_reruns_a_failed_rate_once_before_it_stops(monkeypatch):
-    verdicts = iter([True, False, True, False, False, True])  # 1st, 2nd (then rerun), 3rd ...
-    rates = []
+class ScriptedClient:
+    """Answers each request after ``service_s``: 503 for every third, 200 otherwise."""
 
-    async def drive(client, workload, rate, *rest):
-        rates.append(rate)
-        return rate
+    def __init__(self, service_s: float):
+        self.service_s, self.sent, self.sampling = service_s, 0, {}
 
-    monkeypatch.setattr(soak, "drive", drive)
-    unloaded = []
+    async def send(self, request, origin):
+        self.sent += 1
+        refused = self.sent % 3 == 0
+        start = time.perf_counter() - origin
+        assert request.label in self.sampling  # the mix's sampling fields go with the request
+        await asyncio.sleep(self.service_s)
+        return RequestRecord(request.label, start_s=start, e2e_s=self.service_s,
+                             failure="http" if refused else None,
+                             http_status=503 if refused else 200)
 
-    def sustained(phase, rate, unloaded_ttft_s):
-        unloaded.append(unloaded_ttft_s)
-        return next(verdicts), {"rate": rate, "ttft_median_first_third_s": 0.5 + rate}
 
-    monkeypatch.setattr(soak, "sustained", sustained)
-    args = soak.parse_args(["--ramp-start", "1", "--ramp-factor", "2", "--ramp-steps", "6"])
-    capacity, ramp = await soak.measure_capacity(None, args)
-    # 1 holds; 2 fails, and holds when rerun; 4 fails twice: the ramp stops at 2.
-    assert rates == [1, 2, 2, 4, 4] and capacity == 2
-    assert unloaded == [math.inf] + [1.5] * 4  # the first rate's TTFT bounds the later ones
-    assert [(r["rate"], r["sustained"], r["rerun"]) for r in ramp] == [
-        (1, True, False), (2, False, False), (2, True, True), (4, False, False),
-        (4, False, True)]
+async def test_soak_closed_loop_keeps_its_clients_busy_and_backs_off_on_overload(monkeypatch):
+    monkeypatch.setattr(soak, "OVERLOAD_BACKOFF_S", 0.2)
+    client = ScriptedClient(service_s=0.05)
+    workload = soak.MixedWorkload(1024, 0.15, 0.0, seed=1)
+    records = await soak.closed_loop(client, workload, concurrency=2, duration_s=0.6)
+    statuses = [r.http_status for r in records]
+    assert len(records) == client.sent and client.sampling == {}
+    # Each refusal costs its client a back-off four service times long, so the two clients send
+    # far fewer than the 24 requests that 0.6 s of back-to-back service would take.
+    assert 4 <= len(records) <= 12 and statuses.count(503) == len(records) // 3
+    # No client starts a request once the duration is spent.
+    assert max(r.start_s for r in records) < 0.6
