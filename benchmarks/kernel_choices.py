@@ -6,6 +6,10 @@
 2. Causal flash attention of one prompt on strided head views (as they come out of the fused
    qkv projection) against contiguous head-major copies: whether copying first pays (it did
    not, measured: ``workers.paged_attention`` attends to the views).
+3. Decode attention over the paged cache, fp32 and bf16, per batch and context length: our
+   native kernel reading blocks in place (``workers.kernels``) against gathering the blocks
+   into a copy for torch's SDPA, with the tables scattered over the pool as a running worker's
+   are, and the largest difference between the two.
 
 Writes JSON; ``--quick`` for a smoke run.
 """
@@ -13,6 +17,7 @@ Writes JSON; ``--quick`` for a smoke run.
 from __future__ import annotations
 
 import argparse
+import random
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +32,7 @@ except ImportError:  # run as a script: benchmarks/ is on sys.path, the repo roo
 # (out_features, in_features) of SmolLM2-135M's fused projections: qkv, o, gate/up, down.
 LINEAR_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+DECODE_BLOCK, DECODE_POOL_BLOCKS = 16, 4096
 
 
 def linear_rows(rows: list[int], repeats: int, dtype: torch.dtype) -> dict:
@@ -71,20 +77,71 @@ def flash_layouts(tokens: int, repeats: int) -> dict:
     return {"tokens": tokens, "strided_ms": strided * 1e3, "contiguous_ms": contiguous * 1e3}
 
 
+def decode_attention(cases: list[tuple[int, int]], repeats: int) -> dict:
+    """Milliseconds per layer of decode attention, native and gathered, for each dtype and
+    (batch, context) case; native is None where the kernel could not be built."""
+    from workers.kv_cache import PagedKVCache
+
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        cache = PagedKVCache(1, DECODE_POOL_BLOCKS, DECODE_BLOCK, KV_HEADS, HEAD_DIM, dtype,
+                             torch.device("cpu"))
+        cache.keys[0].normal_()
+        cache.values[0].normal_()
+        for batch, context in cases:
+            key = f"{str(dtype).removeprefix('torch.')}/{batch}x{context}"
+            results[key] = _decode_case(cache, batch, context, repeats)
+            common.log(f"decode attention {key}: {results[key]}")
+    return results
+
+
+def _decode_case(cache, batch: int, context: int, repeats: int) -> dict:
+    from workers import paged_attention
+    from workers.kernels import paged_decode
+
+    blocks = random.Random(0).sample(range(DECODE_POOL_BLOCKS),
+                                     batch * -(-context // DECODE_BLOCK))
+    per_row = len(blocks) // batch
+    tables = [blocks[i * per_row:(i + 1) * per_row] for i in range(batch)]
+    group = paged_attention.build_metadata(cache, tables, [context - 1] * batch, [1] * batch,
+                                           torch.device("cpu")).decode_groups[0]
+    query = torch.randn(batch, HEADS, HEAD_DIM).to(cache.keys[0].dtype)
+
+    def gathered():
+        return paged_attention._attend_gathered(0, query, group, cache, HEAD_DIM ** -0.5)
+
+    def native():
+        return paged_attention._attend_decodes_in_place(0, query, group, cache,
+                                                        HEAD_DIM ** -0.5)
+
+    entry = {"gather_ms": common.median_time(gathered, repeats) * 1e3, "native_ms": None,
+             "max_abs_difference": None}
+    if paged_decode() is not None:
+        entry["native_ms"] = common.median_time(native, repeats) * 1e3
+        entry["max_abs_difference"] = (native().float() - gathered().float()).abs().max().item()
+    return entry
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_common_args(parser, "kernel_choices")
     parser.add_argument("--rows", default="1,8,16,64,128,256,512,1024,4096")
     parser.add_argument("--flash-tokens", type=int, default=4096)
+    parser.add_argument("--decode-cases", default="1x330,8x330,16x330,16x1000",
+                        help="decode attention cases, batch x context tokens")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args(argv)
+    cases = [tuple(int(n) for n in case.split("x")) for case in args.decode_cases.split(",")]
+    if args.quick:
+        cases = [(2, 40)]
     rows = [1, 8, 300] if args.quick else [int(r) for r in args.rows.split(",")]
     tokens, repeats = (64, 2) if args.quick else (args.flash_tokens, args.repeats)
     threads = common.set_threads(args.threads)
     dtype = parse_dtype(args.dtype, torch.device("cpu"))
     result = {"benchmark": "kernel_choices", "machine": common.machine_info(dtype),
               "threads": threads, "quick": args.quick, "dtype": str(dtype),
-              "linear": linear_rows(rows, repeats, dtype), "flash": flash_layouts(tokens, repeats)}
+              "linear": linear_rows(rows, repeats, dtype), "flash": flash_layouts(tokens, repeats),
+              "decode_attention": decode_attention(cases, repeats)}
     common.write_json(result, args.out)
     return result
 

@@ -293,7 +293,10 @@ def answers(phase: Phase) -> dict[str, Any]:
             "finished": len(phase.records), "completed": sum(r.ok for r in phase.records),
             "overload_answers": overload, "statuses": dict(statuses),
             "failures": dict(failures), "rule_breaking": len(bad),
-            "rule_breaking_errors": sorted({f"{r.failure}: {r.error}" for r in bad})[:10]}
+            "rule_breaking_errors": sorted({f"{r.failure}: {r.error}" for r in bad})[:10],
+            # When they were sent (s into the soak): a cluster slowed by something else on the
+            # machine shows as a cluster of them.
+            "rule_breaking_start_s": sorted(round(r.start_s, 1) for r in bad)[:50]}
 
 
 def checks(pools: dict, slopes: dict, outcome: dict, bound: float) -> list[dict]:

@@ -8,6 +8,7 @@ transformers and saved as safetensors under the local cache, so later starts ski
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -87,18 +88,21 @@ def default_dtype(device: torch.device) -> torch.dtype:
     """
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    flags = _cpu_flags()
+    flags = cpu_flags()
     return torch.bfloat16 if flags & {"avx512_bf16", "amx_bf16"} else torch.float32
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (``/proc/cpuinfo``: ``avx2``, ``avx512_bf16``, ``amx_bf16``...);
+    empty where they cannot be read."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+                return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def default_device() -> torch.device:

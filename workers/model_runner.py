@@ -15,7 +15,12 @@ from transformers import PreTrainedModel
 from workers.kv_cache import PagedKVCache
 from workers.models import compact_model_for
 from workers.models.linear import linear_kernel
-from workers.paged_attention import ATTN_IMPLEMENTATION, AttentionMetadata, build_metadata
+from workers.paged_attention import (
+    ATTN_IMPLEMENTATION,
+    AttentionMetadata,
+    build_metadata,
+    decode_kernel,
+)
 from workers.scheduler import ScheduledBatch
 
 
@@ -31,6 +36,8 @@ class ModelRunner:
         implementation: ``"compact"`` or ``"transformers"``, the path this model runs on.
         linear_kernel: the small-batch matmul kernel of the compact path (``aten`` on the
             transformers path); see ``workers.models.linear``.
+        decode_kernel: what plain decodes attend with (``native-paged`` or ``gather-sdpa``);
+            see ``workers.paged_attention.decode_kernel``.
     """
 
     def __init__(self, model: PreTrainedModel, kv_cache: PagedKVCache):
@@ -41,6 +48,7 @@ class ModelRunner:
         self.implementation = "compact" if self._compact is not None else "transformers"
         self.linear_kernel = (linear_kernel(model.dtype, model.device)
                               if self._compact is not None else "aten")
+        self.decode_kernel = decode_kernel(model.dtype, model.device, kv_cache.keys[0].shape[-1])
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
     @torch.inference_mode()

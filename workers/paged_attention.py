@@ -12,8 +12,11 @@ cache slots, then:
   of flash-decoding, Dao et al. 2023). No mask or score matrix is ever materialised, and a
   chunk over a long cached context costs what the same tokens cost unchunked.
 - *decodes* (one new token each) are grouped by context length and each group attends in one
-  call to its sequences' blocks, gathered block-wise. GQA is folded: the query heads that share
-  a KV head become rows of one query, so K/V are never expanded per query head.
+  call to its sequences' blocks. GQA is folded: the query heads that share a KV head become
+  rows of one query, so K/V are never expanded per query head. In fp32 on a CPU the call is
+  our native kernel (``workers.kernels``), which reads the blocks where they lie; otherwise
+  (bf16, where oneDNN's attention measured faster, GPUs, no compiler) the blocks are gathered
+  into a copy for torch's attention (:func:`decode_kernel`).
 - *verification blocks* (a decode token followed by ``k`` draft tokens, speculative decoding)
   take the decode path with ``k + 1`` query rows per sequence and a causal mask over the
   gathered context, so every speculating sequence of a step is verified in the same batched
@@ -33,9 +36,13 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 
+from workers.kernels import paged_decode
 from workers.kv_cache import PagedKVCache
+from workers.model_loader import cpu_flags
 
 ATTN_IMPLEMENTATION = "nalar_paged"
+
+NATIVE_DECODE, GATHER_DECODE = "native-paged", "gather-sdpa"
 
 DECODE_PADDING_RATIO = 2
 """A decode group's longest context is at most this many times its shortest: rows padded to
@@ -64,6 +71,7 @@ class DecodeGroup:
         q_len: query rows per sequence.
         block_ids: ``[B * M]`` each sequence's block table, padded with the cache's scratch
             block to the group's longest, ``M`` blocks.
+        lengths: ``[B]`` int64 tokens each sequence's last query row sees (its context).
         mask: ``[B, 1, q_len, M * block_size]`` True where query row ``j`` of a sequence may
             attend (its context up to and including its own position); None when
             ``q_len == 1`` and every context fills the padded length exactly.
@@ -76,6 +84,7 @@ class DecodeGroup:
     rows: torch.Tensor
     q_len: int
     block_ids: torch.Tensor
+    lengths: torch.Tensor
     mask: torch.Tensor | None
     padding: torch.Tensor | None
 
@@ -183,7 +192,9 @@ def _decode_group(group: list[_ShortQuery], kv_cache: PagedKVCache,
                                 for pos in range(query.length, padded_len)], device=device)
     rows = torch.tensor([query.row + j for query in group for j in range(q_len)],
                         device=device)
-    return DecodeGroup(rows, q_len, torch.tensor(block_ids, device=device), mask, padding)
+    lengths = torch.tensor([query.length for query in group], device=device)
+    return DecodeGroup(rows, q_len, torch.tensor(block_ids, device=device), lengths, mask,
+                       padding)
 
 
 def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -254,8 +265,35 @@ def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
     return out_a.float() * weight_a + out_b.float() * weight_b
 
 
+def decode_kernel(dtype: torch.dtype, device: torch.device, head_dim: int) -> str:
+    """What plain decodes of a model in ``dtype`` on ``device`` with ``head_dim``-wide heads
+    attend with: :data:`NATIVE_DECODE` (the kernel reading the paged cache in place, where it
+    is built, for its head sizes) or :data:`GATHER_DECODE` (blocks gathered into a copy, then
+    torch's SDPA). The two round differently, so the choice is part of the cache identity's
+    numerics.
+
+    Native in fp32, and in bf16 on CPUs without AMX: there it measured faster
+    (``benchmarks/kernel_choices.py``); with AMX, oneDNN's AMX-backed SDPA on the gathered copy
+    beat an earlier kernel of the same design (widening each bf16 value, a dot per token)."""
+    if device.type != "cpu":
+        return GATHER_DECODE
+    pays = dtype == torch.float32 or (dtype == torch.bfloat16 and "amx_bf16" not in cpu_flags())
+    kernel = paged_decode() if pays else None
+    native = kernel is not None and head_dim in kernel.head_dims
+    return NATIVE_DECODE if native else GATHER_DECODE
+
+
 def _attend_decodes(layer: int, query: torch.Tensor, group: DecodeGroup, cache: PagedKVCache,
                     scale: float) -> torch.Tensor:
+    native = decode_kernel(query.dtype, query.device, query.shape[-1]) == NATIVE_DECODE
+    if group.q_len == 1 and native:
+        return _attend_decodes_in_place(layer, query, group, cache, scale)
+    return _attend_gathered(layer, query, group, cache, scale)
+
+
+def _attend_gathered(layer: int, query: torch.Tensor, group: DecodeGroup, cache: PagedKVCache,
+                     scale: float) -> torch.Tensor:
+    """The group's blocks gathered into a copy, then one SDPA call (any ``q_len``)."""
     q_len = group.q_len
     num_seqs = len(group.rows) // q_len
     _, heads, head_dim = query.shape
@@ -277,6 +315,21 @@ def _attend_decodes(layer: int, query: torch.Tensor, group: DecodeGroup, cache: 
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     out = out.view(num_seqs, kv_heads, q_len, per_kv, head_dim).transpose(1, 2)
     return out.reshape(num_seqs * q_len, heads, head_dim)
+
+
+def _attend_decodes_in_place(layer: int, query: torch.Tensor, group: DecodeGroup,
+                             cache: PagedKVCache, scale: float) -> torch.Tensor:
+    """One query row per sequence, attended by the native kernel over the cache itself; the
+    scratch-block padding of the tables is never read (the kernel stops at each length)."""
+    num_seqs = len(group.rows)
+    _, heads, head_dim = query.shape
+    kv_heads = cache.keys[layer].shape[0]
+    # Fold GQA as the gather path does: the query heads of KV head h are rows of one query.
+    q = query[group.rows].view(num_seqs, kv_heads, heads // kv_heads, head_dim)
+    out = paged_decode().paged_decode_attention(
+        q, cache.keys[layer], cache.values[layer], group.block_ids.view(num_seqs, -1),
+        group.lengths, cache.block_size, scale)
+    return out.view(num_seqs, heads, head_dim)
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,

@@ -215,6 +215,10 @@ def test_kernel_choices_quick(tmp_path):
     assert all(row["plain_ms"] > 0 and row["prepacked_ms"] > 0 and row["bit_identical"]
                for row in result["linear"].values())
     assert result["flash"]["tokens"] == 64
+    cases = result["decode_attention"]
+    assert set(cases) == {"float32/2x40", "bfloat16/2x40"}
+    assert cases["float32/2x40"]["max_abs_difference"] < 1e-5
+    assert cases["bfloat16/2x40"]["max_abs_difference"] < 0.05
 
 
 def test_stdlib_functions_are_real_functions_of_15_to_60_lines():

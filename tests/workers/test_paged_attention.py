@@ -2,19 +2,41 @@
 
 Random tensors, fp32, tiny geometry: each case builds a cache, writes known keys/values through
 the metadata's slot mapping, and compares every row with attention computed directly from the
-sequence's own tokens.
+sequence's own tokens. Every case runs on both decode paths: the native kernel reading the
+cache in place and the gather + SDPA path.
 """
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
+from workers import paged_attention as paged_attention_module
+from workers.kernels import paged_decode
 from workers.kv_cache import PagedKVCache
-from workers.paged_attention import build_metadata, paged_attention
+from workers.paged_attention import (
+    GATHER_DECODE,
+    NATIVE_DECODE,
+    build_metadata,
+    decode_kernel,
+    paged_attention,
+)
 
-HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
+HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 32, 4  # 32: the smallest head size the kernel takes
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True, params=[NATIVE_DECODE, GATHER_DECODE])
+def decode_path(request, monkeypatch) -> str:
+    """Runs the test on one decode path: the gather path by hiding the native kernel."""
+    if request.param == GATHER_DECODE:
+        monkeypatch.setattr(paged_attention_module, "paged_decode", lambda: None)
+    elif paged_decode() is None:
+        pytest.skip("the native kernel could not be built here (no compiler)")
+    assert decode_kernel(torch.float32, CPU, DIM) == request.param
+    return request.param
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> torch.Tensor:
@@ -84,3 +106,33 @@ def test_a_poisoned_neighbour_never_reaches_a_shorter_decode_row():
     torch.testing.assert_close(short_out, reference(queries[1], *contexts[1], 6),
                                atol=1e-5, rtol=1e-5)
     assert not cache.keys[0][:, cache.scratch_block * BLOCK:].any()
+
+
+def test_smollm2_geometry_decodes_match_the_reference_at_every_length_shape():
+    """SmolLM2's attention geometry (9 query heads on 3 KV heads, dim 64, 16-token blocks):
+    contexts of 1 token, a whole block, a block and one, and long ones, one decode group."""
+    heads, kv_heads, dim, block = 9, 3, 64, 16
+    generator = torch.Generator().manual_seed(2)
+    cache = PagedKVCache(1, 64, block, kv_heads, dim, torch.float32, CPU)
+    lengths = [33, 1, 16, 17, 40, 64]
+    tables, next_block = [], 0
+    for n in lengths:
+        tables.append(list(range(next_block, next_block - (-n // block))))
+        next_block = tables[-1][-1] + 1
+    contexts = [(torch.randn(n, kv_heads, dim, generator=generator),
+                 torch.randn(n, kv_heads, dim, generator=generator)) for n in lengths]
+    for table, (k, v), n in zip(tables, contexts, lengths, strict=True):
+        slots = torch.tensor([table[p // block] * block + p % block for p in range(n - 1)],
+                             dtype=torch.long)
+        cache.write(0, slots, k[:n - 1], v[:n - 1])
+    metadata = build_metadata(cache, tables, [n - 1 for n in lengths], [1] * len(lengths), CPU)
+    queries = torch.randn(len(lengths), heads, dim, generator=generator)
+    out = paged_attention(0, queries, torch.stack([k[-1] for k, _ in contexts]),
+                          torch.stack([v[-1] for _, v in contexts]), metadata, dim ** -0.5)
+    for row, (k, v) in enumerate(contexts):
+        group = heads // kv_heads
+        kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        probs = (torch.einsum("hd,khd->hk", queries[row], kk) * dim ** -0.5).softmax(-1)
+        torch.testing.assert_close(out[row], torch.einsum("hk,khd->hd", probs, vv),
+                                   atol=1e-5, rtol=1e-5)
+

@@ -1,0 +1,86 @@
+"""The native decode-attention kernel (``workers.kernels``) on its own: what the paged
+attention tests cannot see through the layer (batch invariance, refusals, which models take
+it). Skipped where it cannot be built (no C++ compiler); CI's machine has one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers import paged_attention
+from workers.kernels import paged_decode
+from workers.paged_attention import GATHER_DECODE, NATIVE_DECODE, decode_kernel
+
+HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 32, 4
+CPU = torch.device("cpu")
+
+pytestmark = pytest.mark.skipif(paged_decode() is None, reason="no C++ compiler here")
+
+
+def random_cache(dtype: torch.dtype, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    keys = torch.randn(KV_HEADS, 8 * BLOCK, DIM, generator=generator).to(dtype)
+    values = torch.randn(KV_HEADS, 8 * BLOCK, DIM, generator=generator).to(dtype)
+    query = torch.randn(3, KV_HEADS, HEADS // KV_HEADS, DIM, generator=generator).to(dtype)
+    return query, keys, values
+
+
+TABLES = torch.tensor([[5, 2, 7], [0, 1, 3], [6, 4, 4]])
+LENGTHS = torch.tensor([11, 9, 5])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_matches_softmax_attention_over_the_table(dtype):
+    """Against attention computed in float64 from the same (bf16-valued) tensors: fp32 to
+    float32 rounding; bf16 to the rounding of its bf16 output."""
+    query, keys, values = random_cache(dtype, 4)
+    out = paged_decode().paged_decode_attention(query, keys, values, TABLES, LENGTHS, BLOCK,
+                                                0.3)
+    assert out.dtype == dtype
+    for row, (table, length) in enumerate(zip(TABLES.tolist(), LENGTHS.tolist(), strict=True)):
+        slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(length)])
+        k, v = keys[:, slots].double(), values[:, slots].double()  # [kv_heads, length, dim]
+        probs = (query[row].double() @ k.transpose(1, 2) * 0.3).softmax(-1)
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out[row].double(), probs @ v, atol=tolerance,
+                                   rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_is_batch_invariant_and_refuses_bad_tables(dtype):
+    """A row's result is bit for bit the same alone and beside other rows (each sequence and KV
+    head is computed on its own), and tables or lengths outside the cache are refused."""
+    kernel = paged_decode()
+    query, keys, values = random_cache(dtype, 3)
+    batched = kernel.paged_decode_attention(query, keys, values, TABLES, LENGTHS, BLOCK, 0.3)
+    for row in range(3):
+        alone = kernel.paged_decode_attention(query[row:row + 1], keys, values,
+                                              TABLES[row:row + 1], LENGTHS[row:row + 1],
+                                              BLOCK, 0.3)
+        assert torch.equal(alone[0], batched[row])
+    with pytest.raises(RuntimeError, match="block id outside the cache"):
+        kernel.paged_decode_attention(query[:1], keys, values, torch.tensor([[8, 0, 0]]),
+                                      LENGTHS[:1], BLOCK, 0.3)
+    with pytest.raises(RuntimeError, match="length outside the block table"):
+        kernel.paged_decode_attention(query[:1], keys, values, TABLES[:1],
+                                      torch.tensor([13]), BLOCK, 0.3)
+    with pytest.raises(RuntimeError, match="all of one dtype"):
+        kernel.paged_decode_attention(query[:1].half(), keys, values, TABLES[:1],
+                                      LENGTHS[:1], BLOCK, 0.3)
+
+
+def test_the_native_path_is_taken_on_a_cpu_for_its_head_sizes_and_bf16_only_without_amx(
+        monkeypatch):
+    assert decode_kernel(torch.float32, CPU, 64) == NATIVE_DECODE
+    monkeypatch.setattr(paged_attention, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    assert decode_kernel(torch.bfloat16, CPU, 64) == NATIVE_DECODE
+    monkeypatch.setattr(paged_attention, "cpu_flags", lambda: frozenset({"amx_bf16"}))
+    assert decode_kernel(torch.bfloat16, CPU, 64) == GATHER_DECODE
+    assert decode_kernel(torch.float32, CPU, 64) == NATIVE_DECODE
+    assert decode_kernel(torch.float16, CPU, 64) == GATHER_DECODE
+    assert decode_kernel(torch.float32, torch.device("meta"), 64) == GATHER_DECODE
+    assert decode_kernel(torch.float32, CPU, 8) == GATHER_DECODE  # no such head size
+    with pytest.raises(RuntimeError, match="head_dim 8"):
+        paged_decode().paged_decode_attention(torch.zeros(1, 1, 1, 8), torch.zeros(1, 4, 8),
+                                              torch.zeros(1, 4, 8), torch.tensor([[0]]),
+                                              torch.tensor([1]), 4, 1.0)

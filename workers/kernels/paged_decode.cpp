@@ -1,0 +1,200 @@
+// Decode attention read straight from the paged KV cache (fp32 or bf16 cache, fp32 arithmetic;
+// CPU).
+//
+// One query token per sequence attends to its first `length` cached tokens, block by block
+// through its block table, with the online softmax of flash attention (Dao et al. 2022): a
+// running maximum and sum per query row, so no score vector over the whole context and no
+// gathered copy of K/V is ever made. Every (sequence, KV head) pair is independent, so a row's
+// result never depends on what else is in the batch.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kLanes = 16;  // partial sums per dot product: one AVX512 register of floats
+constexpr int64_t kMaxBlockSize = 256;
+
+inline float widen(float x) { return x; }
+
+// bf16 is the top half of an fp32: widening is exact, a shift the compiler vectorises.
+inline float widen(at::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// q . k in a fixed order: kLanes vertical partial sums (vectorised without reassociating),
+// then summed pairwise (a shuffle tree, not a serial chain).
+template <typename T, int64_t D>
+inline float dot(const float* __restrict q, const T* __restrict k) {
+  static_assert(D % kLanes == 0, "head_dim must be a multiple of 16");
+  float lanes[kLanes] = {};
+  for (int64_t d = 0; d < D; d += kLanes) {
+    for (int64_t j = 0; j < kLanes; ++j) lanes[j] += q[d + j] * widen(k[d + j]);
+  }
+  for (int64_t width = kLanes / 2; width > 0; width /= 2) {
+    for (int64_t j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+  }
+  return lanes[0];
+}
+
+using Vec = at::vec::Vectorized<float>;
+
+// p[t] = exp(s[t] - max) for t < n, in place, returning their sum: the exponential torch's
+// own CPU flash attention uses (exp_u20), a vector at a time.
+inline float exp_shifted(float* s, float max, int64_t n) {
+  float sum = 0.f;
+  for (int64_t t = 0; t < n; t += Vec::size()) {
+    const int64_t count = std::min<int64_t>(Vec::size(), n - t);
+    (Vec::loadu(s + t, count) - Vec(max)).exp_u20().store(s + t, count);
+    for (int64_t j = 0; j < count; ++j) sum += s[t + j];
+  }
+  return sum;
+}
+
+// One query row over its first `length` cached tokens. D is a compile-time head size, so the
+// accumulator lives in registers and every loop over it is unrolled and vectorised.
+template <typename T, int64_t D>
+void attend_row(const float* __restrict q, const T* __restrict keys,
+                const T* __restrict values, const int64_t* table, int64_t length,
+                int64_t block_size, float scale, float* __restrict out) {
+  float acc[D] = {};
+  float probs[kMaxBlockSize];
+  float running_max = -std::numeric_limits<float>::infinity();
+  float running_sum = 0.f;
+  for (int64_t start = 0; start < length; start += block_size) {
+    const int64_t n = std::min(block_size, length - start);
+    const int64_t slot = table[start / block_size] * block_size;
+    const T* k_block = keys + slot * D;
+    const T* v_block = values + slot * D;
+    float block_max = running_max;
+    for (int64_t t = 0; t < n; ++t) {
+      probs[t] = dot<T, D>(q, k_block + t * D) * scale;
+      block_max = std::max(block_max, probs[t]);
+    }
+    // Rescale what was summed under the old maximum.
+    const float correction = std::exp(running_max - block_max);
+    for (int64_t d = 0; d < D; ++d) acc[d] *= correction;
+    running_sum = running_sum * correction + exp_shifted(probs, block_max, n);
+    for (int64_t t = 0; t < n; ++t) {
+      const T* v = v_block + t * D;
+      for (int64_t d = 0; d < D; ++d) acc[d] += probs[t] * widen(v[d]);
+    }
+    running_max = block_max;
+  }
+  const float inv = 1.f / running_sum;
+  for (int64_t d = 0; d < D; ++d) out[d] = acc[d] * inv;
+}
+
+// The rows of one (sequence, KV head): the query heads sharing that KV head. Row after row,
+// so the later rows find the context's blocks in cache.
+template <typename T, int64_t D>
+void attend_rows(const float* q, const T* keys, const T* values, const int64_t* table,
+                 int64_t length, int64_t rows, int64_t block_size, float scale, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    attend_row<T, D>(q + r * D, keys, values, table, length, block_size, scale, out + r * D);
+  }
+}
+
+template <typename T>
+using RowsFn = void (*)(const float*, const T*, const T*, const int64_t*, int64_t, int64_t,
+                        int64_t, float, float*);
+
+#define NALAR_HEAD_DIMS(X) X(32) X(64) X(80) X(96) X(128) X(256)
+
+template <typename T>
+RowsFn<T> rows_for(int64_t dim) {
+#define NALAR_CASE(D) \
+  if (dim == D) return &attend_rows<T, D>;
+  NALAR_HEAD_DIMS(NALAR_CASE)
+#undef NALAR_CASE
+  return nullptr;
+}
+
+}  // namespace
+
+template <typename T>
+void attend_all(const torch::Tensor& q, const torch::Tensor& key_cache,
+                const torch::Tensor& value_cache, const torch::Tensor& tables,
+                const torch::Tensor& lengths, int64_t block_size, float scale,
+                torch::Tensor& out) {
+  const int64_t batch = q.size(0), kv_heads = q.size(1), rows = q.size(2), dim = q.size(3);
+  const int64_t slots = key_cache.size(1), max_blocks = tables.size(1);
+  const float* q_ptr = q.data_ptr<float>();
+  const T* k_ptr = key_cache.data_ptr<T>();
+  const T* v_ptr = value_cache.data_ptr<T>();
+  const int64_t* table_ptr = tables.data_ptr<int64_t>();
+  const int64_t* length_ptr = lengths.data_ptr<int64_t>();
+  float* out_ptr = out.data_ptr<float>();
+  const RowsFn<T> attend = rows_for<T>(dim);
+  TORCH_CHECK(attend != nullptr, "head_dim ", dim, " is not one of the kernel's head sizes");
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / kv_heads, h = item % kv_heads;
+      attend(q_ptr + item * rows * dim, k_ptr + h * slots * dim, v_ptr + h * slots * dim,
+             table_ptr + b * max_blocks, length_ptr[b], rows, block_size, scale,
+             out_ptr + item * rows * dim);
+    }
+  });
+}
+
+// query [B, kv_heads, R, D]; key_cache, value_cache [kv_heads, slots, D], float32 or bfloat16
+// (the query's dtype); block_tables [B, M] int64; lengths [B] int64 (each >= 1).
+// Returns [B, kv_heads, R, D] in the query's dtype, computed in float32.
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache,
+                                     torch::Tensor value_cache, torch::Tensor block_tables,
+                                     torch::Tensor lengths, int64_t block_size, double scale) {
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16)
+              && key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
+              "float32 or bfloat16 query and cache, all of one dtype");
+  TORCH_CHECK(query.dim() == 4 && key_cache.dim() == 3 && value_cache.dim() == 3,
+              "query [B, kv_heads, R, D], caches [kv_heads, slots, D]");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "contiguous caches");
+  TORCH_CHECK(block_size >= 1 && block_size <= kMaxBlockSize, "block_size outside 1..",
+              kMaxBlockSize);
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && lengths.scalar_type() == torch::kInt64,
+              "int64 block tables and lengths");
+  const auto q = query.to(torch::kFloat32).contiguous();
+  const auto tables = block_tables.contiguous();
+  const auto lens = lengths.contiguous();
+  const int64_t batch = q.size(0), kv_heads = q.size(1), dim = q.size(3);
+  TORCH_CHECK(key_cache.size(0) == kv_heads && key_cache.size(2) == dim
+              && value_cache.sizes() == key_cache.sizes(), "cache geometry");
+  TORCH_CHECK(tables.size(0) == batch && lens.size(0) == batch, "one table per sequence");
+  const int64_t slots = key_cache.size(1), max_blocks = tables.size(1);
+  const int64_t* length_ptr = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(length_ptr[b] >= 1 && length_ptr[b] <= max_blocks * block_size,
+                "length outside the block table");
+  }
+  const int64_t* ids = tables.data_ptr<int64_t>();
+  for (int64_t i = 0; i < tables.numel(); ++i) {
+    TORCH_CHECK(ids[i] >= 0 && (ids[i] + 1) * block_size <= slots, "block id outside the cache");
+  }
+  auto out = torch::empty_like(q);
+  const auto scale_f = static_cast<float>(scale);
+  if (dtype == torch::kFloat32) {
+    attend_all<float>(q, key_cache, value_cache, tables, lens, block_size, scale_f, out);
+  } else {
+    attend_all<at::BFloat16>(q, key_cache, value_cache, tables, lens, block_size, scale_f, out);
+  }
+  return out.to(dtype);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "decode attention over the paged KV cache");
+#define NALAR_DIM(D) D,
+  m.attr("head_dims") = std::vector<int64_t>{NALAR_HEAD_DIMS(NALAR_DIM)};
+#undef NALAR_DIM
+}
