@@ -8,6 +8,7 @@
 // result never depends on what else is in the batch.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
@@ -19,8 +20,9 @@
 
 namespace {
 
-constexpr int64_t kLanes = 16;  // partial sums per dot product: one AVX512 register of floats
+using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kMaxBlockSize = 256;
+constexpr int64_t kMaxRows = 16;  // query heads per KV head
 
 inline float widen(float x) { return x; }
 
@@ -32,22 +34,36 @@ inline float widen(at::BFloat16 x) {
   return out;
 }
 
-// q . k in a fixed order: kLanes vertical partial sums (vectorised without reassociating),
-// then summed pairwise (a shuffle tree, not a serial chain).
-template <typename T, int64_t D>
-inline float dot(const float* __restrict q, const T* __restrict k) {
-  static_assert(D % kLanes == 0, "head_dim must be a multiple of 16");
-  float lanes[kLanes] = {};
-  for (int64_t d = 0; d < D; d += kLanes) {
-    for (int64_t j = 0; j < kLanes; ++j) lanes[j] += q[d + j] * widen(k[d + j]);
-  }
-  for (int64_t width = kLanes / 2; width > 0; width /= 2) {
-    for (int64_t j = 0; j < width; ++j) lanes[j] += lanes[j + width];
-  }
-  return lanes[0];
+// A block's keys or values as fp32: the cache itself in fp32, a widened copy (in `scratch`,
+// at most kMaxBlockSize x D floats) in bf16, made once for all the rows of a KV head.
+inline const float* as_float(const float* block, int64_t, float*) { return block; }
+
+inline const float* as_float(const at::BFloat16* block, int64_t count, float* scratch) {
+  for (int64_t i = 0; i < count; ++i) scratch[i] = widen(block[i]);
+  return scratch;
 }
 
-using Vec = at::vec::Vectorized<float>;
+// Asks for the next block's keys and values while this one is computed: blocks lie scattered
+// over the pool, so the hardware prefetcher would only start on each at its first miss.
+template <typename T>
+inline void prefetch_block(const T* keys, const T* values, int64_t count) {
+  constexpr int64_t kLine = 64 / sizeof(T);
+  for (int64_t i = 0; i < count; i += kLine) {
+    __builtin_prefetch(keys + i);
+    __builtin_prefetch(values + i);
+  }
+}
+
+// q . k over D floats: vector partial sums, then one shuffle-tree reduction (a fixed order).
+template <int64_t D>
+inline float dot(const float* q, const float* k) {
+  static_assert(D % Vec::size() == 0, "head_dim must be a multiple of the vector width");
+  Vec sum(0.f);
+  for (int64_t d = 0; d < D; d += Vec::size()) {
+    sum = at::vec::fmadd(Vec::loadu(q + d), Vec::loadu(k + d), sum);
+  }
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum);
+}
 
 // p[t] = exp(s[t] - max) for t < n, in place, returning their sum: the exponential torch's
 // own CPU flash attention uses (exp_u20), a vector at a time.
@@ -61,47 +77,53 @@ inline float exp_shifted(float* s, float max, int64_t n) {
   return sum;
 }
 
-// One query row over its first `length` cached tokens. D is a compile-time head size, so the
-// accumulator lives in registers and every loop over it is unrolled and vectorised.
-template <typename T, int64_t D>
-void attend_row(const float* __restrict q, const T* __restrict keys,
-                const T* __restrict values, const int64_t* table, int64_t length,
-                int64_t block_size, float scale, float* __restrict out) {
-  float acc[D] = {};
-  float probs[kMaxBlockSize];
-  float running_max = -std::numeric_limits<float>::infinity();
-  float running_sum = 0.f;
-  for (int64_t start = 0; start < length; start += block_size) {
-    const int64_t n = std::min(block_size, length - start);
-    const int64_t slot = table[start / block_size] * block_size;
-    const T* k_block = keys + slot * D;
-    const T* v_block = values + slot * D;
-    float block_max = running_max;
-    for (int64_t t = 0; t < n; ++t) {
-      probs[t] = dot<T, D>(q, k_block + t * D) * scale;
-      block_max = std::max(block_max, probs[t]);
-    }
-    // Rescale what was summed under the old maximum.
-    const float correction = std::exp(running_max - block_max);
-    for (int64_t d = 0; d < D; ++d) acc[d] *= correction;
-    running_sum = running_sum * correction + exp_shifted(probs, block_max, n);
-    for (int64_t t = 0; t < n; ++t) {
-      const T* v = v_block + t * D;
-      for (int64_t d = 0; d < D; ++d) acc[d] += probs[t] * widen(v[d]);
-    }
-    running_max = block_max;
-  }
-  const float inv = 1.f / running_sum;
-  for (int64_t d = 0; d < D; ++d) out[d] = acc[d] * inv;
-}
-
-// The rows of one (sequence, KV head): the query heads sharing that KV head. Row after row,
-// so the later rows find the context's blocks in cache.
+// The `rows` query heads sharing one KV head, over the first `length` tokens of one
+// sequence's context, block after block (flash attention's online softmax: a running
+// maximum and sum per row). D is a compile-time head size, so every loop over a head is
+// unrolled into whole vectors.
 template <typename T, int64_t D>
 void attend_rows(const float* q, const T* keys, const T* values, const int64_t* table,
                  int64_t length, int64_t rows, int64_t block_size, float scale, float* out) {
+  float acc[kMaxRows * D] = {};
+  float running_max[kMaxRows], running_sum[kMaxRows] = {};
+  std::fill(running_max, running_max + rows, -std::numeric_limits<float>::infinity());
+  std::vector<float> k_scratch(block_size * D), v_scratch(block_size * D);
+  float probs[kMaxBlockSize];
+  for (int64_t start = 0; start < length; start += block_size) {
+    const int64_t n = std::min(block_size, length - start);
+    const int64_t slot = table[start / block_size] * block_size;
+    if (start + block_size < length) {
+      const int64_t next = table[start / block_size + 1] * block_size * D;
+      const int64_t next_n = std::min(block_size, length - start - block_size);
+      prefetch_block(keys + next, values + next, next_n * D);
+    }
+    const float* k = as_float(keys + slot * D, n * D, k_scratch.data());
+    const float* v = as_float(values + slot * D, n * D, v_scratch.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      float block_max = running_max[r];
+      for (int64_t t = 0; t < n; ++t) {
+        probs[t] = dot<D>(q + r * D, k + t * D) * scale;
+        block_max = std::max(block_max, probs[t]);
+      }
+      // Rescale what was summed under the old maximum.
+      const float correction = std::exp(running_max[r] - block_max);
+      running_sum[r] = running_sum[r] * correction + exp_shifted(probs, block_max, n);
+      running_max[r] = block_max;
+      float* row_acc = acc + r * D;
+      for (int64_t d = 0; d < D; d += Vec::size()) {
+        Vec sum = Vec::loadu(row_acc + d) * Vec(correction);
+        for (int64_t t = 0; t < n; ++t) {
+          sum = at::vec::fmadd(Vec(probs[t]), Vec::loadu(v + t * D + d), sum);
+        }
+        sum.store(row_acc + d);
+      }
+    }
+  }
   for (int64_t r = 0; r < rows; ++r) {
-    attend_row<T, D>(q + r * D, keys, values, table, length, block_size, scale, out + r * D);
+    const Vec inv(1.f / running_sum[r]);
+    for (int64_t d = 0; d < D; d += Vec::size()) {
+      (Vec::loadu(acc + r * D + d) * inv).store(out + r * D + d);
+    }
   }
 }
 
@@ -162,6 +184,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "contiguous caches");
   TORCH_CHECK(block_size >= 1 && block_size <= kMaxBlockSize, "block_size outside 1..",
               kMaxBlockSize);
+  TORCH_CHECK(query.size(2) <= kMaxRows, "more than ", kMaxRows, " query heads per KV head");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && lengths.scalar_type() == torch::kInt64,
               "int64 block tables and lengths");
   const auto q = query.to(torch::kFloat32).contiguous();
