@@ -13,10 +13,11 @@ cache slots, then:
   chunk over a long cached context costs what the same tokens cost unchunked.
 - *decodes* (one new token each) are grouped by context length and each group attends in one
   call to its sequences' blocks. GQA is folded: the query heads that share a KV head become
-  rows of one query, so K/V are never expanded per query head. In fp32 on a CPU the call is
-  our native kernel (``workers.kernels``), which reads the blocks where they lie; otherwise
-  (bf16, where oneDNN's attention measured faster, GPUs, no compiler) the blocks are gathered
-  into a copy for torch's attention (:func:`decode_kernel`).
+  rows of one query, so K/V are never expanded per query head. On a CPU (fp32, and bf16
+  without AMX) the call is our native kernel (``workers.kernels``), which reads the blocks
+  where they lie; otherwise (bf16 with AMX, where oneDNN's attention measured faster, GPUs,
+  no compiler) the blocks are gathered into a copy for torch's attention
+  (:func:`decode_kernel`).
 - *verification blocks* (a decode token followed by ``k`` draft tokens, speculative decoding)
   take the decode path with ``k + 1`` query rows per sequence and a causal mask over the
   gathered context, so every speculating sequence of a step is verified in the same batched
