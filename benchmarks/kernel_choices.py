@@ -103,15 +103,17 @@ def _decode_case(cache, batch: int, context: int, repeats: int) -> dict:
                                      batch * -(-context // DECODE_BLOCK))
     per_row = len(blocks) // batch
     tables = [blocks[i * per_row:(i + 1) * per_row] for i in range(batch)]
-    group = paged_attention.build_metadata(cache, tables, [context - 1] * batch, [1] * batch,
-                                           torch.device("cpu")).decode_groups[0]
+    groups = {native: paged_attention.build_metadata(
+        cache, tables, [context - 1] * batch, [1] * batch, torch.device("cpu"),
+        native_decode=native).decode_groups[0] for native in (False, True)}
     query = torch.randn(batch, HEADS, HEAD_DIM).to(cache.keys[0].dtype)
 
     def gathered():
-        return paged_attention._attend_gathered(0, query, group, cache, HEAD_DIM ** -0.5)
+        return paged_attention._attend_gathered(0, query, groups[False], cache,
+                                                HEAD_DIM ** -0.5)
 
     def native():
-        return paged_attention._attend_decodes_in_place(0, query, group, cache,
+        return paged_attention._attend_decodes_in_place(0, query, groups[True], cache,
                                                         HEAD_DIM ** -0.5)
 
     entry = {"gather_ms": common.median_time(gathered, repeats) * 1e3, "native_ms": None,

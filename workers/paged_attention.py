@@ -73,6 +73,8 @@ class DecodeGroup:
         block_ids: ``[B * M]`` each sequence's block table, padded with the cache's scratch
             block to the group's longest, ``M`` blocks.
         lengths: ``[B]`` int64 tokens each sequence's last query row sees (its context).
+        native: attended by the native kernel in place (``q_len == 1`` and the kernel chosen
+            for this cache); it needs no ``mask`` or ``padding``, so they are None.
         mask: ``[B, 1, q_len, M * block_size]`` True where query row ``j`` of a sequence may
             attend (its context up to and including its own position); None when
             ``q_len == 1`` and every context fills the padded length exactly.
@@ -86,6 +88,7 @@ class DecodeGroup:
     q_len: int
     block_ids: torch.Tensor
     lengths: torch.Tensor
+    native: bool
     mask: torch.Tensor | None
     padding: torch.Tensor | None
 
@@ -121,7 +124,8 @@ class AttentionMetadata:
 
 def build_metadata(kv_cache: PagedKVCache, block_tables: list[list[int]],
                    num_computed: list[int], num_new: list[int],
-                   device: torch.device, verify: list[bool] | None = None) -> AttentionMetadata:
+                   device: torch.device, verify: list[bool] | None = None,
+                   native_decode: bool | None = None) -> AttentionMetadata:
     """Metadata for a step where sequence ``i`` already has ``num_computed[i]`` tokens cached
     and computes ``num_new[i]`` more, its rows following those of sequence ``i - 1``.
 
@@ -129,6 +133,10 @@ def build_metadata(kv_cache: PagedKVCache, block_tables: list[list[int]],
     take the batched short-query path instead of the per-sequence span path. Work is
     proportional to the step's new tokens and block-table lengths, never to a sequence's whole
     context in slots.
+
+    ``native_decode``: whether plain decodes take the native kernel; by default
+    :func:`decode_kernel`'s choice for the cache, made here once per step rather than per
+    layer.
     """
     block_size = kv_cache.block_size
     verify = verify or [False] * len(num_new)
@@ -147,7 +155,10 @@ def build_metadata(kv_cache: PagedKVCache, block_tables: list[list[int]],
             spans.append(_span(row, computed, new, table, block_size, device))
         row += new
     metadata = AttentionMetadata(kv_cache, torch.tensor(slots, device=device), spans)
-    metadata.decode_groups = [_decode_group(group, kv_cache, device)
+    if native_decode is None:
+        keys = kv_cache.keys[0]
+        native_decode = decode_kernel(keys.dtype, keys.device, keys.shape[-1]) == NATIVE_DECODE
+    metadata.decode_groups = [_decode_group(group, kv_cache, device, native_decode)
                               for group in _group_short_queries(short)]
     return metadata
 
@@ -174,9 +185,10 @@ def _group_short_queries(queries: list[_ShortQuery]) -> list[list[_ShortQuery]]:
     return groups
 
 
-def _decode_group(group: list[_ShortQuery], kv_cache: PagedKVCache,
-                  device: torch.device) -> DecodeGroup:
+def _decode_group(group: list[_ShortQuery], kv_cache: PagedKVCache, device: torch.device,
+                  native_decode: bool) -> DecodeGroup:
     q_len = group[0].q_len
+    native = native_decode and q_len == 1
     blocks_per_row = max(len(query.table) for query in group)
     padded_len = blocks_per_row * kv_cache.block_size
     block_ids = []
@@ -184,7 +196,7 @@ def _decode_group(group: list[_ShortQuery], kv_cache: PagedKVCache,
         pad = blocks_per_row - len(query.table)
         block_ids.extend(query.table + [kv_cache.scratch_block] * pad)
     mask = padding = None
-    if q_len > 1 or any(query.length != padded_len for query in group):
+    if not native and (q_len > 1 or any(query.length != padded_len for query in group)):
         # query row j of a sequence sees its first length - q_len + 1 + j tokens
         visible = torch.tensor([[query.length - q_len + 1 + j for j in range(q_len)]
                                 for query in group])
@@ -194,8 +206,8 @@ def _decode_group(group: list[_ShortQuery], kv_cache: PagedKVCache,
     rows = torch.tensor([query.row + j for query in group for j in range(q_len)],
                         device=device)
     lengths = torch.tensor([query.length for query in group], device=device)
-    return DecodeGroup(rows, q_len, torch.tensor(block_ids, device=device), lengths, mask,
-                       padding)
+    return DecodeGroup(rows, q_len, torch.tensor(block_ids, device=device), lengths, native,
+                       mask, padding)
 
 
 def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -286,8 +298,7 @@ def decode_kernel(dtype: torch.dtype, device: torch.device, head_dim: int) -> st
 
 def _attend_decodes(layer: int, query: torch.Tensor, group: DecodeGroup, cache: PagedKVCache,
                     scale: float) -> torch.Tensor:
-    native = decode_kernel(query.dtype, query.device, query.shape[-1]) == NATIVE_DECODE
-    if group.q_len == 1 and native:
+    if group.native:
         return _attend_decodes_in_place(layer, query, group, cache, scale)
     return _attend_gathered(layer, query, group, cache, scale)
 

@@ -84,3 +84,21 @@ def test_the_native_path_is_taken_on_a_cpu_for_its_head_sizes_and_bf16_only_with
         paged_decode().paged_decode_attention(torch.zeros(1, 1, 1, 8), torch.zeros(1, 4, 8),
                                               torch.zeros(1, 4, 8), torch.tensor([[0]]),
                                               torch.tensor([1]), 4, 1.0)
+
+
+def test_native_decode_groups_are_chosen_once_per_step_and_carry_no_mask():
+    from workers.kv_cache import PagedKVCache
+    cache = PagedKVCache(1, 8, BLOCK, KV_HEADS, DIM, torch.float32, CPU)
+    tables, computed = [[0, 1, 2], [3, 4]], [10, 5]  # contexts 11 and 6: padded to 12
+    native = paged_attention.build_metadata(cache, tables, computed, [1, 1], CPU)
+    gathered = paged_attention.build_metadata(cache, tables, computed, [1, 1], CPU,
+                                              native_decode=False)
+    [group] = native.decode_groups
+    assert group.native and group.mask is None and group.padding is None
+    assert group.lengths.tolist() == [11, 6]
+    [group] = gathered.decode_groups
+    assert not group.native and group.mask is not None and len(group.padding) == 1 + 6
+    # A verification block (q_len 2) never takes the native path, which has no causal mask.
+    verify = paged_attention.build_metadata(cache, tables, computed, [2, 1], CPU,
+                                            verify=[True, False])
+    assert [(g.q_len, g.native) for g in verify.decode_groups] == [(2, False), (1, True)]

@@ -1,9 +1,9 @@
 """Native CPU kernels of our own, compiled once per machine and kept in the model cache.
 
-:func:`paged_decode` reads decode attention straight from the paged KV cache (fp32). Without
-it, a decode step gathers every sequence's blocks into a copy before torch's attention: at
-batch 16 and 330-token contexts on a 2-core AVX2 EPYC, that gather took 14.5 ms and the
-attention 14.3 ms of a 78 ms step (``torch.profiler``). The kernel is built with
+:func:`paged_decode` reads decode attention straight from the paged KV cache (fp32 or bf16).
+Without it, a decode step gathers every sequence's blocks into a copy before torch's
+attention: at batch 16 and 330-token contexts in fp32 on a 2-core AMD EPYC, that gather took
+14.5 ms and the attention 14.3 ms of a 78 ms step (``torch.profiler``). The kernel is built with
 ``torch.utils.cpp_extension`` on first use, for this CPU (``-march=native``; the build's name
 carries torch's CPU capability, so another CPU builds its own), under
 ``$NALAR_CACHE_DIR/kernels`` (default ``~/.cache/nalar/kernels``). ``make`` builds it at
@@ -51,8 +51,10 @@ def paged_decode() -> ModuleType | None:
     built (logged once). Its ``paged_decode_attention(query, key_cache, value_cache,
     block_tables, lengths, block_size, scale)`` takes query ``[B, kv_heads, R, D]`` (the R
     query heads sharing each KV head), caches ``[kv_heads, slots, D]``, ``[B, M]`` int64
-    block tables and ``[B]`` int64 context lengths, all float32 on CPU, and returns
-    ``[B, kv_heads, R, D]``; it raises RuntimeError for other dtypes or inconsistent shapes."""
+    block tables and ``[B]`` int64 context lengths on CPU, query and caches all float32 or all
+    bfloat16, and returns ``[B, kv_heads, R, D]`` in their dtype (computed in float32); it
+    raises RuntimeError for other dtypes, head sizes outside ``head_dims``, block ids or
+    lengths outside the cache, or inconsistent shapes."""
     if os.environ.get(DISABLE_VARIABLE, "1") == "0":
         return None
     from torch.utils import cpp_extension
