@@ -69,14 +69,9 @@ def test_native_decode_is_batch_invariant_and_refuses_bad_tables(dtype):
                                       LENGTHS[:1], BLOCK, 0.3)
 
 
-def test_the_native_path_is_taken_on_a_cpu_for_its_head_sizes_and_bf16_only_without_amx(
-        monkeypatch):
+def test_the_native_path_is_taken_on_a_cpu_for_its_dtypes_and_head_sizes():
     assert decode_kernel(torch.float32, CPU, 64) == NATIVE_DECODE
-    monkeypatch.setattr(paged_attention, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
     assert decode_kernel(torch.bfloat16, CPU, 64) == NATIVE_DECODE
-    monkeypatch.setattr(paged_attention, "cpu_flags", lambda: frozenset({"amx_bf16"}))
-    assert decode_kernel(torch.bfloat16, CPU, 64) == GATHER_DECODE
-    assert decode_kernel(torch.float32, CPU, 64) == NATIVE_DECODE
     assert decode_kernel(torch.float16, CPU, 64) == GATHER_DECODE
     assert decode_kernel(torch.float32, torch.device("meta"), 64) == GATHER_DECODE
     assert decode_kernel(torch.float32, CPU, 8) == GATHER_DECODE  # no such head size

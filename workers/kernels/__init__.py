@@ -62,11 +62,15 @@ def paged_decode() -> ModuleType | None:
     capability = torch.backends.cpu.get_cpu_capability()  # DEFAULT, AVX2, AVX512...
     name = f"nalar_paged_decode_{capability.lower()}"
     # ATen's vector types pick their implementation from CPU_CAPABILITY_<name>, as torch's
-    # own kernels are built.
-    flags = ["-O3", "-march=native", f"-DCPU_CAPABILITY={capability}",
+    # own kernels are built. at::parallel_for is an inline OpenMP loop: without -fopenmp it
+    # compiles to a serial one (measured: 2 threads no faster than 1). The libgomp it links
+    # has torch's soname, so the loader binds it to the runtime torch already loaded, and
+    # torch.set_num_threads governs both.
+    flags = ["-O3", "-march=native", "-fopenmp", f"-DCPU_CAPABILITY={capability}",
              f"-DCPU_CAPABILITY_{capability}"]
     try:
         return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags,
+                                  extra_ldflags=["-fopenmp"],
                                   build_directory=str(_build_dir(name)), verbose=False)
     except Exception as exc:  # no compiler, headers or toolchain: keep the gather path
         logger.warning("native paged decode attention unavailable (%s); gathering K/V instead",
