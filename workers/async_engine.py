@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from workers.engine import LLMEngine, StepFailedError
+from workers.heap_trim import HeapTrimmer
 from workers.kv_events import KVEvent
 from workers.request import GenerationChunk, GenerationRequest
 
@@ -54,12 +55,16 @@ class AsyncEngine:
     Args:
         engine: the engine to drive; only this class's thread touches it after construction.
         on_events: called from the engine thread with each step's KV events (must not block).
+        heap_trimmer: returns the C heap's free pages between steps (default: every
+            :data:`~workers.heap_trim.TRIM_INTERVAL_S` seconds).
     """
 
     def __init__(self, engine: LLMEngine,
-                 on_events: Callable[[list[KVEvent]], None] | None = None):
+                 on_events: Callable[[list[KVEvent]], None] | None = None,
+                 heap_trimmer: HeapTrimmer | None = None):
         self.engine = engine
         self._on_events = on_events
+        self.heap_trimmer = heap_trimmer or HeapTrimmer()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._stopped = threading.Event()
@@ -149,6 +154,7 @@ class AsyncEngine:
         self._publish(self.engine.drain_events())
         for chunk in chunks:
             self._deliver(chunk)
+        self.heap_trimmer.maybe_trim()
 
     def _die(self, error: EngineDeadError) -> None:
         """Mark the engine dead, then fail every stream and every queued request."""
