@@ -21,9 +21,10 @@ from collections.abc import Callable
 log = logging.getLogger(__name__)
 
 TRIM_INTERVAL_S = 10.0
-"""Seconds between two trims: long enough that a trim's cost (about a millisecond for a
-worker's heap, ``tests/workers/test_heap_trim.py`` measures it) is far below 0.1% of the
-engine's time, short enough that RSS follows live memory within one soak sample."""
+"""Seconds between two trims: long enough that a trim's cost is under 0.1% of the engine's
+time (1 to 7 ms measured in an engine process serving SmolLM2-135M at batch 16; the first
+trim, after the prompts' prefill, took RSS from 1,617 to 1,457 MiB, later ones about 14 MiB),
+short enough that RSS follows live memory within a couple of soak samples."""
 
 
 def _glibc_malloc_trim() -> Callable[[int], int] | None:
