@@ -38,6 +38,8 @@ class ModelRunner:
             transformers path); see ``workers.models.linear``.
         decode_kernel: what plain decodes attend with (``native-paged`` or ``gather-sdpa``);
             see ``workers.paged_attention.decode_kernel``.
+        norm_kernel: what the compact path's RMSNorms run on (``native`` or ``torch``; ``torch``
+            on the transformers path); see ``workers.models.norm``.
     """
 
     def __init__(self, model: PreTrainedModel, kv_cache: PagedKVCache):
@@ -49,6 +51,7 @@ class ModelRunner:
         self.linear_kernel = (linear_kernel(model.dtype, model.device)
                               if self._compact is not None else "aten")
         self.decode_kernel = decode_kernel(model.dtype, model.device, kv_cache.keys[0].shape[-1])
+        self.norm_kernel = self._compact.norm_kernel if self._compact is not None else "torch"
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
     @torch.inference_mode()

@@ -130,7 +130,7 @@ def test_p4_model_numerics_are_identity(tiny_qwen, tiny_qwen_bf16, make_engine):
     bf16 = make_engine(tiny_qwen_bf16, num_blocks=16)
     assert tiny_qwen.model_digest != tiny_qwen_bf16.model_digest
     # only the dtype differs here (and, with it, possibly the kernels chosen for it)
-    kernels = r"\|(linear|decode)=[^|]*"
+    kernels = r"\|(linear|decode|norm)=[^|]*"
     assert (re.sub(kernels, "", fp32.identity.numerics)
             == re.sub(kernels, "", bf16.identity.numerics))
     assert fp32.identity.model_key != bf16.identity.model_key

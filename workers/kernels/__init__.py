@@ -9,6 +9,10 @@ carries torch's CPU capability, so another CPU builds its own), under
 ``$NALAR_CACHE_DIR/kernels`` (default ``~/.cache/nalar/kernels``). ``make`` builds it at
 install (``python -m workers.kernels``), so a worker's start only loads it. Where no compiler
 is found, or ``NALAR_NATIVE_KERNELS=0``, it is None and attention keeps the gather path.
+
+:func:`rms_norm` is the Llama family's RMSNorm in one call instead of eight torch ops, with
+the same rounding points, and :func:`rope` the rotary embedding in one call instead of six,
+bit-identical; without them the torch ops serve.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_decode.cpp")
+KERNELS = Path(__file__).parent
 DISABLE_VARIABLE = "NALAR_NATIVE_KERNELS"
 
 
@@ -45,7 +49,6 @@ def _put_ninja_on_path() -> None:
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
-@functools.cache
 def paged_decode() -> ModuleType | None:
     """The compiled decode-attention extension, or None where it is disabled or cannot be
     built (logged once). Its ``paged_decode_attention(query, key_cache, value_cache,
@@ -55,24 +58,48 @@ def paged_decode() -> ModuleType | None:
     bfloat16, and returns ``[B, kv_heads, R, D]`` in their dtype (computed in float32); it
     raises RuntimeError for other dtypes, head sizes outside ``head_dims``, block ids or
     lengths outside the cache, or inconsistent shapes."""
+    return _build("paged_decode")
+
+
+def rms_norm() -> ModuleType | None:
+    """The compiled RMSNorm extension, or None where it is disabled or cannot be built. Its
+    ``rms_norm(x, weight, eps)`` takes ``x`` ``[T, H]`` and ``weight`` ``[H]``, both float32
+    or both bfloat16, and returns ``[T, H]`` in their dtype, rounded as transformers'
+    Llama-family RMSNorm modules round; it raises RuntimeError for other dtypes or shapes."""
+    return _build("rms_norm")
+
+
+def rope() -> ModuleType | None:
+    """The compiled RoPE extension, or None where it is disabled or cannot be built. Its
+    ``rope(x, cos, sin)`` takes ``x`` ``[T, H, D]`` (unit stride within a head) and ``cos``,
+    ``sin`` ``[T, D]``, all float32 or all bfloat16, and returns a contiguous ``[T, H, D]``
+    bit-identical to transformers' half-split rotation; it raises RuntimeError for other
+    dtypes or shapes."""
+    return _build("rope")
+
+
+@functools.cache
+def _build(stem: str) -> ModuleType | None:
+    """Compile (or load the cached build of) ``<stem>.cpp`` for this CPU."""
     if os.environ.get(DISABLE_VARIABLE, "1") == "0":
         return None
     from torch.utils import cpp_extension
     _put_ninja_on_path()
     capability = torch.backends.cpu.get_cpu_capability()  # DEFAULT, AVX2, AVX512...
-    name = f"nalar_paged_decode_{capability.lower()}"
+    name = f"nalar_{stem}_{capability.lower()}"
     # ATen's vector types pick their implementation from CPU_CAPABILITY_<name>, as torch's
     # own kernels are built. at::parallel_for is an inline OpenMP loop: without -fopenmp it
     # compiles to a serial one (measured: 2 threads no faster than 1). The libgomp it links
     # has torch's soname, so the loader binds it to the runtime torch already loaded, and
-    # torch.set_num_threads governs both.
-    flags = ["-O3", "-march=native", "-fopenmp", f"-DCPU_CAPABILITY={capability}",
-             f"-DCPU_CAPABILITY_{capability}"]
+    # torch.set_num_threads governs both. No implicit fused multiply-adds: the kernels round
+    # where torch's separate ops round (RoPE is bit-identical to torch's).
+    flags = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off",
+             f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
     try:
-        return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags,
-                                  extra_ldflags=["-fopenmp"],
+        return cpp_extension.load(name=name, sources=[str(KERNELS / f"{stem}.cpp")],
+                                  extra_cflags=flags, extra_ldflags=["-fopenmp"],
                                   build_directory=str(_build_dir(name)), verbose=False)
-    except Exception as exc:  # no compiler, headers or toolchain: keep the gather path
-        logger.warning("native paged decode attention unavailable (%s); gathering K/V instead",
-                       exc)
+    except Exception as exc:  # no compiler, headers or toolchain: keep the torch path
+        logger.warning("native kernel %s unavailable (%s); the torch path serves instead",
+                       stem, exc)
         return None

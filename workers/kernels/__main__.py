@@ -2,7 +2,9 @@
 that no worker compiles them at start-up. Exits 0 either way: without a compiler the engine
 runs its torch-only path."""
 
-from workers.kernels import paged_decode
+from workers.kernels import paged_decode, rms_norm, rope
 
 if __name__ == "__main__":
-    print("paged decode attention:", "built" if paged_decode() is not None else "unavailable")
+    for name, build in (("paged decode attention", paged_decode), ("RMSNorm", rms_norm),
+                        ("RoPE", rope)):
+        print(f"{name}:", "built" if build() is not None else "unavailable")

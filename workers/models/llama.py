@@ -1,11 +1,12 @@
 """The Llama-style decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over the paged KV cache.
 
 Compared with running transformers' modules with our attention plugged in, this removes the
-per-layer module dispatch and reshapes, and fuses the q/k/v projections into one matmul and
-the gate/up projections into another (4 instead of 7 matmuls per layer, as vLLM and nano-vllm
-do). The fused weights are built once; the transformers modules' weights become views into
-them, so the model is held in memory once and the transformers model keeps working (tests run
-it as the reference).
+per-layer module dispatch and reshapes, fuses the q/k/v projections into one matmul and the
+gate/up projections into another (4 instead of 7 matmuls per layer, as vLLM and nano-vllm do),
+and runs each norm and each RoPE in one native call (``workers.models.norm``,
+``workers.models.rotary``). The fused weights are built once; the transformers modules'
+weights become views into them, so the model is held in memory once and the transformers
+model keeps working (tests run it as the reference).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from workers.models.linear import Linear
+from workers.models.norm import NATIVE_NORM, RMSNorm, norm_kernel
+from workers.models.rotary import rotate
 from workers.paged_attention import AttentionMetadata, paged_attention
 
 
@@ -34,22 +37,14 @@ def _fuse(linears: list[nn.Linear]) -> Linear:
     return Linear(weight, bias)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE (Su et al. 2021) in transformers' half-split layout: ``x`` ``[T, heads, dim]``,
-    ``cos``/``sin`` ``[T, 1, dim]``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class _Layer:
     """One decoder layer: pre-norm attention and pre-norm gated MLP, each with a residual."""
 
-    def __init__(self, layer: nn.Module, index: int):
+    def __init__(self, layer: nn.Module, index: int, native_norm: bool):
         attn, mlp = layer.self_attn, layer.mlp
         self.index = index
-        self.input_norm = layer.input_layernorm
-        self.post_attention_norm = layer.post_attention_layernorm
+        self.input_norm = RMSNorm(layer.input_layernorm, native_norm)
+        self.post_attention_norm = RMSNorm(layer.post_attention_layernorm, native_norm)
         self.head_dim = attn.head_dim
         self.num_heads = attn.q_proj.out_features // attn.head_dim
         self.num_kv_heads = attn.k_proj.out_features // attn.head_dim
@@ -78,7 +73,7 @@ class _Layer:
         v = v.view(rows, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         out = paged_attention(self.index, q, k, v, metadata, self.scale)
         return self.o_proj(out.view(rows, q_size))
 
@@ -97,11 +92,13 @@ class LlamaStyleDecoder:
 
     def __init__(self, model: PreTrainedModel):
         inner = model.model
+        self.norm_kernel = norm_kernel(model.dtype, model.device)
+        native = self.norm_kernel == NATIVE_NORM
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
-        self.norm = inner.norm
+        self.norm = RMSNorm(inner.norm, native)
         self.lm_head = Linear.of(model.lm_head)
-        self.layers = [_Layer(layer, i) for i, layer in enumerate(inner.layers)]
+        self.layers = [_Layer(layer, i, native) for i, layer in enumerate(inner.layers)]
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  metadata: AttentionMetadata, sample_index: torch.Tensor) -> torch.Tensor:
@@ -118,7 +115,7 @@ class LlamaStyleDecoder:
         """
         hidden = self.embed(input_ids)
         cos, sin = self.rotary(hidden, positions.unsqueeze(0))
-        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
+        cos, sin = cos[0], sin[0]  # [T, head_dim]
         for layer in self.layers:
             hidden = layer(hidden, cos, sin, metadata)
         # The final norm is per row: normalising only the sampled rows gives the same values.
