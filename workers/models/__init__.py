@@ -1,9 +1,10 @@
 """Compact model implementations the engine runs instead of transformers' modules.
 
-Only the step's structure is ours (one flat batch of rows, fused projections, paged attention);
-the weights, norms, activations and RoPE tables stay transformers' own objects, so numerics
-match the reference implementation op for op. Architectures without an entry here run through
-transformers' modules with the paged attention plugged in (``workers.model_runner``).
+The step's structure is ours (one flat batch of rows, fused projections, paged attention), and
+so are two small kernels that round where transformers' ops round: RoPE (bit-identical) and
+RMSNorm (its variance summed in another order). The weights, activations and RoPE tables stay
+transformers' own objects. Architectures without an entry here run through transformers'
+modules with the paged attention plugged in (``workers.model_runner``).
 """
 
 from __future__ import annotations
