@@ -109,14 +109,21 @@ void attend_rows(const float* q, const T* keys, const T* values, const int64_t* 
       const float correction = std::exp(running_max[r] - block_max);
       running_sum[r] = running_sum[r] * correction + exp_shifted(probs, block_max, n);
       running_max[r] = block_max;
+      // Tokens outer, the head's D / W vectors inner: D / W independent FMA chains, where
+      // one chain per vector over the tokens would wait on each FMA's latency.
+      constexpr int64_t kVectors = D / Vec::size();
       float* row_acc = acc + r * D;
-      for (int64_t d = 0; d < D; d += Vec::size()) {
-        Vec sum = Vec::loadu(row_acc + d) * Vec(correction);
-        for (int64_t t = 0; t < n; ++t) {
-          sum = at::vec::fmadd(Vec(probs[t]), Vec::loadu(v + t * D + d), sum);
-        }
-        sum.store(row_acc + d);
+      Vec sums[kVectors];
+      for (int64_t j = 0; j < kVectors; ++j) {
+        sums[j] = Vec::loadu(row_acc + j * Vec::size()) * Vec(correction);
       }
+      for (int64_t t = 0; t < n; ++t) {
+        const Vec p(probs[t]);
+        for (int64_t j = 0; j < kVectors; ++j) {
+          sums[j] = at::vec::fmadd(p, Vec::loadu(v + t * D + j * Vec::size()), sums[j]);
+        }
+      }
+      for (int64_t j = 0; j < kVectors; ++j) sums[j].store(row_acc + j * Vec::size());
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
