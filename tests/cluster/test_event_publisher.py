@@ -219,12 +219,21 @@ async def test_an_empty_cache_is_not_resynced_at_every_heartbeat(cache_state):
     assert index.publishes == 1  # the clean slate at start
     await asyncio.sleep(0.1)  # about ten heartbeats, each finding no entry (nothing held)
     assert index.publishes == 1
+    await publisher.close()
 
-    cache_state.append(digest(1))  # the first block: the publish creates the entry itself
+
+async def test_the_first_blocks_publish_creates_the_entry_without_a_resync(cache_state):
+    # No heartbeat in between (60 s): one queued ahead of the batch would see the new block
+    # with no entry and rightly resync, which is another case (the heartbeat tests above).
+    index = FlakyIndex()
+    publisher = EventPublisher(index, MODEL, WORKER, lambda: list(cache_state), heartbeat_s=60)
+    await publisher.flush()
+    assert index.publishes == 1  # the clean slate at start: no entry for an empty cache
+    cache_state.append(digest(1))
     publisher.submit_threadsafe([KVEvent("stored", [digest(1)])])
     await asyncio.sleep(0)
     await publisher.flush()
-    assert index.publishes == 2
+    assert index.publishes == 2  # the batch alone; no resync of the same block behind it
     assert await held(index, [digest(1)]) == 1
     await publisher.close()
 
