@@ -81,6 +81,8 @@ class DecodeGroup:
             or None. Their gathered K/V are zeroed before attention: a masked position gets
             probability 0, but 0 times a stale inf or NaN (left in the unused tail of a block
             by an earlier request, or in another request's block) is NaN.
+        row_index: ``rows`` as a slice when they are consecutive and ascending (indexing the
+            flat batch is then a view, not a gather), else ``rows`` itself.
     """
 
     rows: torch.Tensor
@@ -90,6 +92,8 @@ class DecodeGroup:
     native: bool
     mask: torch.Tensor | None
     padding: torch.Tensor | None
+
+    row_index: slice | torch.Tensor
 
 
 @dataclass
@@ -157,8 +161,14 @@ def build_metadata(kv_cache: PagedKVCache, block_tables: list[list[int]],
     if native_decode is None:
         keys = kv_cache.keys[0]
         native_decode = decode_kernel(keys.dtype, keys.device, keys.shape[-1]) == NATIVE_DECODE
+    # The native kernel reads each sequence to its own length, so plain decodes need no
+    # grouping by length: one call, in row order. The gather path pads each group to its
+    # longest context, so it groups contexts of similar length.
+    plain = [query for query in short if query.q_len == 1] if native_decode else []
+    groups = [plain] if plain else []
+    groups += _group_short_queries([query for query in short if not (plain and query.q_len == 1)])
     metadata.decode_groups = [_decode_group(group, kv_cache, device, native_decode)
-                              for group in _group_short_queries(short)]
+                              for group in groups]
     return metadata
 
 
@@ -202,11 +212,13 @@ def _decode_group(group: list[_ShortQuery], kv_cache: PagedKVCache, device: torc
         mask = (torch.arange(padded_len) < visible[..., None])[:, None].to(device)
         padding = torch.tensor([i * padded_len + pos for i, query in enumerate(group)
                                 for pos in range(query.length, padded_len)], device=device)
-    rows = torch.tensor([query.row + j for query in group for j in range(q_len)],
-                        device=device)
+    row_list = [query.row + j for query in group for j in range(q_len)]
+    rows = torch.tensor(row_list, device=device)
+    consecutive = row_list == list(range(row_list[0], row_list[0] + len(row_list)))
+    row_index = slice(row_list[0], row_list[0] + len(row_list)) if consecutive else rows
     lengths = torch.tensor([query.length for query in group], device=device)
     return DecodeGroup(rows, q_len, torch.tensor(block_ids, device=device), lengths, native,
-                       mask, padding)
+                       mask, padding, row_index)
 
 
 def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -225,11 +237,15 @@ def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: t
     """
     cache = metadata.kv_cache
     cache.write(layer, metadata.slot_mapping, key, value)
+    groups = metadata.decode_groups
+    if (not metadata.spans and len(groups) == 1 and isinstance(groups[0].row_index, slice)
+            and groups[0].row_index == slice(0, len(query))):  # a pure decode step, in order
+        return _attend_decodes(layer, query, groups[0], cache, scale)
     out = torch.empty_like(query)
     for span in metadata.spans:
         out[span.start:span.end] = _attend_span(layer, query, key, value, span, cache, scale)
-    for group in metadata.decode_groups:
-        out[group.rows] = _attend_decodes(layer, query, group, cache, scale)
+    for group in groups:
+        out[group.row_index] = _attend_decodes(layer, query, group, cache, scale)
     return out
 
 
@@ -337,7 +353,7 @@ def _attend_decodes_in_place(layer: int, query: torch.Tensor, group: DecodeGroup
     _, heads, head_dim = query.shape
     kv_heads = cache.keys[layer].shape[0]
     # Fold GQA as the gather path does: the query heads of KV head h are rows of one query.
-    q = query[group.rows].view(num_seqs, kv_heads, heads // kv_heads, head_dim)
+    q = query[group.row_index].reshape(num_seqs, kv_heads, heads // kv_heads, head_dim)
     out = paged_decode().paged_decode_attention(
         q, cache.keys[layer], cache.values[layer], group.block_ids.view(num_seqs, -1),
         group.lengths, cache.block_size, scale)

@@ -96,4 +96,22 @@ def test_native_decode_groups_are_chosen_once_per_step_and_carry_no_mask():
     # A verification block (q_len 2) never takes the native path, which has no causal mask.
     verify = paged_attention.build_metadata(cache, tables, computed, [2, 1], CPU,
                                             verify=[True, False])
-    assert [(g.q_len, g.native) for g in verify.decode_groups] == [(2, False), (1, True)]
+    assert [(g.q_len, g.native) for g in verify.decode_groups] == [(1, True), (2, False)]
+
+
+def test_native_plain_decodes_are_one_group_in_row_order_whatever_their_lengths():
+    from workers.kv_cache import PagedKVCache
+    cache = PagedKVCache(1, 16, BLOCK, KV_HEADS, DIM, torch.float32, CPU)
+    # contexts 2, 13 and 7 (more than 2x apart), then a verification block of 2 rows
+    tables, computed, new = [[0], [1, 2, 3, 4], [5, 6], [7, 8]], [1, 12, 6, 6], [1, 1, 1, 2]
+    native = paged_attention.build_metadata(cache, tables, computed, new, CPU,
+                                            verify=[False, False, False, True])
+    plain, verify = native.decode_groups
+    assert plain.native and plain.lengths.tolist() == [2, 13, 7]
+    assert plain.row_index == slice(0, 3)  # a view of the batch, not a gather
+    assert not verify.native and verify.rows.tolist() == [3, 4]
+    gathered = paged_attention.build_metadata(cache, tables, computed, new, CPU,
+                                              verify=[False, False, False, True],
+                                              native_decode=False)
+    assert [g.lengths.tolist() for g in gathered.decode_groups] == [[8], [13, 7], [2]]
+    assert gathered.decode_groups[1].rows.tolist() == [1, 2]
