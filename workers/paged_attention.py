@@ -11,12 +11,12 @@ cache slots, then:
   flash call; the two partial results are merged by their log-sum-exp (the split-softmax merge
   of flash-decoding, Dao et al. 2023). No mask or score matrix is ever materialised, and a
   chunk over a long cached context costs what the same tokens cost unchunked.
-- *decodes* (one new token each) are grouped by context length and each group attends in one
-  call to its sequences' blocks. GQA is folded: the query heads that share a KV head become
-  rows of one query, so K/V are never expanded per query head. On a CPU (fp32, and bf16
-  without AMX) the call is our native kernel (``workers.kernels``), which reads the blocks
-  where they lie; otherwise (bf16 with AMX, where oneDNN's attention measured faster, GPUs,
-  no compiler) the blocks are gathered into a copy for torch's attention
+- *decodes* (one new token each) attend to their sequences' blocks with GQA folded: the query
+  heads that share a KV head become rows of one query, so K/V are never expanded per query
+  head. On a CPU (fp32 and bf16) all of a step's decodes go to our native kernel
+  (``workers.kernels``) in one call; it reads the blocks where they lie, each sequence to its
+  own length. Otherwise (GPUs, other dtypes, no compiler) decodes are grouped by context length
+  and each group's blocks are gathered into a padded copy for torch's attention
   (:func:`decode_kernel`).
 - *verification blocks* (a decode token followed by ``k`` draft tokens, speculative decoding)
   take the decode path with ``k + 1`` query rows per sequence and a causal mask over the
@@ -92,7 +92,6 @@ class DecodeGroup:
     native: bool
     mask: torch.Tensor | None
     padding: torch.Tensor | None
-
     row_index: slice | torch.Tensor
 
 
@@ -164,9 +163,12 @@ def build_metadata(kv_cache: PagedKVCache, block_tables: list[list[int]],
     # The native kernel reads each sequence to its own length, so plain decodes need no
     # grouping by length: one call, in row order. The gather path pads each group to its
     # longest context, so it groups contexts of similar length.
-    plain = [query for query in short if query.q_len == 1] if native_decode else []
-    groups = [plain] if plain else []
-    groups += _group_short_queries([query for query in short if not (plain and query.q_len == 1)])
+    if native_decode:
+        plain = [query for query in short if query.q_len == 1]
+        groups = ([plain] if plain else []) + _group_short_queries(
+            [query for query in short if query.q_len > 1])
+    else:
+        groups = _group_short_queries(short)
     metadata.decode_groups = [_decode_group(group, kv_cache, device, native_decode)
                               for group in groups]
     return metadata

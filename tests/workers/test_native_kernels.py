@@ -67,6 +67,9 @@ def test_native_decode_is_batch_invariant_and_refuses_bad_tables(dtype):
     with pytest.raises(RuntimeError, match="all of one dtype"):
         kernel.paged_decode_attention(query[:1].half(), keys, values, TABLES[:1],
                                       LENGTHS[:1], BLOCK, 0.3)
+    with pytest.raises(RuntimeError, match="CPU tensors"):
+        kernel.paged_decode_attention(query[:1].to("meta"), keys.to("meta"), values.to("meta"),
+                                      TABLES[:1], LENGTHS[:1], BLOCK, 0.3)
 
 
 def test_the_native_path_is_taken_on_a_cpu_for_its_dtypes_and_head_sizes():

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.mistral.modeling_mistral import MistralRMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
@@ -31,7 +32,7 @@ def rows(count: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
     return (3 * torch.randn(count, HIDDEN, generator=generator)).to(dtype)
 
 
-@pytest.mark.parametrize("cls", [LlamaRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm])
+@pytest.mark.parametrize("cls", [LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm])
 @pytest.mark.parametrize("count", [1, 16, 2049])  # decode batches, and a prefill that forks
 def test_fp32_matches_the_module_to_float32_rounding(cls, count):
     norm, x = module(cls, torch.float32), rows(count, torch.float32)
@@ -79,3 +80,6 @@ def test_refusals():
         kernel.rms_norm(rows(2, torch.float32), torch.ones(HIDDEN + 1), 1e-5)
     with pytest.raises(RuntimeError, match="of one dtype"):
         kernel.rms_norm(rows(2, torch.float16), torch.ones(HIDDEN, dtype=torch.float16), 1e-5)
+    with pytest.raises(RuntimeError, match="CPU tensors"):
+        kernel.rms_norm(torch.zeros(2, HIDDEN, device="meta"),
+                        torch.zeros(HIDDEN, device="meta"), 1e-5)

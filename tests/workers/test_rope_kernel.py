@@ -55,3 +55,6 @@ def test_refusals():
         kernel.rope(q.transpose(1, 2), cos, sin)
     with pytest.raises(RuntimeError, match="an even head size"):
         kernel.rope(torch.zeros(4, 2, 5), torch.zeros(4, 5), torch.zeros(4, 5))
+    with pytest.raises(RuntimeError, match="CPU tensors"):
+        kernel.rope(torch.zeros(4, 2, 8, device="meta"), torch.zeros(4, 8, device="meta"),
+                    torch.zeros(4, 8, device="meta"))

@@ -182,6 +182,9 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& key_cache,
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache,
                                      torch::Tensor value_cache, torch::Tensor block_tables,
                                      torch::Tensor lengths, int64_t block_size, double scale) {
+  TORCH_CHECK(query.device().is_cpu() && key_cache.device().is_cpu()
+              && value_cache.device().is_cpu() && block_tables.device().is_cpu()
+              && lengths.device().is_cpu(), "CPU tensors");
   const auto dtype = query.scalar_type();
   TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16)
               && key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,

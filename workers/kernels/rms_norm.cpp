@@ -51,6 +51,7 @@ void norm_rows(const T* x, const T* weight, T* out, int64_t begin, int64_t end, 
 
 // x [T, H] float32 or bfloat16; weight [H] of x's dtype. Returns [T, H] in x's dtype.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "CPU tensors");
   const auto dtype = x.scalar_type();
   TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16)
               && weight.scalar_type() == dtype, "float32 or bfloat16 x and weight, of one dtype");

@@ -40,6 +40,8 @@ void rotate(const T* x, int64_t token_stride, int64_t head_stride, const T* cos,
 // x [T, H, D] (any token and head strides, unit stride within a head), float32 or bfloat16;
 // cos, sin [T, D] of x's dtype. Returns a contiguous [T, H, D] in x's dtype.
 torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu(),
+              "CPU tensors");
   const auto dtype = x.scalar_type();
   TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16)
               && cos.scalar_type() == dtype && sin.scalar_type() == dtype,
