@@ -10,6 +10,11 @@
    native kernel reading blocks in place (``workers.kernels``) against gathering the blocks
    into a copy for torch's SDPA, with the tables scattered over the pool as a running worker's
    are, and the largest difference between the two.
+4. Prefill attention in bf16 (``workers.paged_attention.prefill_kernel``), one layer, for
+   each ``--prefill-cases`` (new tokens + cached tokens): the AMX tile kernel reading the
+   cached context in place against torch's flash kernel (two calls and a log-sum-exp merge
+   over a gathered copy when there is cached context), trials alternating between the two;
+   fastest and median.
 
 Writes JSON; ``--quick`` for a smoke run.
 """
@@ -124,6 +129,56 @@ def _decode_case(cache, batch: int, context: int, repeats: int) -> dict:
     return entry
 
 
+def prefill_attention(cases: list[tuple[int, int]], repeats: int) -> dict:
+    """Milliseconds per layer of a bf16 span's attention, tile kernel and torch's flash, for
+    each (new tokens, cached tokens) case; empty where the tile kernel is unavailable."""
+    from workers.kernels import tile_attention
+
+    if tile_attention() is None:
+        common.log("prefill attention: no AMX tiles here, nothing to compare")
+        return {}
+    results = {}
+    for new, cached in cases:
+        results[f"{new}+{cached}"] = entry = _prefill_case(new, cached, repeats)
+        common.log(f"prefill attention {new} new + {cached} cached: {entry}")
+    return results
+
+
+def _prefill_case(new: int, cached: int, repeats: int) -> dict:
+    from workers import paged_attention
+    from workers.kv_cache import PagedKVCache
+
+    blocks = -(-(new + cached) // DECODE_BLOCK)
+    cache = PagedKVCache(1, blocks + 8, DECODE_BLOCK, KV_HEADS, HEAD_DIM, torch.bfloat16,
+                         torch.device("cpu"))
+    cache.keys[0].normal_()
+    cache.values[0].normal_()
+    table = torch.tensor(random.Random(0).sample(range(blocks + 8), blocks))
+    cached_blocks = table[:-(-cached // DECODE_BLOCK)] if cached else None
+    span = paged_attention.PrefillSpan(0, new, cached, cached_blocks)
+    qkv = torch.randn(new, (HEADS + 2 * KV_HEADS) * HEAD_DIM, dtype=torch.bfloat16)
+    q, k, v = (x.view(new, -1, HEAD_DIM) for x in qkv.split(
+        [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1))
+    kernels = {"tiles": paged_attention._attend_span_on_tiles,
+               "flash": paged_attention._attend_span}
+
+    def attend(name: str) -> torch.Tensor:
+        return kernels[name](0, q, k, v, span, cache, HEAD_DIM ** -0.5)
+
+    samples = {name: [] for name in kernels}
+    for _ in range(repeats + 1):  # the first round warms up
+        for name in kernels:
+            samples[name].append(common.timed(lambda name=name: attend(name))[0])
+    entry = {}
+    for name, times in samples.items():
+        times = sorted(times[1:])
+        entry[f"{name}_min_ms"] = times[0] * 1e3
+        entry[f"{name}_median_ms"] = times[len(times) // 2] * 1e3
+    difference = attend("tiles").float() - attend("flash").float()
+    entry["max_abs_difference"] = difference.abs().max().item()
+    return entry
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_common_args(parser, "kernel_choices")
@@ -131,11 +186,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--flash-tokens", type=int, default=4096)
     parser.add_argument("--decode-cases", default="1x330,8x330,16x330,16x1000",
                         help="decode attention cases, batch x context tokens")
+    parser.add_argument("--prefill-cases", default="32+992,256+0,1024+0,4096+0,8000+0,2048+5952",
+                        help="prefill attention cases, new tokens + cached tokens")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args(argv)
     cases = [tuple(int(n) for n in case.split("x")) for case in args.decode_cases.split(",")]
+    prefill_cases = [tuple(int(n) for n in case.split("+"))
+                     for case in args.prefill_cases.split(",")]
     if args.quick:
-        cases = [(2, 40)]
+        cases, prefill_cases = [(2, 40)], [(40, 0), (20, 30)]
     rows = [1, 8, 300] if args.quick else [int(r) for r in args.rows.split(",")]
     tokens, repeats = (64, 2) if args.quick else (args.flash_tokens, args.repeats)
     threads = common.set_threads(args.threads)
@@ -143,7 +202,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"benchmark": "kernel_choices", "machine": common.machine_info(dtype),
               "threads": threads, "quick": args.quick, "dtype": str(dtype),
               "linear": linear_rows(rows, repeats, dtype), "flash": flash_layouts(tokens, repeats),
-              "decode_attention": decode_attention(cases, repeats)}
+              "decode_attention": decode_attention(cases, repeats),
+              "prefill_attention": prefill_attention(prefill_cases, min(repeats, 10))}
     common.write_json(result, args.out)
     return result
 

@@ -113,11 +113,12 @@ class LLMEngine:
         # runner fuses the model's weights.
         check_supported(model_config, self.max_model_len, self.loaded.model)
         self.runner = ModelRunner(self.loaded.model, kv_cache)
-        # The runner's path (compact or transformers modules) and its matmul, decode attention
-        # and norm kernels change rounding, so the KV it computes is only reusable by workers
-        # running the same ones.
+        # The runner's path (compact or transformers modules) and its matmul, prefill and
+        # decode attention and norm kernels change rounding, so the KV it computes is only
+        # reusable by workers running the same ones.
         attention = (f"{ATTN_IMPLEMENTATION}/{self.runner.implementation}"
-                     f"|linear={self.runner.linear_kernel}|decode={self.runner.decode_kernel}"
+                     f"|linear={self.runner.linear_kernel}|prefill={self.runner.prefill_kernel}"
+                     f"|decode={self.runner.decode_kernel}"
                      f"|norm={self.runner.norm_kernel}")
         self.identity = CacheIdentity(self.loaded.model_digest,
                                       numerics_tag(self.loaded.device, attention),

@@ -17,9 +17,12 @@ from workers.models import compact_model_for
 from workers.models.linear import linear_kernel
 from workers.paged_attention import (
     ATTN_IMPLEMENTATION,
+    NATIVE_DECODE,
+    TILE_PREFILL,
     AttentionMetadata,
     build_metadata,
     decode_kernel,
+    prefill_kernel,
 )
 from workers.scheduler import ScheduledBatch
 
@@ -38,6 +41,8 @@ class ModelRunner:
             transformers path); see ``workers.models.linear``.
         decode_kernel: what plain decodes attend with (``native-paged`` or ``gather-sdpa``);
             see ``workers.paged_attention.decode_kernel``.
+        prefill_kernel: what prompts and prefill chunks attend with (``amx-tiles`` or
+            ``sdpa-flash``); see ``workers.paged_attention.prefill_kernel``.
         norm_kernel: what the compact path's RMSNorms run on (``native`` or ``torch``; ``torch``
             on the transformers path); see ``workers.models.norm``.
     """
@@ -50,7 +55,9 @@ class ModelRunner:
         self.implementation = "compact" if self._compact is not None else "transformers"
         self.linear_kernel = (linear_kernel(model.dtype, model.device)
                               if self._compact is not None else "aten")
-        self.decode_kernel = decode_kernel(model.dtype, model.device, kv_cache.keys[0].shape[-1])
+        head_dim = kv_cache.keys[0].shape[-1]
+        self.decode_kernel = decode_kernel(model.dtype, model.device, head_dim)
+        self.prefill_kernel = prefill_kernel(model.dtype, model.device, head_dim)
         self.norm_kernel = self._compact.norm_kernel if self._compact is not None else "torch"
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
@@ -83,7 +90,9 @@ class ModelRunner:
         metadata = build_metadata(
             self.kv_cache, [seq.block_table for seq in batch.seqs],
             [seq.num_computed_tokens for seq in batch.seqs], batch.num_new_tokens, self.device,
-            [bool(seq.spec_token_ids) for seq in batch.seqs])
+            [bool(seq.spec_token_ids) for seq in batch.seqs],
+            native_decode=self.decode_kernel == NATIVE_DECODE,
+            tile_prefill=self.prefill_kernel == TILE_PREFILL)
         # int64 even when empty: a step that only runs a middle prefill chunk samples nothing.
         sample_index = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         ids = torch.tensor(input_ids, device=self.device)

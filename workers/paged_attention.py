@@ -37,12 +37,13 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 
-from workers.kernels import paged_decode
+from workers.kernels import paged_decode, tile_attention
 from workers.kv_cache import PagedKVCache
 
 ATTN_IMPLEMENTATION = "nalar_paged"
 
 NATIVE_DECODE, GATHER_DECODE = "native-paged", "gather-sdpa"
+TILE_PREFILL, FLASH_PREFILL = "amx-tiles", "sdpa-flash"
 
 DECODE_PADDING_RATIO = 2
 """A decode group's longest context is at most this many times its shortest: rows padded to
@@ -116,18 +117,21 @@ class AttentionMetadata:
         spans: multi-token queries.
         decode_groups: decodes and verification blocks, grouped by query rows and context
             length.
+        tile_prefill: spans attend with the AMX tile kernel (:func:`prefill_kernel`).
     """
 
     kv_cache: PagedKVCache
     slot_mapping: torch.Tensor
     spans: list[PrefillSpan] = field(default_factory=list)
     decode_groups: list[DecodeGroup] = field(default_factory=list)
+    tile_prefill: bool = False
 
 
 def build_metadata(kv_cache: PagedKVCache, block_tables: list[list[int]],
                    num_computed: list[int], num_new: list[int],
                    device: torch.device, verify: list[bool] | None = None,
-                   native_decode: bool | None = None) -> AttentionMetadata:
+                   native_decode: bool | None = None,
+                   tile_prefill: bool | None = None) -> AttentionMetadata:
     """Metadata for a step where sequence ``i`` already has ``num_computed[i]`` tokens cached
     and computes ``num_new[i]`` more, its rows following those of sequence ``i - 1``.
 
@@ -138,7 +142,8 @@ def build_metadata(kv_cache: PagedKVCache, block_tables: list[list[int]],
 
     ``native_decode``: whether plain decodes take the native kernel; by default
     :func:`decode_kernel`'s choice for the cache, made here once per step rather than per
-    layer.
+    layer. ``tile_prefill``: whether spans take the AMX tile kernel; by default
+    :func:`prefill_kernel`'s choice.
     """
     block_size = kv_cache.block_size
     verify = verify or [False] * len(num_new)
@@ -156,9 +161,12 @@ def build_metadata(kv_cache: PagedKVCache, block_tables: list[list[int]],
         else:
             spans.append(_span(row, computed, new, table, block_size, device))
         row += new
-    metadata = AttentionMetadata(kv_cache, torch.tensor(slots, device=device), spans)
+    keys = kv_cache.keys[0]
+    if tile_prefill is None:
+        tile_prefill = prefill_kernel(keys.dtype, keys.device, keys.shape[-1]) == TILE_PREFILL
+    metadata = AttentionMetadata(kv_cache, torch.tensor(slots, device=device), spans,
+                                 tile_prefill=tile_prefill)
     if native_decode is None:
-        keys = kv_cache.keys[0]
         native_decode = decode_kernel(keys.dtype, keys.device, keys.shape[-1]) == NATIVE_DECODE
     # The native kernel reads each sequence to its own length, so plain decodes need no
     # grouping by length: one call, in row order. The gather path pads each group to its
@@ -245,7 +253,8 @@ def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: t
         return _attend_decodes(layer, query, groups[0], cache, scale)
     out = torch.empty_like(query)
     for span in metadata.spans:
-        out[span.start:span.end] = _attend_span(layer, query, key, value, span, cache, scale)
+        attend = _attend_span_on_tiles if metadata.tile_prefill else _attend_span
+        out[span.start:span.end] = attend(layer, query, key, value, span, cache, scale)
     for group in groups:
         out[group.row_index] = _attend_decodes(layer, query, group, cache, scale)
     return out
@@ -278,6 +287,20 @@ def _attend_span(layer: int, query: torch.Tensor, key: torch.Tensor, value: torc
     return merged[0].transpose(0, 1).to(query.dtype)
 
 
+def _attend_span_on_tiles(layer: int, query: torch.Tensor, key: torch.Tensor,
+                          value: torch.Tensor, span: PrefillSpan, cache: PagedKVCache,
+                          scale: float) -> torch.Tensor:
+    """One call for the span's new tokens and its cached context, read where it lies."""
+    rows = slice(span.start, span.end)
+    blocks = span.cached_blocks if span.cached_blocks is not None else _NO_BLOCKS
+    return tile_attention().tile_attention(query[rows], key[rows], value[rows],
+                                           cache.keys[layer], cache.values[layer], blocks,
+                                           span.num_cached, cache.block_size, scale)
+
+
+_NO_BLOCKS = torch.empty(0, dtype=torch.int64)
+
+
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
            causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused attention that also returns its log-sum-exp ``[1, heads, n]`` (float32), so
@@ -293,6 +316,24 @@ def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
     weight_a = torch.exp(lse_a - lse).unsqueeze(-1)
     weight_b = torch.exp(lse_b - lse).unsqueeze(-1)
     return out_a.float() * weight_a + out_b.float() * weight_b
+
+
+def prefill_kernel(dtype: torch.dtype, device: torch.device, head_dim: int) -> str:
+    """What spans (prompts, prefill chunks) of a model in ``dtype`` on ``device`` attend with:
+    :data:`TILE_PREFILL` (our causal flash kernel on AMX tiles, reading the cached context in
+    place; bf16 on CPUs with AMX-BF16, head sizes a multiple of 64 up to 256) or
+    :data:`FLASH_PREFILL` (torch's fused attention, with a second call and a log-sum-exp merge
+    over cached context). The two round differently, so the choice is part of the cache
+    identity's numerics.
+
+    The tile kernel's key blocks start at fixed positions and each query row is computed on
+    its own, so a prompt gets bit-identical attention chunked or not, and over a cached prefix
+    or cold; torch's kernel splits its work by the span's length. Measured against torch's
+    kernel on a 2-core Xeon with AMX, one causal layer of SmolLM2's shape (9 heads, 3 KV heads,
+    head size 64), fastest of ten (``benchmarks/kernel_choices.py``): see the README."""
+    kernel = tile_attention() if device.type == "cpu" and dtype == torch.bfloat16 else None
+    fits = head_dim % 64 == 0 and head_dim <= 256
+    return TILE_PREFILL if kernel is not None and fits else FLASH_PREFILL
 
 
 def decode_kernel(dtype: torch.dtype, device: torch.device, head_dim: int) -> str:

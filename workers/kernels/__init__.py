@@ -9,6 +9,9 @@ carries torch's CPU capability, so another CPU builds its own), under
 ``$NALAR_CACHE_DIR/kernels`` (default ``~/.cache/nalar/kernels``). ``make`` builds it at
 install (``python -m workers.kernels``), so a worker's start only loads it. Where no compiler
 is found, or ``NALAR_NATIVE_KERNELS=0``, it is None and attention keeps the gather path.
+``NALAR_DISABLE_KERNELS`` names kernels (comma-separated stems: ``paged_decode``,
+``rms_norm``, ``rope``, ``tile_attention``) to leave out alone, to compare with the torch
+path.
 
 :func:`rms_norm` is the Llama family's RMSNorm in one call instead of eight torch ops, with
 the same rounding points, and :func:`rope` the rotary embedding in one call instead of six,
@@ -31,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).parent
 DISABLE_VARIABLE = "NALAR_NATIVE_KERNELS"
+DISABLE_ONE_VARIABLE = "NALAR_DISABLE_KERNELS"
 
 
 def _build_dir(name: str) -> Path:
@@ -78,10 +82,25 @@ def rope() -> ModuleType | None:
     return _build("rope")
 
 
+def tile_attention() -> ModuleType | None:
+    """The compiled AMX prefill-attention extension, or None where it is disabled, cannot be
+    built, or this CPU has no AMX-BF16 tiles (its ``available()`` is False). Its
+    ``tile_attention(query, key, value, key_cache, value_cache, cached_blocks, num_cached,
+    block_size, scale)`` takes a span's query ``[n, H, D]`` and its own keys and values
+    ``[n, KV, D]`` (unit stride within a head), the caches ``[KV, slots, D]`` and the
+    ``[M]`` int64 block table holding the sequence's first ``num_cached`` tokens, all bf16
+    on CPU with ``D`` a multiple of 64; query ``i`` attends causally to keys
+    ``0 .. num_cached + i``. Returns ``[n, H, D]`` bf16; raises RuntimeError for other
+    dtypes, shapes, or block ids outside the cache."""
+    module = _build("tile_attention")
+    return module if module is not None and module.available() else None
+
+
 @functools.cache
 def _build(stem: str) -> ModuleType | None:
     """Compile (or load the cached build of) ``<stem>.cpp`` for this CPU."""
-    if os.environ.get(DISABLE_VARIABLE, "1") == "0":
+    disabled = os.environ.get(DISABLE_ONE_VARIABLE, "").split(",")
+    if os.environ.get(DISABLE_VARIABLE, "1") == "0" or stem in disabled:
         return None
     from torch.utils import cpp_extension
     _put_ninja_on_path()

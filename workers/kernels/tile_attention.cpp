@@ -1,0 +1,469 @@
+// Causal flash attention for bf16 prefill spans on Intel AMX tiles (CPU).
+//
+// A span of new tokens attends to its sequence's cached context (read through the block table
+// where it lies in the paged cache) and causally to itself. The matrix products run on the
+// tile unit (TMUL: 16 x 16 fp32 accumulators fed bf16 pairs), the softmax in AVX-512 fp32,
+// with the online softmax of flash attention (Dao et al. 2022) over key blocks of kKeys. Key
+// blocks start at absolute positions 0, kKeys, 2 kKeys..., and a query row's result depends
+// only on its own row and those blocks, so a prompt gets bit-identical attention chunked or
+// not, cold or over a cached prefix.
+//
+// Where the compiler targets no AMX-BF16 (the build is -march=native), the module still
+// loads and `available` is false.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+#define NALAR_TILES 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#ifdef NALAR_TILES
+namespace {
+
+constexpr int64_t kRows = 16;   // query rows per tile
+constexpr int64_t kKeys = 128;  // keys per online-softmax step
+constexpr int64_t kChunk = 32;  // keys per P.V tile product (16 bf16 pairs)
+constexpr int64_t kMaxDim = 256;
+constexpr int64_t kTile = 16 * 32;  // bf16 values in one operand tile
+
+struct TileConfig {
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t bytes_per_row[16];
+  uint8_t rows[16];
+};
+
+// Linux hands out the tile register state per process, on request.
+bool request_tiles() {
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+// Every tile 16 rows of 64 bytes: a 16 x 16 fp32 accumulator, or 16 x 32 bf16 operands.
+void configure_tiles() {
+  TileConfig config{};
+  config.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.bytes_per_row[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// Where a span's keys (or values) lie: the first `cached` tokens in the paged cache, through
+// `table`, the rest in the span's own projections.
+struct Source {
+  const uint16_t* cache;  // [kv_heads, slots, D]
+  int64_t slots;
+  const int64_t* table;
+  int64_t block_size, cached;
+  const uint16_t* fresh;  // [n, kv_heads, D], any row and head strides
+  int64_t fresh_row_stride, fresh_head_stride, dim;
+
+  const uint16_t* row(int64_t head, int64_t token) const {
+    if (token < cached) {
+      const int64_t slot = table[token / block_size] * block_size + token % block_size;
+      return cache + (head * slots + slot) * dim;
+    }
+    return fresh + (token - cached) * fresh_row_stride + head * fresh_head_stride;
+  }
+};
+
+// Keys as the B operand of Q.K^T, for 16 keys and 32 dims a tile: row p holds dims
+// (2p, 2p + 1) of each key in turn. Laid out [kv_heads][key tiles][D / 32][16][16] pairs;
+// keys past `total` are zero.
+void pack_keys(const Source& src, int64_t heads, int64_t tiles, int64_t total, uint32_t* out) {
+  const int64_t chunks = src.dim / 32;
+  at::parallel_for(0, heads * tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t head = item / tiles, tile = item % tiles;
+      uint32_t* dst = out + item * chunks * 256;
+      for (int64_t key = 0; key < 16; ++key) {
+        const int64_t token = tile * 16 + key;
+        const uint16_t* row = token < total ? src.row(head, token) : nullptr;
+        for (int64_t c = 0; c < chunks; ++c) {
+          for (int64_t p = 0; p < 16; ++p) {
+            uint32_t pair = 0;
+            if (row != nullptr) std::memcpy(&pair, row + c * 32 + 2 * p, sizeof(pair));
+            dst[(c * 16 + p) * 16 + key] = pair;
+          }
+        }
+      }
+    }
+  });
+}
+
+// Values as the B operand of P.V, for 32 keys and 16 dims a tile: row p holds keys
+// (2p, 2p + 1) of each dim in turn. Laid out [kv_heads][key chunks][D / 16][16][32];
+// keys past `total` are zero.
+void pack_values(const Source& src, int64_t heads, int64_t chunks, int64_t total,
+                 uint16_t* out) {
+  const int64_t dim_tiles = src.dim / 16;
+  at::parallel_for(0, heads * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t head = item / chunks, chunk = item % chunks;
+      uint16_t* dst = out + item * dim_tiles * kTile;
+      for (int64_t key = 0; key < kChunk; ++key) {
+        const int64_t token = chunk * kChunk + key;
+        const uint16_t* row = token < total ? src.row(head, token) : nullptr;
+        for (int64_t d = 0; d < src.dim; ++d) {
+          const uint16_t value = row != nullptr ? row[d] : 0;
+          dst[((d / 16) * 16 + key / 2) * 32 + (d % 16) * 2 + key % 2] = value;
+        }
+      }
+    }
+  });
+}
+
+struct Span {
+  const uint32_t* keys;    // pack_keys
+  const uint16_t* values;  // pack_values
+  int64_t key_tiles, value_chunks;  // per KV head
+  int64_t dim, offset;     // query i is at position offset + i
+  float scale;
+};
+
+// 16 query rows at work: their queries and scratch, and their running state (output
+// accumulators [16][D], maximum and sum per row), which lives in the span's State between key
+// ranges.
+struct Rows {
+  alignas(64) uint16_t q[kRows * kMaxDim];
+  alignas(64) float scores[kRows * kKeys];
+  alignas(64) uint16_t probs[kRows * kKeys];
+  alignas(64) float product[kRows * 64];
+  float correction[kRows];
+  float* out;
+  float* max;
+  float* sum;
+};
+
+// Every query row's running state, [H][rows rounded up to 16] (x D for the accumulators).
+struct State {
+  std::vector<float> out, max, sum;
+  int64_t padded, dim;
+
+  State(int64_t heads, int64_t n, int64_t dim)
+      : out(heads * ((n + kRows - 1) / kRows * kRows) * dim, 0.f),
+        max(heads * ((n + kRows - 1) / kRows * kRows), -std::numeric_limits<float>::infinity()),
+        sum(max.size(), 0.f), padded((n + kRows - 1) / kRows * kRows), dim(dim) {}
+
+  void point(Rows& rows, int64_t head, int64_t begin) {
+    const int64_t row = head * padded + begin;
+    rows.out = out.data() + row * dim;
+    rows.max = max.data() + row;
+    rows.sum = sum.data() + row;
+  }
+};
+
+// S = Q.K^T for `tiles` key tiles from key `first` (rounded up to whole groups of four, which
+// the packed keys always hold), into rows.scores [16][kKeys]: four accumulators in flight,
+// as one would wait on the other's latency.
+void score_block(Rows& rows, const Span& span, int64_t kv_head, int64_t first, int64_t tiles) {
+  const int64_t chunks = span.dim / 32;
+  const uint32_t* keys = span.keys + (kv_head * span.key_tiles + first / 16) * chunks * 256;
+  for (int64_t t = 0; t < tiles; t += 4) {
+    const uint32_t* k = keys + t * chunks * 256;
+    const int64_t tile_stride = chunks * 256;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t c = 0; c < chunks; ++c) {
+      _tile_loadd(4, rows.q + c * 32, span.dim * 2);
+      _tile_loadd(5, k + c * 256, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, k + tile_stride + c * 256, 64);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(7, k + 2 * tile_stride + c * 256, 64);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_loadd(5, k + 3 * tile_stride + c * 256, 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, rows.scores + t * 16, kKeys * 4);
+    _tile_stored(1, rows.scores + t * 16 + 16, kKeys * 4);
+    _tile_stored(2, rows.scores + t * 16 + 32, kKeys * 4);
+    _tile_stored(3, rows.scores + t * 16 + 48, kKeys * 4);
+  }
+}
+
+// Which of the 16 keys from `t` a row that sees `visible` keys of the block sees.
+inline __mmask16 seen_mask(int64_t visible, int64_t t) {
+  const int64_t n = std::clamp<int64_t>(visible - t, 0, 16);
+  return _cvtu32_mask16(n == 16 ? 0xFFFFu : (1u << n) - 1);
+}
+
+// 2^x for x <= 0 (or -inf, whose lanes the caller masks): x = n + f with n an integer and
+// |f| <= 1/2, 2^f by its Taylor polynomial to degree 5 (relative error below 3e-6), and
+// scalef to apply 2^n (which underflows to 0 instead of wrapping the exponent).
+inline __m512 exp2_nonpositive(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.3333558e-3f);  // ln(2)^5 / 5!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One row's share of a block's online softmax: the maximum of the raw scores it sees (and of
+// `running_max`), then p = 2^(s c - max c), bf16 into `p`, and their sum. `Full`: the row
+// sees all kKeys keys, so no lane is masked and the loops have a fixed count.
+template <bool Full>
+void softmax_row(const float* s, uint16_t* p, float running_max, __m512 vc, int64_t visible,
+                 int64_t width, float& block_max, float& block_sum) {
+  const int64_t n = Full ? kKeys : width;
+  auto seen = [&](int64_t t) { return Full ? __mmask16(0xFFFF) : seen_mask(visible, t); };
+  // Two chains in flight: each max (and add) would wait on the previous one's latency.
+  __m512 max0 = _mm512_set1_ps(running_max), max1 = max0;
+  for (int64_t t = 0; t < n; t += 32) {
+    max0 = _mm512_mask_max_ps(max0, seen(t), max0, _mm512_loadu_ps(s + t));
+    if (t + 16 < n) {
+      max1 = _mm512_mask_max_ps(max1, seen(t + 16), max1, _mm512_loadu_ps(s + t + 16));
+    }
+  }
+  block_max = _mm512_reduce_max_ps(_mm512_max_ps(max0, max1));
+  const __m512 offset = _mm512_set1_ps(-block_max * vc[0]);
+  auto probability = [&](int64_t t) {
+    const __m512 x = _mm512_fmadd_ps(_mm512_loadu_ps(s + t), vc, offset);
+    const __m512 e = Full ? exp2_nonpositive(x) : _mm512_maskz_mov_ps(seen(t), exp2_nonpositive(x));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), (__m256i)_mm512_cvtneps_pbh(e));
+    return e;
+  };
+  __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0;
+  for (int64_t t = 0; t < n; t += 32) {
+    sum0 = _mm512_add_ps(sum0, probability(t));
+    if (t + 16 < n) sum1 = _mm512_add_ps(sum1, probability(t + 16));
+  }
+  block_sum = _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+}
+
+// Online softmax over one key block: row r sees the block's first `visible(r)` keys. The
+// maximum is taken on the raw scores (the scale is positive), and exp(scale (s - max)) is
+// computed as 2^(s c - max c) with c = scale log2(e), one fused multiply-add. Writes the
+// block's probabilities (bf16, zero past what a row sees, up to `width_padded`) and each row's
+// correction of what it had summed.
+void softmax_block(Rows& rows, const Span& span, int64_t first_pos, int64_t first, int64_t width,
+                   int64_t width_padded) {
+  const __m512 vc = _mm512_set1_ps(span.scale * 1.4426950408889634f);
+  alignas(64) float block_max[kRows], block_sum[kRows];
+  const bool full = width == kKeys && first_pos + 1 - first >= kKeys;  // row 0 sees it all
+  for (int64_t r = 0; r < kRows; ++r) {
+    const float* s = rows.scores + r * kKeys;
+    uint16_t* p = rows.probs + r * kKeys;
+    if (full) {
+      softmax_row<true>(s, p, rows.max[r], vc, kKeys, kKeys, block_max[r], block_sum[r]);
+    } else {
+      softmax_row<false>(s, p, rows.max[r], vc, first_pos + r + 1 - first, width, block_max[r],
+                         block_sum[r]);
+      std::fill(p + width, p + width_padded, 0);
+    }
+  }
+  // The 16 rows' corrections in one vector. Before a row's first block its old maximum is
+  // -inf: clamped, its correction underflows to 0 (2^-200), where -inf would give NaN.
+  const __m512 new_max = _mm512_loadu_ps(block_max);
+  const __m512 old_max = _mm512_loadu_ps(rows.max);
+  const __m512 correction = exp2_nonpositive(_mm512_max_ps(
+      _mm512_mul_ps(_mm512_sub_ps(old_max, new_max), vc), _mm512_set1_ps(-200.f)));
+  _mm512_storeu_ps(rows.correction, correction);
+  _mm512_storeu_ps(rows.sum, _mm512_fmadd_ps(_mm512_loadu_ps(rows.sum), correction,
+                                             _mm512_loadu_ps(block_sum)));
+  _mm512_storeu_ps(rows.max, new_max);
+}
+
+// out = out * correction + P.V over `chunks` key chunks from key `first`, 64 dims at a time
+// in four accumulator tiles.
+void accumulate_block(Rows& rows, const Span& span, int64_t kv_head, int64_t first,
+                      int64_t chunks) {
+  const int64_t dim_tiles = span.dim / 16;
+  const uint16_t* values =
+      span.values + (kv_head * span.value_chunks + first / kChunk) * dim_tiles * kTile;
+  for (int64_t g = 0; g < span.dim; g += 64) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const uint16_t* v = values + (c * dim_tiles + g / 16) * kTile;
+      _tile_loadd(4, rows.probs + c * kChunk, kKeys * 2);
+      _tile_loadd(5, v, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, v + kTile, 64);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(5, v + 2 * kTile, 64);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(6, v + 3 * kTile, 64);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+    _tile_stored(0, rows.product, 64 * 4);
+    _tile_stored(1, rows.product + 16, 64 * 4);
+    _tile_stored(2, rows.product + 32, 64 * 4);
+    _tile_stored(3, rows.product + 48, 64 * 4);
+    for (int64_t r = 0; r < kRows; ++r) {
+      const __m512 corr = _mm512_set1_ps(rows.correction[r]);
+      float* o = rows.out + r * span.dim + g;
+      for (int64_t d = 0; d < 64; d += 16) {
+        _mm512_storeu_ps(o + d, _mm512_fmadd_ps(_mm512_loadu_ps(o + d), corr,
+                                                _mm512_loadu_ps(rows.product + r * 64 + d)));
+      }
+    }
+  }
+}
+
+// Query rows [begin, begin + count) of one head over keys [from, to) (whole key blocks from
+// `from`), where the rows' state already holds what they saw before `from`.
+void attend_range(Rows& rows, const Span& span, const uint16_t* query, int64_t row_stride,
+                  int64_t kv_head, int64_t begin, int64_t count, int64_t from, int64_t to) {
+  const int64_t dim = span.dim;
+  std::fill(rows.q, rows.q + kRows * dim, 0);
+  for (int64_t r = 0; r < count; ++r) {
+    std::memcpy(rows.q + r * dim, query + (begin + r) * row_stride, dim * 2);
+  }
+  const int64_t first_pos = span.offset + begin;
+  for (int64_t first = from; first < to; first += kKeys) {
+    const int64_t tiles = (std::min(kKeys, to - first) + 15) / 16;
+    const int64_t chunks = (tiles * 16 + kChunk - 1) / kChunk;
+    score_block(rows, span, kv_head, first, tiles);
+    softmax_block(rows, span, first_pos, first, tiles * 16, chunks * kChunk);
+    accumulate_block(rows, span, kv_head, first, chunks);
+  }
+}
+
+// out[i] = accumulator / sum, as bf16, for `count` rows.
+void write_rows(const Rows& rows, int64_t count, int64_t dim, uint16_t* out, int64_t stride) {
+  for (int64_t r = 0; r < count; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.f / rows.sum[r]);
+    for (int64_t d = 0; d < dim; d += 16) {
+      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(rows.out + r * dim + d), inv);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * stride + d),
+                          (__m256i)_mm512_cvtneps_pbh(x));
+    }
+  }
+}
+
+// Row blocks in an order whose halves (and quarters...) hold equal causal work: the cheap
+// first blocks alternate with the costly last ones, as parallel_for splits its range evenly.
+int64_t balanced_block(int64_t j, int64_t blocks) {
+  return j % 2 == 0 ? j / 2 : blocks - 1 - j / 2;
+}
+
+}  // namespace
+#endif
+
+bool tiles_available() {
+#ifdef NALAR_TILES
+  static const bool granted = request_tiles();
+  return granted;
+#else
+  return false;
+#endif
+}
+
+// query [n, H, D], key and value [n, KV, D] (the span's own tokens; unit stride in a head);
+// key_cache, value_cache [KV, slots, D] contiguous; cached_blocks [M] int64 covering the
+// sequence's first num_cached tokens; all bf16. Query i is at position num_cached + i and sees
+// keys 0..num_cached + i. Returns [n, H, D] bf16.
+torch::Tensor tile_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value,
+                             torch::Tensor key_cache, torch::Tensor value_cache,
+                             torch::Tensor cached_blocks, int64_t num_cached,
+                             int64_t block_size, double scale) {
+  TORCH_CHECK(tiles_available(), "AMX-BF16 tiles are not available on this CPU or build");
+  for (const auto* t : {&query, &key, &value, &key_cache, &value_cache, &cached_blocks}) {
+    TORCH_CHECK(t->device().is_cpu(), "CPU tensors");
+  }
+  for (const auto* t : {&query, &key, &value, &key_cache, &value_cache}) {
+    TORCH_CHECK(t->scalar_type() == torch::kBFloat16, "bfloat16 query, keys, values and cache");
+    TORCH_CHECK(t->dim() == 3 && t->stride(2) == 1, "3-d tensors, unit stride within a head");
+  }
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous()
+              && value_cache.sizes() == key_cache.sizes(), "contiguous caches of one shape");
+  const int64_t n = query.size(0), heads = query.size(1), dim = query.size(2);
+  const int64_t kv_heads = key.size(1);
+  TORCH_CHECK(key.sizes() == value.sizes() && key.size(0) == n && key.size(2) == dim,
+              "key and value [n, kv_heads, D] beside query [n, H, D]");
+  TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0, "query heads a multiple of KV heads");
+  TORCH_CHECK(key_cache.size(0) == kv_heads && key_cache.size(2) == dim, "cache geometry");
+#ifdef NALAR_TILES
+  TORCH_CHECK(dim % 64 == 0 && dim <= kMaxDim, "head_dim a multiple of 64, at most ", kMaxDim);
+  TORCH_CHECK(cached_blocks.scalar_type() == torch::kInt64, "int64 block table");
+  const auto table = cached_blocks.contiguous();
+  TORCH_CHECK(num_cached >= 0 && num_cached <= table.numel() * block_size && block_size >= 1,
+              "num_cached outside the block table");
+  const int64_t slots = key_cache.size(1);
+  const int64_t* ids = table.data_ptr<int64_t>();
+  for (int64_t i = 0; i < table.numel(); ++i) {
+    TORCH_CHECK(ids[i] >= 0 && (ids[i] + 1) * block_size <= slots, "block id outside the cache");
+  }
+  const int64_t total = num_cached + n;
+  const int64_t key_tiles = (total + kKeys - 1) / kKeys * kKeys / 16;
+  const int64_t value_chunks = key_tiles * 16 / kChunk;
+  auto raw = [](const torch::Tensor& t) {
+    return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+  };
+  const Source keys{raw(key_cache), slots, ids, block_size, num_cached, raw(key),
+                    key.stride(0), key.stride(1), dim};
+  const Source values{raw(value_cache), slots, ids, block_size, num_cached, raw(value),
+                      value.stride(0), value.stride(1), dim};
+  std::vector<uint32_t> packed_keys(kv_heads * key_tiles * dim * 8);
+  std::vector<uint16_t> packed_values(kv_heads * value_chunks * dim * kChunk);
+  pack_keys(keys, kv_heads, key_tiles, total, packed_keys.data());
+  pack_values(values, kv_heads, value_chunks, total, packed_values.data());
+  const Span span{packed_keys.data(), packed_values.data(), key_tiles, value_chunks, dim,
+                  num_cached, static_cast<float>(scale)};
+  auto out = torch::empty({n, heads, dim}, query.options());
+  const uint16_t* q_ptr = raw(query);
+  uint16_t* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t blocks = (n + kRows - 1) / kRows, group = heads / kv_heads;
+  // Keys in ranges of about 512 KiB packed per KV head, each taken by every row block that
+  // sees it before the next: the range stays in a core's L2 (at 8k tokens a head's packed
+  // keys and values are 2 MiB, and re-reading them from L3 for every row block measured
+  // slower than torch's flash kernel).
+  const int64_t range = std::max<int64_t>(kKeys, (int64_t{1} << 19) / (dim * 4) / kKeys * kKeys);
+  State state(heads, n, dim);
+  for (int64_t from = 0; from < total; from += range) {
+    // Row blocks seeing keys at or past `from`; in head-major order, so a thread's
+    // consecutive items share a KV head.
+    const int64_t first_block = std::max<int64_t>(0, from - num_cached) / kRows;
+    const int64_t active = blocks - first_block;
+    at::parallel_for(0, heads * active, 1, [&](int64_t begin, int64_t end) {
+      configure_tiles();
+      auto rows = std::make_unique<Rows>();
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t head = item / active;
+        const int64_t block = first_block + balanced_block(item % active, active);
+        const int64_t first = block * kRows, count = std::min(kRows, n - first);
+        const int64_t seen = num_cached + first + count;  // keys the last row sees
+        state.point(*rows, head, first);
+        attend_range(*rows, span, q_ptr + head * query.stride(1), query.stride(0),
+                     head / group, first, count, from, std::min(seen, from + range));
+        if (seen <= from + range) {
+          write_rows(*rows, count, dim, out_ptr + first * heads * dim + head * dim, heads * dim);
+        }
+      }
+      _tile_release();
+    });
+  }
+  return out;
+#else
+  return torch::Tensor();
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("available", &tiles_available, "whether this CPU and build run AMX-BF16 tiles");
+  m.def("tile_attention", &tile_attention,
+        "causal bf16 flash attention of a prefill span on AMX tiles");
+}
