@@ -10,12 +10,14 @@ carries torch's CPU capability, so another CPU builds its own), under
 install (``python -m workers.kernels``), so a worker's start only loads it. Where no compiler
 is found, or ``NALAR_NATIVE_KERNELS=0``, it is None and attention keeps the gather path.
 ``NALAR_DISABLE_KERNELS`` names kernels (comma-separated stems: ``paged_decode``,
-``rms_norm``, ``rope``, ``tile_attention``) to leave out alone, to compare with the torch
-path.
+``rms_norm``, ``rope``, ``silu_mul``, ``tile_attention``) to leave out alone, to compare with
+the torch path.
 
 :func:`rms_norm` is the Llama family's RMSNorm in one call instead of eight torch ops, with
-the same rounding points, and :func:`rope` the rotary embedding in one call instead of six,
-bit-identical; without them the torch ops serve.
+the same rounding points, :func:`rope` the rotary embedding in one call instead of six, and
+:func:`silu_mul` the gated MLP's ``silu(gate) * up`` in one pass instead of two (these two
+bit-identical); without them the torch ops serve. :func:`tile_attention` is bf16 prefill
+attention on AMX tiles, where the CPU has them; without it torch's flash kernel serves.
 """
 
 from __future__ import annotations
@@ -80,6 +82,15 @@ def rope() -> ModuleType | None:
     bit-identical to transformers' half-split rotation; it raises RuntimeError for other
     dtypes or shapes."""
     return _build("rope")
+
+
+def silu_mul() -> ModuleType | None:
+    """The compiled gated-activation extension, or None where it is disabled or cannot be
+    built. Its ``silu_mul(gate_up)`` takes ``[T, 2I]`` float32 or bfloat16 (gate columns
+    first, unit stride along a row) and returns ``[T, I]`` ``silu(gate) * up`` in that dtype,
+    rounded as torch's ``F.silu(gate) * up``; it raises RuntimeError for other dtypes or
+    shapes."""
+    return _build("silu_mul")
 
 
 def tile_attention() -> ModuleType | None:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from workers.models.gated import GatedActivation
 from workers.models.linear import Linear
 from workers.models.norm import NATIVE_NORM, RMSNorm, norm_kernel
 from workers.models.rotary import rotate
@@ -54,7 +55,7 @@ class _Layer:
         self.k_norm = getattr(attn, "k_norm", None)
         self.o_proj = Linear.of(attn.o_proj)
         self.gate_up_proj = _fuse([mlp.gate_proj, mlp.up_proj])
-        self.act = mlp.act_fn
+        self.act = GatedActivation(mlp.act_fn, mlp.gate_proj.weight)
         self.down_proj = Linear.of(mlp.down_proj)
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -78,8 +79,7 @@ class _Layer:
         return self.o_proj(out.view(rows, q_size))
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaStyleDecoder:
