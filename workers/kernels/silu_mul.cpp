@@ -5,7 +5,9 @@
 // Bit-identical to torch's F.silu(gate) * up: silu is computed as torch's CPU kernel computes
 // it (x / (1 + exp(-x)) in float32 with the same vectorised exp on each row's whole vectors,
 // std::exp on the remainder, as its vectorised loop splits a row), rounded to the input's
-// dtype, then the product rounded again.
+// dtype, then the product rounded again. (Where torch splits a large tensor between threads
+// in the middle of a row, it computes that row's pieces with their own remainders; only there
+// can an element's last bit differ.)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
