@@ -355,6 +355,16 @@ def decode_kernel(dtype: torch.dtype, device: torch.device, head_dim: int) -> st
     return NATIVE_DECODE if native else GATHER_DECODE
 
 
+def decode_uses_tiles(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
+    """Whether the native kernel computes bf16 decode scores on AMX tiles: one tile product per
+    block of 16 tokens for all the query heads of a KV head, instead of a dot product and a
+    horizontal sum per token and head. Needs AMX-BF16, blocks of 16 and heads of 32-dim chunks;
+    it rounds differently, so it is part of the cache identity's numerics."""
+    kernel = paged_decode()
+    return dtype == torch.bfloat16 and kernel is not None and kernel.uses_tiles(block_size,
+                                                                                 head_dim)
+
+
 def _attend_decodes(layer: int, query: torch.Tensor, group: DecodeGroup, cache: PagedKVCache,
                     scale: float) -> torch.Tensor:
     if group.native:

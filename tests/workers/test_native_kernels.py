@@ -118,3 +118,33 @@ def test_native_plain_decodes_are_one_group_in_row_order_whatever_their_lengths(
                                               native_decode=False)
     assert [g.lengths.tolist() for g in gathered.decode_groups] == [[8], [13, 7], [2]]
     assert gathered.decode_groups[1].rows.tolist() == [1, 2]
+
+
+@pytest.mark.skipif(paged_decode() is None or not paged_decode().uses_tiles(16, 64),
+                    reason="no AMX-BF16 tiles here")
+def test_tile_scores_match_softmax_attention_whatever_a_block_tail_holds():
+    """bf16, blocks of 16, head size 64, 3 query heads per KV head (SmolLM2's shape): scores
+    on AMX tiles, against float64 attention; a row alone equals it batched; a stale NaN past a
+    sequence's length in its last block (the tile loads all 16 rows) changes nothing."""
+    kernel, block, dim = paged_decode(), 16, 64
+    generator = torch.Generator().manual_seed(16)
+    keys = torch.randn(KV_HEADS, 12 * block, dim, generator=generator).bfloat16()
+    values = torch.randn(KV_HEADS, 12 * block, dim, generator=generator).bfloat16()
+    query = torch.randn(3, KV_HEADS, 3, dim, generator=generator).bfloat16()
+    tables, lengths = torch.tensor([[5, 2, 7], [0, 1, 3], [6, 4, 4]]), torch.tensor([40, 33, 9])
+    out = kernel.paged_decode_attention(query, keys, values, tables, lengths, block, 0.125)
+    for row, (table, length) in enumerate(zip(tables.tolist(), lengths.tolist(), strict=True)):
+        slots = torch.tensor([table[p // block] * block + p % block for p in range(length)])
+        k, v = keys[:, slots].double(), values[:, slots].double()
+        probs = (query[row].double() @ k.transpose(1, 2) * 0.125).softmax(-1)
+        torch.testing.assert_close(out[row].double(), probs @ v, atol=1e-2, rtol=1e-2)
+        alone = kernel.paged_decode_attention(query[row:row + 1], keys, values,
+                                              tables[row:row + 1], lengths[row:row + 1], block,
+                                              0.125)
+        assert torch.equal(alone[0], out[row])
+    stale_keys, stale_values = keys.clone(), values.clone()
+    stale_keys[:, 7 * block + 8:8 * block] = float("nan")  # row 0 reads 8 tokens of block 7
+    stale_values[:, 7 * block + 8:8 * block] = float("inf")
+    stale = kernel.paged_decode_attention(query, stale_keys, stale_values, tables, lengths,
+                                          block, 0.125)
+    assert torch.equal(stale, out)

@@ -16,7 +16,15 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AMX_BF16__) && defined(CPU_CAPABILITY_AVX512)
+#define NALAR_TILES 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -77,55 +85,37 @@ inline float exp_shifted(float* s, float max, int64_t n) {
   return sum;
 }
 
-// The `rows` query heads sharing one KV head, over the first `length` tokens of one
-// sequence's context, block after block (flash attention's online softmax: a running
-// maximum and sum per row). D is a compile-time head size, so every loop over a head is
-// unrolled into whole vectors.
-template <typename T, int64_t D>
-void attend_rows(const float* q, const T* keys, const T* values, const int64_t* table,
-                 int64_t length, int64_t rows, int64_t block_size, float scale, float* out) {
-  float acc[kMaxRows * D] = {};
-  float running_max[kMaxRows], running_sum[kMaxRows] = {};
-  std::fill(running_max, running_max + rows, -std::numeric_limits<float>::infinity());
-  std::vector<float> k_scratch(block_size * D), v_scratch(block_size * D);
-  float probs[kMaxBlockSize];
-  for (int64_t start = 0; start < length; start += block_size) {
-    const int64_t n = std::min(block_size, length - start);
-    const int64_t slot = table[start / block_size] * block_size;
-    if (start + block_size < length) {
-      const int64_t next = table[start / block_size + 1] * block_size * D;
-      const int64_t next_n = std::min(block_size, length - start - block_size);
-      prefetch_block(keys + next, values + next, next_n * D);
-    }
-    const float* k = as_float(keys + slot * D, n * D, k_scratch.data());
-    const float* v = as_float(values + slot * D, n * D, v_scratch.data());
-    for (int64_t r = 0; r < rows; ++r) {
-      float block_max = running_max[r];
-      for (int64_t t = 0; t < n; ++t) {
-        probs[t] = dot<D>(q + r * D, k + t * D) * scale;
-        block_max = std::max(block_max, probs[t]);
-      }
-      // Rescale what was summed under the old maximum.
-      const float correction = std::exp(running_max[r] - block_max);
-      running_sum[r] = running_sum[r] * correction + exp_shifted(probs, block_max, n);
-      running_max[r] = block_max;
-      // Tokens outer, the head's D / W vectors inner: D / W independent FMA chains, where
-      // one chain per vector over the tokens would wait on each FMA's latency.
-      constexpr int64_t kVectors = D / Vec::size();
-      float* row_acc = acc + r * D;
-      Vec sums[kVectors];
-      for (int64_t j = 0; j < kVectors; ++j) {
-        sums[j] = Vec::loadu(row_acc + j * Vec::size()) * Vec(correction);
-      }
-      for (int64_t t = 0; t < n; ++t) {
-        const Vec p(probs[t]);
-        for (int64_t j = 0; j < kVectors; ++j) {
-          sums[j] = at::vec::fmadd(p, Vec::loadu(v + t * D + j * Vec::size()), sums[j]);
-        }
-      }
-      for (int64_t j = 0; j < kVectors; ++j) sums[j].store(row_acc + j * Vec::size());
+// Folds one block's scaled scores `probs` [n] of a query row into its running maximum, sum
+// and output accumulator `row_acc` [D] (flash attention's online softmax), with the block's
+// values `v` [n, D] in fp32.
+template <int64_t D>
+inline void fold_block(float* probs, int64_t n, const float* v, float& running_max,
+                       float& running_sum, float* row_acc) {
+  float block_max = running_max;
+  for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, probs[t]);
+  // Rescale what was summed under the old maximum.
+  const float correction = std::exp(running_max - block_max);
+  running_sum = running_sum * correction + exp_shifted(probs, block_max, n);
+  running_max = block_max;
+  // Tokens outer, the head's D / W vectors inner: D / W independent FMA chains, where one
+  // chain per vector over the tokens would wait on each FMA's latency.
+  constexpr int64_t kVectors = D / Vec::size();
+  Vec sums[kVectors];
+  for (int64_t j = 0; j < kVectors; ++j) {
+    sums[j] = Vec::loadu(row_acc + j * Vec::size()) * Vec(correction);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const Vec p(probs[t]);
+    for (int64_t j = 0; j < kVectors; ++j) {
+      sums[j] = at::vec::fmadd(p, Vec::loadu(v + t * D + j * Vec::size()), sums[j]);
     }
   }
+  for (int64_t j = 0; j < kVectors; ++j) sums[j].store(row_acc + j * Vec::size());
+}
+
+// out[r] = acc[r] / sum[r] for the `rows` rows.
+template <int64_t D>
+inline void normalise(const float* acc, const float* running_sum, int64_t rows, float* out) {
   for (int64_t r = 0; r < rows; ++r) {
     const Vec inv(1.f / running_sum[r]);
     for (int64_t d = 0; d < D; d += Vec::size()) {
@@ -134,9 +124,111 @@ void attend_rows(const float* q, const T* keys, const T* values, const int64_t* 
   }
 }
 
+// The next block's keys and values, asked for while this one is computed.
+template <typename T, int64_t D>
+inline void prefetch_next(const T* keys, const T* values, const int64_t* table, int64_t start,
+                          int64_t length, int64_t block_size) {
+  if (start + block_size < length) {
+    const int64_t next = table[start / block_size + 1] * block_size * D;
+    const int64_t next_n = std::min(block_size, length - start - block_size);
+    prefetch_block(keys + next, values + next, next_n * D);
+  }
+}
+
+// The `rows` query heads sharing one KV head, over the first `length` tokens of one
+// sequence's context, block after block (flash attention's online softmax: a running
+// maximum and sum per row). D is a compile-time head size, so every loop over a head is
+// unrolled into whole vectors.
+template <typename T, int64_t D>
+void attend_rows(const float* q, const at::BFloat16*, const T* keys, const T* values,
+                 const int64_t* table, int64_t length, int64_t rows, int64_t block_size,
+                 float scale, float* out) {
+  float acc[kMaxRows * D] = {};
+  float running_max[kMaxRows], running_sum[kMaxRows] = {};
+  std::fill(running_max, running_max + rows, -std::numeric_limits<float>::infinity());
+  std::vector<float> k_scratch(block_size * D), v_scratch(block_size * D);
+  float probs[kMaxBlockSize];
+  for (int64_t start = 0; start < length; start += block_size) {
+    const int64_t n = std::min(block_size, length - start);
+    const int64_t slot = table[start / block_size] * block_size;
+    prefetch_next<T, D>(keys, values, table, start, length, block_size);
+    const float* k = as_float(keys + slot * D, n * D, k_scratch.data());
+    const float* v = as_float(values + slot * D, n * D, v_scratch.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t t = 0; t < n; ++t) probs[t] = dot<D>(q + r * D, k + t * D) * scale;
+      fold_block<D>(probs, n, v, running_max[r], running_sum[r], acc + r * D);
+    }
+  }
+  normalise<D>(acc, running_sum, rows, out);
+}
+
+#ifdef NALAR_TILES
+// Every tile 16 rows of 64 bytes: a 16 x 16 fp32 accumulator, or 16 x 32 bf16 operands.
+void configure_tiles() {
+  struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+  } config{};
+  config.palette = 1;
+  for (int t = 0; t < 3; ++t) {
+    config.rows[t] = 16;
+    config.bytes_per_row[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// attend_rows for bf16 caches in blocks of 16 tokens, on AMX tiles: a block's scores for all
+// the rows are one tile product, keys (the A operand: 16 tokens x 32 dims, read in place) by
+// the rows' queries transposed into the B operand's pairs, instead of one dot product and
+// horizontal sum per token and row, and the keys are never widened.
+template <int64_t D>
+void attend_rows_tiles(const float*, const at::BFloat16* q, const at::BFloat16* keys,
+                       const at::BFloat16* values, const int64_t* table, int64_t length,
+                       int64_t rows, int64_t block_size, float scale, float* out) {
+  static_assert(D % 32 == 0, "tiles take the head in 32-dim chunks");
+  constexpr int64_t kChunks = D / 32;
+  // B operand per chunk: row p holds dims (2p, 2p + 1) of each query row in turn.
+  alignas(64) uint16_t q_pairs[kChunks * 16 * 32] = {};
+  const auto* q_bits = reinterpret_cast<const uint16_t*>(q);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t d = 0; d < D; ++d) {
+      q_pairs[((d / 32) * 16 + (d % 32) / 2) * 32 + r * 2 + d % 2] = q_bits[r * D + d];
+    }
+  }
+  float acc[kMaxRows * D] = {};
+  float running_max[kMaxRows], running_sum[kMaxRows] = {};
+  std::fill(running_max, running_max + rows, -std::numeric_limits<float>::infinity());
+  std::vector<float> v_scratch(block_size * D);
+  alignas(64) float scores[16 * 16];  // [token][row]
+  float probs[kMaxBlockSize];
+  for (int64_t start = 0; start < length; start += block_size) {
+    const int64_t n = std::min(block_size, length - start);
+    const int64_t slot = table[start / block_size] * block_size;
+    prefetch_next<at::BFloat16, D>(keys, values, table, start, length, block_size);
+    // A block's unused tail rows may hold anything; their scores are never read.
+    _tile_zero(0);
+    for (int64_t c = 0; c < kChunks; ++c) {
+      _tile_loadd(1, keys + slot * D + c * 32, D * 2);
+      _tile_loadd(2, q_pairs + c * 16 * 32, 64);
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, scores, 64);
+    const float* v = as_float(values + slot * D, n * D, v_scratch.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t t = 0; t < n; ++t) probs[t] = scores[t * 16 + r] * scale;
+      fold_block<D>(probs, n, v, running_max[r], running_sum[r], acc + r * D);
+    }
+  }
+  normalise<D>(acc, running_sum, rows, out);
+}
+#endif
+
+// Query rows (fp32, and bf16 for the tile path), keys, values, table, length, rows,
+// block_size, scale, out.
 template <typename T>
-using RowsFn = void (*)(const float*, const T*, const T*, const int64_t*, int64_t, int64_t,
-                        int64_t, float, float*);
+using RowsFn = void (*)(const float*, const at::BFloat16*, const T*, const T*, const int64_t*,
+                        int64_t, int64_t, int64_t, float, float*);
 
 #define NALAR_HEAD_DIMS(X) X(32) X(64) X(80) X(96) X(128) X(256)
 
@@ -149,13 +241,44 @@ RowsFn<T> rows_for(int64_t dim) {
   return nullptr;
 }
 
+#ifdef NALAR_TILES
+RowsFn<at::BFloat16> tile_rows_for(int64_t dim) {
+#define NALAR_CASE(D) \
+  if constexpr (D % 32 == 0) {                    \
+    if (dim == D) return &attend_rows_tiles<D>;   \
+  }
+  NALAR_HEAD_DIMS(NALAR_CASE)
+#undef NALAR_CASE
+  return nullptr;
+}
+
+// Linux hands out the tile register state per process, on request.
+bool request_tiles() {
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+#endif
+
 }  // namespace
 
+// Whether bf16 decodes over blocks of `block_size` tokens with `head_dim`-wide heads take the
+// AMX tile path (this CPU and build have AMX-BF16, blocks of 16, heads of 32-dim chunks).
+bool uses_tiles(int64_t block_size, int64_t head_dim) {
+#ifdef NALAR_TILES
+  static const bool granted = request_tiles();
+  return granted && block_size == 16 && tile_rows_for(head_dim) != nullptr;
+#else
+  (void)block_size;
+  (void)head_dim;
+  return false;
+#endif
+}
+
 template <typename T>
-void attend_all(const torch::Tensor& q, const torch::Tensor& key_cache,
-                const torch::Tensor& value_cache, const torch::Tensor& tables,
-                const torch::Tensor& lengths, int64_t block_size, float scale,
-                torch::Tensor& out) {
+void attend_all(const torch::Tensor& q, const at::BFloat16* q_bf16,
+                const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                const torch::Tensor& tables, const torch::Tensor& lengths, int64_t block_size,
+                float scale, torch::Tensor& out) {
   const int64_t batch = q.size(0), kv_heads = q.size(1), rows = q.size(2), dim = q.size(3);
   const int64_t slots = key_cache.size(1), max_blocks = tables.size(1);
   const float* q_ptr = q.data_ptr<float>();
@@ -164,15 +287,30 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& key_cache,
   const int64_t* table_ptr = tables.data_ptr<int64_t>();
   const int64_t* length_ptr = lengths.data_ptr<int64_t>();
   float* out_ptr = out.data_ptr<float>();
-  const RowsFn<T> attend = rows_for<T>(dim);
+  RowsFn<T> attend = rows_for<T>(dim);
+  bool tiles = false;
+#ifdef NALAR_TILES
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (uses_tiles(block_size, dim)) {
+      attend = tile_rows_for(dim);
+      tiles = true;
+    }
+  }
+#endif
   TORCH_CHECK(attend != nullptr, "head_dim ", dim, " is not one of the kernel's head sizes");
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+#ifdef NALAR_TILES
+    if (tiles) configure_tiles();
+#endif
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / kv_heads, h = item % kv_heads;
-      attend(q_ptr + item * rows * dim, k_ptr + h * slots * dim, v_ptr + h * slots * dim,
-             table_ptr + b * max_blocks, length_ptr[b], rows, block_size, scale,
-             out_ptr + item * rows * dim);
+      attend(q_ptr + item * rows * dim, q_bf16 ? q_bf16 + item * rows * dim : nullptr,
+             k_ptr + h * slots * dim, v_ptr + h * slots * dim, table_ptr + b * max_blocks,
+             length_ptr[b], rows, block_size, scale, out_ptr + item * rows * dim);
     }
+#ifdef NALAR_TILES
+    if (tiles) _tile_release();
+#endif
   });
 }
 
@@ -217,9 +355,12 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   auto out = torch::empty_like(q);
   const auto scale_f = static_cast<float>(scale);
   if (dtype == torch::kFloat32) {
-    attend_all<float>(q, key_cache, value_cache, tables, lens, block_size, scale_f, out);
+    attend_all<float>(q, nullptr, key_cache, value_cache, tables, lens, block_size, scale_f,
+                      out);
   } else {
-    attend_all<at::BFloat16>(q, key_cache, value_cache, tables, lens, block_size, scale_f, out);
+    const auto q_bf16 = query.contiguous();
+    attend_all<at::BFloat16>(q, q_bf16.data_ptr<at::BFloat16>(), key_cache, value_cache, tables,
+                             lens, block_size, scale_f, out);
   }
   return out.to(dtype);
 }
@@ -227,6 +368,8 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over the paged KV cache");
+  m.def("uses_tiles", &uses_tiles, "whether bf16 decodes with this block and head size take "
+        "the AMX tile path");
 #define NALAR_DIM(D) D,
   m.attr("head_dims") = std::vector<int64_t>{NALAR_HEAD_DIMS(NALAR_DIM)};
 #undef NALAR_DIM
