@@ -1,10 +1,11 @@
 """bf16: the engine's greedy output follows transformers up to the first near-tie.
 
-SmolLM2-135M in bf16, four prompts, 24 new tokens, served batched cold and then batched warm
-(prefix hits): matmul shapes differ from the reference's batch of one in both, so bf16 rounding
-differs. The rule (/work/shared/cases/README.md, helper in ``near_tie.py``): tokens may part from
-the reference only at a step where its top-1/top-2 margin is below ``EPSILON``, and logits agree
-within ``LOGIT_ATOL`` wherever the prefix is still shared.
+SmolLM2-135M in bf16, four prompts, 24 new tokens, served batched cold, then batched warm
+(prefix hits), then by a second engine in prefill chunks of at most 8 tokens: matmul shapes
+differ from the reference's batch of one in all three, so bf16 rounding differs. The rule
+(/work/shared/cases/README.md, helper in ``near_tie.py``): tokens may part from the reference
+only at a step where its top-1/top-2 margin is below ``EPSILON``, and logits agree within
+``LOGIT_ATOL`` wherever the prefix is still shared.
 
 Choosing the thresholds from bf16's resolution: bf16 keeps 8 significant bits, so a value in
 [2^e, 2^(e+1)) is rounded to a multiple of ulp = 2^(e-7). SmolLM2's logits here stay below 64
@@ -79,12 +80,16 @@ def test_bf16_follows_transformers_until_the_first_near_tie(smollm_bf16, referen
                                                             make_engine):
     prompts, traces = references
     engine = make_engine(smollm_bf16, num_blocks=48, max_num_seqs=4)
+    # Prompts in chunks of at most 8 tokens, each over the cached tokens before it (on AMX
+    # machines the tile kernel's path over cached context).
+    chunking = make_engine(smollm_bf16, num_blocks=48, max_num_seqs=4,
+                           max_num_batched_tokens=8)
     assert engine.loaded.dtype == torch.bfloat16
 
-    for run in ("cold", "warm"):
+    for run, server in (("cold", engine), ("warm", engine), ("chunked", chunking)):
         requests = [greedy(f"{run}-{i}", p) for i, p in enumerate(prompts)]
-        with captured_logits(engine) as logits:
-            outputs = engine.generate(requests)
+        with captured_logits(server) as logits:
+            outputs = server.generate(requests)
         compared = 0
         for i, request in enumerate(requests):
             chunks = outputs[request.request_id]
@@ -92,10 +97,13 @@ def test_bf16_follows_transformers_until_the_first_near_tie(smollm_bf16, referen
             compared += assert_matches_until_near_tie(
                 tokens, torch.stack(logits[request.request_id]), traces[i], EPSILON,
                 LOGIT_ATOL, f"{run} prompt {i}")
-            expected_cached = 0 if run == "cold" else (len(prompts[i]) - 1) // BLOCK * BLOCK
+            expected_cached = 0 if run != "warm" else (len(prompts[i]) - 1) // BLOCK * BLOCK
             assert chunks[-1].cached_tokens == expected_cached
         # the comparison covered real ground: at least up to every first near-tie
         assert compared >= sum(min(t.first_near_tie(EPSILON) + 1, len(t.tokens)) for t in traces)
-    # both runs really batched the four requests
+    # both runs really batched the four requests; the chunked one computed every prompt token
+    # at most 8 tokens a step
     assert engine.counters.batch_sizes[4] >= 2 * (NEW_TOKENS - 1)
-    assert engine.pool.num_in_use == 0
+    assert chunking.counters.prefill_tokens == sum(len(p) for p in prompts)
+    assert chunking.counters.steps >= -(-sum(len(p) for p in prompts) // 8)
+    assert engine.pool.num_in_use == 0 == chunking.pool.num_in_use
