@@ -10,7 +10,9 @@ cache slots, then:
   and, when the sequence already has cached context, to that context in a second, unmasked
   flash call; the two partial results are merged by their log-sum-exp (the split-softmax merge
   of flash-decoding, Dao et al. 2023). No mask or score matrix is ever materialised, and a
-  chunk over a long cached context costs what the same tokens cost unchunked.
+  chunk over a long cached context costs what the same tokens cost unchunked. In bf16 on CPUs
+  with AMX a span is instead one call to our tile kernel (:func:`prefill_kernel`), which reads
+  the cached context where it lies.
 - *decodes* (one new token each) attend to their sequences' blocks with GQA folded: the query
   heads that share a KV head become rows of one query, so K/V are never expanded per query
   head. On a CPU (fp32 and bf16) all of a step's decodes go to our native kernel
@@ -332,8 +334,7 @@ def prefill_kernel(dtype: torch.dtype, device: torch.device, head_dim: int) -> s
     kernel on a 2-core Xeon with AMX, one causal layer of SmolLM2's shape (9 heads, 3 KV heads,
     head size 64), fastest of ten (``benchmarks/kernel_choices.py``): see the README."""
     kernel = tile_attention() if device.type == "cpu" and dtype == torch.bfloat16 else None
-    fits = head_dim % 64 == 0 and head_dim <= 256
-    return TILE_PREFILL if kernel is not None and fits else FLASH_PREFILL
+    return TILE_PREFILL if kernel is not None and head_dim in kernel.head_dims else FLASH_PREFILL
 
 
 def decode_kernel(dtype: torch.dtype, device: torch.device, head_dim: int) -> str:

@@ -148,3 +148,12 @@ def test_tile_scores_match_softmax_attention_whatever_a_block_tail_holds():
     stale = kernel.paged_decode_attention(query, stale_keys, stale_values, tables, lengths,
                                           block, 0.125)
     assert torch.equal(stale, out)
+
+
+def test_one_kernel_can_be_left_out_by_name(monkeypatch):
+    """NALAR_DISABLE_KERNELS names kernels to leave out; the others still load."""
+    from workers import kernels
+    monkeypatch.setenv(kernels.DISABLE_ONE_VARIABLE, "rope,silu_mul")
+    build = kernels._build.__wrapped__  # past the per-process cache
+    assert build("rope") is None and build("silu_mul") is None
+    assert build("paged_decode") is not None

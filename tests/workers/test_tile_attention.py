@@ -107,3 +107,29 @@ def test_prefill_kernel_takes_tiles_for_bf16_heads_of_64():
     assert prefill_kernel(torch.float32, CPU, 64) == FLASH_PREFILL
     assert prefill_kernel(torch.bfloat16, CPU, 16) == FLASH_PREFILL
     assert prefill_kernel(torch.bfloat16, torch.device("meta"), 64) == FLASH_PREFILL
+
+
+def test_a_bf16_step_routes_its_spans_to_the_tile_kernel():
+    """Through build_metadata and paged_attention, as the model calls them: a bf16 cache's
+    metadata takes the tile kernel, and a span over cached context (20 cached tokens, 30 new)
+    gets exactly the kernel's output, beside a decode row in the same step."""
+    from workers.kv_cache import PagedKVCache
+    from workers.paged_attention import build_metadata, paged_attention
+
+    heads, kv_heads, dim = 4, 2, 64
+    cache = PagedKVCache(1, 8, BLOCK, kv_heads, dim, torch.bfloat16, CPU)
+    generator = torch.Generator().manual_seed(5)
+    cache.keys[0].copy_(torch.randn(cache.keys[0].shape, generator=generator))
+    cache.values[0].copy_(torch.randn(cache.values[0].shape, generator=generator))
+    tables, computed, new = [[3, 1, 6, 0], [2, 4]], [20, 17], [30, 1]
+    metadata = build_metadata(cache, tables, computed, new, CPU)
+    assert metadata.tile_prefill and len(metadata.spans) == 1
+    rows = sum(new)
+    query = torch.randn(rows, heads, dim, generator=generator).bfloat16()
+    key = torch.randn(rows, kv_heads, dim, generator=generator).bfloat16()
+    value = torch.randn(rows, kv_heads, dim, generator=generator).bfloat16()
+    out = paged_attention(0, query, key, value, metadata, 0.125)
+    direct = tile_attention().tile_attention(query[:30], key[:30], value[:30], cache.keys[0],
+                                             cache.values[0], torch.tensor([3, 1]), 20, BLOCK,
+                                             0.125)
+    assert torch.equal(out[:30], direct)

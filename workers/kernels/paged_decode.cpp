@@ -21,9 +21,7 @@
 
 #if defined(__AMX_BF16__) && defined(CPU_CAPABILITY_AVX512)
 #define NALAR_TILES 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 #endif
 
 namespace {
@@ -163,21 +161,6 @@ void attend_rows(const float* q, const at::BFloat16*, const T* keys, const T* va
 }
 
 #ifdef NALAR_TILES
-// Every tile 16 rows of 64 bytes: a 16 x 16 fp32 accumulator, or 16 x 32 bf16 operands.
-void configure_tiles() {
-  struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-  } config{};
-  config.palette = 1;
-  for (int t = 0; t < 3; ++t) {
-    config.rows[t] = 16;
-    config.bytes_per_row[t] = 64;
-  }
-  _tile_loadconfig(&config);
-}
-
 // attend_rows for bf16 caches in blocks of 16 tokens, on AMX tiles: a block's scores for all
 // the rows are one tile product, keys (the A operand: 16 tokens x 32 dims, read in place) by
 // the rows' queries transposed into the B operand's pairs, instead of one dot product and
@@ -252,11 +235,6 @@ RowsFn<at::BFloat16> tile_rows_for(int64_t dim) {
   return nullptr;
 }
 
-// Linux hands out the tile register state per process, on request.
-bool request_tiles() {
-  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
 #endif
 
 }  // namespace
@@ -265,8 +243,7 @@ bool request_tiles() {
 // AMX tile path (this CPU and build have AMX-BF16, blocks of 16, heads of 32-dim chunks).
 bool uses_tiles(int64_t block_size, int64_t head_dim) {
 #ifdef NALAR_TILES
-  static const bool granted = request_tiles();
-  return granted && block_size == 16 && tile_rows_for(head_dim) != nullptr;
+  return nalar_tiles::granted() && block_size == 16 && tile_rows_for(head_dim) != nullptr;
 #else
   (void)block_size;
   (void)head_dim;
@@ -300,7 +277,7 @@ void attend_all(const torch::Tensor& q, const at::BFloat16* q_bf16,
   TORCH_CHECK(attend != nullptr, "head_dim ", dim, " is not one of the kernel's head sizes");
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
 #ifdef NALAR_TILES
-    if (tiles) configure_tiles();
+    if (tiles) nalar_tiles::configure();
 #endif
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / kv_heads, h = item % kv_heads;

@@ -23,9 +23,7 @@
 
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
 #define NALAR_TILES 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 #endif
 
 #ifdef NALAR_TILES
@@ -36,31 +34,6 @@ constexpr int64_t kKeys = 128;  // keys per online-softmax step
 constexpr int64_t kChunk = 32;  // keys per P.V tile product (16 bf16 pairs)
 constexpr int64_t kMaxDim = 256;
 constexpr int64_t kTile = 16 * 32;  // bf16 values in one operand tile
-
-struct TileConfig {
-  uint8_t palette;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t bytes_per_row[16];
-  uint8_t rows[16];
-};
-
-// Linux hands out the tile register state per process, on request.
-bool request_tiles() {
-  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
-
-// Every tile 16 rows of 64 bytes: a 16 x 16 fp32 accumulator, or 16 x 32 bf16 operands.
-void configure_tiles() {
-  TileConfig config{};
-  config.palette = 1;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = 16;
-    config.bytes_per_row[t] = 64;
-  }
-  _tile_loadconfig(&config);
-}
 
 // Where a span's keys (or values) lie: the first `cached` tokens in the paged cache, through
 // `table`, the rest in the span's own projections.
@@ -365,8 +338,7 @@ int64_t balanced_block(int64_t j, int64_t blocks) {
 
 bool tiles_available() {
 #ifdef NALAR_TILES
-  static const bool granted = request_tiles();
-  return granted;
+  return nalar_tiles::granted();
 #else
   return false;
 #endif
@@ -397,6 +369,7 @@ torch::Tensor tile_attention(torch::Tensor query, torch::Tensor key, torch::Tens
   TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0, "query heads a multiple of KV heads");
   TORCH_CHECK(key_cache.size(0) == kv_heads && key_cache.size(2) == dim, "cache geometry");
 #ifdef NALAR_TILES
+  // head_dims (the module's attribute) lists exactly these.
   TORCH_CHECK(dim % 64 == 0 && dim <= kMaxDim, "head_dim a multiple of 64, at most ", kMaxDim);
   TORCH_CHECK(cached_blocks.scalar_type() == torch::kInt64, "int64 block table");
   const auto table = cached_blocks.contiguous();
@@ -417,11 +390,13 @@ torch::Tensor tile_attention(torch::Tensor query, torch::Tensor key, torch::Tens
                     key.stride(0), key.stride(1), dim};
   const Source values{raw(value_cache), slots, ids, block_size, num_cached, raw(value),
                       value.stride(0), value.stride(1), dim};
-  std::vector<uint32_t> packed_keys(kv_heads * key_tiles * dim * 8);
-  std::vector<uint16_t> packed_values(kv_heads * value_chunks * dim * kChunk);
-  pack_keys(keys, kv_heads, key_tiles, total, packed_keys.data());
-  pack_values(values, kv_heads, value_chunks, total, packed_values.data());
-  const Span span{packed_keys.data(), packed_values.data(), key_tiles, value_chunks, dim,
+  // Left uninitialised: the packing writes every element (zeros past the span's keys).
+  const std::unique_ptr<uint32_t[]> packed_keys(new uint32_t[kv_heads * key_tiles * dim * 8]);
+  const std::unique_ptr<uint16_t[]> packed_values(
+      new uint16_t[kv_heads * value_chunks * dim * kChunk]);
+  pack_keys(keys, kv_heads, key_tiles, total, packed_keys.get());
+  pack_values(values, kv_heads, value_chunks, total, packed_values.get());
+  const Span span{packed_keys.get(), packed_values.get(), key_tiles, value_chunks, dim,
                   num_cached, static_cast<float>(scale)};
   auto out = torch::empty({n, heads, dim}, query.options());
   const uint16_t* q_ptr = raw(query);
@@ -439,7 +414,7 @@ torch::Tensor tile_attention(torch::Tensor query, torch::Tensor key, torch::Tens
     const int64_t first_block = std::max<int64_t>(0, from - num_cached) / kRows;
     const int64_t active = blocks - first_block;
     at::parallel_for(0, heads * active, 1, [&](int64_t begin, int64_t end) {
-      configure_tiles();
+      nalar_tiles::configure();
       auto rows = std::make_unique<Rows>();
       for (int64_t item = begin; item < end; ++item) {
         const int64_t head = item / active;
@@ -464,6 +439,7 @@ torch::Tensor tile_attention(torch::Tensor query, torch::Tensor key, torch::Tens
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &tiles_available, "whether this CPU and build run AMX-BF16 tiles");
+  m.attr("head_dims") = std::vector<int64_t>{64, 128, 192, 256};
   m.def("tile_attention", &tile_attention,
         "causal bf16 flash attention of a prefill span on AMX tiles");
 }
