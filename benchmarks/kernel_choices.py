@@ -11,8 +11,9 @@
    into a copy for torch's SDPA, with the tables scattered over the pool as a running worker's
    are, and the largest difference between the two.
 4. Prefill attention in bf16 (``workers.paged_attention.prefill_kernel``), one layer, for
-   each ``--prefill-cases`` (new tokens + cached tokens): the AMX tile kernel reading the
-   cached context in place against torch's flash kernel (two calls and a log-sum-exp merge
+   each ``--prefill-cases`` (new tokens + cached tokens): our kernel (AMX tiles or
+   AVX512-BF16, ``prefill_backend`` in the JSON) reading the cached context in place against
+   torch's flash kernel (two calls and a log-sum-exp merge
    over a gathered copy when there is cached context), trials alternating between the two;
    fastest and median.
 
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.model_loader import parse_dtype
+from workers.paged_attention import prefill_kernel
 
 try:
     from benchmarks import common
@@ -130,12 +132,12 @@ def _decode_case(cache, batch: int, context: int, repeats: int) -> dict:
 
 
 def prefill_attention(cases: list[tuple[int, int]], repeats: int) -> dict:
-    """Milliseconds per layer of a bf16 span's attention, tile kernel and torch's flash, for
-    each (new tokens, cached tokens) case; empty where the tile kernel is unavailable."""
-    from workers.kernels import tile_attention
+    """Milliseconds per layer of a bf16 span's attention, our kernel and torch's flash, for
+    each (new tokens, cached tokens) case; empty where our kernel is unavailable."""
+    from workers.kernels import prefill_attention
 
-    if tile_attention() is None:
-        common.log("prefill attention: no AMX tiles here, nothing to compare")
+    if prefill_attention() is None:
+        common.log("prefill attention: neither AMX-BF16 nor AVX512-BF16 here, nothing to compare")
         return {}
     results = {}
     for new, cached in cases:
@@ -159,7 +161,7 @@ def _prefill_case(new: int, cached: int, repeats: int) -> dict:
     qkv = torch.randn(new, (HEADS + 2 * KV_HEADS) * HEAD_DIM, dtype=torch.bfloat16)
     q, k, v = (x.view(new, -1, HEAD_DIM) for x in qkv.split(
         [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1))
-    kernels = {"tiles": paged_attention._attend_span_on_tiles,
+    kernels = {"native": paged_attention._attend_span_native,
                "flash": paged_attention._attend_span}
 
     def attend(name: str) -> torch.Tensor:
@@ -174,7 +176,7 @@ def _prefill_case(new: int, cached: int, repeats: int) -> dict:
         times = sorted(times[1:])
         entry[f"{name}_min_ms"] = times[0] * 1e3
         entry[f"{name}_median_ms"] = times[len(times) // 2] * 1e3
-    difference = attend("tiles").float() - attend("flash").float()
+    difference = attend("native").float() - attend("flash").float()
     entry["max_abs_difference"] = difference.abs().max().item()
     return entry
 
@@ -203,6 +205,7 @@ def main(argv: list[str] | None = None) -> dict:
               "threads": threads, "quick": args.quick, "dtype": str(dtype),
               "linear": linear_rows(rows, repeats, dtype), "flash": flash_layouts(tokens, repeats),
               "decode_attention": decode_attention(cases, repeats),
+              "prefill_backend": prefill_kernel(torch.bfloat16, torch.device("cpu"), HEAD_DIM),
               "prefill_attention": prefill_attention(prefill_cases, min(repeats, 10))}
     common.write_json(result, args.out)
     return result

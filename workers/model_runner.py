@@ -17,8 +17,8 @@ from workers.models import compact_model_for
 from workers.models.linear import linear_kernel
 from workers.paged_attention import (
     ATTN_IMPLEMENTATION,
+    FLASH_PREFILL,
     NATIVE_DECODE,
-    TILE_PREFILL,
     AttentionMetadata,
     build_metadata,
     decode_kernel,
@@ -44,8 +44,8 @@ class ModelRunner:
             see ``workers.paged_attention.decode_kernel``.
         decode_tiles: whether the native decode kernel scores on AMX tiles; see
             ``workers.paged_attention.decode_uses_tiles``.
-        prefill_kernel: what prompts and prefill chunks attend with (``amx-tiles`` or
-            ``sdpa-flash``); see ``workers.paged_attention.prefill_kernel``.
+        prefill_kernel: what prompts and prefill chunks attend with (``amx-tiles``,
+            ``avx512-bf16`` or ``sdpa-flash``); see ``workers.paged_attention.prefill_kernel``.
         norm_kernel: what the compact path's RMSNorms run on (``native`` or ``torch``; ``torch``
             on the transformers path); see ``workers.models.norm``.
     """
@@ -97,7 +97,7 @@ class ModelRunner:
             [seq.num_computed_tokens for seq in batch.seqs], batch.num_new_tokens, self.device,
             [bool(seq.spec_token_ids) for seq in batch.seqs],
             native_decode=self.decode_kernel == NATIVE_DECODE,
-            tile_prefill=self.prefill_kernel == TILE_PREFILL)
+            native_prefill=self.prefill_kernel != FLASH_PREFILL)
         # int64 even when empty: a step that only runs a middle prefill chunk samples nothing.
         sample_index = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         ids = torch.tensor(input_ids, device=self.device)

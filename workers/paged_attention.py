@@ -11,8 +11,8 @@ cache slots, then:
   flash call; the two partial results are merged by their log-sum-exp (the split-softmax merge
   of flash-decoding, Dao et al. 2023). No mask or score matrix is ever materialised, and a
   chunk over a long cached context costs what the same tokens cost unchunked. In bf16 on CPUs
-  with AMX a span is instead one call to our tile kernel (:func:`prefill_kernel`), which reads
-  the cached context where it lies.
+  with AMX-BF16 or AVX512-BF16 a span is instead one call to our prefill kernel
+  (:func:`prefill_kernel`), which reads the cached context where it lies.
 - *decodes* (one new token each) attend to their sequences' blocks with GQA folded: the query
   heads that share a KV head become rows of one query, so K/V are never expanded per query
   head. On a CPU (fp32 and bf16) all of a step's decodes go to our native kernel
@@ -39,13 +39,13 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 
-from workers.kernels import paged_decode, tile_attention
+from workers.kernels import paged_decode, prefill_attention
 from workers.kv_cache import PagedKVCache
 
 ATTN_IMPLEMENTATION = "nalar_paged"
 
 NATIVE_DECODE, GATHER_DECODE = "native-paged", "gather-sdpa"
-TILE_PREFILL, FLASH_PREFILL = "amx-tiles", "sdpa-flash"
+FLASH_PREFILL = "sdpa-flash"
 
 DECODE_PADDING_RATIO = 2
 """A decode group's longest context is at most this many times its shortest: rows padded to
@@ -119,21 +119,21 @@ class AttentionMetadata:
         spans: multi-token queries.
         decode_groups: decodes and verification blocks, grouped by query rows and context
             length.
-        tile_prefill: spans attend with the AMX tile kernel (:func:`prefill_kernel`).
+        native_prefill: spans attend with our bf16 prefill kernel (:func:`prefill_kernel`).
     """
 
     kv_cache: PagedKVCache
     slot_mapping: torch.Tensor
     spans: list[PrefillSpan] = field(default_factory=list)
     decode_groups: list[DecodeGroup] = field(default_factory=list)
-    tile_prefill: bool = False
+    native_prefill: bool = False
 
 
 def build_metadata(kv_cache: PagedKVCache, block_tables: list[list[int]],
                    num_computed: list[int], num_new: list[int],
                    device: torch.device, verify: list[bool] | None = None,
                    native_decode: bool | None = None,
-                   tile_prefill: bool | None = None) -> AttentionMetadata:
+                   native_prefill: bool | None = None) -> AttentionMetadata:
     """Metadata for a step where sequence ``i`` already has ``num_computed[i]`` tokens cached
     and computes ``num_new[i]`` more, its rows following those of sequence ``i - 1``.
 
@@ -144,7 +144,7 @@ def build_metadata(kv_cache: PagedKVCache, block_tables: list[list[int]],
 
     ``native_decode``: whether plain decodes take the native kernel; by default
     :func:`decode_kernel`'s choice for the cache, made here once per step rather than per
-    layer. ``tile_prefill``: whether spans take the AMX tile kernel; by default
+    layer. ``native_prefill``: whether spans take our bf16 prefill kernel; by default
     :func:`prefill_kernel`'s choice.
     """
     block_size = kv_cache.block_size
@@ -164,10 +164,10 @@ def build_metadata(kv_cache: PagedKVCache, block_tables: list[list[int]],
             spans.append(_span(row, computed, new, table, block_size, device))
         row += new
     keys = kv_cache.keys[0]
-    if tile_prefill is None:
-        tile_prefill = prefill_kernel(keys.dtype, keys.device, keys.shape[-1]) == TILE_PREFILL
+    if native_prefill is None:
+        native_prefill = prefill_kernel(keys.dtype, keys.device, keys.shape[-1]) != FLASH_PREFILL
     metadata = AttentionMetadata(kv_cache, torch.tensor(slots, device=device), spans,
-                                 tile_prefill=tile_prefill)
+                                 native_prefill=native_prefill)
     if native_decode is None:
         native_decode = decode_kernel(keys.dtype, keys.device, keys.shape[-1]) == NATIVE_DECODE
     # The native kernel reads each sequence to its own length, so plain decodes need no
@@ -255,7 +255,7 @@ def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: t
         return _attend_decodes(layer, query, groups[0], cache, scale)
     out = torch.empty_like(query)
     for span in metadata.spans:
-        attend = _attend_span_on_tiles if metadata.tile_prefill else _attend_span
+        attend = _attend_span_native if metadata.native_prefill else _attend_span
         out[span.start:span.end] = attend(layer, query, key, value, span, cache, scale)
     for group in groups:
         out[group.row_index] = _attend_decodes(layer, query, group, cache, scale)
@@ -289,15 +289,15 @@ def _attend_span(layer: int, query: torch.Tensor, key: torch.Tensor, value: torc
     return merged[0].transpose(0, 1).to(query.dtype)
 
 
-def _attend_span_on_tiles(layer: int, query: torch.Tensor, key: torch.Tensor,
-                          value: torch.Tensor, span: PrefillSpan, cache: PagedKVCache,
-                          scale: float) -> torch.Tensor:
+def _attend_span_native(layer: int, query: torch.Tensor, key: torch.Tensor,
+                        value: torch.Tensor, span: PrefillSpan, cache: PagedKVCache,
+                        scale: float) -> torch.Tensor:
     """One call for the span's new tokens and its cached context, read where it lies."""
     rows = slice(span.start, span.end)
     blocks = span.cached_blocks if span.cached_blocks is not None else _NO_BLOCKS
-    return tile_attention().tile_attention(query[rows], key[rows], value[rows],
-                                           cache.keys[layer], cache.values[layer], blocks,
-                                           span.num_cached, cache.block_size, scale)
+    return prefill_attention().prefill_attention(query[rows], key[rows], value[rows],
+                                                 cache.keys[layer], cache.values[layer], blocks,
+                                                 span.num_cached, cache.block_size, scale)
 
 
 _NO_BLOCKS = torch.empty(0, dtype=torch.int64)
@@ -322,19 +322,20 @@ def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
 
 def prefill_kernel(dtype: torch.dtype, device: torch.device, head_dim: int) -> str:
     """What spans (prompts, prefill chunks) of a model in ``dtype`` on ``device`` attend with:
-    :data:`TILE_PREFILL` (our causal flash kernel on AMX tiles, reading the cached context in
-    place; bf16 on CPUs with AMX-BF16, head sizes a multiple of 64 up to 256) or
-    :data:`FLASH_PREFILL` (torch's fused attention, with a second call and a log-sum-exp merge
-    over cached context). The two round differently, so the choice is part of the cache
-    identity's numerics.
+    our causal flash kernel for bf16 on CPUs, reading the cached context in place, named by
+    what computes its products (``"amx-tiles"`` with AMX-BF16, ``"avx512-bf16"`` with
+    AVX512-BF16 alone; head sizes 64, 128, 192, 256), or :data:`FLASH_PREFILL` (torch's fused
+    attention, with a second call and a log-sum-exp merge over cached context). They round
+    differently, so the choice is part of the cache identity's numerics.
 
-    The tile kernel's key blocks start at fixed positions and each query row is computed on
-    its own, so a prompt gets bit-identical attention chunked or not, and over a cached prefix
-    or cold; torch's kernel splits its work by the span's length. Measured against torch's
-    kernel on a 2-core Xeon with AMX, one causal layer of SmolLM2's shape (9 heads, 3 KV heads,
-    head size 64), fastest of ten (``benchmarks/kernel_choices.py``): see the README."""
-    kernel = tile_attention() if device.type == "cpu" and dtype == torch.bfloat16 else None
-    return TILE_PREFILL if kernel is not None and head_dim in kernel.head_dims else FLASH_PREFILL
+    Our kernel's key blocks start at fixed positions and each query row is computed on its
+    own, so a prompt gets bit-identical attention chunked or not, and over a cached prefix or
+    cold; torch's kernel splits its work by the span's length. Measured against torch's kernel
+    per causal layer of SmolLM2's shape (9 heads, 3 KV heads, head size 64,
+    ``benchmarks/kernel_choices.py``): on an AMX Xeon, faster up to 1k tokens and level at
+    4k-8k; on a Zen 5 EPYC with AVX512-BF16, about 4x faster at 1k-8k (see the README)."""
+    kernel = prefill_attention() if device.type == "cpu" and dtype == torch.bfloat16 else None
+    return kernel.backend if kernel is not None and head_dim in kernel.head_dims else FLASH_PREFILL
 
 
 def decode_kernel(dtype: torch.dtype, device: torch.device, head_dim: int) -> str:

@@ -1,19 +1,21 @@
-"""The AMX prefill-attention kernel (``workers.kernels.tile_attention``) on its own: its values
-against attention in float64, its invariance to chunking, its refusals, and which models take
-it. Skipped on CPUs without AMX-BF16 (CI's machine has it when the session's machine has)."""
+"""The bf16 prefill-attention kernel (``workers.kernels.prefill_attention``) on its own: its
+values against attention in float64, its invariance to chunking, its refusals, and which models
+take it. It runs on whichever backend this CPU has (AMX tiles or AVX512-BF16 pair products);
+skipped on CPUs with neither (CI's machine has what the session's machine has)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from workers.kernels import tile_attention
-from workers.paged_attention import FLASH_PREFILL, TILE_PREFILL, prefill_kernel
+from workers.kernels import prefill_attention
+from workers.paged_attention import FLASH_PREFILL, prefill_kernel
 
 CPU = torch.device("cpu")
 BLOCK = 16
 
-pytestmark = pytest.mark.skipif(tile_attention() is None, reason="no AMX-BF16 tiles here")
+pytestmark = pytest.mark.skipif(prefill_attention() is None,
+                                reason="neither AMX-BF16 nor AVX512-BF16 here")
 
 
 class Sequence:
@@ -36,7 +38,7 @@ class Sequence:
     def attend(self, start: int, end: int) -> torch.Tensor:
         """Tokens ``[start, end)`` as a span over the ``start`` tokens before them."""
         table = self.table[:-(-start // BLOCK)] if start else torch.empty(0, dtype=torch.int64)
-        return tile_attention().tile_attention(
+        return prefill_attention().prefill_attention(
             self.query[start:end], self.keys[start:end], self.values[start:end],
             self.key_cache, self.value_cache, table, start, BLOCK, 0.125)
 
@@ -55,7 +57,7 @@ class Sequence:
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "start", "end"), [
     (9, 3, 64, 0, 1), (9, 3, 64, 0, 300), (9, 3, 64, 37, 300), (9, 3, 64, 250, 251),
     (4, 4, 128, 100, 1200), (2, 1, 256, 0, 70)])
-def test_tile_attention_matches_softmax_attention(heads, kv_heads, dim, start, end):
+def test_prefill_attention_matches_softmax_attention(heads, kv_heads, dim, start, end):
     """Within bf16's rounding (the probabilities enter P.V as bf16, as in torch's bf16 flash
     kernel), for GQA groups of 3 and 2, MHA, head sizes 64 to 256, spans over a cached context
     read through the block table, across key ranges (1,024 keys at head size 128)."""
@@ -79,39 +81,41 @@ def test_chunked_spans_are_bit_identical_to_one_span(dim, total, cuts):
     assert torch.equal(chunked, whole)
 
 
-def test_tile_attention_refuses_what_it_cannot_compute():
+def test_prefill_attention_refuses_what_it_cannot_compute():
     seq = Sequence(40, 4, 2, 64, seed=1)
-    kernel = tile_attention()
+    kernel = prefill_attention()
     args = (seq.key_cache, seq.value_cache, seq.table[:1], 16, BLOCK, 0.125)
     with pytest.raises(RuntimeError, match="bfloat16"):
-        kernel.tile_attention(seq.query[16:].float(), seq.keys[16:].float(),
-                              seq.values[16:].float(), *args)
+        kernel.prefill_attention(seq.query[16:].float(), seq.keys[16:].float(),
+                                 seq.values[16:].float(), *args)
     with pytest.raises(RuntimeError, match="block id outside"):
-        kernel.tile_attention(seq.query[16:], seq.keys[16:], seq.values[16:], seq.key_cache,
-                              seq.value_cache, torch.tensor([99]), 16, BLOCK, 0.125)
+        kernel.prefill_attention(seq.query[16:], seq.keys[16:], seq.values[16:], seq.key_cache,
+                                 seq.value_cache, torch.tensor([99]), 16, BLOCK, 0.125)
     with pytest.raises(RuntimeError, match="num_cached outside"):
-        kernel.tile_attention(seq.query[16:], seq.keys[16:], seq.values[16:], seq.key_cache,
-                              seq.value_cache, seq.table[:1], 17, BLOCK, 0.125)
+        kernel.prefill_attention(seq.query[16:], seq.keys[16:], seq.values[16:], seq.key_cache,
+                                 seq.value_cache, seq.table[:1], 17, BLOCK, 0.125)
     with pytest.raises(RuntimeError, match="multiple of 64"):
-        kernel.tile_attention(seq.query[16:, :, :32], seq.keys[16:, :, :32],
-                              seq.values[16:, :, :32], seq.key_cache[..., :32].contiguous(),
-                              seq.value_cache[..., :32].contiguous(), seq.table[:1], 16, BLOCK,
-                              0.125)
+        kernel.prefill_attention(seq.query[16:, :, :32], seq.keys[16:, :, :32],
+                                 seq.values[16:, :, :32], seq.key_cache[..., :32].contiguous(),
+                                 seq.value_cache[..., :32].contiguous(), seq.table[:1], 16,
+                                 BLOCK, 0.125)
     with pytest.raises(RuntimeError, match="CPU tensors"):
-        kernel.tile_attention(seq.query[16:].to("meta"), seq.keys[16:], seq.values[16:], *args)
+        kernel.prefill_attention(seq.query[16:].to("meta"), seq.keys[16:], seq.values[16:], *args)
 
 
-def test_prefill_kernel_takes_tiles_for_bf16_heads_of_64():
-    assert prefill_kernel(torch.bfloat16, CPU, 64) == TILE_PREFILL
-    assert prefill_kernel(torch.bfloat16, CPU, 128) == TILE_PREFILL
+def test_prefill_kernel_takes_ours_for_bf16_heads_of_64_and_names_its_backend():
+    backend = prefill_attention().backend
+    assert backend in ("amx-tiles", "avx512-bf16")
+    assert prefill_kernel(torch.bfloat16, CPU, 64) == backend
+    assert prefill_kernel(torch.bfloat16, CPU, 128) == backend
     assert prefill_kernel(torch.float32, CPU, 64) == FLASH_PREFILL
     assert prefill_kernel(torch.bfloat16, CPU, 16) == FLASH_PREFILL
     assert prefill_kernel(torch.bfloat16, torch.device("meta"), 64) == FLASH_PREFILL
 
 
-def test_a_bf16_step_routes_its_spans_to_the_tile_kernel():
+def test_a_bf16_step_routes_its_spans_to_our_kernel():
     """Through build_metadata and paged_attention, as the model calls them: a bf16 cache's
-    metadata takes the tile kernel, and a span over cached context (20 cached tokens, 30 new)
+    metadata takes our kernel, and a span over cached context (20 cached tokens, 30 new)
     gets exactly the kernel's output, beside a decode row in the same step."""
     from workers.kv_cache import PagedKVCache
     from workers.paged_attention import build_metadata, paged_attention
@@ -123,13 +127,13 @@ def test_a_bf16_step_routes_its_spans_to_the_tile_kernel():
     cache.values[0].copy_(torch.randn(cache.values[0].shape, generator=generator))
     tables, computed, new = [[3, 1, 6, 0], [2, 4]], [20, 17], [30, 1]
     metadata = build_metadata(cache, tables, computed, new, CPU)
-    assert metadata.tile_prefill and len(metadata.spans) == 1
+    assert metadata.native_prefill and len(metadata.spans) == 1
     rows = sum(new)
     query = torch.randn(rows, heads, dim, generator=generator).bfloat16()
     key = torch.randn(rows, kv_heads, dim, generator=generator).bfloat16()
     value = torch.randn(rows, kv_heads, dim, generator=generator).bfloat16()
     out = paged_attention(0, query, key, value, metadata, 0.125)
-    direct = tile_attention().tile_attention(query[:30], key[:30], value[:30], cache.keys[0],
-                                             cache.values[0], torch.tensor([3, 1]), 20, BLOCK,
-                                             0.125)
+    direct = prefill_attention().prefill_attention(query[:30], key[:30], value[:30],
+                                                   cache.keys[0], cache.values[0],
+                                                   torch.tensor([3, 1]), 20, BLOCK, 0.125)
     assert torch.equal(out[:30], direct)

@@ -10,14 +10,15 @@ carries torch's CPU capability, so another CPU builds its own), under
 install (``python -m workers.kernels``), so a worker's start only loads it. Where no compiler
 is found, or ``NALAR_NATIVE_KERNELS=0``, it is None and attention keeps the gather path.
 ``NALAR_DISABLE_KERNELS`` names kernels (comma-separated stems: ``paged_decode``,
-``rms_norm``, ``rope``, ``silu_mul``, ``tile_attention``) to leave out alone, to compare with
+``rms_norm``, ``rope``, ``silu_mul``, ``prefill_attention``) to leave out alone, to compare with
 the torch path.
 
 :func:`rms_norm` is the Llama family's RMSNorm in one call instead of eight torch ops, with
 the same rounding points, :func:`rope` the rotary embedding in one call instead of six, and
 :func:`silu_mul` the gated MLP's ``silu(gate) * up`` in one pass instead of two (these two
-bit-identical); without them the torch ops serve. :func:`tile_attention` is bf16 prefill
-attention on AMX tiles, where the CPU has them; without it torch's flash kernel serves.
+bit-identical); without them the torch ops serve. :func:`prefill_attention` is bf16 prefill
+attention on AMX tiles or in AVX512-BF16, where the CPU has either; without it torch's flash
+kernel serves.
 """
 
 from __future__ import annotations
@@ -93,18 +94,18 @@ def silu_mul() -> ModuleType | None:
     return _build("silu_mul")
 
 
-def tile_attention() -> ModuleType | None:
-    """The compiled AMX prefill-attention extension, or None where it is disabled, cannot be
-    built, or this CPU has no AMX-BF16 tiles (its ``available()`` is False). Its
-    ``tile_attention(query, key, value, key_cache, value_cache, cached_blocks, num_cached,
-    block_size, scale)`` takes a span's query ``[n, H, D]`` and its own keys and values
-    ``[n, KV, D]`` (unit stride within a head), the caches ``[KV, slots, D]`` and the
-    ``[M]`` int64 block table holding the sequence's first ``num_cached`` tokens, all bf16
-    on CPU with ``D`` a multiple of 64; query ``i`` attends causally to keys
-    ``0 .. num_cached + i``. Returns ``[n, H, D]`` bf16; raises RuntimeError for other
-    dtypes, shapes, or block ids outside the cache."""
-    module = _build("tile_attention")
-    return module if module is not None and module.available() else None
+def prefill_attention() -> ModuleType | None:
+    """The compiled bf16 prefill-attention extension, or None where it is disabled, cannot be
+    built, or this CPU has neither AMX-BF16 tiles nor AVX512-BF16 (its ``backend`` is then
+    empty; otherwise ``"amx-tiles"`` or ``"avx512-bf16"``). Its ``prefill_attention(query,
+    key, value, key_cache, value_cache, cached_blocks, num_cached, block_size, scale)`` takes
+    a span's query ``[n, H, D]`` and its own keys and values ``[n, KV, D]`` (unit stride
+    within a head), the caches ``[KV, slots, D]`` and the ``[M]`` int64 block table holding
+    the sequence's first ``num_cached`` tokens, all bf16 on CPU with ``D`` in ``head_dims``;
+    query ``i`` attends causally to keys ``0 .. num_cached + i``. Returns ``[n, H, D]`` bf16;
+    raises RuntimeError for other dtypes, shapes, or block ids outside the cache."""
+    module = _build("prefill_attention")
+    return module if module is not None and module.backend else None
 
 
 @functools.cache

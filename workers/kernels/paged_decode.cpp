@@ -6,7 +6,8 @@
 // running maximum and sum per query row, so no score vector over the whole context and no
 // gathered copy of K/V is ever made. Every (sequence, KV head) pair is independent, so a row's
 // result never depends on what else is in the batch.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>  // at::Tensor to and from Python; far lighter than torch/extension.h
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -252,10 +253,10 @@ bool uses_tiles(int64_t block_size, int64_t head_dim) {
 }
 
 template <typename T>
-void attend_all(const torch::Tensor& q, const at::BFloat16* q_bf16,
-                const torch::Tensor& key_cache, const torch::Tensor& value_cache,
-                const torch::Tensor& tables, const torch::Tensor& lengths, int64_t block_size,
-                float scale, torch::Tensor& out) {
+void attend_all(const at::Tensor& q, const at::BFloat16* q_bf16,
+                const at::Tensor& key_cache, const at::Tensor& value_cache,
+                const at::Tensor& tables, const at::Tensor& lengths, int64_t block_size,
+                float scale, at::Tensor& out) {
   const int64_t batch = q.size(0), kv_heads = q.size(1), rows = q.size(2), dim = q.size(3);
   const int64_t slots = key_cache.size(1), max_blocks = tables.size(1);
   const float* q_ptr = q.data_ptr<float>();
@@ -294,14 +295,14 @@ void attend_all(const torch::Tensor& q, const at::BFloat16* q_bf16,
 // query [B, kv_heads, R, D]; key_cache, value_cache [kv_heads, slots, D], float32 or bfloat16
 // (the query's dtype); block_tables [B, M] int64; lengths [B] int64 (each >= 1).
 // Returns [B, kv_heads, R, D] in the query's dtype, computed in float32.
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache,
-                                     torch::Tensor value_cache, torch::Tensor block_tables,
-                                     torch::Tensor lengths, int64_t block_size, double scale) {
+at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache,
+                                     at::Tensor value_cache, at::Tensor block_tables,
+                                     at::Tensor lengths, int64_t block_size, double scale) {
   TORCH_CHECK(query.device().is_cpu() && key_cache.device().is_cpu()
               && value_cache.device().is_cpu() && block_tables.device().is_cpu()
               && lengths.device().is_cpu(), "CPU tensors");
   const auto dtype = query.scalar_type();
-  TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16)
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16)
               && key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
               "float32 or bfloat16 query and cache, all of one dtype");
   TORCH_CHECK(query.dim() == 4 && key_cache.dim() == 3 && value_cache.dim() == 3,
@@ -310,9 +311,9 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   TORCH_CHECK(block_size >= 1 && block_size <= kMaxBlockSize, "block_size outside 1..",
               kMaxBlockSize);
   TORCH_CHECK(query.size(2) <= kMaxRows, "more than ", kMaxRows, " query heads per KV head");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && lengths.scalar_type() == torch::kInt64,
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong,
               "int64 block tables and lengths");
-  const auto q = query.to(torch::kFloat32).contiguous();
+  const auto q = query.to(at::kFloat).contiguous();
   const auto tables = block_tables.contiguous();
   const auto lens = lengths.contiguous();
   const int64_t batch = q.size(0), kv_heads = q.size(1), dim = q.size(3);
@@ -329,9 +330,9 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   for (int64_t i = 0; i < tables.numel(); ++i) {
     TORCH_CHECK(ids[i] >= 0 && (ids[i] + 1) * block_size <= slots, "block id outside the cache");
   }
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const auto scale_f = static_cast<float>(scale);
-  if (dtype == torch::kFloat32) {
+  if (dtype == at::kFloat) {
     attend_all<float>(q, nullptr, key_cache, value_cache, tables, lens, block_size, scale_f,
                       out);
   } else {

@@ -1,16 +1,23 @@
-// Causal flash attention for bf16 prefill spans on Intel AMX tiles (CPU).
+// Causal flash attention for bf16 prefill spans (CPU), on Intel AMX tiles or in AVX512-BF16.
 //
 // A span of new tokens attends to its sequence's cached context (read through the block table
-// where it lies in the paged cache) and causally to itself. The matrix products run on the
-// tile unit (TMUL: 16 x 16 fp32 accumulators fed bf16 pairs), the softmax in AVX-512 fp32,
-// with the online softmax of flash attention (Dao et al. 2022) over key blocks of kKeys. Key
-// blocks start at absolute positions 0, kKeys, 2 kKeys..., and a query row's result depends
-// only on its own row and those blocks, so a prompt gets bit-identical attention chunked or
-// not, cold or over a cached prefix.
+// where it lies in the paged cache) and causally to itself, with the online softmax of flash
+// attention (Dao et al. 2022) over key blocks of kKeys. Keys and values are packed once per
+// call into bf16 pairs: a key row holds one pair of dims for 16 keys, a value row one pair of
+// keys for 16 dims. Two backends consume those rows:
+// - tiles: the AMX tile unit (TMUL: 16 x 16 fp32 accumulators fed bf16 pairs), where the CPU
+//   has AMX-BF16 and Linux grants the tile registers;
+// - pairs: AVX512-BF16's pair product (vdpbf16ps: 16 fp32 lanes += two bf16 products each),
+//   one packed row against a broadcast query (or probability) pair, where the CPU has
+//   AVX512-BF16 without AMX.
+// The softmax runs in AVX-512 fp32 either way. Key blocks start at absolute positions 0,
+// kKeys, 2 kKeys..., and a query row's result depends only on its own row and those blocks,
+// so a prompt gets bit-identical attention chunked or not, cold or over a cached prefix.
 //
-// Where the compiler targets no AMX-BF16 (the build is -march=native), the module still
-// loads and `available` is false.
-#include <torch/extension.h>
+// Where the compiler targets neither (the build is -march=native), the module still loads and
+// `backend` is empty.
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>  // at::Tensor to and from Python; far lighter than torch/extension.h
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -19,14 +26,19 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <string>
 #include <vector>
 
-#if defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+#define NALAR_PAIRS 1
+#include <immintrin.h>
+#if defined(__AMX_BF16__)
 #define NALAR_TILES 1
 #include "amx_tiles.h"
 #endif
+#endif
 
-#ifdef NALAR_TILES
+#ifdef NALAR_PAIRS
 namespace {
 
 constexpr int64_t kRows = 16;   // query rows per tile
@@ -140,37 +152,6 @@ struct State {
   }
 };
 
-// S = Q.K^T for `tiles` key tiles from key `first` (rounded up to whole groups of four, which
-// the packed keys always hold), into rows.scores [16][kKeys]: four accumulators in flight,
-// as one would wait on the other's latency.
-void score_block(Rows& rows, const Span& span, int64_t kv_head, int64_t first, int64_t tiles) {
-  const int64_t chunks = span.dim / 32;
-  const uint32_t* keys = span.keys + (kv_head * span.key_tiles + first / 16) * chunks * 256;
-  for (int64_t t = 0; t < tiles; t += 4) {
-    const uint32_t* k = keys + t * chunks * 256;
-    const int64_t tile_stride = chunks * 256;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t c = 0; c < chunks; ++c) {
-      _tile_loadd(4, rows.q + c * 32, span.dim * 2);
-      _tile_loadd(5, k + c * 256, 64);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(6, k + tile_stride + c * 256, 64);
-      _tile_dpbf16ps(1, 4, 6);
-      _tile_loadd(7, k + 2 * tile_stride + c * 256, 64);
-      _tile_dpbf16ps(2, 4, 7);
-      _tile_loadd(5, k + 3 * tile_stride + c * 256, 64);
-      _tile_dpbf16ps(3, 4, 5);
-    }
-    _tile_stored(0, rows.scores + t * 16, kKeys * 4);
-    _tile_stored(1, rows.scores + t * 16 + 16, kKeys * 4);
-    _tile_stored(2, rows.scores + t * 16 + 32, kKeys * 4);
-    _tile_stored(3, rows.scores + t * 16 + 48, kKeys * 4);
-  }
-}
-
 // Which of the 16 keys from `t` a row that sees `visible` keys of the block sees.
 inline __mmask16 seen_mask(int64_t visible, int64_t t) {
   const int64_t n = std::clamp<int64_t>(visible - t, 0, 16);
@@ -257,47 +238,178 @@ void softmax_block(Rows& rows, const Span& span, int64_t first_pos, int64_t firs
   _mm512_storeu_ps(rows.max, new_max);
 }
 
-// out = out * correction + P.V over `chunks` key chunks from key `first`, 64 dims at a time
-// in four accumulator tiles.
-void accumulate_block(Rows& rows, const Span& span, int64_t kv_head, int64_t first,
-                      int64_t chunks) {
-  const int64_t dim_tiles = span.dim / 16;
-  const uint16_t* values =
-      span.values + (kv_head * span.value_chunks + first / kChunk) * dim_tiles * kTile;
-  for (int64_t g = 0; g < span.dim; g += 64) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t c = 0; c < chunks; ++c) {
-      const uint16_t* v = values + (c * dim_tiles + g / 16) * kTile;
-      _tile_loadd(4, rows.probs + c * kChunk, kKeys * 2);
-      _tile_loadd(5, v, 64);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(6, v + kTile, 64);
-      _tile_dpbf16ps(1, 4, 6);
-      _tile_loadd(5, v + 2 * kTile, 64);
-      _tile_dpbf16ps(2, 4, 5);
-      _tile_loadd(6, v + 3 * kTile, 64);
-      _tile_dpbf16ps(3, 4, 6);
+#ifdef NALAR_TILES
+// The AMX backend: products of 16-row tiles on the tile unit.
+struct Tiles {
+  static void begin() { nalar_tiles::configure(); }
+  static void end() { _tile_release(); }
+
+  // S = Q.K^T for `tiles` key tiles from key `first` (rounded up to whole groups of four,
+  // which the packed keys always hold), into rows.scores [16][kKeys]: four accumulators in
+  // flight, as one would wait on the other's latency.
+  static void score(Rows& rows, const Span& span, int64_t kv_head, int64_t first, int64_t tiles) {
+    const int64_t chunks = span.dim / 32;
+    const uint32_t* keys = span.keys + (kv_head * span.key_tiles + first / 16) * chunks * 256;
+    for (int64_t t = 0; t < tiles; t += 4) {
+      const uint32_t* k = keys + t * chunks * 256;
+      const int64_t tile_stride = chunks * 256;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t c = 0; c < chunks; ++c) {
+        _tile_loadd(4, rows.q + c * 32, span.dim * 2);
+        _tile_loadd(5, k + c * 256, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, k + tile_stride + c * 256, 64);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(7, k + 2 * tile_stride + c * 256, 64);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, k + 3 * tile_stride + c * 256, 64);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+      _tile_stored(0, rows.scores + t * 16, kKeys * 4);
+      _tile_stored(1, rows.scores + t * 16 + 16, kKeys * 4);
+      _tile_stored(2, rows.scores + t * 16 + 32, kKeys * 4);
+      _tile_stored(3, rows.scores + t * 16 + 48, kKeys * 4);
     }
-    _tile_stored(0, rows.product, 64 * 4);
-    _tile_stored(1, rows.product + 16, 64 * 4);
-    _tile_stored(2, rows.product + 32, 64 * 4);
-    _tile_stored(3, rows.product + 48, 64 * 4);
-    for (int64_t r = 0; r < kRows; ++r) {
-      const __m512 corr = _mm512_set1_ps(rows.correction[r]);
-      float* o = rows.out + r * span.dim + g;
-      for (int64_t d = 0; d < 64; d += 16) {
-        _mm512_storeu_ps(o + d, _mm512_fmadd_ps(_mm512_loadu_ps(o + d), corr,
-                                                _mm512_loadu_ps(rows.product + r * 64 + d)));
+  }
+
+  // out = out * correction + P.V over `chunks` key chunks from key `first`, 64 dims at a time
+  // in four accumulator tiles.
+  static void accumulate(Rows& rows, const Span& span, int64_t kv_head, int64_t first,
+                        int64_t chunks) {
+    const int64_t dim_tiles = span.dim / 16;
+    const uint16_t* values =
+        span.values + (kv_head * span.value_chunks + first / kChunk) * dim_tiles * kTile;
+    for (int64_t g = 0; g < span.dim; g += 64) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const uint16_t* v = values + (c * dim_tiles + g / 16) * kTile;
+        _tile_loadd(4, rows.probs + c * kChunk, kKeys * 2);
+        _tile_loadd(5, v, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, v + kTile, 64);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(5, v + 2 * kTile, 64);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(6, v + 3 * kTile, 64);
+        _tile_dpbf16ps(3, 4, 6);
+      }
+      _tile_stored(0, rows.product, 64 * 4);
+      _tile_stored(1, rows.product + 16, 64 * 4);
+      _tile_stored(2, rows.product + 32, 64 * 4);
+      _tile_stored(3, rows.product + 48, 64 * 4);
+      for (int64_t r = 0; r < kRows; ++r) {
+        const __m512 corr = _mm512_set1_ps(rows.correction[r]);
+        float* o = rows.out + r * span.dim + g;
+        for (int64_t d = 0; d < 64; d += 16) {
+          _mm512_storeu_ps(o + d, _mm512_fmadd_ps(_mm512_loadu_ps(o + d), corr,
+                                                  _mm512_loadu_ps(rows.product + r * 64 + d)));
+        }
       }
     }
   }
-}
+};
+#endif
+
+// The AVX512-BF16 backend: a register block of query rows by 16-lane vectors, each product a
+// packed row (16 keys' or 16 dims' bf16 pairs) against a broadcast pair of the query row (or
+// of its probabilities). D, the head size, is a compile-time constant so the blocks unroll.
+template <int64_t D>
+struct Pairs {
+  static constexpr int64_t kPairs = D / 2;
+  static constexpr int64_t kVectors = D / 16;  // fp32 vectors in an output row
+  // Rows per P.V register block: kAccRows x kVectors accumulators, at most 16 of the 32
+  // registers, the rest for the values and broadcasts.
+  static constexpr int64_t kAccRows = kVectors >= 16 ? 1 : 16 / kVectors;
+  static_assert(kRows % kAccRows == 0, "whole register blocks of rows");
+
+  static void begin() {}
+  static void end() {}
+
+  static __m512bh broadcast(const uint32_t* pair) {
+    return (__m512bh)_mm512_set1_epi32(static_cast<int>(*pair));
+  }
+
+  // S = Q.K^T for `tiles` key tiles from key `first` (whole groups of four), into
+  // rows.scores [16][kKeys]: four rows by four key tiles (64 keys) of accumulators, so each
+  // loaded key row serves four rows and each broadcast four key tiles.
+  static void score(Rows& rows, const Span& span, int64_t kv_head, int64_t first,
+                    int64_t tiles) {
+    const uint32_t* keys = span.keys + (kv_head * span.key_tiles + first / 16) * kPairs * 16;
+    const uint32_t* q = reinterpret_cast<const uint32_t*>(rows.q);
+    for (int64_t t = 0; t < tiles; t += 4) {
+      const uint32_t* k = keys + t * kPairs * 16;
+      for (int64_t r = 0; r < kRows; r += 4) {
+        __m512 acc[4][4];
+        for (auto& row : acc) {
+          for (auto& a : row) a = _mm512_setzero_ps();
+        }
+        for (int64_t p = 0; p < kPairs; ++p) {
+          __m512bh key[4];
+          for (int64_t j = 0; j < 4; ++j) {
+            key[j] = (__m512bh)_mm512_loadu_si512(k + (j * kPairs + p) * 16);
+          }
+          for (int64_t i = 0; i < 4; ++i) {
+            const __m512bh query = broadcast(q + (r + i) * kPairs + p);
+            for (int64_t j = 0; j < 4; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], query, key[j]);
+          }
+        }
+        for (int64_t i = 0; i < 4; ++i) {
+          for (int64_t j = 0; j < 4; ++j) {
+            _mm512_storeu_ps(rows.scores + (r + i) * kKeys + (t + j) * 16, acc[i][j]);
+          }
+        }
+      }
+    }
+  }
+
+  // out = out * correction + P.V over `chunks` key chunks from key `first`: the corrected
+  // accumulators stay in registers over every key pair of the block.
+  static void accumulate(Rows& rows, const Span& span, int64_t kv_head, int64_t first,
+                         int64_t chunks) {
+    const uint16_t* values =
+        span.values + (kv_head * span.value_chunks + first / kChunk) * kVectors * kTile;
+    const uint32_t* probs = reinterpret_cast<const uint32_t*>(rows.probs);
+    for (int64_t r = 0; r < kRows; r += kAccRows) {
+      __m512 acc[kAccRows][kVectors];
+      for (int64_t i = 0; i < kAccRows; ++i) {
+        const __m512 correction = _mm512_set1_ps(rows.correction[r + i]);
+        for (int64_t g = 0; g < kVectors; ++g) {
+          acc[i][g] = _mm512_mul_ps(_mm512_loadu_ps(rows.out + (r + i) * D + g * 16), correction);
+        }
+      }
+      for (int64_t c = 0; c < chunks; ++c) {
+        const uint16_t* v = values + c * kVectors * kTile;
+        for (int64_t p = 0; p < kChunk / 2; ++p) {
+          __m512bh prob[kAccRows];
+          for (int64_t i = 0; i < kAccRows; ++i) {
+            prob[i] = broadcast(probs + ((r + i) * kKeys + c * kChunk) / 2 + p);
+          }
+          for (int64_t g = 0; g < kVectors; ++g) {
+            const __m512bh value = (__m512bh)_mm512_loadu_si512(v + g * kTile + p * 32);
+            for (int64_t i = 0; i < kAccRows; ++i) {
+              acc[i][g] = _mm512_dpbf16_ps(acc[i][g], prob[i], value);
+            }
+          }
+        }
+      }
+      for (int64_t i = 0; i < kAccRows; ++i) {
+        for (int64_t g = 0; g < kVectors; ++g) {
+          _mm512_storeu_ps(rows.out + (r + i) * D + g * 16, acc[i][g]);
+        }
+      }
+    }
+  }
+};
 
 // Query rows [begin, begin + count) of one head over keys [from, to) (whole key blocks from
 // `from`), where the rows' state already holds what they saw before `from`.
+template <typename Kernel>
 void attend_range(Rows& rows, const Span& span, const uint16_t* query, int64_t row_stride,
                   int64_t kv_head, int64_t begin, int64_t count, int64_t from, int64_t to) {
   const int64_t dim = span.dim;
@@ -309,9 +421,9 @@ void attend_range(Rows& rows, const Span& span, const uint16_t* query, int64_t r
   for (int64_t first = from; first < to; first += kKeys) {
     const int64_t tiles = (std::min(kKeys, to - first) + 15) / 16;
     const int64_t chunks = (tiles * 16 + kChunk - 1) / kChunk;
-    score_block(rows, span, kv_head, first, tiles);
+    Kernel::score(rows, span, kv_head, first, tiles);
     softmax_block(rows, span, first_pos, first, tiles * 16, chunks * kChunk);
-    accumulate_block(rows, span, kv_head, first, chunks);
+    Kernel::accumulate(rows, span, kv_head, first, chunks);
   }
 }
 
@@ -333,14 +445,60 @@ int64_t balanced_block(int64_t j, int64_t blocks) {
   return j % 2 == 0 ? j / 2 : blocks - 1 - j / 2;
 }
 
+// The span's queries [n, H, D] (row and head strides) and its output [n, H, D], contiguous.
+struct Queries {
+  const uint16_t* query;
+  int64_t row_stride, head_stride, n, heads, group;  // group: query heads per KV head
+  uint16_t* out;
+};
+
+template <typename Kernel>
+void attend_span(const Span& span, const Queries& q, int64_t total) {
+  const int64_t dim = span.dim, n = q.n, num_cached = span.offset;
+  const int64_t blocks = (n + kRows - 1) / kRows;
+  // Keys in ranges of about 512 KiB packed per KV head, each taken by every row block that
+  // sees it before the next: the range stays in a core's L2 (at 8k tokens a head's packed
+  // keys and values are 2 MiB, and re-reading them from L3 for every row block measured
+  // slower than torch's flash kernel).
+  const int64_t range = std::max<int64_t>(kKeys, (int64_t{1} << 19) / (dim * 4) / kKeys * kKeys);
+  State state(q.heads, n, dim);
+  for (int64_t from = 0; from < total; from += range) {
+    // Row blocks seeing keys at or past `from`; in head-major order, so a thread's
+    // consecutive items share a KV head.
+    const int64_t first_block = std::max<int64_t>(0, from - num_cached) / kRows;
+    const int64_t active = blocks - first_block;
+    at::parallel_for(0, q.heads * active, 1, [&](int64_t begin, int64_t end) {
+      Kernel::begin();
+      auto rows = std::make_unique<Rows>();
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t head = item / active;
+        const int64_t block = first_block + balanced_block(item % active, active);
+        const int64_t first = block * kRows, count = std::min(kRows, n - first);
+        const int64_t seen = num_cached + first + count;  // keys the last row sees
+        state.point(*rows, head, first);
+        attend_range<Kernel>(*rows, span, q.query + head * q.head_stride, q.row_stride,
+                             head / q.group, first, count, from, std::min(seen, from + range));
+        if (seen <= from + range) {
+          write_rows(*rows, count, dim, q.out + (first * q.heads + head) * dim, q.heads * dim);
+        }
+      }
+      Kernel::end();
+    });
+  }
+}
+
 }  // namespace
 #endif
 
-bool tiles_available() {
+// What computes the products: "amx-tiles", "avx512-bf16", or "" where neither can run.
+std::string backend() {
 #ifdef NALAR_TILES
-  return nalar_tiles::granted();
+  if (nalar_tiles::granted()) return "amx-tiles";
+#endif
+#ifdef NALAR_PAIRS
+  return "avx512-bf16";
 #else
-  return false;
+  return "";
 #endif
 }
 
@@ -348,16 +506,17 @@ bool tiles_available() {
 // key_cache, value_cache [KV, slots, D] contiguous; cached_blocks [M] int64 covering the
 // sequence's first num_cached tokens; all bf16. Query i is at position num_cached + i and sees
 // keys 0..num_cached + i. Returns [n, H, D] bf16.
-torch::Tensor tile_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value,
-                             torch::Tensor key_cache, torch::Tensor value_cache,
-                             torch::Tensor cached_blocks, int64_t num_cached,
-                             int64_t block_size, double scale) {
-  TORCH_CHECK(tiles_available(), "AMX-BF16 tiles are not available on this CPU or build");
+at::Tensor prefill_attention(at::Tensor query, at::Tensor key, at::Tensor value,
+                             at::Tensor key_cache, at::Tensor value_cache,
+                             at::Tensor cached_blocks, int64_t num_cached, int64_t block_size,
+                             double scale) {
+  const std::string kind = backend();
+  TORCH_CHECK(!kind.empty(), "neither AMX-BF16 nor AVX512-BF16 on this CPU or build");
   for (const auto* t : {&query, &key, &value, &key_cache, &value_cache, &cached_blocks}) {
     TORCH_CHECK(t->device().is_cpu(), "CPU tensors");
   }
   for (const auto* t : {&query, &key, &value, &key_cache, &value_cache}) {
-    TORCH_CHECK(t->scalar_type() == torch::kBFloat16, "bfloat16 query, keys, values and cache");
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16, "bfloat16 query, keys, values and cache");
     TORCH_CHECK(t->dim() == 3 && t->stride(2) == 1, "3-d tensors, unit stride within a head");
   }
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous()
@@ -368,10 +527,10 @@ torch::Tensor tile_attention(torch::Tensor query, torch::Tensor key, torch::Tens
               "key and value [n, kv_heads, D] beside query [n, H, D]");
   TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0, "query heads a multiple of KV heads");
   TORCH_CHECK(key_cache.size(0) == kv_heads && key_cache.size(2) == dim, "cache geometry");
-#ifdef NALAR_TILES
+#ifdef NALAR_PAIRS
   // head_dims (the module's attribute) lists exactly these.
   TORCH_CHECK(dim % 64 == 0 && dim <= kMaxDim, "head_dim a multiple of 64, at most ", kMaxDim);
-  TORCH_CHECK(cached_blocks.scalar_type() == torch::kInt64, "int64 block table");
+  TORCH_CHECK(cached_blocks.scalar_type() == at::kLong, "int64 block table");
   const auto table = cached_blocks.contiguous();
   TORCH_CHECK(num_cached >= 0 && num_cached <= table.numel() * block_size && block_size >= 1,
               "num_cached outside the block table");
@@ -383,7 +542,7 @@ torch::Tensor tile_attention(torch::Tensor query, torch::Tensor key, torch::Tens
   const int64_t total = num_cached + n;
   const int64_t key_tiles = (total + kKeys - 1) / kKeys * kKeys / 16;
   const int64_t value_chunks = key_tiles * 16 / kChunk;
-  auto raw = [](const torch::Tensor& t) {
+  auto raw = [](const at::Tensor& t) {
     return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
   };
   const Source keys{raw(key_cache), slots, ids, block_size, num_cached, raw(key),
@@ -398,48 +557,31 @@ torch::Tensor tile_attention(torch::Tensor query, torch::Tensor key, torch::Tens
   pack_values(values, kv_heads, value_chunks, total, packed_values.get());
   const Span span{packed_keys.get(), packed_values.get(), key_tiles, value_chunks, dim,
                   num_cached, static_cast<float>(scale)};
-  auto out = torch::empty({n, heads, dim}, query.options());
-  const uint16_t* q_ptr = raw(query);
-  uint16_t* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const int64_t blocks = (n + kRows - 1) / kRows, group = heads / kv_heads;
-  // Keys in ranges of about 512 KiB packed per KV head, each taken by every row block that
-  // sees it before the next: the range stays in a core's L2 (at 8k tokens a head's packed
-  // keys and values are 2 MiB, and re-reading them from L3 for every row block measured
-  // slower than torch's flash kernel).
-  const int64_t range = std::max<int64_t>(kKeys, (int64_t{1} << 19) / (dim * 4) / kKeys * kKeys);
-  State state(heads, n, dim);
-  for (int64_t from = 0; from < total; from += range) {
-    // Row blocks seeing keys at or past `from`; in head-major order, so a thread's
-    // consecutive items share a KV head.
-    const int64_t first_block = std::max<int64_t>(0, from - num_cached) / kRows;
-    const int64_t active = blocks - first_block;
-    at::parallel_for(0, heads * active, 1, [&](int64_t begin, int64_t end) {
-      nalar_tiles::configure();
-      auto rows = std::make_unique<Rows>();
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t head = item / active;
-        const int64_t block = first_block + balanced_block(item % active, active);
-        const int64_t first = block * kRows, count = std::min(kRows, n - first);
-        const int64_t seen = num_cached + first + count;  // keys the last row sees
-        state.point(*rows, head, first);
-        attend_range(*rows, span, q_ptr + head * query.stride(1), query.stride(0),
-                     head / group, first, count, from, std::min(seen, from + range));
-        if (seen <= from + range) {
-          write_rows(*rows, count, dim, out_ptr + first * heads * dim + head * dim, heads * dim);
-        }
-      }
-      _tile_release();
-    });
+  auto out = at::empty({n, heads, dim}, query.options());
+  const Queries queries{raw(query), query.stride(0), query.stride(1), n, heads,
+                        heads / kv_heads,
+                        reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>())};
+#ifdef NALAR_TILES
+  if (kind == "amx-tiles") {
+    attend_span<Tiles>(span, queries, total);
+    return out;
+  }
+#endif
+  switch (dim) {
+    case 64: attend_span<Pairs<64>>(span, queries, total); break;
+    case 128: attend_span<Pairs<128>>(span, queries, total); break;
+    case 192: attend_span<Pairs<192>>(span, queries, total); break;
+    default: attend_span<Pairs<256>>(span, queries, total); break;
   }
   return out;
 #else
-  return torch::Tensor();
+  return at::Tensor();
 #endif
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("available", &tiles_available, "whether this CPU and build run AMX-BF16 tiles");
+  m.attr("backend") = backend();
   m.attr("head_dims") = std::vector<int64_t>{64, 128, 192, 256};
-  m.def("tile_attention", &tile_attention,
-        "causal bf16 flash attention of a prefill span on AMX tiles");
+  m.def("prefill_attention", &prefill_attention,
+        "causal bf16 flash attention of a prefill span over its paged context");
 }

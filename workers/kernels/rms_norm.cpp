@@ -3,7 +3,8 @@
 // float32, the row times 1/sqrt(variance + eps) rounded to the input's dtype, then that times
 // the weight rounded again. Those modules take eight torch ops per call, and at decode batch
 // sizes each op's dispatch costs more than its arithmetic.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>  // at::Tensor to and from Python; far lighter than torch/extension.h
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -50,27 +51,27 @@ void norm_rows(const T* x, const T* weight, T* out, int64_t begin, int64_t end, 
 }  // namespace
 
 // x [T, H] float32 or bfloat16; weight [H] of x's dtype. Returns [T, H] in x's dtype.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "CPU tensors");
   const auto dtype = x.scalar_type();
-  TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16)
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16)
               && weight.scalar_type() == dtype, "float32 or bfloat16 x and weight, of one dtype");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1),
               "x [T, H] and weight [H]");
   const auto input = x.contiguous();
   const auto w = weight.contiguous();
-  auto out = torch::empty_like(input);
+  auto out = at::empty_like(input);
   const int64_t rows = input.size(0), hidden = input.size(1);
   const int64_t grain = std::max<int64_t>(1, kElementsPerTask / std::max<int64_t>(hidden, 1));
   const auto eps_f = static_cast<float>(eps);
   AT_DISPATCH_SWITCH(dtype, "rms_norm",
-    AT_DISPATCH_CASE(torch::kFloat32, [&] {
+    AT_DISPATCH_CASE(at::kFloat, [&] {
       at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
         norm_rows<float>(input.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(),
                          begin, end, hidden, eps_f);
       });
     })
-    AT_DISPATCH_CASE(torch::kBFloat16, [&] {
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
       at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
         norm_rows<at::BFloat16>(input.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(),
                                 out.data_ptr<at::BFloat16>(), begin, end, hidden, eps_f);

@@ -3,7 +3,8 @@
 // (-x[D/2:], x[:D/2]). Each product and the sum are rounded to x's dtype, as torch's
 // elementwise ops round them one by one, so the result is bit-identical to transformers'
 // apply_rotary_pos_emb (built with -ffp-contract=off: no fused multiply-add may merge them).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>  // at::Tensor to and from Python; far lighter than torch/extension.h
 #include <ATen/Parallel.h>
 
 #include <cstdint>
@@ -39,11 +40,11 @@ void rotate(const T* x, int64_t token_stride, int64_t head_stride, const T* cos,
 
 // x [T, H, D] (any token and head strides, unit stride within a head), float32 or bfloat16;
 // cos, sin [T, D] of x's dtype. Returns a contiguous [T, H, D] in x's dtype.
-torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+at::Tensor rope(at::Tensor x, at::Tensor cos, at::Tensor sin) {
   TORCH_CHECK(x.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu(),
               "CPU tensors");
   const auto dtype = x.scalar_type();
-  TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16)
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16)
               && cos.scalar_type() == dtype && sin.scalar_type() == dtype,
               "float32 or bfloat16 x, cos and sin, of one dtype");
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x [T, H, D] with unit stride within a head");
@@ -53,16 +54,16 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
               && sin.sizes() == cos.sizes(), "cos and sin [T, D]");
   const auto c = cos.contiguous();
   const auto s = sin.contiguous();
-  auto out = torch::empty({tokens, heads, dim}, x.options());
+  auto out = at::empty({tokens, heads, dim}, x.options());
   const int64_t grain = std::max<int64_t>(1, kElementsPerTask / std::max<int64_t>(dim, 1));
   AT_DISPATCH_SWITCH(dtype, "rope",
-    AT_DISPATCH_CASE(torch::kFloat32, [&] {
+    AT_DISPATCH_CASE(at::kFloat, [&] {
       at::parallel_for(0, tokens * heads, grain, [&](int64_t begin, int64_t end) {
         rotate<float>(x.data_ptr<float>(), x.stride(0), x.stride(1), c.data_ptr<float>(),
                       s.data_ptr<float>(), out.data_ptr<float>(), heads, dim, begin, end);
       });
     })
-    AT_DISPATCH_CASE(torch::kBFloat16, [&] {
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
       using BF16 = at::BFloat16;
       at::parallel_for(0, tokens * heads, grain, [&](int64_t begin, int64_t end) {
         rotate<BF16>(x.data_ptr<BF16>(), x.stride(0), x.stride(1), c.data_ptr<BF16>(),

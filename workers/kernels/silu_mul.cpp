@@ -8,7 +8,8 @@
 // dtype, then the product rounded again. (Where torch splits a large tensor between threads
 // in the middle of a row, it computes that row's pieces with their own remainders; only there
 // can an element's last bit differ.)
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>  // at::Tensor to and from Python; far lighter than torch/extension.h
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 
@@ -58,7 +59,7 @@ void row(const at::BFloat16* gate, const at::BFloat16* up, at::BFloat16* out, in
 }
 
 template <typename T>
-void rows(const torch::Tensor& gate_up, torch::Tensor& out) {
+void rows(const at::Tensor& gate_up, at::Tensor& out) {
   const int64_t count = gate_up.size(0), width = out.size(1), stride = gate_up.stride(0);
   const T* in = gate_up.data_ptr<T>();
   T* dst = out.data_ptr<T>();
@@ -74,14 +75,14 @@ void rows(const torch::Tensor& gate_up, torch::Tensor& out) {
 
 // gate_up [T, 2I] float32 or bfloat16 (gate then up, unit stride along a row). Returns
 // [T, I] silu(gate) * up in its dtype.
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+at::Tensor silu_mul(at::Tensor gate_up) {
   TORCH_CHECK(gate_up.device().is_cpu(), "CPU tensors");
   const auto dtype = gate_up.scalar_type();
-  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "float32 or bfloat16");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "float32 or bfloat16");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.stride(1) == 1,
               "gate_up [T, 2I], unit stride along a row");
-  auto out = torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
-  if (dtype == torch::kFloat32) {
+  auto out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  if (dtype == at::kFloat) {
     rows<float>(gate_up, out);
   } else {
     rows<at::BFloat16>(gate_up, out);
