@@ -15,13 +15,20 @@ next to limits measured on this machine with the same threads.
   limit (GFLOP/s of a --matmul-size square matmul in the model's dtype): the FLOPs of the
   prompt (2 x linear parameters per token, causal attention, one LM-head row) divided by
   that rate give the limit's tokens/s.
+- Where a decode step goes (``--breakdown``): ``cProfile`` over --steps steps at the largest
+  batch, each function's own time in ms a step, largest first. Native kernels and torch ops
+  are C functions, so each shows under its own name; the profiler's hooks add a little to
+  every Python call, so Python's share reads somewhat high.
 
-    .venv/bin/python benchmarks/step_profile.py [--batches 1,8,16] [--threads 2] [--quick]
+    .venv/bin/python benchmarks/step_profile.py [--batches 1,8,16] [--threads 2] [--breakdown]
+        [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 
 import torch
@@ -49,6 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--matmul-size", type=int, default=4096, help="M = N = K")
     parser.add_argument("--prefill-tokens", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=5, help="trials per hardware figure")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="profile the largest batch's decode steps by function")
+    parser.add_argument("--breakdown-top", type=int, default=25, help="functions listed")
     args = parser.parse_args(argv)
     if args.quick:
         args.batches, args.context, args.steps = "1,2", 16, 3
@@ -135,6 +145,31 @@ def decode_steps_ms(engine, prompts: list[list[int]], steps: int) -> list[float]
             if prefill == 0 and decode == len(prompts)][:steps]
 
 
+def decode_breakdown(engine, prompts: list[list[int]], steps: int, top: int) -> dict:
+    """cProfile of ``steps`` decode steps of ``prompts`` (after their prefill): the ``top``
+    functions by own time, in ms and calls a step."""
+    run = common.EngineRun(engine)
+    for i, prompt in enumerate(prompts):
+        run.add(common.greedy_request(f"profile-{len(prompts)}-{i}", prompt, steps + 2))
+    while any(not times for times in run.arrivals.values()):
+        run.step()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        run.step()
+    profiler.disable()
+    run.run()
+    entries = pstats.Stats(profiler).stats  # (file, line, name) -> (cc, calls, own, cumulative, _)
+    total_s = sum(entry[2] for entry in entries.values())
+    rows = sorted(entries.items(), key=lambda item: item[1][2], reverse=True)[:top]
+    return {"batch": len(prompts), "steps": steps,
+            "profiled_step_ms": 1000 * total_s / steps,
+            "functions": [{"function": f"{file.rsplit('/', 1)[-1]}:{line}:{name}",
+                           "own_ms_per_step": 1000 * own / steps,
+                           "calls_per_step": calls / steps}
+                          for (file, line, name), (_, calls, own, _, _) in rows]}
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     threads = common.set_threads(args.threads)
@@ -168,6 +203,13 @@ def main(argv: list[str] | None = None) -> dict:
                          "output_tokens_per_s": batch * 1000 / median if median else None}
         common.log(f"  step {median:.2f} ms, linear layers {linear_ms[batch]:.2f} ms, "
                    f"read weights {read_weights_ms:.2f} ms")
+    breakdown = None
+    if args.breakdown:
+        batch = max(args.batches)
+        common.log(f"decode step breakdown at batch {batch} (cProfile)")
+        breakdown = decode_breakdown(engine, prompts[:batch], args.steps, args.breakdown_top)
+        for row in breakdown["functions"][:10]:
+            common.log(f"  {row['own_ms_per_step']:6.2f} ms  {row['function']}")
     prefill_prompt = common.text_prompts(loaded.tokenizer, 1, args.prefill_tokens,
                                          offset=max(args.batches) * args.context)[0]
     common.cold_prefill(engine, prefill_prompt[:16], "prefill-warmup")
@@ -187,7 +229,8 @@ def main(argv: list[str] | None = None) -> dict:
               "threads": threads, "model": args.model, "quick": args.quick,
               "context_tokens": args.context, "weights_bytes": weights,
               "memory_bandwidth": bandwidth, "matmul": matmul, "decode": decode,
-              "prefill": prefill, "issue_reference": ISSUE_REFERENCE}
+              "decode_breakdown": breakdown, "prefill": prefill,
+              "issue_reference": ISSUE_REFERENCE}
     common.write_json(result, args.out)
     return result
 

@@ -119,7 +119,7 @@ class LLMEngine:
         attention = (f"{ATTN_IMPLEMENTATION}/{self.runner.implementation}"
                      f"|linear={self.runner.linear_kernel}|prefill={self.runner.prefill_kernel}"
                      f"|decode={self.runner.decode_kernel}"
-                     f"{'+tiles' if self.runner.decode_tiles else ''}"
+                     f"{'+' + self.runner.decode_scores if self.runner.decode_scores else ''}"
                      f"|norm={self.runner.norm_kernel}")
         self.identity = CacheIdentity(self.loaded.model_digest,
                                       numerics_tag(self.loaded.device, attention),

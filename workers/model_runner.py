@@ -22,7 +22,7 @@ from workers.paged_attention import (
     AttentionMetadata,
     build_metadata,
     decode_kernel,
-    decode_uses_tiles,
+    decode_score_products,
     prefill_kernel,
 )
 from workers.scheduler import ScheduledBatch
@@ -42,8 +42,9 @@ class ModelRunner:
             transformers path); see ``workers.models.linear``.
         decode_kernel: what plain decodes attend with (``native-paged`` or ``gather-sdpa``);
             see ``workers.paged_attention.decode_kernel``.
-        decode_tiles: whether the native decode kernel scores on AMX tiles; see
-            ``workers.paged_attention.decode_uses_tiles``.
+        decode_scores: what the native decode kernel computes bf16 scores with (``tiles``,
+            ``pairs``, or empty for widened dot products); see
+            ``workers.paged_attention.decode_score_products``.
         prefill_kernel: what prompts and prefill chunks attend with (``amx-tiles``,
             ``avx512-bf16`` or ``sdpa-flash``); see ``workers.paged_attention.prefill_kernel``.
         norm_kernel: what the compact path's RMSNorms run on (``native`` or ``torch``; ``torch``
@@ -61,8 +62,8 @@ class ModelRunner:
         head_dim = kv_cache.keys[0].shape[-1]
         self.decode_kernel = decode_kernel(model.dtype, model.device, head_dim)
         self.prefill_kernel = prefill_kernel(model.dtype, model.device, head_dim)
-        self.decode_tiles = (self.decode_kernel == NATIVE_DECODE
-                             and decode_uses_tiles(model.dtype, kv_cache.block_size, head_dim))
+        self.decode_scores = (decode_score_products(model.dtype, kv_cache.block_size, head_dim)
+                              if self.decode_kernel == NATIVE_DECODE else "")
         self.norm_kernel = self._compact.norm_kernel if self._compact is not None else "torch"
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
 

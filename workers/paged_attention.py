@@ -357,14 +357,19 @@ def decode_kernel(dtype: torch.dtype, device: torch.device, head_dim: int) -> st
     return NATIVE_DECODE if native else GATHER_DECODE
 
 
-def decode_uses_tiles(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
-    """Whether the native kernel computes bf16 decode scores on AMX tiles: one tile product per
-    block of 16 tokens for all the query heads of a KV head, instead of a dot product and a
-    horizontal sum per token and head. Needs AMX-BF16, blocks of 16 and heads of 32-dim chunks;
-    it rounds differently, so it is part of the cache identity's numerics."""
+def decode_score_products(dtype: torch.dtype, block_size: int, head_dim: int) -> str:
+    """What the native kernel computes bf16 decode scores with, for blocks of ``block_size``
+    tokens and ``head_dim``-wide heads: ``"tiles"`` (one AMX tile product per block of 16
+    tokens for all the query heads of a KV head), ``"pairs"`` (AVX512-BF16 pair products: the
+    block's keys transposed once in registers into one vector per dim pair, then one product
+    per dim pair and query head gives the 16 tokens' scores as one vector, and the softmax
+    runs on vectors), or ``""`` (a dot product of widened keys and a horizontal sum per token
+    and head). The first two need blocks of 16 and heads of 32-dim chunks; each rounds
+    differently, so the choice is part of the cache identity's numerics."""
     kernel = paged_decode()
-    return dtype == torch.bfloat16 and kernel is not None and kernel.uses_tiles(block_size,
-                                                                                 head_dim)
+    if dtype != torch.bfloat16 or kernel is None:
+        return ""
+    return kernel.score_products(block_size, head_dim)
 
 
 def _attend_decodes(layer: int, query: torch.Tensor, group: DecodeGroup, cache: PagedKVCache,

@@ -13,16 +13,22 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
 #if defined(__AMX_BF16__) && defined(CPU_CAPABILITY_AVX512)
 #define NALAR_TILES 1
 #include "amx_tiles.h"
+#endif
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+#define NALAR_PAIRS 1
+#include "avx512_exp2.h"
 #endif
 
 namespace {
@@ -52,12 +58,16 @@ inline const float* as_float(const at::BFloat16* block, int64_t count, float* sc
 
 // Asks for the next block's keys and values while this one is computed: blocks lie scattered
 // over the pool, so the hardware prefetcher would only start on each at its first miss.
+// The fence emits no code; without it GCC 12's dead-code elimination drops every prefetch of
+// this loop once it is inlined (found in stop 17: the built kernel held no prefetch at all;
+// GCC's prefetch-loop collapse is also reported in intel/ScalableVectorSearch#361).
 template <typename T>
 inline void prefetch_block(const T* keys, const T* values, int64_t count) {
   constexpr int64_t kLine = 64 / sizeof(T);
   for (int64_t i = 0; i < count; i += kLine) {
     __builtin_prefetch(keys + i);
     __builtin_prefetch(values + i);
+    std::atomic_signal_fence(std::memory_order_seq_cst);
   }
 }
 
@@ -84,20 +94,12 @@ inline float exp_shifted(float* s, float max, int64_t n) {
   return sum;
 }
 
-// Folds one block's scaled scores `probs` [n] of a query row into its running maximum, sum
-// and output accumulator `row_acc` [D] (flash attention's online softmax), with the block's
-// values `v` [n, D] in fp32.
+// row_acc [D] = row_acc * correction + probs [n] . v [n, D] (fp32). Tokens outer, the head's
+// D / W vectors inner: D / W independent FMA chains, where one chain per vector over the
+// tokens would wait on each FMA's latency.
 template <int64_t D>
-inline void fold_block(float* probs, int64_t n, const float* v, float& running_max,
-                       float& running_sum, float* row_acc) {
-  float block_max = running_max;
-  for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, probs[t]);
-  // Rescale what was summed under the old maximum.
-  const float correction = std::exp(running_max - block_max);
-  running_sum = running_sum * correction + exp_shifted(probs, block_max, n);
-  running_max = block_max;
-  // Tokens outer, the head's D / W vectors inner: D / W independent FMA chains, where one
-  // chain per vector over the tokens would wait on each FMA's latency.
+inline void accumulate_values(const float* probs, int64_t n, const float* v, float correction,
+                              float* row_acc) {
   constexpr int64_t kVectors = D / Vec::size();
   Vec sums[kVectors];
   for (int64_t j = 0; j < kVectors; ++j) {
@@ -110,6 +112,21 @@ inline void fold_block(float* probs, int64_t n, const float* v, float& running_m
     }
   }
   for (int64_t j = 0; j < kVectors; ++j) sums[j].store(row_acc + j * Vec::size());
+}
+
+// Folds one block's scaled scores `probs` [n] of a query row into its running maximum, sum
+// and output accumulator `row_acc` [D] (flash attention's online softmax), with the block's
+// values `v` [n, D] in fp32.
+template <int64_t D>
+inline void fold_block(float* probs, int64_t n, const float* v, float& running_max,
+                       float& running_sum, float* row_acc) {
+  float block_max = running_max;
+  for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, probs[t]);
+  // Rescale what was summed under the old maximum.
+  const float correction = std::exp(running_max - block_max);
+  running_sum = running_sum * correction + exp_shifted(probs, block_max, n);
+  running_max = block_max;
+  accumulate_values<D>(probs, n, v, correction, row_acc);
 }
 
 // out[r] = acc[r] / sum[r] for the `rows` rows.
@@ -208,6 +225,113 @@ void attend_rows_tiles(const float*, const at::BFloat16* q, const at::BFloat16* 
 }
 #endif
 
+#ifdef NALAR_PAIRS
+// Sixteen vectors of 16 32-bit lanes transposed in place, so that afterwards r[c] holds lane c
+// of every input: unpacks within 128-bit lanes, then a 4 x 4 transpose of the lanes.
+inline void transpose_16x16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int j = 0; j < 16; j += 4) {
+    u[j] = _mm512_unpacklo_epi64(t[j], t[j + 2]);
+    u[j + 1] = _mm512_unpackhi_epi64(t[j], t[j + 2]);
+    u[j + 2] = _mm512_unpacklo_epi64(t[j + 1], t[j + 3]);
+    u[j + 3] = _mm512_unpackhi_epi64(t[j + 1], t[j + 3]);
+  }
+  // u[4j + m], 128-bit lane L: lane 4L + m of inputs 4j .. 4j + 3.
+  for (int m = 0; m < 4; ++m) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x44);
+    const __m512i v1 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xEE);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x44);
+    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xEE);
+    r[m] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    r[4 + m] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    r[8 + m] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    r[12 + m] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+}
+
+// Raw scores of a block of 16 tokens for `rows` query rows, lane t of scores[r] = q_r . k_t
+// (fp32 sums of exact bf16 products). The keys [16, D], read in place, are transposed once per
+// 32 dims into one vector per dim pair (16 tokens' pairs), shared by every row: a row then
+// takes one pair product per dim pair against a broadcast of its own pair, with no horizontal
+// sum. Rows go four at a time (the queries are zero-padded to whole fours), two accumulators
+// each, so eight independent chains hide the product's latency. Rows of the block past the
+// sequence's length are loaded too; the caller masks their lanes.
+template <int64_t D>
+inline void score_block_pairs(const at::BFloat16* keys, const uint32_t* q_pairs, int64_t rows,
+                              __m512* scores) {
+  constexpr int64_t kPairs = D / 2;
+  for (int64_t r = 0; r < rows; r += 4) {
+    __m512 even[4], odd[4];
+    for (int i = 0; i < 4; ++i) even[i] = odd[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D / 32; ++c) {
+      __m512i k[16];
+      for (int t = 0; t < 16; ++t) k[t] = _mm512_loadu_si512(keys + t * D + c * 32);
+      transpose_16x16(k);  // k[p]: dims c * 32 + 2p, 2p + 1 of the 16 tokens
+      for (int p = 0; p < 16; p += 2) {
+        for (int i = 0; i < 4; ++i) {
+          const uint32_t* q = q_pairs + (r + i) * kPairs + c * 16 + p;
+          even[i] = _mm512_dpbf16_ps(even[i], (__m512bh)_mm512_set1_epi32(q[0]), (__m512bh)k[p]);
+          odd[i] = _mm512_dpbf16_ps(odd[i], (__m512bh)_mm512_set1_epi32(q[1]),
+                                    (__m512bh)k[p + 1]);
+        }
+      }
+    }
+    for (int i = 0; i < 4 && r + i < rows; ++i) scores[r + i] = _mm512_add_ps(even[i], odd[i]);
+  }
+}
+
+// Folds a block's raw scores `s` (lanes = its first n tokens) into a row's online softmax:
+// the maximum on raw scores (the scale is positive), exp(scale (s - max)) as 2^(s c - max c)
+// with c = scale log2(e), the correction of what was summed before, then P.V in fp32.
+template <int64_t D>
+inline void fold_scores(__m512 s, int64_t n, const float* v, float c, float& running_max,
+                        float& running_sum, float* row_acc) {
+  const __mmask16 valid = _cvtu32_mask16(n >= 16 ? 0xFFFFu : (1u << n) - 1);
+  const float block_max = std::max(running_max, _mm512_mask_reduce_max_ps(valid, s));
+  const __m512 p = _mm512_maskz_mov_ps(valid, nalar_avx512::exp2_nonpositive(
+      _mm512_fmadd_ps(s, _mm512_set1_ps(c), _mm512_set1_ps(-block_max * c))));
+  // Before the first block the maximum is -inf and the correction 2^-inf = 0.
+  const float correction = std::exp2((running_max - block_max) * c);
+  running_sum = running_sum * correction + _mm512_reduce_add_ps(p);
+  running_max = block_max;
+  alignas(64) float probs[16];
+  _mm512_store_ps(probs, p);
+  accumulate_values<D>(probs, n, v, correction, row_acc);
+}
+
+// attend_rows for bf16 caches in blocks of 16 tokens with AVX512-BF16's pair products for the
+// scores (score_block_pairs) and a vector softmax over the block's 16 lanes.
+template <int64_t D>
+void attend_rows_pairs(const float*, const at::BFloat16* q, const at::BFloat16* keys,
+                       const at::BFloat16* values, const int64_t* table, int64_t length,
+                       int64_t rows, int64_t block_size, float scale, float* out) {
+  static_assert(D % 32 == 0, "the head is taken in 32-dim chunks");
+  alignas(64) uint32_t q_pairs[kMaxRows * D / 2] = {};
+  std::memcpy(q_pairs, q, rows * D * sizeof(at::BFloat16));
+  float acc[kMaxRows * D] = {};
+  float running_max[kMaxRows], running_sum[kMaxRows] = {};
+  std::fill(running_max, running_max + rows, -std::numeric_limits<float>::infinity());
+  std::vector<float> v_scratch(block_size * D);
+  const float c = scale * 1.4426950408889634f;
+  __m512 scores[kMaxRows];
+  for (int64_t start = 0; start < length; start += block_size) {
+    const int64_t n = std::min(block_size, length - start);
+    const int64_t slot = table[start / block_size] * block_size;
+    prefetch_next<at::BFloat16, D>(keys, values, table, start, length, block_size);
+    score_block_pairs<D>(keys + slot * D, q_pairs, rows, scores);
+    const float* v = as_float(values + slot * D, n * D, v_scratch.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      fold_scores<D>(scores[r], n, v, c, running_max[r], running_sum[r], acc + r * D);
+    }
+  }
+  normalise<D>(acc, running_sum, rows, out);
+}
+#endif
+
 // Query rows (fp32, and bf16 for the tile path), keys, values, table, length, rows,
 // block_size, scale, out.
 template <typename T>
@@ -225,31 +349,48 @@ RowsFn<T> rows_for(int64_t dim) {
   return nullptr;
 }
 
-#ifdef NALAR_TILES
-RowsFn<at::BFloat16> tile_rows_for(int64_t dim) {
+// The bf16 path for `dim` whose scores take products of bf16 pairs, `Rows<D>` for head sizes
+// of whole 32-dim chunks; nullptr otherwise.
+template <template <int64_t> typename Fn>
+RowsFn<at::BFloat16> pair_rows_for(int64_t dim) {
 #define NALAR_CASE(D) \
-  if constexpr (D % 32 == 0) {                    \
-    if (dim == D) return &attend_rows_tiles<D>;   \
+  if constexpr (D % 32 == 0) {               \
+    if (dim == D) return Fn<D>::attend;      \
   }
   NALAR_HEAD_DIMS(NALAR_CASE)
 #undef NALAR_CASE
   return nullptr;
 }
 
+#ifdef NALAR_TILES
+template <int64_t D>
+struct TileRows {
+  static constexpr auto attend = &attend_rows_tiles<D>;
+};
+#endif
+#ifdef NALAR_PAIRS
+template <int64_t D>
+struct PairRows {
+  static constexpr auto attend = &attend_rows_pairs<D>;
+};
 #endif
 
 }  // namespace
 
-// Whether bf16 decodes over blocks of `block_size` tokens with `head_dim`-wide heads take the
-// AMX tile path (this CPU and build have AMX-BF16, blocks of 16, heads of 32-dim chunks).
-bool uses_tiles(int64_t block_size, int64_t head_dim) {
+// What bf16 decodes over blocks of `block_size` tokens with `head_dim`-wide heads score with:
+// "tiles" (AMX-BF16 tile products, where the CPU has them and Linux grants them), "pairs"
+// (AVX512-BF16 pair products), or "" (dot products of widened keys); the first two need blocks
+// of 16 and heads of 32-dim chunks.
+std::string score_products(int64_t block_size, int64_t head_dim) {
+  if (block_size != 16) return "";
 #ifdef NALAR_TILES
-  return nalar_tiles::granted() && block_size == 16 && tile_rows_for(head_dim) != nullptr;
-#else
-  (void)block_size;
-  (void)head_dim;
-  return false;
+  if (nalar_tiles::granted() && pair_rows_for<TileRows>(head_dim) != nullptr) return "tiles";
 #endif
+#ifdef NALAR_PAIRS
+  if (pair_rows_for<PairRows>(head_dim) != nullptr) return "pairs";
+#endif
+  (void)head_dim;
+  return "";
 }
 
 template <typename T>
@@ -267,14 +408,18 @@ void attend_all(const at::Tensor& q, const at::BFloat16* q_bf16,
   float* out_ptr = out.data_ptr<float>();
   RowsFn<T> attend = rows_for<T>(dim);
   bool tiles = false;
-#ifdef NALAR_TILES
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (uses_tiles(block_size, dim)) {
-      attend = tile_rows_for(dim);
+    const std::string products = score_products(block_size, dim);
+#ifdef NALAR_TILES
+    if (products == "tiles") {
+      attend = pair_rows_for<TileRows>(dim);
       tiles = true;
     }
-  }
 #endif
+#ifdef NALAR_PAIRS
+    if (products == "pairs") attend = pair_rows_for<PairRows>(dim);
+#endif
+  }
   TORCH_CHECK(attend != nullptr, "head_dim ", dim, " is not one of the kernel's head sizes");
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
 #ifdef NALAR_TILES
@@ -346,8 +491,8 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over the paged KV cache");
-  m.def("uses_tiles", &uses_tiles, "whether bf16 decodes with this block and head size take "
-        "the AMX tile path");
+  m.def("score_products", &score_products, "what bf16 decodes with this block and head size "
+        "score with: tiles, pairs, or empty (widened dot products)");
 #define NALAR_DIM(D) D,
   m.attr("head_dims") = std::vector<int64_t>{NALAR_HEAD_DIMS(NALAR_DIM)};
 #undef NALAR_DIM

@@ -31,7 +31,7 @@
 
 #if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
 #define NALAR_PAIRS 1
-#include <immintrin.h>
+#include "avx512_exp2.h"
 #if defined(__AMX_BF16__)
 #define NALAR_TILES 1
 #include "amx_tiles.h"
@@ -158,20 +158,7 @@ inline __mmask16 seen_mask(int64_t visible, int64_t t) {
   return _cvtu32_mask16(n == 16 ? 0xFFFFu : (1u << n) - 1);
 }
 
-// 2^x for x <= 0 (or -inf, whose lanes the caller masks): x = n + f with n an integer and
-// |f| <= 1/2, 2^f by its Taylor polynomial to degree 5 (relative error below 3e-6), and
-// scalef to apply 2^n (which underflows to 0 instead of wrapping the exponent).
-inline __m512 exp2_nonpositive(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.3333558e-3f);  // ln(2)^5 / 5!
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
+using nalar_avx512::exp2_nonpositive;
 
 // One row's share of a block's online softmax: the maximum of the raw scores it sees (and of
 // `running_max`), then p = 2^(s c - max c), bf16 into `p`, and their sum. `Full`: the row
