@@ -17,10 +17,13 @@ prefilled in chunks. At most ``max_num_partial_prefills`` prompts are mid-prefil
 name and default, 1): a waiting prompt that would stay mid-prefill waits while the limit is
 reached, but a shorter one behind it whose whole prompt fits in this step's budget is admitted
 ahead of it (as in vLLM's partial-prefill scheduling); the long one stays at the head and is
-next once a slot frees. And while other requests wait to be admitted, a prompt being chunked
-advances at most ``long_prefill_token_threshold`` tokens per step (vLLM v1's per-request chunk
-cap; default half the budget), so a long prompt never takes the whole budget from the prompts
-behind it. A lone long prompt still uses the whole budget.
+next once a slot frees. And a prompt being chunked advances at most
+``long_prefill_token_threshold`` tokens per step (vLLM v1's per-request chunk cap; default half
+the budget) when what that leaves could admit a waiting request this step: any one while a
+partial-prefill slot is free, otherwise one whose whole prompt fits in the rest. So a long
+prompt never takes the whole budget from a prompt that could run beside it, and it never
+leaves budget idle for prompts that could not (vLLM applies its cap by default only with
+several partial prefills; with one, a second long prompt could not start anyway).
 
 Policies. ``fcfs`` admits in arrival order. ``prefix`` admits the request with the longest
 cached prefix first (most reuse per computed token, as in SGLang's longest-prefix-match policy),
@@ -171,8 +174,9 @@ class Scheduler:
             if seq not in self.running:  # preempted for an older sequence this step
                 continue
             num_tokens = min(seq.num_uncomputed_tokens + len(seq.spec_token_ids), budget)
-            if _in_prefill(seq) and self._others_wait(seq):
-                num_tokens = min(num_tokens, self.long_prefill_token_threshold)
+            if _in_prefill(seq):
+                partial = sum(1 for other in self.running if _in_prefill(other))
+                num_tokens = self._chunk(seq, num_tokens, budget, partial)
             if seq.spec_token_ids:
                 num_tokens = self._fit_drafts(seq, num_tokens)
             fits, preempted_now = self._reserve(seq, num_tokens, batch)
@@ -202,10 +206,22 @@ class Scheduler:
                 return False, preempted
         return True, preempted
 
-    def _others_wait(self, seq: Sequence) -> bool:
-        """Whether a request other than ``seq`` could be admitted if budget were left."""
-        waiting = len(self.waiting) - (seq in self.waiting)
-        return waiting > 0 and len(self.running) < self.max_num_seqs
+    def _chunk(self, seq: Sequence, num_tokens: int, budget: int, partial: int) -> int:
+        """``seq``'s prefill chunk of ``num_tokens`` out of ``budget``, cut to
+        ``long_prefill_token_threshold`` when the rest could admit another waiting request
+        this step. ``partial``: prompts mid-prefill once ``seq`` runs, ``seq`` included.
+        A waiting prompt's size is taken without its cached prefix, so a cut is never made
+        for a request that cannot use it."""
+        cap = self.long_prefill_token_threshold
+        seats = self.max_num_seqs - len(self.running) - (seq not in self.running)
+        if num_tokens <= cap or seats <= 0:
+            return num_tokens
+        slot_free = partial < self.max_num_partial_prefills
+        rest = budget - cap
+        if any(slot_free or other.num_uncomputed_tokens <= rest
+               for other in self.waiting if other is not seq):
+            return cap
+        return num_tokens
 
     def _num_partial_after(self, batch: ScheduledBatch) -> int:
         """Running prompts still mid-prefill once this batch is computed."""
@@ -226,8 +242,7 @@ class Scheduler:
             if chunked:
                 if partial >= self.max_num_partial_prefills:
                     continue  # a shorter request behind it may still finish its prompt now
-                if self._others_wait(seq):
-                    num_tokens = min(num_tokens, self.long_prefill_token_threshold)
+                num_tokens = self._chunk(seq, num_tokens, budget, partial + 1)
             if not self.blocks.can_admit(seq, hits, num_tokens):
                 return  # out of blocks: the ones behind it wait too (no starvation by size)
             self._admit(seq, hits, num_tokens, batch)

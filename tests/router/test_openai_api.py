@@ -147,6 +147,11 @@ async def test_json_needs_its_content_type(client, backend):
 
 
 async def test_routing_digests_follow_key_and_salt(client, backend):
+    """Case R8 (salted digests): the same token ids under two tenants or two salts get
+    disjoint block digests. The workers publish digests chained from the same namespaced
+    identity (``test_identity.py::test_tenant_and_salt_cannot_imitate_each_other``), so what
+    reaches the index differs too."""
+
     async def digests(key: str | None, salt: str | None = None) -> list[bytes]:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         body = {"messages": HELLO, **({"cache_salt": salt} if salt else {})}
@@ -266,12 +271,24 @@ async def test_new_sampling_parameters_reach_the_worker(client, backend):
     assert response.status_code == 200 and backend.requests[3].sampling.logprobs is None
 
 
-async def test_message_name_is_accepted_and_passed_to_the_template(client, backend, tokenizer):
+NAMED_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}"
+                  "{% if m.get('name') %} ({{ m['name'] }}){% endif %}: {{ m['content'] }}"
+                  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                  "{% endif %}")
+"""A chat template that renders ``name`` (SmolLM2's ignores it, so it cannot show it arrives)."""
+
+
+async def test_message_name_is_accepted_and_passed_to_the_template(client, backend, tokenizer,
+                                                                   monkeypatch):
+    monkeypatch.setattr(tokenizer, "chat_template", NAMED_TEMPLATE)
     messages = [{"role": "user", "content": "Hello there", "name": "bob"}]
     response = await client.post(CHAT, json={"messages": messages})
     assert response.status_code == 200, response.text
-    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    assert backend.requests[0].token_ids == list(expected["input_ids"])
+    named = tokenizer.decode(backend.requests[0].token_ids)
+    assert named == "<|im_start|>user (bob): Hello there<|im_end|>\n<|im_start|>assistant\n"
+    response = await client.post(CHAT, json={"messages": [{"role": "user",
+                                                           "content": "Hello there"}]})
+    assert "(bob)" not in tokenizer.decode(backend.requests[1].token_ids)
 
 
 def logprob_script(tokenizer: Any) -> Script:

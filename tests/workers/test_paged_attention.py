@@ -102,6 +102,12 @@ def test_a_poisoned_neighbour_never_reaches_a_shorter_decode_row():
 
     long_out, short_out = run_step(cache, tables, computed, [1, 1], contexts, queries)
 
+    # the gather path pads the short row's table with the scratch block, never another
+    # request's block (slot 0 was the padding once)
+    gathered = build_metadata(cache, tables, computed, [1, 1], torch.device("cpu"),
+                              native_decode=False)
+    (group,) = gathered.decode_groups
+    assert group.block_ids.tolist() == [0, 1, 2, 8, 9, cache.scratch_block]
     assert torch.isnan(long_out).all()
     torch.testing.assert_close(short_out, reference(queries[1], *contexts[1], 6),
                                atol=1e-5, rtol=1e-5)

@@ -239,3 +239,39 @@ def test_top_p_over_a_large_vocabulary_matches_the_reference(scale):
         assert np.array_equal(got[row] > 0, want > 0)
     kept = (got[0] > 0).sum()
     assert (kept > 1024) == (scale < 1)  # both paths of _apply_top_p are exercised
+
+
+def test_the_vocabulary_is_sorted_only_when_top_p_needs_it(monkeypatch):
+    """The issue's cost: a full-vocabulary sort per row per step. Plain temperature sampling
+    and top-k draw without one (top-k ranks with ``topk`` alone), and so does top-p while its
+    nucleus lies among the ranked candidates; a flat row whose nucleus does not falls back to
+    one sort. Counted by wrapping torch's sort entry points."""
+    calls = {"sort": 0, "topk": 0}
+    original_sort, original_topk = torch.Tensor.sort, torch.Tensor.topk
+
+    def counting(name, function):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(torch.Tensor, "sort", counting("sort", original_sort))
+    monkeypatch.setattr(torch.Tensor, "topk", counting("topk", original_topk))
+    for name in ("sort", "argsort", "msort"):
+        monkeypatch.setattr(torch, name, lambda *a, **k: pytest.fail("torch-level sort"))
+    monkeypatch.setattr(torch.Tensor, "argsort", lambda *a, **k: pytest.fail("argsort"))
+    peaked = torch.randn(2, 49152, generator=torch.Generator().manual_seed(3)) * 4
+    default = torch.Generator().manual_seed(0)
+
+    def sorts_and_topks(**sampling) -> tuple[int, int]:
+        calls.update(sort=0, topk=0)
+        draw(peaked, [SamplingParams(**sampling)] * 2, [None, None], default)
+        return calls["sort"], calls["topk"]
+
+    assert sorts_and_topks(temperature=1.0) == (0, 0)
+    assert sorts_and_topks(temperature=0.8, top_k=40) == (0, 1)
+    assert sorts_and_topks(temperature=1.0, top_p=0.9)[0] == 0
+    flat = torch.zeros(1, 49152)  # every token equally likely: the nucleus is 90% of them
+    calls.update(sort=0)
+    draw(flat, [SamplingParams(temperature=1.0, top_p=0.9)], [None], default)
+    assert calls["sort"] == 1

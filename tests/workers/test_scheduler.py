@@ -63,15 +63,17 @@ def test_one_partial_prefill_at_a_time_and_short_prompts_pass_the_waiting_long_o
     for seq in (make_seq("long1", 40), make_seq("long2", 40, first=200),
                 make_seq("short", 3, first=400)):
         scheduler.add(seq)
-    # long2 would stay mid-prefill too: it waits; short finishes its prompt now
+    # long2 would stay mid-prefill too: it waits; short's whole prompt fits in what long1's
+    # cut to the threshold (4) leaves, so long1 is cut and short finishes its prompt now
     assert step(scheduler) == [("long1", 4), ("short", 3)]
     scheduler.add(make_seq("long3", 40, first=600))
     trace = [step(scheduler) for _ in range(10)]
-    # long1 is capped at 4 tokens a step while others wait: its 36 remaining tokens take 9
-    # steps; long2 starts in the step that ends long1's prefill, long3 (later) waits for long2
-    assert trace[:8] == [[("short", 1), ("long1", 4)]] * 8
-    assert trace[8] == [("short", 1), ("long1", 4), ("long2", 3)]
-    assert trace[9] == [("long1", 1), ("short", 1), ("long2", 4)]
+    # Now only long prompts wait, and none could start (one partial prefill at a time) or fit
+    # in the rest: long1 is not cut and the budget is never left idle (7 + short's decode).
+    # long2 starts in the step that ends long1's prompt; long3 (later) waits for long2.
+    assert trace[:5] == [[("short", 1), ("long1", 7)]] * 5
+    assert trace[5:] == [[("long1", 1), ("short", 1), ("long2", 6)]] * 5
+    assert all(sum(n for _, n in batch) == 8 for batch in trace)
     assert [seq.request_id for seq in scheduler.waiting] == ["long3"]
 
 
@@ -217,25 +219,42 @@ def test_p7_p8_under_preemption_shared_prefixes(tiny_qwen, make_engine):
     assert engine.pool.num_free + engine.pool.num_evictable == 14
 
 
-@pytest.mark.parametrize("budget", [16, 64, 512])
+def generate_counting_prefill(engine, requests) -> tuple[dict, list[int]]:
+    """``engine.generate(requests)``, and the prompt tokens computed at each step."""
+    for request in requests:
+        engine.add_request(request)
+    chunks = {request.request_id: [] for request in requests}
+    per_step = []
+    while engine.has_work():
+        before = engine.counters.prefill_tokens
+        for chunk in engine.step():
+            chunks[chunk.request_id].append(chunk)
+        per_step.append(engine.counters.prefill_tokens - before)
+    return chunks, per_step
+
+
+@pytest.mark.parametrize("budget", [16, 64, 100])
 def test_chunking_never_changes_tiny_model_outputs(tiny_qwen, make_engine, budget):
+    """Budgets under the longest prompt (the tiny model holds 512 positions; chunks of 512 are
+    SmolLM2's test below)."""
     requests = [greedy(f"c{i}", random_prompt(60 + i, 40 + 37 * i), max_tokens=6)
                 for i in range(5)]  # 40 .. 188 tokens
     reference = make_engine(tiny_qwen, num_blocks=128, max_num_batched_tokens=4096,
                             max_num_seqs=1).generate(requests)
     engine = make_engine(tiny_qwen, num_blocks=128, max_num_batched_tokens=budget)
-    chunks = engine.generate(requests)
+    chunks, per_step = generate_counting_prefill(engine, requests)
     for request in requests:
         assert output_ids(chunks[request.request_id]) == output_ids(
             reference[request.request_id])
-    if budget < 188:
-        assert engine.counters.steps > 6  # prompts really were chunked
+    assert max(per_step) == budget  # prompts really were chunked, at the budget
 
 
 def test_chunking_never_changes_smollm_outputs(smollm, make_engine):
     """Two ~600-token prompts sharing their first 560 tokens: each unchunked (the second a
     prefix hit) vs chunked at 16, 64 and 512 tokens per step, greedy ids equal. The shared
-    head keeps the test quick: the second prompt's head is a cache hit under every budget."""
+    head keeps the test quick: the second prompt's head is a cache hit under every budget.
+    The first prompt really runs in chunks of the budget: the second, waiting, could neither
+    start (one partial prefill at a time) nor fit beside it, so its chunks are not cut."""
     vocab = smollm.model.config.vocab_size
     head = random_prompt(90, 560, vocab)
     requests = [greedy(f"s{i}", head + random_prompt(91 + i, 40 + 17 * i, vocab), max_tokens=2)
@@ -245,7 +264,8 @@ def test_chunking_never_changes_smollm_outputs(smollm, make_engine):
     assert unchunked.counters.steps == 4  # each prompt in one step, then one decode
     for budget in (16, 64, 512):
         engine = make_engine(smollm, num_blocks=96, max_num_batched_tokens=budget)
-        chunks = engine.generate(requests)
+        chunks, per_step = generate_counting_prefill(engine, requests)
+        assert per_step[0] == budget
         # the second prompt is admitted as the first one's last chunk runs: its head is a hit
         # as far as the first one's blocks were registered by then
         assert 512 <= engine.scheduler.counters.prefix_hit_tokens <= 560
