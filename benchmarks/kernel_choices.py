@@ -9,7 +9,9 @@
 3. Decode attention over the paged cache, fp32 and bf16, per batch and context length: our
    native kernel reading blocks in place (``workers.kernels``) against gathering the blocks
    into a copy for torch's SDPA, with the tables scattered over the pool as a running worker's
-   are, and the largest difference between the two.
+   are, and the largest difference between the two. These loops keep one layer's KV in the
+   CPU's caches; a step does not, so the native kernel is also timed over 30 layers' caches
+   at 16 x 512 tokens (``decode_attention_from_dram``), next to only reading those blocks.
 4. Prefill attention in bf16 (``workers.paged_attention.prefill_kernel``), one layer, for
    each ``--prefill-cases`` (new tokens + cached tokens): our kernel (AMX tiles or
    AVX512-BF16, ``prefill_backend`` in the JSON) reading the cached context in place against
@@ -131,6 +133,52 @@ def _decode_case(cache, batch: int, context: int, repeats: int) -> dict:
     return entry
 
 
+def decode_attention_from_dram(batch: int, context: int, layers: int, repeats: int) -> dict:
+    """A bf16 step's decode attention as a step meets it: ``layers`` layers' caches, each
+    sequence's blocks scattered over its pool, every layer attended once per step, so the KV
+    comes from DRAM rather than from the caches a one-layer loop keeps warm. Milliseconds a
+    step for the native kernel, and for only reading the same blocks (``index_select`` of
+    every block into a copy: the memory's share, a write included), with the bytes read."""
+    from workers import paged_attention
+    from workers.kernels import paged_decode
+    from workers.kv_cache import PagedKVCache
+
+    if paged_decode() is None:
+        return {}
+    per_row = -(-context // DECODE_BLOCK)
+    pool = 2 * batch * per_row
+    caches = [PagedKVCache(1, pool, DECODE_BLOCK, KV_HEADS, HEAD_DIM, torch.bfloat16,
+                           torch.device("cpu")) for _ in range(layers)]
+    for cache in caches:
+        cache.keys[0].normal_()
+        cache.values[0].normal_()
+    blocks = random.Random(0).sample(range(pool), batch * per_row)
+    tables = [blocks[i * per_row:(i + 1) * per_row] for i in range(batch)]
+    group = paged_attention.build_metadata(caches[0], tables, [context - 1] * batch, [1] * batch,
+                                           torch.device("cpu"),
+                                           native_decode=True).decode_groups[0]
+    query = torch.randn(batch, HEADS, HEAD_DIM).bfloat16()
+    ids = torch.tensor(blocks)
+
+    def attend():
+        for cache in caches:
+            paged_attention._attend_decodes_in_place(0, query, group, cache, HEAD_DIM ** -0.5)
+
+    def read():
+        for cache in caches:
+            cache.gather(0, ids)
+
+    attend_ms = common.median_time(attend, repeats) * 1e3
+    read_ms = common.median_time(read, repeats) * 1e3
+    nbytes = layers * 2 * batch * per_row * DECODE_BLOCK * KV_HEADS * HEAD_DIM * 2
+    entry = {"batch": batch, "context": context, "layers": layers, "kv_bytes": nbytes,
+             "score_products": paged_decode().score_products(DECODE_BLOCK, HEAD_DIM),
+             "native_step_ms": attend_ms, "read_only_step_ms": read_ms,
+             "native_gb_per_s": nbytes / attend_ms / 1e6}
+    common.log(f"decode attention from DRAM, {layers} layers x {batch} x {context}: {entry}")
+    return entry
+
+
 def prefill_attention(cases: list[tuple[int, int]], repeats: int) -> dict:
     """Milliseconds per layer of a bf16 span's attention, our kernel and torch's flash, for
     each (new tokens, cached tokens) case; empty where our kernel is unavailable."""
@@ -205,6 +253,8 @@ def main(argv: list[str] | None = None) -> dict:
               "threads": threads, "quick": args.quick, "dtype": str(dtype),
               "linear": linear_rows(rows, repeats, dtype), "flash": flash_layouts(tokens, repeats),
               "decode_attention": decode_attention(cases, repeats),
+              "decode_attention_from_dram": decode_attention_from_dram(
+                  *((2, 40, 2) if args.quick else (16, 512, 30)), repeats),
               "prefill_backend": prefill_kernel(torch.bfloat16, torch.device("cpu"), HEAD_DIM),
               "prefill_attention": prefill_attention(prefill_cases, min(repeats, 10))}
     common.write_json(result, args.out)
