@@ -48,9 +48,17 @@ def init_ray(num_cpus: int | None = None, log_to_driver: bool = True) -> None:
              namespace=INDEX_ACTOR_NAMESPACE)
 
 
+_OWNED_INDEXES: dict[str, object] = {}
+"""The embedded index clients this process created, by actor name: their handles keep the
+actors alive. Ray collects a named, non-detached actor once no handle to it exists, so a
+handle dropped here (as before stop 17) let the driver's actor go within half a second, and
+the first worker to call created it anew as its owner: it then died with that worker."""
+
+
 def start_index_actor(config: ClusterConfig) -> None:
-    """Create the embedded index actor from this long-lived process, which then owns it, so
-    the index survives any single replica. Nothing to do with Redis."""
+    """Create the embedded index actor from this long-lived process, which owns it and holds
+    a handle to it until :func:`stop_cluster`, so the index survives any single replica.
+    Nothing to do with Redis."""
     if config.redis_url:
         return
     from router.index import ActorIndex
@@ -58,6 +66,7 @@ def start_index_actor(config: ClusterConfig) -> None:
     index = ActorIndex(config.index_actor_name, config.worker_ttl_s,
                        namespace=INDEX_ACTOR_NAMESPACE)
     asyncio.run(index.heartbeat("", "driver"))
+    _OWNED_INDEXES[config.index_actor_name] = index
 
 
 def start_cluster(config: ClusterConfig, http: bool = True) -> DeploymentHandle:
@@ -84,6 +93,7 @@ def start_cluster(config: ClusterConfig, http: bool = True) -> DeploymentHandle:
 
 def stop_cluster() -> None:
     """Tear down Serve and Ray, leaving no processes behind."""
+    _OWNED_INDEXES.clear()
     if ray.is_initialized():
         serve.shutdown()
         ray.shutdown()

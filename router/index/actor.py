@@ -1,9 +1,10 @@
 """The embedded digest index shared by a whole Ray cluster: a MemoryIndex in one named actor.
 
 Every process that builds an :class:`ActorIndex` with the same actor name (and Ray namespace)
-talks to the same actor; the first one creates it. The actor is not detached: it lives as long
-as the process that created it (its owner), so create it from a long-lived process (the router
-deployment or the driver that stays up). If it dies, calls raise
+talks to the same actor; the first one creates it. The actor is not detached: it dies with the
+process that created it (its owner), and Ray also collects it once no process holds a handle
+to it. So create it from a long-lived process that keeps its client (``nalar serve``'s driver
+does: ``cluster.runtime.start_index_actor``). If it dies, calls raise
 :class:`IndexUnavailableError` and the next call creates a fresh, empty one; its state was
 lossy by contract, so workers repopulate it (see :mod:`router.index.base`).
 """

@@ -79,7 +79,7 @@ class SentLedger:
         self.remove(key)
         self._by_key[key] = entry
         self._by_worker.setdefault(entry.worker_id, {})[key] = entry
-        if entry.plan is not None:
+        if _digests(entry):
             self._digests_in_flight.setdefault(entry.worker_id, Counter()).update(
                 entry.plan.digests)
 
@@ -103,7 +103,7 @@ class SentLedger:
         on_worker.pop(key, None)
         if not on_worker:
             self._by_worker.pop(entry.worker_id, None)
-        if entry.plan is not None:
+        if _digests(entry):
             in_flight = self._digests_in_flight[entry.worker_id]
             for digest in entry.plan.digests:
                 in_flight[digest] -= 1
@@ -145,6 +145,12 @@ class SentLedger:
         """Drops every entry on a worker not in ``worker_ids``."""
         for worker_id in [w for w in self._by_worker if w not in worker_ids]:
             self.drop_worker(worker_id)
+
+
+def _digests(entry: SentEntry) -> bool:
+    """Whether ``entry`` pins prompt blocks: a prompt shorter than one block has no digests,
+    and must neither make nor, on removal, look up a worker's count of blocks in flight."""
+    return entry.plan is not None and bool(entry.plan.digests)
 
 
 def _counted_by_snapshot(entry: SentEntry, snapshot_at: float | None,

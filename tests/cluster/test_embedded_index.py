@@ -7,9 +7,11 @@ prefix-aware router runs inside it) rather than HTTP.
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 import pytest
+import ray
 from ray import serve
 
 from cluster.app import WORKER_DEPLOYMENT, build_app
@@ -66,3 +68,17 @@ async def test_embedded_index_routes_a_shared_prefix_to_its_holder(embedded_app)
     assert cold_cached == 0
     assert all(worker == holder for worker, _ in follow_ups)
     assert all(cached == len(digests) * identity.block_size for _, cached in follow_ups)
+
+
+def test_the_driver_keeps_the_index_actor_it_starts(ray_session):
+    """``start_index_actor`` owns the actor and keeps a handle to it. Without the handle, Ray
+    collected the actor within half a second, the first worker to call created it anew as
+    its owner, and killing that worker (a user's trial of ``nalar serve``) took the index
+    with it. Still there 1.5 s on, the same actor."""
+    config = ClusterConfig(redis_url=None, index_actor_name=f"{APP}-kept-index")
+    start_index_actor(config)
+    gc.collect()
+    first = ray.get_actor(config.index_actor_name, namespace=INDEX_ACTOR_NAMESPACE)
+    time.sleep(1.5)  # what must not happen (a collection) takes well under that
+    again = ray.get_actor(config.index_actor_name, namespace=INDEX_ACTOR_NAMESPACE)
+    assert again._actor_id == first._actor_id

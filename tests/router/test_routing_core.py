@@ -221,3 +221,27 @@ def test_ledger_knows_the_prompt_blocks_in_flight_on_each_worker():
     assert ledger.leading_blocks_in_flight("b", shared) == 2
     ledger.drop_worker("b")
     assert ledger.leading_blocks_in_flight("b", shared) == 0
+
+
+def test_ledger_takes_prompts_shorter_than_a_block():
+    """Prompts shorter than one block have no digests. Two of them alone on a worker, then
+    beside a long one: every removal goes through and the long one's blocks stay counted
+    (the second short removal raised KeyError, a logged traceback for most short requests of
+    a 300-request burst through HTTP)."""
+    ledger = SentLedger()
+
+    def short(key: str) -> SentEntry:
+        return SentEntry("a", 5, 1.0, RoutingInput(5, [], 16, key), {})
+
+    ledger.record("short1", short("short1"))
+    ledger.record("short2", short("short2"))
+    ledger.remove("short1")
+    ledger.remove("short2")
+    assert len(ledger) == 0
+    shared = [bytes([i]) * 32 for i in range(3)]
+    ledger.record("long", SentEntry("a", 48, 1.0, RoutingInput(48, shared, 16, "long"), {}))
+    ledger.record("short3", short("short3"))
+    ledger.remove("short3")
+    assert ledger.leading_blocks_in_flight("a", shared) == 3
+    ledger.remove("long")
+    assert len(ledger) == 0 and ledger.leading_blocks_in_flight("a", shared) == 0
