@@ -137,8 +137,8 @@ def decode_attention_from_dram(batch: int, context: int, layers: int, repeats: i
     """A bf16 step's decode attention as a step meets it: ``layers`` layers' caches, each
     sequence's blocks scattered over its pool, every layer attended once per step, so the KV
     comes from DRAM rather than from the caches a one-layer loop keeps warm. Milliseconds a
-    step for the native kernel, and for only reading the same blocks (``index_select`` of
-    every block into a copy: the memory's share, a write included), with the bytes read."""
+    step for the native kernel, and the floor: the bytes it reads at the sequential read
+    bandwidth of the same caches (``sum`` over every pool, which is twice the bytes read)."""
     from workers import paged_attention
     from workers.kernels import paged_decode
     from workers.kv_cache import PagedKVCache
@@ -158,7 +158,6 @@ def decode_attention_from_dram(batch: int, context: int, layers: int, repeats: i
                                            torch.device("cpu"),
                                            native_decode=True).decode_groups[0]
     query = torch.randn(batch, HEADS, HEAD_DIM).bfloat16()
-    ids = torch.tensor(blocks)
 
     def attend():
         for cache in caches:
@@ -166,15 +165,18 @@ def decode_attention_from_dram(batch: int, context: int, layers: int, repeats: i
 
     def read():
         for cache in caches:
-            cache.gather(0, ids)
+            cache.keys[0].sum()
+            cache.values[0].sum()
 
     attend_ms = common.median_time(attend, repeats) * 1e3
-    read_ms = common.median_time(read, repeats) * 1e3
+    read_s = common.median_time(read, repeats)
     nbytes = layers * 2 * batch * per_row * DECODE_BLOCK * KV_HEADS * HEAD_DIM * 2
+    bandwidth = sum(c.keys[0].nbytes + c.values[0].nbytes for c in caches) / read_s
     entry = {"batch": batch, "context": context, "layers": layers, "kv_bytes": nbytes,
              "score_products": paged_decode().score_products(DECODE_BLOCK, HEAD_DIM),
-             "native_step_ms": attend_ms, "read_only_step_ms": read_ms,
-             "native_gb_per_s": nbytes / attend_ms / 1e6}
+             "native_step_ms": attend_ms, "native_gb_per_s": nbytes / attend_ms / 1e6,
+             "sequential_read_gb_per_s": bandwidth / 1e9,
+             "read_floor_step_ms": nbytes / bandwidth * 1e3}
     common.log(f"decode attention from DRAM, {layers} layers x {batch} x {context}: {entry}")
     return entry
 
