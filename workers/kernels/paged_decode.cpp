@@ -258,30 +258,40 @@ inline void transpose_16x16(__m512i r[16]) {
 // 32 dims into one vector per dim pair (16 tokens' pairs), shared by every row: a row then
 // takes one pair product per dim pair against a broadcast of its own pair, with no horizontal
 // sum. Rows go four at a time (the queries are zero-padded to whole fours), two accumulators
-// each, so eight independent chains hide the product's latency. Rows of the block past the
-// sequence's length are loaded too; the caller masks their lanes.
+// each, so eight independent chains hide the product's latency; the accumulators wait in
+// `even`/`odd` between the 32-dim chunks. Rows of the block past the sequence's length are
+// loaded too; the caller masks their lanes.
 template <int64_t D>
 inline void score_block_pairs(const at::BFloat16* keys, const uint32_t* q_pairs, int64_t rows,
                               __m512* scores) {
   constexpr int64_t kPairs = D / 2;
-  for (int64_t r = 0; r < rows; r += 4) {
-    __m512 even[4], odd[4];
-    for (int i = 0; i < 4; ++i) even[i] = odd[i] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < D / 32; ++c) {
-      __m512i k[16];
-      for (int t = 0; t < 16; ++t) k[t] = _mm512_loadu_si512(keys + t * D + c * 32);
-      transpose_16x16(k);  // k[p]: dims c * 32 + 2p, 2p + 1 of the 16 tokens
+  const int64_t padded = (rows + 3) / 4 * 4;
+  __m512 even[kMaxRows], odd[kMaxRows];
+  for (int64_t r = 0; r < padded; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < D / 32; ++c) {
+    __m512i k[16];
+    for (int t = 0; t < 16; ++t) k[t] = _mm512_loadu_si512(keys + t * D + c * 32);
+    transpose_16x16(k);  // k[p]: dims c * 32 + 2p, 2p + 1 of the 16 tokens
+    for (int64_t r = 0; r < padded; r += 4) {
+      __m512 e[4], o[4];
+      for (int i = 0; i < 4; ++i) {
+        e[i] = even[r + i];
+        o[i] = odd[r + i];
+      }
       for (int p = 0; p < 16; p += 2) {
         for (int i = 0; i < 4; ++i) {
           const uint32_t* q = q_pairs + (r + i) * kPairs + c * 16 + p;
-          even[i] = _mm512_dpbf16_ps(even[i], (__m512bh)_mm512_set1_epi32(q[0]), (__m512bh)k[p]);
-          odd[i] = _mm512_dpbf16_ps(odd[i], (__m512bh)_mm512_set1_epi32(q[1]),
-                                    (__m512bh)k[p + 1]);
+          e[i] = _mm512_dpbf16_ps(e[i], (__m512bh)_mm512_set1_epi32(q[0]), (__m512bh)k[p]);
+          o[i] = _mm512_dpbf16_ps(o[i], (__m512bh)_mm512_set1_epi32(q[1]), (__m512bh)k[p + 1]);
         }
       }
+      for (int i = 0; i < 4; ++i) {
+        even[r + i] = e[i];
+        odd[r + i] = o[i];
+      }
     }
-    for (int i = 0; i < 4 && r + i < rows; ++i) scores[r + i] = _mm512_add_ps(even[i], odd[i]);
   }
+  for (int64_t r = 0; r < rows; ++r) scores[r] = _mm512_add_ps(even[r], odd[r]);
 }
 
 // Folds a block's raw scores `s` (lanes = its first n tokens) into a row's online softmax:
@@ -349,13 +359,13 @@ RowsFn<T> rows_for(int64_t dim) {
   return nullptr;
 }
 
-// The bf16 path for `dim` whose scores take products of bf16 pairs, `Rows<D>` for head sizes
-// of whole 32-dim chunks; nullptr otherwise.
-template <template <int64_t> typename Fn>
-RowsFn<at::BFloat16> pair_rows_for(int64_t dim) {
+// A bf16 path whose scores take products of bf16 pairs (`Path<D>::attend`: tiles or pairs)
+// for `dim`, where it is a whole number of 32-dim chunks; nullptr otherwise.
+template <template <int64_t> typename Path>
+RowsFn<at::BFloat16> score_rows_for(int64_t dim) {
 #define NALAR_CASE(D) \
   if constexpr (D % 32 == 0) {               \
-    if (dim == D) return Fn<D>::attend;      \
+    if (dim == D) return Path<D>::attend;    \
   }
   NALAR_HEAD_DIMS(NALAR_CASE)
 #undef NALAR_CASE
@@ -384,10 +394,10 @@ struct PairRows {
 std::string score_products(int64_t block_size, int64_t head_dim) {
   if (block_size != 16) return "";
 #ifdef NALAR_TILES
-  if (nalar_tiles::granted() && pair_rows_for<TileRows>(head_dim) != nullptr) return "tiles";
+  if (nalar_tiles::granted() && score_rows_for<TileRows>(head_dim) != nullptr) return "tiles";
 #endif
 #ifdef NALAR_PAIRS
-  if (pair_rows_for<PairRows>(head_dim) != nullptr) return "pairs";
+  if (score_rows_for<PairRows>(head_dim) != nullptr) return "pairs";
 #endif
   (void)head_dim;
   return "";
@@ -412,12 +422,12 @@ void attend_all(const at::Tensor& q, const at::BFloat16* q_bf16,
     const std::string products = score_products(block_size, dim);
 #ifdef NALAR_TILES
     if (products == "tiles") {
-      attend = pair_rows_for<TileRows>(dim);
+      attend = score_rows_for<TileRows>(dim);
       tiles = true;
     }
 #endif
 #ifdef NALAR_PAIRS
-    if (products == "pairs") attend = pair_rows_for<PairRows>(dim);
+    if (products == "pairs") attend = score_rows_for<PairRows>(dim);
 #endif
   }
   TORCH_CHECK(attend != nullptr, "head_dim ", dim, " is not one of the kernel's head sizes");
