@@ -56,15 +56,27 @@ class Sequence:
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "start", "end"), [
     (9, 3, 64, 0, 1), (9, 3, 64, 0, 300), (9, 3, 64, 37, 300), (9, 3, 64, 250, 251),
-    (4, 4, 128, 100, 1200), (2, 1, 256, 0, 70)])
+    (4, 4, 128, 100, 1200), (4, 2, 192, 20, 90), (2, 1, 256, 0, 70)])
 def test_prefill_attention_matches_softmax_attention(heads, kv_heads, dim, start, end):
     """Within bf16's rounding (the probabilities enter P.V as bf16, as in torch's bf16 flash
-    kernel), for GQA groups of 3 and 2, MHA, head sizes 64 to 256, spans over a cached context
+    kernel), for GQA groups of 3 and 2, MHA, head sizes 64, 128, 192 (one row of 12 accumulators
+    in the pair path's P.V) and 256, spans over a cached context
     read through the block table, across key ranges (1,024 keys at head size 128)."""
     seq = Sequence(end, heads, kv_heads, dim, seed=end)
     out = seq.attend(start, end)
     assert out.dtype == torch.bfloat16 and out.shape == (end - start, heads, dim)
     torch.testing.assert_close(out.double(), seq.reference(start, end), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("start", [0, 37])
+def test_prefill_attention_holds_on_a_peaked_softmax(start):
+    """Queries 8x larger: scores of standard deviation 8, so a few keys take most of each
+    row's weight and a wrong running maximum or correction would show (at the other tests'
+    scale the softmax is nearly uniform and could hide one)."""
+    seq = Sequence(300, 9, 3, 64, seed=8)
+    seq.query = (seq.query.float() * 8).bfloat16()
+    torch.testing.assert_close(seq.attend(start, 300).double(), seq.reference(start, 300),
+                               atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize(("dim", "total", "cuts"), [(64, 300, [16, 100, 250]),
