@@ -162,7 +162,7 @@ def build_engine(loaded, *, threads: int | None, max_model_len: int | None = Non
 
 def greedy_request(request_id: str, prompt: list[int], max_tokens: int):
     """A greedy request that ignores EOS, so every run decodes exactly ``max_tokens``."""
-    from workers.request import GenerationRequest, SamplingParams
+    from contract.request import GenerationRequest, SamplingParams
     return GenerationRequest(request_id, list(prompt),
                              SamplingParams(temperature=0, max_tokens=max_tokens,
                                             ignore_eos=True))

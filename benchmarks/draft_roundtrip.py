@@ -90,7 +90,7 @@ def in_thread(work: Callable[[], list[float]]) -> list[float]:
 def contexts(args: argparse.Namespace, batch: int) -> list:
     """``batch`` decode contexts of --context real tokens: a prompt with its last quarter
     taken as output so far (the proposer scans both alike)."""
-    from workers.spec.proposer import ProposalRequest
+    from workers.speculative.proposer import ProposalRequest
 
     prompts = common.text_prompts(common.embedded_tokenizer(), batch, args.context)
     return [ProposalRequest(f"seq-{i}", ids, args.context * 3 // 4, args.k)
@@ -99,7 +99,7 @@ def contexts(args: argparse.Namespace, batch: int) -> list:
 
 def in_process(args: argparse.Namespace) -> dict[str, dict]:
     """The ngram proposer called in this thread, as the engine calls it in the worker."""
-    from workers.spec.ngram import NgramProposer
+    from workers.speculative.ngram import NgramProposer
 
     proposer = NgramProposer(args.ngram_min, args.ngram_max)
     rows = {}
@@ -121,8 +121,8 @@ def through_replica(args: argparse.Namespace) -> dict[str, dict]:
     from cluster.config import ClusterConfig
     from cluster.draft_deployment import DRAFT_DEPLOYMENT
     from cluster.runtime import init_ray
-    from workers.spec.ngram import NgramProposer
-    from workers.spec.remote import RemoteProposer
+    from workers.speculative.ngram import NgramProposer
+    from workers.speculative.remote import RemoteProposer
 
     config = ClusterConfig(speculative="ngram", speculative_remote=True,
                            ngram_min=args.ngram_min, ngram_max=args.ngram_max,

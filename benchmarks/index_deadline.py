@@ -44,10 +44,10 @@ try:
 except ImportError:  # run as a script: benchmarks/ is on sys.path, the repo root is not
     import common
 
+from contract.kv_events import KVEvent, encode_events  # noqa: E402
 from router.index.redis_index import RedisIndex, delete_key_prefix  # noqa: E402
 from router.routing.index_lookup import DEFAULT_LOOKUP_DEADLINE_S, IndexLookup  # noqa: E402
 from router.routing.telemetry import RoutingTelemetry  # noqa: E402
-from workers.kv_events import KVEvent, encode_events  # noqa: E402
 
 WORKERS = (2, 4, 8)
 DIGESTS = (1, 16, 64, 256)

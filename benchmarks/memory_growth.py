@@ -63,7 +63,7 @@ class Prompts:
         self.count = 0
 
     def next(self):
-        from workers.request import GenerationRequest, SamplingParams
+        from contract.request import GenerationRequest, SamplingParams
         rng, room = self.rng, self.max_model_len - 70
         if self.fixed:
             length = min(200, room)

@@ -36,9 +36,9 @@ def prompt_pair(rng: random.Random) -> tuple[list[int], list[int]]:
 
 
 def engine_mode(args: argparse.Namespace) -> dict:
+    from contract.request import GenerationRequest, SamplingParams
     from workers.config import EngineConfig
     from workers.engine import LLMEngine
-    from workers.request import GenerationRequest, SamplingParams
 
     started = time.perf_counter()
     engine = LLMEngine(EngineConfig(dtype=args.dtype, kv_cache_bytes=256 << 20,

@@ -27,7 +27,7 @@ from benchmarks.common import (  # noqa: E402
     set_threads,
     write_json,
 )
-from workers.request import SamplingParams  # noqa: E402
+from contract.request import SamplingParams  # noqa: E402
 from workers.sampler import SamplingRow, sample  # noqa: E402
 
 VOCAB = 49152

@@ -141,7 +141,7 @@ def build_engine(loaded, gamma: int | None, proposer, args):
     """Our engine over ``loaded``: no speculation (``gamma`` None) or k = ``gamma`` always."""
     from workers.config import EngineConfig
     from workers.engine import LLMEngine
-    from workers.spec.config import SpeculativeConfig
+    from workers.speculative.config import SpeculativeConfig
     # ``method`` only switches speculation on: the engine uses the proposer it is given.
     spec = (SpeculativeConfig() if gamma is None else SpeculativeConfig(
         method="ngram", num_speculative_tokens=gamma, adaptive=False))

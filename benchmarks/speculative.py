@@ -164,7 +164,7 @@ def _dedent(segment: str) -> str:
 def chat_ids(tokenizer, content: str) -> list[int]:
     """Token ids of one user message under the chat template, the assistant's turn opened
     (what the OpenAI ingress sends a worker for /v1/chat/completions)."""
-    from router.openai_app import plain_token_ids
+    from router.api.prompts import plain_token_ids
     return plain_token_ids(tokenizer.apply_chat_template(
         [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True))
 
@@ -205,7 +205,7 @@ def build_engines(loaded, args: argparse.Namespace) -> dict:
     """The three engine variants over one loaded model (the runner only reads its weights)."""
     from workers.config import EngineConfig
     from workers.engine import LLMEngine
-    from workers.spec.config import SpeculativeConfig
+    from workers.speculative.config import SpeculativeConfig
     specs = {"engine_off": SpeculativeConfig(),
              "engine_ngram_adaptive": SpeculativeConfig(
                  method="ngram", num_speculative_tokens=args.k_max, adaptive=True),
@@ -226,7 +226,7 @@ def engine_run(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> d
         ``decode_tokens``, ``decode_s`` (see the module docstring), ``output_tokens``,
         ``wall_s``, ``token_ids`` (per prompt) and ``spec`` (per prompt, or None).
     """
-    from workers.request import GenerationRequest, SamplingParams
+    from contract.request import GenerationRequest, SamplingParams
     engine.reset_prefix_cache()
     run = SpecRun(engine)
     ids = [f"{tag}-{i}" for i in range(len(prompts))]

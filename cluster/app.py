@@ -54,7 +54,8 @@ def build_app(config: ClusterConfig) -> Application:
     Workers get fractional CPUs (a 2-core machine still fits two) and a bounded queue, so
     overload is refused with 503 instead of queued without limit (DESIGN §5c). When the
     proposer is remote (``suffix``, or ``--speculative-remote``), the draft deployment is bound
-    into the workers, which each call it through a :class:`~workers.spec.remote.RemoteProposer`.
+    into the workers, which each call it through a
+    :class:`~workers.speculative.remote.RemoteProposer`.
     """
     workers = serve.deployment(NalarWorker).options(
         name=WORKER_DEPLOYMENT,

@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 
 from workers.config import EngineConfig, MiB
-from workers.spec.config import SpeculativeConfig
+from workers.speculative.config import SpeculativeConfig
 
 INDEX_ACTOR_NAMESPACE = "nalar"
 """Ray namespace of the embedded index actor, so the driver and Serve replicas find one actor."""
@@ -41,7 +41,7 @@ class ClusterConfig(BaseModel):
 
     Sizes are in tokens unless named ``*_bytes``/``*_mib``; times in seconds.
 
-    Speculative decoding (``workers.spec``): ``speculative`` is the proposer (``off``,
+    Speculative decoding (``workers.speculative``): ``speculative`` is the proposer (``off``,
     ``ngram``, ``suffix``), ``num_speculative_tokens`` the most draft tokens verified per step,
     ``ngram_min``/``ngram_max`` the suffix lengths ``ngram`` matches, ``adaptive_speculation``
     lets each request's draft length follow measured acceptance and costs.

@@ -1,6 +1,6 @@
 """Draft replicas: a Ray Serve deployment whose replicas each hold one proposer.
 
-Workers reach it through :class:`workers.spec.remote.RemoteProposer`: one batched call per
+Workers reach it through :class:`workers.speculative.remote.RemoteProposer`: one batched call per
 engine step, token ids only. ``suffix`` lives here because its index is shared by every worker
 that calls this replica (each replica keeps its own index); ``ngram`` may run here too
 (``--speculative-remote``), though by default it runs inside the worker.
@@ -8,12 +8,11 @@ that calls this replica (each replica keeps its own index); ``ngram`` may run he
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 
 from workers.config import EngineConfig
-from workers.spec.config import SpeculativeConfig
-from workers.spec.proposer import ProposalRequest
+from workers.speculative.config import SpeculativeConfig
+from workers.speculative.proposer import ProposalRequest, Proposer
 
 DRAFT_DEPLOYMENT = "NalarDraft"
 
@@ -39,15 +38,7 @@ class DraftProposer:
         config.validate()
         if not config.enabled:
             raise ValueError("a draft replica needs a speculative method, not 'off'")
-        from workers.spec.build import build_proposer  # proposers load only on draft replicas
-
-        target = None
-        if config.method == "model":
-            from workers.spec.draft_model import Vocabulary
-
-            target = Vocabulary.load((engine_config or EngineConfig()).model)
-        self.proposer = build_proposer(dataclasses.replace(config, remote=False), target,
-                                       engine_config)
+        self.proposer = _load_proposer(config, engine_config or EngineConfig())
         self._lock = threading.Lock()
 
     def propose(self, items: list[tuple[str, list[int], int, int]]) -> list[list[int]]:
@@ -70,3 +61,15 @@ class DraftProposer:
 
         return {"replica_id": serve.get_replica_context().replica_id.unique_id,
                 "proposer": self.proposer.name}
+
+
+def _load_proposer(config: SpeculativeConfig, engine_config: EngineConfig) -> Proposer:
+    """The proposer ``config`` names, loaded here: proposers load only on draft replicas."""
+    if config.method == "model":
+        from workers.speculative.draft_model import DraftModelProposer, Vocabulary
+
+        return DraftModelProposer.load(config, Vocabulary.load(engine_config.model),
+                                       engine_config)
+    from workers.speculative.build import build_proposer
+
+    return build_proposer(config)

@@ -21,8 +21,8 @@ import contextlib
 import logging
 from collections.abc import Callable
 
+from contract.kv_events import KVEvent, encode_events
 from router.index import DigestIndex
-from workers.kv_events import KVEvent, encode_events
 
 log = logging.getLogger(__name__)
 

@@ -19,17 +19,16 @@ from cluster.config import INDEX_ACTOR_NAMESPACE, ClusterConfig
 from cluster.dashboard import Dashboard, dashboard_router
 from cluster.metrics import SCRAPE_TIMEOUT_S, build_registry, fetch_worker_stats
 from cluster.worker_identity import WorkerIdentity
-from cluster.worker_identity import identity_from_dict as identity_from_dict  # re-exported
+from contract.identity import CacheIdentity
+from contract.request import GenerationChunk, GenerationRequest, InvalidRequestError
 from router.api.admission import RETRY_AFTER_S, Admission
+from router.api.app import build_openai_app
 from router.api.auth import ApiKeys
 from router.errors import OverloadedError, typed_error
 from router.index import make_index
-from router.openai_app import build_openai_app
 from router.routing.replica_keys import REPLICA_MODEL_KEYS
 from router.routing.telemetry import TELEMETRY
-from workers.identity import CacheIdentity
 from workers.model_loader import load_tokenizer
-from workers.request import GenerationChunk, GenerationRequest, InvalidRequestError
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +37,7 @@ HEALTH_TIMEOUT_S = 5.0
 
 @serve.ingress()
 class NalarIngress:
-    """Implements ``router.openai_app.ServingBackend`` over the worker deployment.
+    """Implements ``router.api.backend.ServingBackend`` over the worker deployment.
 
     The identity and tokenizer come from a worker at start-up, so the ingress tokenizes and
     hashes exactly as the workers do (all replicas of one deployment share them); the identity
@@ -61,13 +60,13 @@ class NalarIngress:
         live_keys = functools.partial(REPLICA_MODEL_KEYS.keys,
                                       (workers.app_name, workers.deployment_name))
         self.worker_identity = WorkerIdentity(workers.describe.remote, description, live_keys)
-        self.served_model_name = config.served_model_name or description["served_name"]
+        self.served_model_name = config.served_model_name or description.served_name
         self.namespace_secret = bytes.fromhex(config.namespace_secret)
         # The keys file is read here, in the ingress process (a Secret volume on Kubernetes).
         self.api_keys = ApiKeys([key.get_secret_value() for key in config.api_keys],
                                 config.api_keys_file)
         self.admission = Admission(config.max_pending_tokens(), config.max_queue_delay_s)
-        source = Path(description["source_path"])
+        source = Path(description.source_path)
         # Same machine: read the worker's converted copy; elsewhere, resolve the source again.
         self.tokenizer = load_tokenizer(str(source) if source.is_dir() else config.model)
         fetch = functools.partial(fetch_worker_stats, workers, SCRAPE_TIMEOUT_S)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -13,11 +12,13 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster.config import INDEX_ACTOR_NAMESPACE, ClusterConfig
 from cluster.event_publisher import EventPublisher
+from contract.description import WorkerDescription
+from contract.load import ReplicaMetadata, RoutingStats
+from contract.request import GenerationChunk, GenerationRequest
 from router.index import make_index
 from workers.async_engine import AsyncEngine
 from workers.engine import LLMEngine
-from workers.request import GenerationChunk, GenerationRequest
-from workers.spec.remote import RemoteProposer
+from workers.speculative.remote import RemoteProposer
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ class NalarWorker:
     Args:
         config: the cluster configuration.
         draft: handle to the draft deployment when the proposer runs remotely (the engine then
-            proposes through a :class:`~workers.spec.remote.RemoteProposer`); else ``None``
+            proposes through a :class:`~workers.speculative.remote.RemoteProposer`); else ``None``
             and the engine builds its proposer in process.
     """
 
@@ -66,13 +67,15 @@ class NalarWorker:
         raises InvalidRequestError instead) and names the worker before any token is ready.
         A dead engine raises ``EngineDeadError`` before that chunk.
         """
-        self.async_engine.check_health()
-        self.engine.validate(request)
-        yield GenerationChunk(request.request_id, [], "", None, len(request.token_ids), 0, 0,
-                              self.worker_id)
-        async for chunk in self.async_engine.generate(request):
-            chunk.worker_id = self.worker_id
-            yield chunk
+        chunks = self.async_engine.submit(request)
+        try:
+            yield GenerationChunk(request.request_id, [], "", None, len(request.token_ids), 0,
+                                  0, self.worker_id)
+            async for chunk in chunks:
+                chunk.worker_id = self.worker_id
+                yield chunk
+        finally:
+            chunks.close()  # a cancelled or abandoned stream aborts its request
 
     def check_health(self) -> None:
         """Ray Serve's periodic health probe: raises when the engine loop is dead, so Serve
@@ -80,44 +83,30 @@ class NalarWorker:
         router never credits it with this one's blocks)."""
         self.async_engine.check_health()
 
-    def describe(self) -> dict:
+    def describe(self) -> WorkerDescription:
         """What the ingress needs to tokenize and hash exactly as this worker does."""
         loaded = self.engine.loaded
-        return {
-            "worker_id": self.worker_id,
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "identity": dataclasses.asdict(self.identity),
-            "served_name": loaded.served_name,
-            "source_path": str(loaded.source_path),
-            "max_model_len": self.engine.max_model_len,
-            "vocab_size": self.engine.vocab_size,
-            "num_blocks": self.engine.pool.num_blocks,
-            "startup_s": self.startup_s,
-        }
+        return WorkerDescription(
+            worker_id=self.worker_id, node_id=ray.get_runtime_context().get_node_id(),
+            identity=self.identity, served_name=loaded.served_name,
+            source_path=str(loaded.source_path), max_model_len=self.engine.max_model_len,
+            vocab_size=self.engine.vocab_size, num_blocks=self.engine.pool.num_blocks,
+            startup_s=self.startup_s)
 
     def record_routing_stats(self) -> dict:
-        """Load report for the prefix-aware router, every ``routing_stats_period_s``.
-
-        ``queued_tokens`` is the work waiting or running here in tokens, ``requests`` its
-        breakdown by request id (so the router can discount requests it has since seen finish);
-        ``time`` (wall clock, seconds) lets the router drop its own count of requests this
-        report already includes.
-        """
+        """This worker's :class:`~contract.load.RoutingStats`, every ``routing_stats_period_s``
+        (as the dict Serve carries)."""
         scheduler = self.engine.scheduler
         per_request = self.engine.load_by_request()
-        return {
-            "queued_tokens": sum(per_request.values()),
-            "requests": per_request,
-            "running": len(scheduler.running),
-            "waiting": len(scheduler.waiting),
-            "time": time.time(),
-            "model_key": self.identity.model_key,
-            "worker_id": self.worker_id,
-        }
+        return RoutingStats(queued_tokens=sum(per_request.values()), requests=per_request,
+                            running=len(scheduler.running), waiting=len(scheduler.waiting),
+                            time=time.time(), model_key=self.identity.model_key,
+                            worker_id=self.worker_id).to_wire()
 
     def record_replica_metadata(self) -> dict:
-        """Static facts the router reads once: the key this worker's digests are indexed under."""
-        return {"model_key": self.identity.model_key, "worker_id": self.worker_id}
+        """Static facts the router reads once (:class:`~contract.load.ReplicaMetadata`): the
+        key this worker's digests are indexed under."""
+        return ReplicaMetadata(self.identity.model_key, self.worker_id).to_wire()
 
     def engine_stats(self) -> dict:
         """Counters for tests and ``/metrics`` (``cluster.metrics``): all monotonic except the
@@ -169,7 +158,7 @@ class NalarWorker:
             "k_decisions": dict(spec.k_decisions),
             "draft_s": spec.draft_s,
             "verify_s": spec.verify_s,
-            "draft_calls": self.engine.counters.draft_calls,
+            "draft_calls": self.engine.speculation.draft_calls if self.engine.speculation else 0,
         }
 
     def _draft_stats(self) -> dict:

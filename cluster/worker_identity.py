@@ -16,26 +16,18 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from workers.identity import AdapterRef, CacheIdentity, CacheNamespace, block_digest, block_digests
-from workers.request import GenerationRequest
+from contract.description import WorkerDescription
+from contract.identity import prompt_digests
+from contract.request import GenerationRequest
 
 log = logging.getLogger(__name__)
-
-
-def identity_from_dict(fields: dict) -> CacheIdentity:
-    """Rebuild a CacheIdentity from ``dataclasses.asdict`` output."""
-    adapter = fields.get("adapter")
-    return CacheIdentity(
-        model_digest=fields["model_digest"], numerics=fields["numerics"],
-        block_size=fields["block_size"], adapter=AdapterRef(**adapter) if adapter else None,
-        namespace=CacheNamespace(**fields.get("namespace") or {}))
 
 
 class WorkerIdentity:
     """The workers' cache identity and context length, as the ingress last read them.
 
     Args:
-        describe: asks one worker for its ``describe()`` dict (``identity``, ``max_model_len``).
+        describe: asks one worker for its ``describe()``.
         description: the answer read at start-up.
         live_keys: the model keys the live worker replicas report (empty when not known yet).
         min_interval_s: least seconds between two refreshing ``describe`` calls: mid-rollout a
@@ -43,7 +35,8 @@ class WorkerIdentity:
         clock: monotonic time in seconds (tests pass a fake).
     """
 
-    def __init__(self, describe: Callable[[], Awaitable[dict]], description: dict,
+    def __init__(self, describe: Callable[[], Awaitable[WorkerDescription]],
+                 description: WorkerDescription,
                  live_keys: Callable[[], frozenset[str]], min_interval_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic):
         self._describe = describe
@@ -62,9 +55,9 @@ class WorkerIdentity:
     async def current(self, request: GenerationRequest) -> GenerationRequest:
         """``request`` with digests under the current identity, refreshing it first if stale.
 
-        The request itself when its digests are already current (the common case: one hash of
-        its first block to check). A failed ``describe`` is logged and leaves the identity as
-        it was: routing is then load-only for that request, never failed.
+        The request itself when its digests are already current (the common case: their model
+        key is the identity's, no hashing). A failed ``describe`` is logged and leaves the
+        identity as it was: routing is then load-only for that request, never failed.
         """
         if self.stale():
             await self._refresh()
@@ -89,17 +82,13 @@ class WorkerIdentity:
         return (self._refreshed_at is not None
                 and self._clock() - self._refreshed_at < self._min_interval_s)
 
-    def _apply(self, description: dict) -> None:
-        self.identity = identity_from_dict(description["identity"])
-        self.max_model_len = description["max_model_len"]
+    def _apply(self, description: WorkerDescription) -> None:
+        self.identity = description.identity
+        self.max_model_len = description.max_model_len
 
     def _rehashed(self, request: GenerationRequest) -> GenerationRequest:
-        digests = request.routing_digests
-        if not digests:
-            return request  # shorter than one block: nothing to hash
-        block_size = self.identity.block_size
-        root = self.identity.with_namespace(request.namespace).root_digest
-        if block_digest(root, request.token_ids[:block_size]) == digests[0]:
+        digests = request.prompt_digests
+        if digests is None or digests.model_key == self.identity.model_key:
             return request
-        return dataclasses.replace(
-            request, routing_digests=block_digests(root, request.token_ids, block_size))
+        return dataclasses.replace(request, prompt_digests=prompt_digests(
+            self.identity, request.namespace, request.token_ids))

@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from workers.request import InvalidRequestError
+from contract.request import InvalidRequestError
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup

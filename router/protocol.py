@@ -267,7 +267,7 @@ class _GenerationBody(_StrictModel):
     ``ignore_eos``, ``cache_salt``, ``truncate_prompt_tokens`` (keep the prompt's last k
     tokens) and ``request_id`` (the answer's ``id`` becomes ``<prefix>-<request_id>``) are
     vLLM's extensions, spelled and meant as vLLM does. Ranges are checked by
-    :meth:`workers.request.SamplingParams.validate`; ``logit_bias`` keys (token ids as strings,
+    :meth:`contract.request.SamplingParams.validate`; ``logit_bias`` keys (token ids as strings,
     OpenAI's form) are parsed here and range-checked against the vocabulary by the app.
 
     Accepted and ignored, because they never change the output: ``user`` and

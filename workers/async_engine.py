@@ -17,10 +17,10 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from contract.kv_events import KVEvent
+from contract.request import GenerationChunk, GenerationRequest
 from workers.engine import LLMEngine, StepFailedError
 from workers.heap_trim import HeapTrimmer
-from workers.kv_events import KVEvent
-from workers.request import GenerationChunk, GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,22 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
+    def submit(self, request: GenerationRequest) -> EngineStream:
+        """Validate a request at the engine's door and queue it; returns its stream.
+
+        Raises:
+            InvalidRequestError: the request is invalid (nothing is queued).
+            EngineDeadError: the engine loop is not running.
+        """
+        self.check_health()
+        self.engine.validate(request)  # reads only immutable limits: safe off-thread
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic())
+        self._inbox.put(("add", request, stream))
+        # The loop fails what it finds in the inbox when it dies; this covers an "add" that
+        # arrived after that last drain.
+        self.check_health()
+        return EngineStream(stream, lambda: self._inbox.put(("abort", request.request_id, None)))
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Yield the request's chunks until it finishes; closing the iterator aborts it.
 
@@ -81,29 +97,12 @@ class AsyncEngine:
                 ``StepFailedError``'s message), or :class:`EngineDeadError` if the engine loop
                 is not running.
         """
-        self.check_health()
-        self.engine.validate(request)  # reads only immutable limits: safe off-thread
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic())
-        self._inbox.put(("add", request, stream))
-        # The loop fails what it finds in the inbox when it dies; this covers an "add" that
-        # arrived after that last drain.
-        self.check_health()
-        finished = False
-        backlog: deque[GenerationChunk | BaseException] = deque()
+        chunks = self.submit(request)
         try:
-            while not finished:
-                item = backlog.popleft() if backlog else await stream.queue.get()
-                if isinstance(item, BaseException):
-                    # Refused or failed: nothing of this request runs in the engine, so never
-                    # abort its id (another request may hold it: a refused duplicate id).
-                    finished = True
-                    raise item
-                item = _coalesce(item, stream.queue, backlog)
-                finished = item.is_last
-                yield item
+            async for chunk in chunks:
+                yield chunk
         finally:
-            if not finished:
-                self._inbox.put(("abort", request.request_id, None))
+            chunks.close()
 
     def check_health(self) -> None:
         """Raises :class:`EngineDeadError` unless the engine loop is running."""
@@ -185,7 +184,7 @@ class AsyncEngine:
         if kind == "add":
             try:
                 # Stamped before the inbox: time waiting there for a step to end is queue time.
-                self.engine.add_request(payload, arrived_at=stream.arrived_at)
+                self.engine.admit(payload, arrived_at=stream.arrived_at)
                 self._streams[payload.request_id] = stream
             except Exception as exc:
                 _send(stream, exc)
@@ -227,6 +226,53 @@ class AsyncEngine:
                 self._on_events(events)
             except Exception:
                 log.exception("publishing KV events failed")
+
+
+class EngineStream:
+    """One request's chunks as the engine loop delivers them (an async iterator).
+
+    Closing it (:meth:`close`) before its last chunk aborts the request, whether or not it
+    was ever iterated.
+
+    Args:
+        stream: where the engine loop delivers the request's chunks and errors.
+        abort: asks the engine loop to abort the request.
+    """
+
+    def __init__(self, stream: _Stream, abort: Callable[[], None]):
+        self._stream = stream
+        self._abort = abort
+        self._backlog: deque[GenerationChunk | BaseException] = deque()
+        self._finished = False
+
+    def __aiter__(self) -> EngineStream:
+        return self
+
+    async def __anext__(self) -> GenerationChunk:
+        """The next chunk, with the chunks of its choice already waiting behind it merged in.
+
+        Raises:
+            StopAsyncIteration: after the last chunk.
+            Exception: the request was refused or failed (nothing of it runs any more).
+        """
+        if self._finished:
+            raise StopAsyncIteration
+        queue = self._stream.queue
+        item = self._backlog.popleft() if self._backlog else await queue.get()
+        if isinstance(item, BaseException):
+            # Refused or failed: nothing of this request runs in the engine, so never
+            # abort its id (another request may hold it: a refused duplicate id).
+            self._finished = True
+            raise item
+        item = _coalesce(item, queue, self._backlog)
+        self._finished = item.is_last
+        return item
+
+    def close(self) -> None:
+        """Abort the request unless its stream has ended."""
+        if not self._finished:
+            self._finished = True
+            self._abort()
 
 
 def _coalesce(chunk: GenerationChunk, inbox: asyncio.Queue,

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from workers.kv_events import KVEvent
+from contract.kv_events import KVEvent
 
 
 class NoFreeBlocksError(RuntimeError):

@@ -5,40 +5,41 @@ Synchronous core; ``workers.async_engine`` runs it in a thread and streams its o
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
-from workers.block_manager import BlockManager
-from workers.block_pool import BlockPool
-from workers.config import EngineConfig
-from workers.detokenizer import IncrementalDetokenizer
-from workers.identity import CacheIdentity
-from workers.kv_cache import PagedKVCache
-from workers.kv_events import KVEvent
-from workers.model_loader import LoadedModel, load_model, numerics_tag
-from workers.model_runner import ModelRunner
-from workers.model_support import check_supported
-from workers.models.linear import bound_primitive_caches
-from workers.paged_attention import ATTN_IMPLEMENTATION
-from workers.request import (
+from contract.identity import CacheIdentity
+from contract.kv_events import KVEvent
+from contract.load import work_tokens
+from contract.request import (
     GenerationChunk,
     GenerationRequest,
     InvalidRequestError,
     SpecUsage,
     TokenLogprob,
 )
+from workers.block_manager import BlockManager
+from workers.block_pool import BlockPool
+from workers.choices import Choices
+from workers.config import EngineConfig
+from workers.detokenizer import IncrementalDetokenizer
+from workers.kv_cache import PagedKVCache
+from workers.model_loader import LoadedModel, load_model, numerics_tag
+from workers.model_runner import ModelRunner
+from workers.model_support import check_supported
+from workers.models.linear import bound_primitive_caches
+from workers.paged_attention import ATTN_IMPLEMENTATION
 from workers.request_metrics import RequestMetrics
 from workers.sampler import SampledToken, SamplingRow, sample
 from workers.scheduler import ScheduledBatch, Scheduler
 from workers.sequence import Sequence
-from workers.spec.build import build_proposer
-from workers.spec.controller import DraftLengthController
-from workers.spec.proposer import ProposalRequest, Proposer
-from workers.spec.verify import verify_drafts
+from workers.speculative.build import build_proposer
+from workers.speculative.decoding import SpeculativeDecoding
+from workers.speculative.proposer import Proposer
 
 
 class StepFailedError(RuntimeError):
@@ -66,7 +67,6 @@ class EngineCounters:
         decode_tokens: tokens computed at output positions.
         batch_sizes: histogram: sequences per step → number of steps.
         spec: speculative decoding summed over every request (committed tokens only).
-        draft_calls: batched proposer calls.
     """
 
     steps: int = 0
@@ -74,17 +74,26 @@ class EngineCounters:
     decode_tokens: int = 0
     batch_sizes: Counter = field(default_factory=Counter)
     spec: SpecUsage = field(default_factory=SpecUsage)
-    draft_calls: int = 0
 
 
 class LLMEngine:
-    """One worker's engine.
+    """One worker's engine: continuous batching (Orca, Yu et al. 2022) over a paged KV cache
+    (vLLM, Kwon et al. 2023), with chunked prefill, identity-checked prefix reuse and
+    speculative decoding.
+
+    A request enters through :meth:`add_request` (or :meth:`validate` then :meth:`admit`, as
+    the async engine does across threads) and leaves in the chunks :meth:`step` returns.
 
     Args:
         config: engine configuration.
         loaded: an already loaded model (tests share one); None loads ``config.model``.
         proposer: the draft proposer when ``config.speculative`` is on (a draft replica's
-            client, or a test's); None builds the configured one inside this process.
+            client, or a test's); None builds the configured local one (``ngram``,
+            ``suffix``; the ``model`` proposer must be given).
+
+    Raises:
+        ValueError: an invalid speculative configuration, or the ``model`` proposer asked for
+            without being given.
     """
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
@@ -129,64 +138,69 @@ class LLMEngine:
         self.counters = EngineCounters()
         self.request_metrics = RequestMetrics()
         self._seqs: dict[str, Sequence] = {}
-        self._choices: dict[str, list[Sequence]] = {}
-        self._held_siblings: dict[str, list[Sequence]] = {}
+        self._choices = Choices(config.block_size)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         spec = config.speculative
         spec.validate()
-        self.proposer = None
+        self.speculation = None
         if spec.enabled:
-            self.proposer = proposer or build_proposer(spec, self.loaded, config)
-        self.draft_length = DraftLengthController(spec.num_speculative_tokens, spec.adaptive)
+            self.speculation = SpeculativeDecoding(proposer or build_proposer(spec), spec,
+                                                   self.vocab_size, self.counters.spec)
         self._generator = torch.Generator()
         if config.seed is None:
             self._generator.seed()  # OS entropy: unseeded requests differ across workers
         else:
             self._generator.manual_seed(config.seed)
 
+    @property
+    def proposer(self) -> Proposer | None:
+        """The draft proposer, or None when speculative decoding is off."""
+        return self.speculation.proposer if self.speculation else None
+
     def validate(self, request: GenerationRequest) -> None:
-        """Check a request before it is queued.
+        """The engine's door: every check of a request that does not depend on the engine's
+        state (so it may run off the engine's thread). Run once per request in this process.
 
         Raises:
-            InvalidRequestError: empty prompt, token id outside the vocabulary, prompt or
-                prompt + max_tokens over ``max_model_len`` (code ``context_length_exceeded``),
-                invalid sampling values, or a request id already in use.
+            InvalidRequestError: empty prompt, a prompt or ``logit_bias`` token id outside the
+                vocabulary, invalid sampling values, or a prompt or prompt + max_tokens over
+                ``max_model_len`` (code ``context_length_exceeded``).
         """
         prompt = request.token_ids
         if not prompt:
             raise InvalidRequestError("the prompt is empty", "prompt")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt")
+        self._check_token_ids(prompt, "prompt")
+        self._check_token_ids(request.sampling.logit_bias, "logit_bias")
         request.sampling.validate()
-        self._validate_token_params(request)
-        total = len(prompt) + request.sampling.max_tokens
-        if len(prompt) >= self.max_model_len or total > self.max_model_len:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the "
-                f"request has {len(prompt)} prompt tokens and asks for up to "
-                f"{request.sampling.max_tokens} more", "max_tokens", "context_length_exceeded")
-        if request.request_id in self._choices:
-            raise InvalidRequestError(f"request id {request.request_id!r} is in use", "id")
+        request.sampling.check_context(len(prompt), self.max_model_len)
 
     def add_request(self, request: GenerationRequest, arrived_at: float | None = None) -> None:
-        """Validate and queue a request (raises as :meth:`validate`).
+        """:meth:`validate` then :meth:`admit` (raises as they do)."""
+        self.validate(request)
+        self.admit(request, arrived_at)
+
+    def admit(self, request: GenerationRequest, arrived_at: float | None = None) -> None:
+        """Queue a request that has passed :meth:`validate`.
 
         ``arrived_at`` (:func:`time.monotonic` seconds) is when it reached the engine's front
-        (the async engine's inbox); by default now. Request latencies count from it.
+        (the async engine's inbox); by default now. Request latencies count from it. A request
+        with ``n > 1`` becomes ``n`` sibling sequences (:class:`~workers.choices.Choices`).
 
-        A request with ``n > 1`` becomes ``n`` sibling sequences ``{request_id}#{i}``. The
-        first prefills the prompt; the others are held back until its full prompt blocks are
-        registered, then admitted as prefix-cache hits, so the prompt's KV is computed once
-        (plus each sibling's recomputed tail) and its blocks are shared by reference count.
+        The prompt's block digests are the ingress's when they verify against this engine's
+        identity (``PromptDigests.verified``), else hashed here.
+
+        Raises:
+            InvalidRequestError: the request id is in use.
         """
-        self.validate(request)
-        root = self.identity.with_namespace(request.namespace).root_digest
-        num_choices = request.sampling.n
+        if request.request_id in self._choices:
+            raise InvalidRequestError(f"request id {request.request_id!r} is in use", "id")
+        root = self.identity.root_for(request.namespace)
+        digests = request.prompt_digests
+        prompt_digests = (digests.digests if digests is not None and digests.verified(
+            root, request.token_ids, self.config.block_size) else [])
         choices = []
-        for index in range(num_choices):
-            seq = Sequence(request, root, self.config.block_size, index)
+        for index in range(request.sampling.n):
+            seq = Sequence(request, root, self.config.block_size, index, prompt_digests)
             self.request_metrics.arrived(seq, arrived_at)
             if not request.sampling.ignore_eos:
                 seq.stop_token_ids |= self.eos_token_ids
@@ -194,17 +208,12 @@ class LLMEngine:
             self._detokenizers[seq.request_id] = IncrementalDetokenizer(
                 self.tokenizer, request.sampling.stop, request.sampling.min_tokens)
             choices.append(seq)
-        self._choices[request.request_id] = choices
-        self.scheduler.add(choices[0])
-        if num_choices > 1:
-            self._held_siblings[request.request_id] = choices[1:]
+        self.scheduler.add(self._choices.add(request.request_id, choices))
 
     def abort(self, request_id: str) -> GenerationChunk | None:
         """Stop a request and free its blocks; returns its last chunk, or None if unknown."""
-        choices = self._choices.get(request_id)
-        if not choices:
-            return None
-        for seq in list(choices):
+        chunk = None
+        for seq in self._choices.of(request_id):
             seq.finish("abort")
             chunk = self._finish(seq, "")
         return chunk
@@ -237,44 +246,12 @@ class LLMEngine:
                 seq.spec_token_ids = []
 
     def _propose(self) -> list[Sequence]:
-        """Asks the proposer, in one batched call, for the drafts of every running decode whose
-        draft length (:class:`DraftLengthController`) is above 0; returns the sequences that
-        got drafts. A proposer failure means no drafts this step, never different output."""
-        if self.proposer is None:
+        """Drafts for the running decodes (:meth:`SpeculativeDecoding.propose`); returns the
+        sequences that got drafts."""
+        if self.speculation is None:
             return []
         decodes = [seq for seq in self.scheduler.running if seq.num_uncomputed_tokens == 1]
-        asks = []
-        for seq in decodes:
-            # A draft past max_tokens or the context limit could never be committed.
-            room = min(seq.sampling.max_tokens - seq.num_output_tokens,
-                       self.max_model_len - seq.num_tokens) - 1
-            k = min(room, self.draft_length.choose(seq.request_id, seq.spec, len(decodes),
-                                                   len(decodes)))
-            seq.spec.k_decisions[k] = seq.spec.k_decisions.get(k, 0) + 1
-            self.counters.spec.k_decisions[k] = self.counters.spec.k_decisions.get(k, 0) + 1
-            if k > 0:
-                asks.append((seq, ProposalRequest(seq.request_id, seq.token_ids,
-                                                  seq.num_prompt_tokens, k)))
-        if not asks:
-            return []
-        started = time.perf_counter()
-        try:
-            proposals = self.proposer.propose([ask for _, ask in asks])
-        except Exception:  # a broken proposer costs speculation, never the step
-            proposals = [[] for _ in asks]
-        elapsed = time.perf_counter() - started
-        self.draft_length.observe_draft(elapsed)
-        self.counters.draft_calls += 1
-        self.counters.spec.draft_s += elapsed
-        drafted = []
-        for (seq, ask), tokens in zip(asks, proposals, strict=True):
-            seq.spec.draft_s += elapsed / len(asks)
-            # a draft is a prefix: an id outside the vocabulary ends it
-            seq.spec_token_ids = list(itertools.takewhile(
-                lambda t: 0 <= t < self.vocab_size, map(int, tokens[:ask.k])))
-            if seq.spec_token_ids:
-                drafted.append(seq)
-        return drafted
+        return self.speculation.propose(decodes, self.max_model_len)
 
     def _run_batch(self, batch: ScheduledBatch) -> list[GenerationChunk]:
         num_logits = [1 + len(seq.spec_token_ids) if seq.spec_token_ids
@@ -284,8 +261,8 @@ class LLMEngine:
         logits = self.runner.execute(batch, num_logits)
         elapsed = time.perf_counter() - started
         self._count(batch)
-        if all(n == 1 or seq.spec_token_ids for seq, n in _pairs(batch)):
-            self.draft_length.observe_step(batch.num_tokens, elapsed)
+        if self.speculation and all(n == 1 or seq.spec_token_ids for seq, n in _pairs(batch)):
+            self.speculation.observe_step(batch.num_tokens, elapsed)
         for seq, num_new in _pairs(batch):
             if not seq.spec_token_ids:  # a verification commits what it accepts, later
                 self.block_manager.commit(seq, num_new)
@@ -313,28 +290,13 @@ class LLMEngine:
         """Commits what verification of ``seq``'s drafts accepts, then retires the rest: the
         KV of rejected drafts lies past ``num_computed_tokens`` (never hashed, overwritten
         later) and blocks that held only rejected positions go back to the pool."""
-        drafts = seq.spec_token_ids
-        committed = verify_drafts(logits, drafts, self._sampling_row(seq), self._generator)
+        proposed = len(seq.spec_token_ids)
+        committed = self.speculation.verify(seq, logits, self._sampling_row(seq),
+                                            self._generator)
         accepted = len(committed) - 1
         chunk = self._append(seq, committed, accepted_drafts=accepted)
-        kept_drafts = min(accepted, len(chunk.token_ids))
-        self._count_verification(seq.spec, len(drafts), kept_drafts, step_s)
-        self._count_verification(self.counters.spec, len(drafts), kept_drafts, step_s)
+        self.speculation.count(seq, proposed, min(accepted, len(chunk.token_ids)), step_s)
         return chunk
-
-    @staticmethod
-    def _count_verification(usage: SpecUsage, proposed: int, accepted: int,
-                            step_s: float) -> None:
-        while len(usage.proposed_by_position) < proposed:
-            usage.proposed_by_position.append(0)
-            usage.accepted_by_position.append(0)
-        for i in range(proposed):
-            usage.proposed_by_position[i] += 1
-            usage.accepted_by_position[i] += i < accepted
-        usage.proposed_tokens += proposed
-        usage.accepted_tokens += accepted
-        usage.verification_steps += 1
-        usage.verify_s += step_s
 
     def _abort_batch(self, batch: ScheduledBatch) -> list[str]:
         """Abort every request with a sequence in ``batch``; returns their ids.
@@ -356,13 +318,14 @@ class LLMEngine:
         self.pool.reset_cache()
 
     def load_by_request(self) -> dict[str, int]:
-        """Work queued or running here, in tokens, per request id: uncomputed tokens plus every
-        output token the request may still produce (the router counts in the same unit)."""
+        """Work queued or running here, in tokens (:func:`contract.load.work_tokens`), per
+        request id: its choices' uncomputed tokens and every output token they may still
+        produce (the router counts in the same unit)."""
         load: dict[str, int] = {}
         for seq in list(self._seqs.values()):
             rid = seq.request.request_id
-            load[rid] = load.get(rid, 0) + seq.num_uncomputed_tokens + (
-                seq.sampling.max_tokens - seq.num_output_tokens)
+            load[rid] = load.get(rid, 0) + work_tokens(
+                seq.num_uncomputed_tokens, seq.sampling.max_tokens - seq.num_output_tokens)
         return load
 
     def sequence(self, request_id: str) -> Sequence | None:
@@ -428,17 +391,11 @@ class LLMEngine:
         if seq.finish_reason != "abort":
             self.request_metrics.finished(seq)
         self.scheduler.finish(seq)
-        self.draft_length.forget(seq.request_id)
-        if self.proposer is not None:
-            self.proposer.finish([seq.request_id])
+        if self.speculation is not None:
+            self.speculation.finish(seq)
         del self._seqs[seq.request_id]
         del self._detokenizers[seq.request_id]
-        rid = seq.request.request_id
-        choices = self._choices[rid]
-        choices.remove(seq)
-        if not choices:
-            del self._choices[rid]
-            self._held_siblings.pop(rid, None)
+        self._choices.remove(seq)
         self._release_siblings()
         return self._chunk(seq, tokens or [], text, logprobs)
 
@@ -449,28 +406,21 @@ class LLMEngine:
         return GenerationChunk(rid, tokens, text, seq.finish_reason,
                                seq.num_prompt_tokens, seq.num_cached_tokens,
                                seq.num_output_tokens, index=seq.choice_index,
-                               logprobs=logprobs, choices_left=len(self._choices.get(rid, ())),
+                               logprobs=logprobs, choices_left=self._choices.left(rid),
                                spec=spec)
 
     def _release_siblings(self) -> None:
-        """Queues the held siblings of every request whose first choice has registered its
-        full prompt blocks (or finished), so they admit as prefix-cache hits."""
-        for rid, siblings in list(self._held_siblings.items()):
-            leader = self._seqs.get(f"{rid}#0")
-            # The last prompt token is always recomputed, so only these blocks can be hits.
-            full_blocks = (siblings[0].num_prompt_tokens - 1) // self.config.block_size
-            if leader is None or leader.num_registered_blocks >= full_blocks:
-                del self._held_siblings[rid]
-                for sibling in siblings:
-                    self.scheduler.add(sibling)
+        for sibling in self._choices.release():
+            self.scheduler.add(sibling)
 
-    def _validate_token_params(self, request: GenerationRequest) -> None:
-        """``logit_bias`` keys must be token ids of this model's vocabulary."""
-        bad = [t for t in request.sampling.logit_bias if not 0 <= t < self.vocab_size]
-        if bad:
+    def _check_token_ids(self, token_ids: Iterable[int], param: str) -> None:
+        """Raises :class:`InvalidRequestError` naming ``param`` for the first id (of a list,
+        or the keys of a dict) outside this model's vocabulary."""
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
             raise InvalidRequestError(
-                f"logit_bias: token id {bad[0]} is outside the vocabulary "
-                f"[0, {self.vocab_size})", "logit_bias")
+                f"{param}: token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                param)
 
     def _count(self, batch: ScheduledBatch) -> None:
         self.counters.steps += 1

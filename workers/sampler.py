@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.request import SamplingParams, TokenLogprob
+from contract.request import SamplingParams, TokenLogprob
 
 _TINY = torch.finfo(torch.float32).tiny
 

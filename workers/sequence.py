@@ -6,8 +6,8 @@ import enum
 
 import torch
 
-from workers.identity import block_digest
-from workers.request import FinishReason, GenerationRequest, SpecUsage
+from contract.identity import block_digest
+from contract.request import FinishReason, GenerationRequest, SpecUsage
 
 
 class SequenceStatus(enum.Enum):
@@ -32,6 +32,9 @@ class Sequence:
             on which other requests share its batch.
         choice_index: which of the request's ``n`` choices this is. With ``n > 1`` each choice
             has its own id (``<request id>#<index>``) and sampling parameters (seed + index).
+        prompt_digests: the digests of the prompt's full blocks under ``root_digest``, already
+            verified (:meth:`contract.identity.PromptDigests.verified`); the chain is extended
+            from them, never recomputed.
         queued_at_step: the scheduler step at which it last joined the waiting queue.
         spec_token_ids: draft tokens proposed for the coming step, verified in it; never part
             of ``token_ids`` until verification commits them.
@@ -43,7 +46,7 @@ class Sequence:
     """
 
     def __init__(self, request: GenerationRequest, root_digest: bytes, block_size: int,
-                 choice_index: int = 0):
+                 choice_index: int = 0, prompt_digests: list[bytes] | None = None):
         self.request = request
         self.choice_index = choice_index
         self.request_id = (request.request_id if request.sampling.n == 1
@@ -62,7 +65,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_token_ids = frozenset(self.sampling.stop_token_ids)
-        self._digests: list[bytes] = []
+        self._digests: list[bytes] = list(prompt_digests or ())
         self.spec_token_ids: list[int] = []
         self.spec = SpecUsage()
         self.arrived_at = 0.0

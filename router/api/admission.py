@@ -46,10 +46,11 @@ from dataclasses import dataclass
 
 import anyio
 
+from contract.load import work_tokens
+from contract.request import GenerationChunk, GenerationRequest
 from router.api.disconnect import close_stream
 from router.errors import APIError, OverloadedError, retry_after_headers
 from router.protocol import ChatCompletionRequest, CompletionRequest
-from workers.request import GenerationChunk, GenerationRequest
 
 logger = logging.getLogger(__name__)
 
@@ -61,25 +62,25 @@ CUT_GRACE_S = 5.0
 """After a drain's deadline, how long the cut requests get to send their error and close."""
 
 
-def work_tokens(request: GenerationRequest) -> int:
-    """Tokens of work ``request`` brings: its prompt plus ``max_tokens`` for each of its ``n``
-    choices (the routing load unit before anything is prefilled)."""
-    return len(request.token_ids) + request.sampling.max_tokens * max(1, request.sampling.n)
+def request_work(request: GenerationRequest) -> int:
+    """Tokens of work ``request`` brings (:func:`contract.load.work_tokens`): its prompt plus
+    ``max_tokens`` for each of its ``n`` choices."""
+    return work_tokens(len(request.token_ids), request.sampling.max_tokens, request.sampling.n)
 
 
 def requested_work(body: ChatCompletionRequest | CompletionRequest, max_model_len: int) -> int:
-    """The work a request body asks for, read before tokenizing, in tokens: its output limit
-    (``max_completion_tokens`` or ``max_tokens``; at most the context length, which is also the
-    limit when none is set) for each of
-    its ``n`` choices, plus the prompt when it is token ids. A text prompt's tokens are not
-    known yet; they are counted once it is tokenized (:meth:`AdmittedStream.start`)."""
+    """The work a request body asks for, read before tokenizing, in tokens
+    (:func:`contract.load.work_tokens`): its output limit (``max_completion_tokens`` or
+    ``max_tokens``; at most the context length, which is also the limit when none is set) for
+    each of its ``n`` choices, plus the prompt when it is token ids. A text prompt's tokens are
+    not known yet; they are counted once it is tokenized (:meth:`AdmittedStream.start`)."""
     limit = getattr(body, "max_completion_tokens", None)
     if limit is None:
         limit = body.max_tokens
-    # Capped at the context: a larger limit is refused with a 400 once tokenized, not a 503.
-    output = min(max_model_len, limit or max_model_len) * max(1, body.n or 1)
     prompt = getattr(body, "prompt", None)
-    return output + (len(prompt) if isinstance(prompt, list) else 0)
+    # Capped at the context: a larger limit is refused with a 400 once tokenized, not a 503.
+    return work_tokens(len(prompt) if isinstance(prompt, list) else 0,
+                       min(max_model_len, limit or max_model_len), body.n or 1)
 
 
 def shutting_down() -> APIError:
@@ -302,7 +303,7 @@ class AdmittedStream:
         """
         if self._admission.cut:
             raise shutting_down()
-        exact = work_tokens(request)
+        exact = request_work(request)
         self._admission.give_back(self._remaining - exact)
         self._remaining = exact
         self._prompt_tokens = len(request.token_ids)

@@ -10,7 +10,7 @@ Per request, the app:
    configured to add them, e.g. a BOS for Llama-style models and nothing for SmolLM2, which is
    the model's own convention for raw text), a token-id prompt as is after a range check;
 4. computes the prompt's block digests under the deployment's identity for the prefix-aware
-   router, and hands a :class:`~workers.request.GenerationRequest` to the backend
+   router, and hands a :class:`~contract.request.GenerationRequest` to the backend
    (:mod:`router.api.jobs`);
 5. admits the request only if the work it asks for, in tokens, fits under the ingress's
    bound, else answers 503 with ``Retry-After`` at once, before tokenizing

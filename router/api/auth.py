@@ -11,7 +11,7 @@ prefixes, so a route added later is guarded until someone decides otherwise.
 
 Raw keys are kept nowhere: only their SHA-256 digests are held, compared in constant time
 (``hmac.compare_digest``), and the cache namespace is a keyed hash of the key
-(:func:`workers.identity.tenant_from_api_key`). Nothing here logs a key or the
+(:func:`contract.identity.tenant_from_api_key`). Nothing here logs a key or the
 ``Authorization`` header.
 """
 

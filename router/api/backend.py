@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from workers.identity import CacheIdentity
-from workers.request import GenerationChunk, GenerationRequest
+from contract.identity import CacheIdentity
+from contract.request import GenerationChunk, GenerationRequest
 
 WORKER_HEADER = "x-nalar-worker"
 """Response header naming the worker replica that served the request."""
@@ -21,7 +21,7 @@ class ServingBackend(Protocol):
         max_model_len: context length in tokens (prompt plus output).
         identity: the worker deployment's cache identity (anonymous namespace); the app derives
             each request's root digest with ``identity.with_namespace(ns).root_digest``.
-        namespace_secret: the key of :func:`~workers.identity.tenant_from_api_key`.
+        namespace_secret: the key of :func:`~contract.identity.tenant_from_api_key`.
         tokenizer: the workers' transformers tokenizer, chat template included.
     """
 
@@ -37,7 +37,7 @@ class ServingBackend(Protocol):
         The first chunk may carry no tokens, only ``worker_id``, ``prompt_tokens`` and
         ``cached_tokens``; the last has ``finish_reason`` set. Closing the generator early
         (``aclose()``) must cancel the request on its worker. May raise
-        :class:`~workers.request.InvalidRequestError` (→ 400) or
+        :class:`~contract.request.InvalidRequestError` (→ 400) or
         :class:`~router.errors.OverloadedError` (→ 503/429 with ``Retry-After``); anything else
         is a 500.
         """

@@ -7,6 +7,7 @@ from typing import Protocol
 
 from pydantic import BaseModel
 
+from contract.request import TokenLogprob
 from router.api.jobs import Job
 from router.api.token_strings import TokenStringsFn
 from router.api.usage import Tally
@@ -25,7 +26,6 @@ from router.protocol import (
     TopLogprob,
     Usage,
 )
-from workers.request import TokenLogprob
 
 
 class Format(Protocol):

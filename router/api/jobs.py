@@ -1,4 +1,4 @@
-"""A validated request body turned into a worker's :class:`~workers.request.GenerationRequest`.
+"""A validated request body turned into a worker's :class:`~contract.request.GenerationRequest`.
 
 Cheap refusals come first (model, stream options, sampling ranges); then the prompt is
 tokenized once, with the worker's tokenizer, and its block digests are computed under the
@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 
 import anyio
 
+from contract.identity import CacheNamespace, PromptDigests, prompt_digests, tenant_from_api_key
+from contract.request import GenerationRequest
 from router.api.auth import bearer_key
 from router.api.backend import ServingBackend
 from router.api.prompts import chat_template_ids, check_template_kwargs, checked_ids
 from router.api.sampling import chat_max_tokens, fit_context, sampling_params
 from router.errors import APIError, invalid_request
 from router.protocol import ChatCompletionRequest, CompletionRequest
-from workers.identity import CacheNamespace, block_digests, tenant_from_api_key
-from workers.request import GenerationRequest
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class JobBuilder:
         # The tenant is a keyed hash; a prefix of it is enough to correlate logs.
         logger.debug("request %s (answer id %s): tenant %s, %d prompt tokens, %d digests",
                      request.request_id, response_id, namespace.tenant[:12], len(token_ids),
-                     len(digests))
+                     len(digests.digests))
         options = body.stream_options
         return Job(request, response_id, self.backend.served_model_name, bool(body.stream),
                    include_usage=options is not None and options.final_usage(),
@@ -154,7 +154,7 @@ class JobBuilder:
 
     def _tokens_and_digests(self, tokenize: Callable[[], list[int]], keep_last: int | None,
                             namespace: CacheNamespace, prompt_param: str,
-                            ) -> tuple[list[int], list[bytes]]:
+                            ) -> tuple[list[int], PromptDigests]:
         """Runs in a worker thread: tokenization and hashing are CPU work the event loop
         should not wait on. ``keep_last`` (``truncate_prompt_tokens``) keeps only the prompt's
         last tokens, as vLLM truncates: from the left.
@@ -171,9 +171,7 @@ class JobBuilder:
                                       prompt_param) from exc
         if keep_last is not None:
             token_ids = token_ids[-keep_last:]
-        identity = self.backend.identity
-        root = identity.with_namespace(namespace).root_digest
-        return token_ids, block_digests(root, token_ids, identity.block_size)
+        return token_ids, prompt_digests(self.backend.identity, namespace, token_ids)
 
 
 def check_stream_options(body: ChatCompletionRequest | CompletionRequest) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import replace
 
+from contract.request import InvalidRequestError, SamplingParams
 from router.errors import invalid_request
 from router.protocol import ChatCompletionRequest, CompletionRequest
-from workers.request import InvalidRequestError, SamplingParams
 
 
 def chat_max_tokens(body: ChatCompletionRequest) -> tuple[int | None, str]:
@@ -63,36 +65,37 @@ def fit_context(sampling: SamplingParams, prompt_len: int, max_model_len: int,
     of the context (``max_model_len`` tokens, prompt included).
 
     Raises:
-        APIError: 400 ``context_length_exceeded`` naming the prompt or the output limit.
+        APIError: 400 ``context_length_exceeded`` naming the prompt or the output limit, or
+            400 naming ``min_tokens`` when it exceeds what the context leaves.
     """
     if prompt_len == 0:
         raise invalid_request(f"{prompt_param}: the prompt has no tokens", prompt_param)
-    if prompt_len >= max_model_len:
-        raise invalid_request(
-            f"This model's maximum context length is {max_model_len} tokens, and the prompt "
-            f"has {prompt_len} tokens, leaving no room for output", prompt_param,
-            "context_length_exceeded")
-    if not explicit_max:
-        sampling = replace(sampling, max_tokens=max_model_len - prompt_len)
-        validate(sampling, max_param)  # min_tokens may exceed what the context leaves
-        return sampling
-    if prompt_len + sampling.max_tokens > max_model_len:
-        raise invalid_request(
-            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-            f"{prompt_len} tokens and {max_param} asks for {sampling.max_tokens} more",
-            max_param, "context_length_exceeded")
+    with as_api_error({"prompt": prompt_param, "max_tokens": max_param}):
+        if not explicit_max:
+            sampling = replace(sampling, max_tokens=max(1, max_model_len - prompt_len))
+        sampling.check_context(prompt_len, max_model_len)
+        if not explicit_max:  # min_tokens may exceed what the context leaves
+            sampling.check_min_tokens()
     return sampling
 
 
 def validate(sampling: SamplingParams, max_param: str, logprobs_param: str = "logprobs",
              ) -> None:
     """:meth:`SamplingParams.validate`, as a 400 naming the request's parameter."""
-    try:
+    with as_api_error({"max_tokens": max_param, "logprobs": logprobs_param}):
         sampling.validate()
+
+
+@contextlib.contextmanager
+def as_api_error(renamed: dict[str, str]) -> Iterator[None]:
+    """Turns an :class:`InvalidRequestError` into a 400 naming the parameter as the client
+    spelled it (``renamed``: the contract's name → the request's), in the message too where
+    the message names it as a parameter (the prompt is named in prose)."""
+    try:
+        yield
     except InvalidRequestError as exc:
-        renamed = {"max_tokens": max_param, "logprobs": logprobs_param}
         param = renamed.get(exc.param, exc.param)
         message = str(exc)
-        if exc.param and message.startswith(exc.param):  # name the field the client sent
-            message = param + message[len(exc.param):]
+        if exc.param and exc.param != "prompt":
+            message = message.replace(exc.param, param, 1)
         raise invalid_request(message, param, exc.code) from exc

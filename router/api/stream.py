@@ -12,12 +12,12 @@ from collections.abc import AsyncIterator
 
 from pydantic import BaseModel
 
+from contract.request import GenerationChunk
 from router.api.disconnect import close_stream
 from router.api.formats import Format
 from router.api.jobs import Job
 from router.api.usage import Tally
 from router.errors import APIError, from_backend_exception, retry_after_headers
-from workers.request import GenerationChunk
 
 DONE_EVENT = "data: [DONE]\n\n"
 

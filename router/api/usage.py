@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
+from contract.request import GenerationChunk, SpecUsage, TokenLogprob
 from router.protocol import PromptTokensDetails, Usage
-from workers.request import GenerationChunk, SpecUsage, TokenLogprob
 
 
 class CompletionTokensDetails(BaseModel):
@@ -46,7 +46,7 @@ class SpeculativeUsage(BaseModel):
 
     @classmethod
     def of(cls, spec: SpecUsage) -> SpeculativeUsage:
-        """The extension object of one (summed) :class:`~workers.request.SpecUsage`."""
+        """The extension object of one (summed) :class:`~contract.request.SpecUsage`."""
         by_position = [accepted / proposed if proposed else 0.0 for accepted, proposed
                        in zip(spec.accepted_by_position, spec.proposed_by_position, strict=True)]
         return cls(proposed_tokens=spec.proposed_tokens, accepted_tokens=spec.accepted_tokens,

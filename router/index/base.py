@@ -1,9 +1,9 @@
 """The digest index contract: which workers hold which KV block digests.
 
-Workers publish batches of :class:`workers.kv_events.KVEvent` (msgpack, see
-:func:`workers.kv_events.encode_events`); the router asks, for a prompt's digest chain, how many
+Workers publish batches of :class:`contract.kv_events.KVEvent` (msgpack, see
+:func:`contract.kv_events.encode_events`); the router asks, for a prompt's digest chain, how many
 leading blocks each candidate worker already holds. Entries are grouped by
-:attr:`workers.identity.CacheIdentity.model_key`, so workers of different models never match.
+:attr:`contract.identity.CacheIdentity.model_key`, so workers of different models never match.
 
 Semantics shared by every backend:
 
@@ -33,8 +33,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from workers.identity import DIGEST_SIZE
-from workers.kv_events import KVEvent, decode_events
+from contract.identity import DIGEST_SIZE
+from contract.kv_events import KVEvent, decode_events
 
 
 class IndexUnavailableError(RuntimeError):
@@ -48,8 +48,8 @@ class IndexUnavailableError(RuntimeError):
 def decode_batch(payload: bytes) -> list[KVEvent]:
     """Decode and fully validate one published batch before any of it is applied.
 
-    Stricter than :func:`workers.kv_events.decode_events`: every digest must also be a
-    ``bytes`` of exactly :data:`workers.identity.DIGEST_SIZE` (32) bytes.
+    Stricter than :func:`contract.kv_events.decode_events`: every digest must also be a
+    ``bytes`` of exactly :data:`contract.identity.DIGEST_SIZE` (32) bytes.
 
     Raises:
         ValueError: the payload is not valid msgpack, not a batch of known events, or holds a
@@ -113,7 +113,7 @@ class DigestIndex(abc.ABC):
         Args:
             model_key: :attr:`CacheIdentity.model_key` (hex) of the worker's model.
             worker_id: stable id of the worker replica (e.g. its Ray Serve replica id).
-            payload: msgpack batch from :func:`workers.kv_events.encode_events`.
+            payload: msgpack batch from :func:`contract.kv_events.encode_events`.
 
         Returns:
             Whether the worker had a live entry before this batch. ``False`` while the worker

@@ -14,7 +14,7 @@ Layout, under ``{key_prefix}:{model_key}``:
 A publish is one EVALSHA: the script decodes the msgpack batch with Redis's bundled ``cmsgpack``,
 validates all of it, then applies it (stored→SADD, removed→SREM, cleared→DEL) and sets the TTL,
 atomically. Redis's ``cmsgpack`` predates the msgpack *bin* types (0xc4-0xc6) and rejects them
-("Bad data format in input."), while :func:`workers.kv_events.encode_events` writes digests as
+("Bad data format in input."), while :func:`contract.kv_events.encode_events` writes digests as
 bin; so the batch is validated here first (same rules as every backend) and re-packed in the
 legacy raw format, in which bytes travel as msgpack *str* and reach Lua as binary-safe strings.
 
@@ -34,6 +34,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
+from contract.identity import DIGEST_SIZE
 from router.index.base import (
     DigestIndex,
     IndexStats,
@@ -41,7 +42,6 @@ from router.index.base import (
     decode_batch,
     leading_hits,
 )
-from workers.identity import DIGEST_SIZE
 
 _BAD_BATCH = "BADBATCH"
 

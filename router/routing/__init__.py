@@ -1,7 +1,7 @@
 """Request routing for the worker deployment: a Ray Serve ``RequestRouter`` and its Ray-free parts.
 
 Modules: :mod:`~router.routing.request_input` (what routing reads from a request, and its work
-in tokens), :mod:`~router.routing.replica_stats` (what it reads from a replica's routing stats),
+in tokens; a replica's load report is :class:`contract.load.RoutingStats`),
 :mod:`~router.routing.policies` (prefix, round-robin, power-of-two),
 :mod:`~router.routing.ledger` (work sent and not yet reported), :mod:`~router.routing.index_lookup`
 (the bounded digest index query), :mod:`~router.routing.sent_prefixes` (the prompt prefixes this

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from router.routing.checks import is_count
+from contract.load import is_count
 from router.routing.telemetry import RoutingTelemetry
 
 logger = logging.getLogger(__name__)

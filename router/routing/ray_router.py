@@ -1,6 +1,6 @@
 """The Ray Serve glue: :class:`PrefixAwareRequestRouter`, a ``RequestRouter`` that ranks each
 request's candidate replicas with a policy (:mod:`router.routing.policies`), reading the request
-(:mod:`~router.routing.request_input`), the replicas' stats (:mod:`~router.routing.replica_stats`)
+(:mod:`~router.routing.request_input`), the replicas' stats (:class:`contract.load.RoutingStats`)
 and the digest index (:mod:`~router.routing.index_lookup`), keeping the work it sent in a ledger
 (:mod:`~router.routing.ledger`), the prefixes it sent where (:mod:`~router.routing.sent_prefixes`,
 its fallback while the index is down or late) and every decision in the telemetry
@@ -20,15 +20,11 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from contract.load import ReplicaMetadata, RoutingStats
 from router.routing import replica_keys, telemetry
 from router.routing.index_lookup import DEFAULT_LOOKUP_DEADLINE_S, IndexLookup, Lookup
 from router.routing.ledger import SentEntry, SentLedger
 from router.routing.policies import DEFAULT_BLOCK_SIZE, PrefixPolicy, ReplicaView, make_policy
-from router.routing.replica_stats import (
-    STATS_MODEL_KEY,
-    parse_request_tokens,
-    parse_routing_stats,
-)
 from router.routing.request_input import RoutingInput, routing_input
 from router.routing.sent_prefixes import DEFAULT_MAX_AGE_S, DEFAULT_MAX_ENTRIES, SentPrefixes
 from router.routing.telemetry import RoutingDecision, RoutingTelemetry
@@ -288,13 +284,12 @@ class PrefixAwareRequestRouter(RequestRouter):
         that just finished a long prefill would still look busy with it, and the next request
         sharing that prefix would be sent away from the only worker holding it.
         """
-        stats = getattr(replica, "routing_stats", None)
-        queued, snapshot_at = parse_routing_stats(stats)
-        per_request = parse_request_tokens(stats)
-        if per_request is not None:
-            queued = sum(tokens for rid, tokens in per_request.items()
+        stats = RoutingStats.from_wire(getattr(replica, "routing_stats", None))
+        queued = stats.queued_tokens
+        if stats.requests is not None:
+            queued = sum(tokens for rid, tokens in stats.requests.items()
                          if rid not in self._finished)
-        return queued + self._ledger.outstanding(worker_id, snapshot_at, per_request)
+        return queued + self._ledger.outstanding(worker_id, stats.time, stats.requests)
 
     # ---- model keys ----------------------------------------------------------------------
 
@@ -318,14 +313,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         """
         if self._model_key:
             return self._model_key
-        for source in (
-            getattr(replica, "replica_metadata", None),
-            getattr(replica, "routing_stats", None),
-        ):
-            key = source.get(STATS_MODEL_KEY) if isinstance(source, Mapping) else None
-            if isinstance(key, str) and key:
-                return key
-        return None
+        return (ReplicaMetadata.from_wire(getattr(replica, "replica_metadata", None)).model_key
+                or RoutingStats.from_wire(getattr(replica, "routing_stats", None)).model_key)
 
     # ---- accounting ----------------------------------------------------------------------
 

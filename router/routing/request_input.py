@@ -1,10 +1,11 @@
 """What routing reads from one request: its prompt length, block digests and work in tokens.
 
-Work tokens of one request on a worker = prompt tokens the worker still has to prefill + every
-output token the request may still produce (``max_tokens`` per choice; the ingress sets
-``max_tokens`` to the rest of the context when the client gave none). This is the unit the
-workers report as ``queued_tokens`` (``workers.engine.Engine.load_by_request``), where tokens
-already prefilled or generated are subtracted.
+Work tokens (:func:`contract.load.work_tokens`) of one request on a worker = prompt tokens the
+worker still has to prefill + every output token the request may still produce (``max_tokens``
+per choice; the ingress sets ``max_tokens`` to the rest of the context when the client gave
+none). This is the unit the workers report as ``queued_tokens``
+(:class:`contract.load.RoutingStats`), where tokens already prefilled or generated are
+subtracted.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from router.routing.checks import is_count
-from workers.identity import DIGEST_SIZE
+from contract.identity import DIGEST_SIZE
+from contract.load import is_count, work_tokens
 
 
 @dataclass(frozen=True)
@@ -35,9 +36,10 @@ class RoutingInput:
     request_id: str | None = None
 
     def work_tokens(self, cached_blocks: int, block_size: int) -> int:
-        """Tokens of work the request adds to a worker holding ``cached_blocks`` of its
-        leading blocks (of ``block_size`` tokens each)."""
-        return uncached_tokens(self.prompt_len, cached_blocks, block_size) + self.decode_tokens
+        """Tokens of work (:func:`contract.load.work_tokens`) the request adds to a worker
+        holding ``cached_blocks`` of its leading blocks (of ``block_size`` tokens each)."""
+        return work_tokens(uncached_tokens(self.prompt_len, cached_blocks, block_size),
+                           self.decode_tokens)
 
 
 def uncached_tokens(prompt_len: int, cached_blocks: int, block_size: int) -> int:
@@ -52,16 +54,16 @@ def routing_input(pending_request: Any) -> RoutingInput | None:
     """Reads the ``GenerationRequest`` in ``pending_request.args[0]``, defensively.
 
     Anything this router cannot route on its content (no pending request, no arguments, no
-    non-empty ``token_ids`` list, ``routing_digests`` missing or not a list of 32-byte
-    ``bytes``) yields ``None`` so the caller routes on load alone; the worker, not the router,
-    rejects malformed requests with a 4xx (case R6). Never raises.
+    non-empty ``token_ids`` list, ``prompt_digests`` missing or its ``digests`` not a list of
+    32-byte ``bytes``) yields ``None`` so the caller routes on load alone; the worker, not the
+    router, rejects malformed requests with a 4xx (case R6). Never raises.
     """
     args = getattr(pending_request, "args", None)
     if not isinstance(args, (list, tuple)) or not args:
         return None
     request = args[0]
     token_ids = getattr(request, "token_ids", None)
-    digests = getattr(request, "routing_digests", None)
+    digests = getattr(getattr(request, "prompt_digests", None), "digests", None)
     if not isinstance(token_ids, (list, tuple)) or not token_ids:
         return None
     if not isinstance(digests, (list, tuple)):
@@ -74,10 +76,11 @@ def routing_input(pending_request: Any) -> RoutingInput | None:
 
 
 def _decode_tokens(request: Any) -> int:
-    """``max_tokens × n`` of the request's sampling parameters; 0 where unreadable."""
+    """The output tokens of :func:`contract.load.work_tokens`: ``max_tokens`` for each of the
+    request's ``n`` choices; 0 where unreadable."""
     sampling = getattr(request, "sampling", None)
     max_tokens = getattr(sampling, "max_tokens", 0)
     choices = getattr(sampling, "n", 1)
     if not is_count(max_tokens) or not is_count(choices):
         return 0
-    return int(max_tokens) * max(1, int(choices))
+    return work_tokens(0, int(max_tokens), int(choices))

@@ -279,7 +279,7 @@ def test_speculative_compare_reports_where_outputs_part():
 
 
 def test_paper_formula_and_controlled_proposer():
-    from workers.spec.proposer import ProposalRequest
+    from workers.speculative.proposer import ProposalRequest
     assert spec_paper_check.predicted_speedup(0.0, 4, 0.0) == 1.0
     assert spec_paper_check.predicted_speedup(1.0, 4, 0.0) == 5.0
     assert spec_paper_check.predicted_speedup(0.5, 2, 0.25) == pytest.approx(1.75 / 1.5)

@@ -11,9 +11,8 @@ from ray import serve
 
 from cluster.app import APP_NAME, WORKER_DEPLOYMENT
 from cluster.cli import main as nalar_main
-from cluster.ingress_deployment import identity_from_dict
+from contract.identity import CacheNamespace, block_digests, tenant_from_api_key
 from router.index.redis_index import RedisIndex
-from workers.identity import CacheNamespace, block_digests, tenant_from_api_key
 from workers.model_loader import load_tokenizer
 
 QUESTION_A = "Which rule is stated first? Answer in one short sentence."
@@ -37,7 +36,7 @@ def system_prompt(tokenizer) -> str:
 @pytest.fixture(scope="module")
 def worker_identity(cluster):
     description = serve.get_deployment_handle(WORKER_DEPLOYMENT, APP_NAME).describe.remote()
-    return identity_from_dict(description.result()["identity"])
+    return description.result().identity
 
 
 def chat_body(system: str, question: str, **extra) -> dict:

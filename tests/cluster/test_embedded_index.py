@@ -16,11 +16,10 @@ from ray import serve
 
 from cluster.app import WORKER_DEPLOYMENT, build_app
 from cluster.config import INDEX_ACTOR_NAMESPACE, ClusterConfig
-from cluster.ingress_deployment import identity_from_dict
 from cluster.runtime import start_index_actor
+from contract.identity import CacheNamespace, block_digests, prompt_digests
+from contract.request import GenerationRequest, SamplingParams
 from router.index import ActorIndex
-from workers.identity import CacheNamespace, block_digests
-from workers.request import GenerationRequest, SamplingParams
 
 APP = "nalar-embedded-test"
 PROMPT = list(range(2000, 2000 + 16 * 12 + 3))
@@ -40,9 +39,8 @@ def embedded_app(ray_session):
 async def generate(handle, request_id: str, prompt: list[int], identity) -> tuple[str, int]:
     """Worker id and cached tokens of one request routed by the prefix-aware router, with
     the routing digests the ingress would compute."""
-    root = identity.with_namespace(CacheNamespace()).root_digest
     request = GenerationRequest(request_id, prompt, SamplingParams(temperature=0, max_tokens=2),
-                                routing_digests=block_digests(root, prompt, identity.block_size))
+                                prompt_digests=prompt_digests(identity, CacheNamespace(), prompt))
     worker, cached = "", -1
     async for chunk in handle.options(stream=True).generate.remote(request):
         worker, cached = chunk.worker_id, chunk.cached_tokens
@@ -51,7 +49,7 @@ async def generate(handle, request_id: str, prompt: list[int], identity) -> tupl
 
 async def test_embedded_index_routes_a_shared_prefix_to_its_holder(embedded_app):
     handle = serve.get_deployment_handle(WORKER_DEPLOYMENT, APP)
-    identity = identity_from_dict((await handle.describe.remote())["identity"])
+    identity = (await handle.describe.remote()).identity
     digests = block_digests(identity.with_namespace(CacheNamespace()).root_digest, PROMPT,
                             identity.block_size)
     index = ActorIndex(embedded_app.index_actor_name, namespace=INDEX_ACTOR_NAMESPACE)

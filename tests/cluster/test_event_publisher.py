@@ -11,8 +11,8 @@ import threading
 import pytest
 
 from cluster.event_publisher import EventPublisher
+from contract.kv_events import KVEvent, decode_events, encode_events
 from router.index import IndexUnavailableError, MemoryIndex
-from workers.kv_events import KVEvent, decode_events, encode_events
 
 MODEL = "model-key"
 WORKER = "w1"

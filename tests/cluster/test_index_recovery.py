@@ -29,10 +29,9 @@ from ray import serve
 
 from cluster.app import WORKER_DEPLOYMENT, build_app
 from cluster.config import ClusterConfig
-from cluster.ingress_deployment import identity_from_dict
+from contract.identity import CacheIdentity, CacheNamespace, block_digests, prompt_digests
+from contract.request import GenerationRequest, SamplingParams
 from router.index.redis_index import RedisIndex
-from workers.identity import CacheIdentity, CacheNamespace, block_digests
-from workers.request import GenerationRequest, SamplingParams
 
 APP = "nalar-index-recovery-test"
 PREFIX_BLOCKS = 8
@@ -67,10 +66,9 @@ def recovery_config(ray_session, private_redis: PrivateRedis) -> Iterator[Cluste
 
 async def generate(handle, identity: CacheIdentity, prompt: list[int]) -> tuple[str, int]:
     """Worker id and cached tokens of one request placed by the prefix-aware router."""
-    root = identity.with_namespace(CacheNamespace()).root_digest
     request = GenerationRequest(f"recovery-{uuid.uuid4().hex[:8]}", prompt,
                                 SamplingParams(temperature=0, max_tokens=2),
-                                routing_digests=block_digests(root, prompt, identity.block_size))
+                                prompt_digests=prompt_digests(identity, CacheNamespace(), prompt))
     worker, cached = "", -1
     async for chunk in handle.options(stream=True).generate.remote(request):
         worker, cached = chunk.worker_id, chunk.cached_tokens
@@ -88,7 +86,7 @@ async def test_index_heals_after_redis_restarts_empty(
     recovery_config: ClusterConfig, private_redis: PrivateRedis, caplog
 ) -> None:
     handle = serve.get_deployment_handle(WORKER_DEPLOYMENT, APP)
-    identity = identity_from_dict((await handle.describe.remote())["identity"])
+    identity = (await handle.describe.remote()).identity
     block = identity.block_size
     shared = list(range(3000, 3000 + PREFIX_BLOCKS * block))
     digests = block_digests(identity.with_namespace(CacheNamespace()).root_digest, shared, block)

@@ -11,8 +11,8 @@ from ray.serve.exceptions import BackPressureError
 from cluster.dashboard import Dashboard
 from cluster.ingress_deployment import NalarIngress
 from cluster.metrics import WorkerScrape
+from contract.request import GenerationChunk, GenerationRequest
 from router.errors import OverloadedError
-from workers.request import GenerationChunk, GenerationRequest
 
 
 class FakeStream:

@@ -11,9 +11,8 @@ import ray
 from ray import serve
 
 from cluster.app import APP_NAME, WORKER_DEPLOYMENT
-from cluster.ingress_deployment import identity_from_dict
+from contract.identity import CacheNamespace, block_digests
 from router.index.redis_index import RedisIndex
-from workers.identity import CacheNamespace, block_digests
 
 DEADLINE_S = 60.0
 
@@ -51,7 +50,7 @@ async def test_client_disconnect_cancels_and_frees_blocks(cluster):
 
 
 async def test_dead_worker_is_never_credited(cluster):
-    identity = identity_from_dict((await workers_handle().describe.remote())["identity"])
+    identity = (await workers_handle().describe.remote()).identity
     prompt = list(range(1000, 1000 + 3 * identity.block_size + 5))
     digests = block_digests(identity.with_namespace(CacheNamespace()).root_digest, prompt,
                             identity.block_size)

@@ -18,7 +18,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.metrics import WorkerScrape, build_registry, fetch_worker_stats
-from router.openai_app import build_openai_app
+from router.api.app import build_openai_app
 from router.routing.telemetry import RoutingDecision, RoutingTelemetry
 from workers.request_metrics import HISTOGRAM_BOUNDS, TTFT, TTFT_BUCKETS, Histogram
 

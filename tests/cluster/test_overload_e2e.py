@@ -26,8 +26,9 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from cluster.app import APP_NAME, WORKER_DEPLOYMENT
 from cluster.config import ClusterConfig
 from cluster.ingress_deployment import NalarIngress, serve_error
+from contract.description import WorkerDescription
+from contract.request import GenerationChunk, InvalidRequestError
 from router.errors import OverloadedError
-from workers.request import GenerationChunk, InvalidRequestError
 
 SCRIPTED_APP = "nalar-overload-test"
 SCRIPTED_ROUTE = "/overload-test"
@@ -57,11 +58,11 @@ class ScriptedWorker:
     = chunks sent before raising (0, or 2: the token-less first chunk and one token).
     A ``GATED`` request waits for ``gate`` to exist, so a test decides when its slot frees."""
 
-    def __init__(self, description: dict, gate: str):
+    def __init__(self, description: WorkerDescription, gate: str):
         self.description = description
         self.gate = gate
 
-    def describe(self) -> dict:
+    def describe(self) -> WorkerDescription:
         return self.description
 
     async def generate(self, request):
@@ -192,7 +193,7 @@ async def blocks_in_use() -> dict[str, int]:
 async def test_a_burst_past_the_bound_gets_200s_and_503s_and_leaks_nothing(cluster):
     description = await serve.get_deployment_handle(WORKER_DEPLOYMENT, APP_NAME).describe.remote()
     prompt = [1, 2, 3, 4]
-    max_tokens, choices = description["max_model_len"] - len(prompt), 4
+    max_tokens, choices = description.max_model_len - len(prompt), 4
     work = len(prompt) + max_tokens * choices  # tokens of work of each request
     fits = cluster.config.max_pending_tokens() // work
     assert 1 <= fits < BURST // 4  # the burst is far past the bound

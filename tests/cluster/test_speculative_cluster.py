@@ -1,5 +1,5 @@
 """Draft replicas on the session's Ray cluster: exact ngram proposals through a handle and
-through :class:`~workers.spec.remote.RemoteProposer`; a killed replica means no drafts within
+through :class:`~workers.speculative.remote.RemoteProposer`; a killed replica means no drafts within
 the deadline (plain decoding) until Serve's replacement answers, then drafts again. Also the
 ``nalar serve`` flags and configuration that select and place the proposer (no Ray)."""
 
@@ -17,10 +17,10 @@ from cluster.cli import build_parser, serve_config
 from cluster.config import ClusterConfig
 from cluster.draft_deployment import DRAFT_DEPLOYMENT
 from cluster.runtime import start_index_actor
-from workers.request import GenerationRequest, SamplingParams
-from workers.spec.ngram import NgramProposer
-from workers.spec.proposer import ProposalRequest
-from workers.spec.remote import RemoteProposer
+from contract.request import GenerationRequest, SamplingParams
+from workers.speculative.ngram import NgramProposer
+from workers.speculative.proposer import ProposalRequest
+from workers.speculative.remote import RemoteProposer
 
 APP = "nalar-draft-test"
 RECOVERY_S = 30.0

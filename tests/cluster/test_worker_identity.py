@@ -9,16 +9,16 @@ worker handle's ``describe`` is a fake, the index is the in-memory one.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from types import SimpleNamespace
 
 from cluster.ingress_deployment import NalarIngress
 from cluster.worker_identity import WorkerIdentity
+from contract.description import WorkerDescription
+from contract.identity import CacheIdentity, CacheNamespace, PromptDigests, block_digests
+from contract.kv_events import KVEvent, encode_events
+from contract.request import GenerationChunk, GenerationRequest
 from router.index import MemoryIndex
 from router.routing.replica_keys import ReplicaModelKeys
-from workers.identity import CacheIdentity, CacheNamespace, block_digests
-from workers.kv_events import KVEvent, encode_events
-from workers.request import GenerationChunk, GenerationRequest
 
 BLOCK = 16
 OLD = CacheIdentity(model_digest="weights-v1", numerics="cpu-fp32", block_size=BLOCK)
@@ -28,24 +28,25 @@ PROMPT = list(range(100, 100 + 4 * BLOCK + 3))  # four full blocks and a partial
 DEPLOYMENT = ("nalar", "NalarWorker")
 
 
-def description(identity: CacheIdentity, max_model_len: int = 2048) -> dict:
-    return {"identity": dataclasses.asdict(identity), "max_model_len": max_model_len}
+def description(identity: CacheIdentity, max_model_len: int = 2048) -> WorkerDescription:
+    return WorkerDescription("w", "node", identity, "smol", "/models/smol", max_model_len,
+                             49152, 64, 1.0)
 
 
 def request_under(identity: CacheIdentity) -> GenerationRequest:
     root = identity.with_namespace(TENANT).root_digest
-    return GenerationRequest("r1", list(PROMPT), namespace=TENANT,
-                             routing_digests=block_digests(root, PROMPT, BLOCK))
+    return GenerationRequest("r1", list(PROMPT), namespace=TENANT, prompt_digests=PromptDigests(
+        identity.model_key, block_digests(root, PROMPT, BLOCK)))
 
 
 class FakeWorkers:
     """``describe`` as the redeployed workers answer it, counting the calls."""
 
-    def __init__(self, answer: dict):
+    def __init__(self, answer: WorkerDescription):
         self.answer = answer
         self.calls = 0
 
-    async def describe(self) -> dict:
+    async def describe(self) -> WorkerDescription:
         self.calls += 1
         await asyncio.sleep(0.01)  # a remote call: concurrent requests overlap it
         return self.answer
@@ -79,7 +80,7 @@ async def test_redeployed_workers_refresh_identity_and_rehash_once():
     assert watch.identity == NEW and watch.max_model_len == 4096
     expected = block_digests(NEW.with_namespace(TENANT).root_digest, PROMPT, BLOCK)
     assert len(expected) == 4
-    assert all(r.routing_digests == expected for r in refreshed)
+    assert all(r.prompt_digests.digests == expected for r in refreshed)
     assert all(r.token_ids == PROMPT and r.namespace == TENANT for r in refreshed)
 
 
@@ -110,22 +111,24 @@ async def test_no_known_replica_keys_is_not_staleness():
 async def test_refreshed_digests_find_the_redeployed_workers_blocks():
     # The redeployed worker "b" holds the prompt's first three blocks under the new key.
     index = MemoryIndex(worker_ttl_s=30.0)
-    new_digests = request_under(NEW).routing_digests
+    new_digests = request_under(NEW).prompt_digests.digests
     await index.publish(NEW.model_key, "b", encode_events([KVEvent("stored", new_digests[:3])]))
     stale = request_under(OLD)
-    assert await index.match(NEW.model_key, stale.routing_digests, ["a", "b"]) == {"a": 0, "b": 0}
+    stale_digests = stale.prompt_digests.digests
+    assert await index.match(NEW.model_key, stale_digests, ["a", "b"]) == {"a": 0, "b": 0}
     keys = ReplicaModelKeys()
     keys.update(DEPLOYMENT, [NEW.model_key])
     watch = watch_over(FakeWorkers(description(NEW)), keys)
     fresh = await watch.current(stale)
-    assert await index.match(NEW.model_key, fresh.routing_digests, ["a", "b"]) == {"a": 0, "b": 3}
+    fresh_digests = fresh.prompt_digests.digests
+    assert await index.match(NEW.model_key, fresh_digests, ["a", "b"]) == {"a": 0, "b": 3}
 
 
 async def test_failed_describe_keeps_the_identity_and_the_request(caplog):
     keys = ReplicaModelKeys()
     keys.update(DEPLOYMENT, [NEW.model_key])
 
-    async def unreachable() -> dict:
+    async def unreachable() -> WorkerDescription:
         raise ConnectionError("no replica answered")
 
     watch = WorkerIdentity(unreachable, description(OLD), lambda: keys.keys(DEPLOYMENT))
@@ -166,4 +169,4 @@ async def test_ingress_sends_the_workers_the_rehashed_request():
         worker_identity=watch_over(FakeWorkers(description(NEW)), keys))
     chunks = [c async for c in NalarIngress.generate(ingress, request_under(OLD))]
     assert [c.finish_reason for c in chunks] == ["stop"]
-    assert sent[0].routing_digests == request_under(NEW).routing_digests
+    assert sent[0].prompt_digests.digests == request_under(NEW).prompt_digests.digests

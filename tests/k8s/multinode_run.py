@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from cluster.app import APP_NAME, WORKER_DEPLOYMENT, build_app  # noqa: E402
 from cluster.config import INDEX_ACTOR_NAMESPACE, ClusterConfig  # noqa: E402
-from cluster.ingress_deployment import identity_from_dict  # noqa: E402
+from contract.description import WorkerDescription  # noqa: E402
+from contract.identity import CacheNamespace, block_digests, tenant_from_api_key  # noqa: E402
 from router.index.redis_index import RedisIndex, delete_key_prefix  # noqa: E402
-from workers.identity import CacheNamespace, block_digests, tenant_from_api_key  # noqa: E402
 
 NODE_MEMORY = 80 << 20
 PREFIX_TOKENS = 128
@@ -65,14 +65,14 @@ def deploy(config: ClusterConfig, address: str) -> None:
     serve.run(build_app(config), name=APP_NAME, route_prefix="/")
 
 
-async def describe_workers() -> dict[str, dict]:
+async def describe_workers() -> dict[str, WorkerDescription]:
     """Every worker replica's ``describe()``, by asking through the handle until both answer."""
     handle = serve.get_deployment_handle(WORKER_DEPLOYMENT, APP_NAME)
-    seen: dict[str, dict] = {}
+    seen: dict[str, WorkerDescription] = {}
     for _ in range(50):
         answers = await asyncio.gather(*(handle.describe.remote() for _ in range(8)))
         for description in answers:
-            seen[description["worker_id"]] = description
+            seen[description.worker_id] = description
         if len(seen) == 2:
             break
     return seen
@@ -88,9 +88,10 @@ def ingress_node_id() -> str:
 class Probe:
     """HTTP requests with a token-id prompt under one tenant key, and their index digests."""
 
-    def __init__(self, base_url: str, config: ClusterConfig, description: dict):
+    def __init__(self, base_url: str, config: ClusterConfig,
+                 description: WorkerDescription):
         self.base_url = base_url
-        self.identity = identity_from_dict(description["identity"])
+        self.identity = description.identity
         self.secret = bytes.fromhex(config.namespace_secret)
         self.index = RedisIndex(config.redis_url, config.key_prefix)
 
@@ -166,7 +167,7 @@ async def wait_for(predicate, deadline_s: float, period_s: float = 0.1) -> float
 
 async def observe(cluster: Cluster, nodes: list, config: ClusterConfig) -> dict:
     workers = await describe_workers()
-    placement = {w: d["node_id"] for w, d in workers.items()}
+    placement = {w: d.node_id for w, d in workers.items()}
     probe = Probe(f"http://{config.host}:{config.port}", config, next(iter(workers.values())))
     worker_ids = sorted(workers)
     result: dict = {"placement": placement,

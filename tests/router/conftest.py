@@ -10,7 +10,7 @@ import httpx
 import pytest
 from openai_fakes import FakeBackend, load_tokenizer
 
-from router.openai_app import build_openai_app
+from router.api.app import build_openai_app
 
 
 @pytest.fixture(scope="session")

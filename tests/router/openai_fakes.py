@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 from transformers import AutoTokenizer
 
-from workers.identity import CacheIdentity, CacheNamespace, block_digests, tenant_from_api_key
-from workers.request import GenerationChunk, GenerationRequest
+from contract.identity import CacheIdentity, CacheNamespace, block_digests, tenant_from_api_key
+from contract.request import GenerationChunk, GenerationRequest
 
 MODEL = "smollm2-135m-instruct"
 MAX_MODEL_LEN = 128
@@ -43,7 +43,7 @@ def hello_world(request: GenerationRequest) -> list[Any]:
 
 
 class FakeBackend:
-    """A :class:`~router.openai_app.ServingBackend` that plays a script per request.
+    """A :class:`~router.api.backend.ServingBackend` that plays a script per request.
 
     Script items: a chunk is yielded, an exception raised, an ``asyncio.Event`` awaited (with
     :attr:`waiting` set first, so a test knows the request is parked there). The generators are

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from openai_fakes import CHAT, COMPLETIONS, HELLO, MODEL, SECRET, assert_error, expected_digests
 
+from contract.identity import tenant_from_api_key
 from router.api.auth import RELOAD_PERIOD_S, ApiKeys, parse_keys_file
-from workers.identity import tenant_from_api_key
 
 KEY_A, KEY_B, FILE_KEY, NEW_KEY = "sk-alpha-0001", "sk-beta-0002", "sk-file-03", "sk-new-4"
 
@@ -122,11 +122,12 @@ async def test_each_accepted_key_is_its_own_cache_namespace(client, backend, key
     a, b, from_file, a_again = backend.requests
     for request, key in zip(backend.requests, (KEY_A, KEY_B, FILE_KEY, KEY_A), strict=True):
         assert request.namespace.tenant == tenant_from_api_key(key, SECRET)
-        assert request.routing_digests == expected_digests(request.token_ids, key)
-    assert len(a.routing_digests) >= 2
-    assert a_again.routing_digests == a.routing_digests  # one key shares its cached prefixes
+        assert request.prompt_digests.digests == expected_digests(request.token_ids, key)
+    assert len(a.prompt_digests.digests) >= 2
+    # one key shares its cached prefixes
+    assert a_again.prompt_digests.digests == a.prompt_digests.digests
     assert a_again.namespace == a.namespace
-    scopes = [set(r.routing_digests) for r in (a, b, from_file)]
+    scopes = [set(r.prompt_digests.digests) for r in (a, b, from_file)]
     assert not scopes[0] & scopes[1] and not scopes[0] & scopes[2] and not scopes[1] & scopes[2]
 
 

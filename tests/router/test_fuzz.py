@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from openai_fakes import CHAT, COMPLETIONS, HELLO, FakeBackend, assert_error, sse_events
 from schemathesis import GenerationMode
 
-from router.openai_app import build_openai_app
+from router.api.app import build_openai_app
 from router.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 VOCAB = 49152  # the SmolLM2 tokenizer's size: token ids are valid in [0, VOCAB)

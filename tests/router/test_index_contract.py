@@ -14,9 +14,9 @@ import pytest
 import redis
 from private_redis import PrivateRedis, private_redis_server
 
+from contract.kv_events import KVEvent, encode_events
 from router.index import DigestIndex, IndexStats, IndexUnavailableError, MemoryIndex, make_index
 from router.index.redis_index import RedisIndex, delete_key_prefix
-from workers.kv_events import KVEvent, encode_events
 
 # ---------------------------------------------------------------------------------- helpers
 

@@ -28,13 +28,14 @@ from openai_fakes import (
     two_choices,
 )
 
-from router.openai_app import WORKER_HEADER, build_openai_app
-from workers.identity import CacheNamespace, tenant_from_api_key
-from workers.request import (
+from contract.identity import CacheNamespace, tenant_from_api_key
+from contract.request import (
     GenerationChunk,
     GenerationRequest,
     TokenLogprob,
 )
+from router.api.app import build_openai_app
+from router.api.backend import WORKER_HEADER
 
 # -- successful answers ------------------------------------------------------------------------
 
@@ -158,10 +159,10 @@ async def test_routing_digests_follow_key_and_salt(client, backend):
         response = await client.post("/v1/chat/completions", json=body, headers=headers)
         assert response.status_code == 200, response.text
         request = backend.requests[-1]
-        assert request.routing_digests == expected_digests(request.token_ids, key, salt)
+        assert request.prompt_digests.digests == expected_digests(request.token_ids, key, salt)
         assert request.namespace == CacheNamespace(tenant_from_api_key(key, SECRET), salt)
         assert request.namespace.tenant != key
-        return request.routing_digests
+        return request.prompt_digests.digests
 
     anonymous = await digests(None)
     key_a, key_b = await digests("sk-tenant-a"), await digests("sk-tenant-b")

@@ -20,11 +20,12 @@ from openai_fakes import (
     sse_events,
 )
 
-from router.errors import OverloadedError
-from router.openai_app import WORKER_HEADER, build_openai_app
-from workers.request import (
+from contract.request import (
     InvalidRequestError,
 )
+from router.api.app import build_openai_app
+from router.api.backend import WORKER_HEADER
+from router.errors import OverloadedError
 
 # -- backend errors ----------------------------------------------------------------------------
 

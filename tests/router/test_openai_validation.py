@@ -12,6 +12,8 @@ from openai_fakes import (
     assert_error,
 )
 
+from contract.request import SamplingParams
+
 # -- request validation ------------------------------------------------------------------------
 
 LONG = "word " * 200  # well over MAX_MODEL_LEN tokens
@@ -133,6 +135,30 @@ async def test_a_refusal_message_names_the_field_the_client_sent(client, path, b
     response = await client.post(path, json=body)
     assert response.status_code == 400
     assert response.json()["error"]["message"] == message
+
+
+async def test_a_context_refusal_names_the_limit_the_client_sent(client):
+    response = await client.post(CHAT, json={"messages": HELLO, "max_completion_tokens": 1000})
+    assert_error(response, 400, "max_completion_tokens", "context_length_exceeded")
+    assert "max_completion_tokens asks for 1000 more" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("limit", [{"max_tokens": 5}, {}])
+async def test_a_request_is_validated_once_at_the_ingress(client, backend, monkeypatch, limit):
+    """The sampling ranges and the context are each checked once, whether the output limit
+    is the client's or defaults to the rest of the context."""
+    calls = {"validate": 0, "check_context": 0}
+    for name in calls:
+        original = getattr(SamplingParams, name)
+
+        def counted(self, *args, _name=name, _original=original):
+            calls[_name] += 1
+            return _original(self, *args)
+        monkeypatch.setattr(SamplingParams, name, counted)
+    response = await client.post(CHAT, json={"messages": HELLO, **limit})
+    assert response.status_code == 200, response.text
+    assert calls == {"validate": 1, "check_context": 1}
+    assert len(backend.requests) == 1
 
 
 @pytest.mark.parametrize(("path", "field", "param"), [

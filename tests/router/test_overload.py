@@ -15,11 +15,11 @@ import httpx
 import pytest
 from openai_fakes import CHAT, COMPLETIONS, HELLO, FakeBackend, assert_error, chunk, sse_events
 
-from router.api.admission import Admission, DrainRate, requested_work, work_tokens
+from contract.request import GenerationRequest, InvalidRequestError, SamplingParams
+from router.api.admission import Admission, DrainRate, request_work, requested_work
+from router.api.app import build_openai_app
 from router.errors import OverloadedError
-from router.openai_app import build_openai_app
 from router.protocol import ChatCompletionRequest, CompletionRequest
-from workers.request import GenerationRequest, InvalidRequestError, SamplingParams
 
 if sys.version_info < (3, 11):
     from exceptiongroup import ExceptionGroup
@@ -210,8 +210,8 @@ def request_of(prompt_len: int, max_tokens: int, n: int = 1) -> GenerationReques
 
 
 def test_work_is_the_prompt_and_every_output_token_of_every_choice():
-    assert work_tokens(request_of(5, 10)) == 15
-    assert work_tokens(request_of(5, 10, n=3)) == 35
+    assert request_work(request_of(5, 10)) == 15
+    assert request_work(request_of(5, 10, n=3)) == 35
 
 
 @pytest.mark.parametrize(("body", "work"), [

@@ -31,8 +31,8 @@ async def test_truncate_prompt_tokens_keeps_the_last_tokens(client, backend):
     assert response.status_code == 200, response.text
     request = backend.requests[0]
     assert request.token_ids == PROMPT[-20:]
-    assert request.routing_digests == expected_digests(PROMPT[-20:], None)
-    assert len(request.routing_digests) == 1
+    assert request.prompt_digests.digests == expected_digests(PROMPT[-20:], None)
+    assert len(request.prompt_digests.digests) == 1
     assert response.json()["usage"]["prompt_tokens"] == 20
     response = await client.post(COMPLETIONS, json={"prompt": [1, 2, 3],
                                                     "truncate_prompt_tokens": 10})
@@ -167,8 +167,8 @@ async def test_accepted_extension_changes_nothing(client, backend, path, field, 
     extended = await client.post(path, json={**BASE[path], field: value})
     assert extended.status_code == 200, extended.text
     (_, without), (_, with_it) = [(r.request_id, r) for r in backend.requests]
-    assert (with_it.token_ids, with_it.sampling, with_it.routing_digests) == (
-        without.token_ids, without.sampling, without.routing_digests)
+    assert (with_it.token_ids, with_it.sampling, with_it.prompt_digests.digests) == (
+        without.token_ids, without.sampling, without.prompt_digests.digests)
     assert extended.json()["choices"] == plain.json()["choices"]
 
 
@@ -252,7 +252,7 @@ async def test_openai_sdk_extra_body_passes(tokenizer):
     openai = pytest.importorskip("openai")
     import httpx
 
-    from router.openai_app import build_openai_app
+    from router.api.app import build_openai_app
 
     backend = FakeBackend(tokenizer)
     transport = httpx.ASGITransport(app=build_openai_app(backend))

@@ -20,11 +20,12 @@ import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter
 
+from contract.identity import PromptDigests
+from contract.request import GenerationRequest, SamplingParams
 from router.routing.ray_router import PrefixAwareRequestRouter
 from router.routing.replica_keys import REPLICA_MODEL_KEYS
 from router.routing.request_input import routing_input
 from router.routing.telemetry import RoutingTelemetry
-from workers.request import GenerationRequest, SamplingParams
 
 BLOCK = 16
 DEPLOYMENT = DeploymentID(name="worker", app_name="nalar")
@@ -86,7 +87,7 @@ def gen_request(prompt_len: int, n_blocks: int | None = None, max_tokens: int = 
         request_id=f"r-{salt}",
         token_ids=list(range(prompt_len)),
         sampling=SamplingParams(max_tokens=max_tokens),
-        routing_digests=digests(n, salt),
+        prompt_digests=PromptDigests("m", digests(n, salt)),
     )
 
 
@@ -164,12 +165,15 @@ async def test_routing_input_reads_generation_request():
         types.SimpleNamespace(args=["not a request"]),
         types.SimpleNamespace(args=[{"token_ids": [1, 2]}]),
         types.SimpleNamespace(args=[types.SimpleNamespace(token_ids=[1, 2])]),
-        types.SimpleNamespace(args=[types.SimpleNamespace(token_ids=[], routing_digests=[])]),
+        types.SimpleNamespace(args=[types.SimpleNamespace(token_ids=[],
+                                                          prompt_digests=PromptDigests("m", []))]),
         types.SimpleNamespace(
-            args=[types.SimpleNamespace(token_ids=[1] * 32, routing_digests=["x", b"y"])]
+            args=[types.SimpleNamespace(token_ids=[1] * 32,
+                                        prompt_digests=PromptDigests("m", ["x", b"y"]))]
         ),
         types.SimpleNamespace(
-            args=[types.SimpleNamespace(token_ids=[1] * 32, routing_digests=b"\0" * 32)]
+            args=[types.SimpleNamespace(token_ids=[1] * 32,
+                                        prompt_digests=PromptDigests("m", b"\0" * 32))]
         ),
     ],
 )
@@ -313,7 +317,7 @@ async def test_blocks_of_a_request_in_flight_count_before_the_index_hears_of_the
                                       "time": 1.0}
     second = GenerationRequest(request_id="r-second", token_ids=list(range(200)),
                                sampling=SamplingParams(max_tokens=16),
-                               routing_digests=first.routing_digests)
+                               prompt_digests=first.prompt_digests)
     # holder: 8 to prefill (12 blocks pinned by the first) + 16 = 24; the other: 200.
     assert await route(router, list(replicas.values()), pending(second)) == holder
 
@@ -442,7 +446,9 @@ async def test_short_prompt_needs_no_index():
         lambda: pending(),
         lambda: pending("hello"),
         lambda: pending(types.SimpleNamespace(token_ids=[1, 2, 3])),
-        lambda: pending(types.SimpleNamespace(token_ids=[1] * 64, routing_digests=[1, 2])),
+        lambda: pending(types.SimpleNamespace(token_ids=[1] * 64,
+                                              prompt_digests=PromptDigests("m", [1, 2]))),
+        lambda: pending(types.SimpleNamespace(token_ids=[1] * 64, prompt_digests=[b"\0" * 32])),
         lambda: pending(request=gen_request(64)),
     ],
 )
@@ -544,18 +550,19 @@ async def test_index_build_failure_still_routes(monkeypatch):
 
 async def test_routes_with_the_real_memory_index():
     index_module = pytest.importorskip("router.index")
-    from workers.kv_events import KVEvent, encode_events
+    from contract.kv_events import KVEvent, encode_events
 
     index = index_module.MemoryIndex(worker_ttl_s=30.0)
     request = gen_request(96, salt="shared")
-    await index.publish("m", "b", encode_events([KVEvent("stored", request.routing_digests[:4])]))
-    await index.publish("m", "c", encode_events([KVEvent("stored", request.routing_digests[:1])]))
+    digests = request.prompt_digests.digests
+    await index.publish("m", "b", encode_events([KVEvent("stored", digests[:4])]))
+    await index.publish("m", "c", encode_events([KVEvent("stored", digests[:1])]))
     router = make_router(index)
     replicas = [FakeReplica(w) for w in "abc"]
     assert await route(router, replicas, pending(request)) == "b"
     router.on_replica_actor_died(replicas[1].replica_id)
     await asyncio.sleep(0.01)
-    assert await index.match("m", request.routing_digests, ["b"]) == {"b": 0}
+    assert await index.match("m", digests, ["b"]) == {"b": 0}
 
 
 # ---- faults of issue 8 ------------------------------------------------------------------------

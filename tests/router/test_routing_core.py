@@ -9,6 +9,7 @@ from collections import Counter
 
 import pytest
 
+from contract.load import ReplicaMetadata, RoutingStats
 from router.routing.ledger import SentEntry, SentLedger
 from router.routing.policies import (
     POLICY_NAMES,
@@ -18,7 +19,6 @@ from router.routing.policies import (
     RoundRobinPolicy,
     make_policy,
 )
-from router.routing.replica_stats import parse_request_tokens, parse_routing_stats
 from router.routing.request_input import RoutingInput, uncached_tokens
 
 BLOCK = 16
@@ -169,18 +169,35 @@ def test_make_policy_names_each_policy():
 # ---- stats and the ledger ---------------------------------------------------------------------
 
 
+def _queued_and_time(stats) -> tuple[int, float | None]:
+    report = RoutingStats.from_wire(stats)
+    return report.queued_tokens, report.time
+
+
 def test_parse_routing_stats_is_defensive():
-    assert parse_routing_stats({"queued_tokens": 12, "time": 5.0}) == (12, 5.0)
-    assert parse_routing_stats({}) == (0, None)
-    assert parse_routing_stats(None) == (0, None)
-    assert parse_routing_stats({"queued_tokens": "lots", "time": True}) == (0, None)
-    assert parse_routing_stats({"queued_tokens": -3, "time": float("nan")}) == (0, None)
+    assert _queued_and_time({"queued_tokens": 12, "time": 5.0}) == (12, 5.0)
+    assert _queued_and_time({}) == (0, None)
+    assert _queued_and_time(None) == (0, None)
+    assert _queued_and_time({"queued_tokens": "lots", "time": True}) == (0, None)
+    assert _queued_and_time({"queued_tokens": -3, "time": float("nan")}) == (0, None)
 
 
 def test_parse_request_tokens_skips_malformed_entries():
-    assert parse_request_tokens({"requests": {"a": 5, "b": -1, 3: 4, "c": "x"}}) == {"a": 5}
-    assert parse_request_tokens({"queued_tokens": 3}) is None
-    assert parse_request_tokens(None) is None
+    requests = {"a": 5, "b": -1, 3: 4, "c": "x"}
+    assert RoutingStats.from_wire({"requests": requests}).requests == {"a": 5}
+    assert RoutingStats.from_wire({"queued_tokens": 3}).requests is None
+    assert RoutingStats.from_wire(None).requests is None
+
+
+def test_routing_stats_round_trip_their_wire_form():
+    """The worker writes and the router reads one type: every field survives the dict Serve
+    carries, and the model key and worker id are read back; blanks read as unknown."""
+    stats = RoutingStats(queued_tokens=40, requests={"r1": 30, "r2": 10}, running=1, waiting=1,
+                         time=12.5, model_key="ab" * 32, worker_id="w1")
+    assert RoutingStats.from_wire(stats.to_wire()) == stats
+    metadata = ReplicaMetadata("k", "w")
+    assert ReplicaMetadata.from_wire(metadata.to_wire()) == metadata
+    assert ReplicaMetadata.from_wire({"model_key": "", "worker_id": 3}) == ReplicaMetadata()
 
 
 def test_ledger_snapshot_and_age_clear_entries():

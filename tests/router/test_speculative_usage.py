@@ -14,8 +14,8 @@ from openai_fakes import (
     sse_events,
 )
 
-from router.openai_app import sum_spec_usage
-from workers.request import GenerationChunk, GenerationRequest, SpecUsage
+from contract.request import GenerationChunk, GenerationRequest, SpecUsage
+from router.api.usage import sum_spec_usage
 
 
 @pytest.fixture

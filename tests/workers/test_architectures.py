@@ -31,10 +31,10 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from contract.request import GenerationChunk, GenerationRequest, SamplingParams
 from workers.engine import LLMEngine
 from workers.model_loader import LoadedModel, model_digest
 from workers.model_support import check_supported
-from workers.request import GenerationChunk, GenerationRequest, SamplingParams
 
 SEED = 0
 NEW_TOKENS = 12

@@ -14,10 +14,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from contract.identity import block_digests
+from contract.kv_events import KVEvent
+from contract.request import GenerationChunk, GenerationRequest, InvalidRequestError, SamplingParams
 from workers.async_engine import AsyncEngine
-from workers.identity import block_digests
-from workers.kv_events import KVEvent
-from workers.request import GenerationChunk, GenerationRequest, InvalidRequestError, SamplingParams
 
 BLOCK = 16
 
@@ -119,6 +119,32 @@ async def test_invalid_request_raises_before_any_chunk(async_engine):
     assert [c.completion_tokens for c in chunks][-1] == 3
     assert chunks[-1].finish_reason == "length"
     assert async_engine.engine.pool.num_in_use == 0
+
+
+async def test_a_request_is_validated_once_at_the_engines_door(async_engine, monkeypatch):
+    """The worker process checks a request once: the sampling ranges and the context."""
+    calls = {"validate": 0, "check_context": 0}
+    for name in calls:
+        original = getattr(SamplingParams, name)
+
+        def counted(self, *args, _name=name, _original=original):
+            calls[_name] += 1
+            return _original(self, *args)
+        monkeypatch.setattr(SamplingParams, name, counted)
+    chunks = await collect(async_engine, greedy("once", prompt(3, 20), max_tokens=4, n=2))
+    assert len(ids(chunks)) == 8
+    assert calls == {"validate": 1, "check_context": 1}
+
+
+async def test_a_submitted_stream_closed_unread_aborts_its_request(async_engine):
+    engine = async_engine.engine
+    stream = async_engine.submit(greedy("unread", prompt(4, 40), max_tokens=400))
+    stream.close()  # the caller went away before reading a chunk
+    after = await collect(async_engine, greedy("after-unread", prompt(5, 20), max_tokens=2))
+    assert after[-1].finish_reason == "length"
+    assert engine.sequence("unread") is None
+    assert engine.pool.num_in_use == 0
+    assert engine.counters.decode_tokens < 399
 
 
 async def test_kv_events_reach_the_callback(async_engine, events):

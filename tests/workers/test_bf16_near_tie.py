@@ -24,8 +24,8 @@ import pytest
 import torch
 from near_tie import GreedyTrace, assert_matches_until_near_tie, captured_logits, greedy_trace
 
+from contract.request import GenerationRequest, SamplingParams
 from workers.model_loader import LoadedModel, load_model
-from workers.request import GenerationRequest, SamplingParams
 
 NEW_TOKENS = 24
 BLOCK = 16

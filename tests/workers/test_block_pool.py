@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from contract.identity import block_digests
+from contract.kv_events import KVEvent, decode_events, encode_events
+from contract.request import GenerationRequest
 from workers.block_manager import BlockManager
 from workers.block_pool import BlockPool, NoFreeBlocksError
-from workers.identity import block_digests
-from workers.kv_events import KVEvent, decode_events, encode_events
-from workers.request import GenerationRequest
 from workers.sequence import Sequence
 
 BLOCK = 4

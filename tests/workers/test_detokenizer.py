@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from contract.request import GenerationRequest, SamplingParams
 from workers.detokenizer import IncrementalDetokenizer
-from workers.request import GenerationRequest, SamplingParams
 
 TEXT = "Hello world, this is the end."
 

@@ -10,12 +10,12 @@ import torch
 from test_engine_equality import tiny_prompts
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from contract.request import GenerationRequest, SamplingParams
 from workers.config import EngineConfig
 from workers.model_loader import LoadedModel, model_digest
-from workers.request import GenerationRequest, SamplingParams
-from workers.spec.config import SpeculativeConfig
-from workers.spec.draft_model import DraftModelProposer
-from workers.spec.proposer import ProposalRequest
+from workers.speculative.config import SpeculativeConfig
+from workers.speculative.draft_model import DraftModelProposer
+from workers.speculative.proposer import ProposalRequest
 
 SPEC = SpeculativeConfig(method="model", draft_model="tiny-draft", num_speculative_tokens=4,
                          adaptive=False)

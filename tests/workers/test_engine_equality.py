@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from contract.request import GenerationChunk, GenerationRequest, SamplingParams
 from workers.model_loader import LoadedModel
-from workers.request import GenerationChunk, GenerationRequest, SamplingParams
 
 NEW_TOKENS = 16
 BLOCK = 16

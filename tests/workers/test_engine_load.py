@@ -7,7 +7,7 @@ without ``max_tokens``, which may generate to the end of the context, look nearl
 
 from __future__ import annotations
 
-from workers.request import GenerationRequest, SamplingParams
+from contract.request import GenerationRequest, SamplingParams
 
 
 def test_load_is_uncomputed_prompt_plus_the_rest_of_the_output_budget(make_engine, tiny_qwen):

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from contract.request import GenerationChunk, GenerationRequest, SamplingParams
 from workers.async_engine import AsyncEngine, EngineDeadError
 from workers.engine import StepFailedError
-from workers.request import GenerationChunk, GenerationRequest, SamplingParams
 
 
 def prompt(seed: int, length: int) -> list[int]:

@@ -10,9 +10,9 @@ import threading
 
 import psutil
 
+from contract.request import GenerationRequest, SamplingParams
 from workers.async_engine import AsyncEngine
 from workers.heap_trim import HeapTrimmer
-from workers.request import GenerationRequest, SamplingParams
 
 LIBC = ctypes.CDLL(ctypes.util.find_library("c"))
 LIBC.malloc.restype = ctypes.c_void_p

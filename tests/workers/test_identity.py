@@ -9,7 +9,7 @@ import itertools
 import numpy as np
 import pytest
 
-from workers.identity import (
+from contract.identity import (
     ANONYMOUS_TENANT,
     AdapterRef,
     CacheIdentity,

@@ -12,9 +12,9 @@ import re
 import torch
 
 import workers.sequence
-from workers.identity import CacheNamespace, block_digest, block_digests, tenant_from_api_key
-from workers.kv_events import KVEvent
-from workers.request import GenerationChunk, GenerationRequest, SamplingParams
+from contract.identity import CacheNamespace, block_digest, block_digests, tenant_from_api_key
+from contract.kv_events import KVEvent
+from contract.request import GenerationChunk, GenerationRequest, SamplingParams
 
 BLOCK = 16
 MAX_TOKENS = 8

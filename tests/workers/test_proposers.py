@@ -11,11 +11,11 @@ from collections import Counter
 
 import pytest
 
-from workers.spec.build import build_proposer
-from workers.spec.config import SpeculativeConfig
-from workers.spec.ngram import NgramProposer
-from workers.spec.proposer import ProposalRequest
-from workers.spec.suffix import SuffixProposer
+from workers.speculative.build import build_proposer
+from workers.speculative.config import SpeculativeConfig
+from workers.speculative.ngram import NgramProposer
+from workers.speculative.proposer import ProposalRequest
+from workers.speculative.suffix import SuffixProposer
 
 
 def req(request_id: str, token_ids: list[int], k: int = 4) -> ProposalRequest:

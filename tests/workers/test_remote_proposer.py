@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from workers.spec.proposer import ProposalRequest
-from workers.spec.remote import BACKOFF_INITIAL_S, BACKOFF_MAX_S, RemoteProposer
+from workers.speculative.proposer import ProposalRequest
+from workers.speculative.remote import BACKOFF_INITIAL_S, BACKOFF_MAX_S, RemoteProposer
 
 
 class FakeResponse:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.request import GenerationRequest, SamplingParams
+from contract.request import GenerationRequest, SamplingParams
 from workers.request_metrics import (
     DECODE,
     E2E,

@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy import stats
 
-from workers.request import GenerationRequest, SamplingParams
+from contract.request import GenerationRequest, SamplingParams
 from workers.sampler import SamplingRow, filtered_probs, sample
 
 LOGITS = torch.tensor([2.0, 1.5, 1.2, 0.9, 0.3, 0.0, -0.4, -1.0, -2.0, -3.0])

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from contract.request import GenerationChunk, GenerationRequest, SamplingParams
 from workers.model_loader import LoadedModel
-from workers.request import GenerationChunk, GenerationRequest, SamplingParams
 
 EOS = 2  # the tiny model's EOS
 PROMPT = list(range(100, 140))  # 40 tokens: two full 16-token blocks plus 8
@@ -65,7 +65,7 @@ def test_logit_bias_moves_the_argmax(tiny_qwen, make_engine):
 
 
 def test_logit_bias_outside_the_vocabulary_is_refused(tiny_qwen, make_engine):
-    from workers.request import InvalidRequestError
+    from contract.request import InvalidRequestError
     engine = make_engine(tiny_qwen, num_blocks=32)
     with pytest.raises(InvalidRequestError) as info:
         engine.add_request(GenerationRequest("r", PROMPT, SamplingParams(logit_bias={1000: 1})))

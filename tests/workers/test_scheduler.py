@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from contract.request import GenerationChunk, GenerationRequest, InvalidRequestError, SamplingParams
 from workers.block_manager import BlockManager
 from workers.block_pool import BlockPool
-from workers.request import GenerationChunk, GenerationRequest, InvalidRequestError, SamplingParams
 from workers.scheduler import Scheduler
 from workers.sequence import Sequence
 

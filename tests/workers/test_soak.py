@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 import random
 
+from contract.kv_events import KVEvent
+from contract.request import GenerationChunk, GenerationRequest, SamplingParams
 from workers.async_engine import AsyncEngine
-from workers.kv_events import KVEvent
-from workers.request import GenerationChunk, GenerationRequest, SamplingParams
 
 NUM_REQUESTS = 500
 NUM_BLOCKS = 24

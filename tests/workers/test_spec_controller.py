@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from workers.request import SpecUsage
-from workers.spec.controller import DraftLengthController, StepCostModel
+from contract.request import SpecUsage
+from workers.speculative.controller import DraftLengthController, StepCostModel
 
 
 def usage_with(acceptance: list[float], trials: int = 1000) -> SpecUsage:

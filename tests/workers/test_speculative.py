@@ -12,13 +12,13 @@ import torch
 from scipy.stats import chisquare
 from test_engine_equality import tiny_prompts
 
-from workers.identity import block_digest
-from workers.request import GenerationRequest, SamplingParams
+from contract.identity import block_digest
+from contract.request import GenerationRequest, SamplingParams
 from workers.sampler import SamplingRow, filtered_probs
-from workers.spec.config import SpeculativeConfig
-from workers.spec.ngram import NgramProposer
-from workers.spec.proposer import ProposalRequest
-from workers.spec.verify import verify_drafts
+from workers.speculative.config import SpeculativeConfig
+from workers.speculative.ngram import NgramProposer
+from workers.speculative.proposer import ProposalRequest
+from workers.speculative.verify import verify_drafts
 
 K = 4
 

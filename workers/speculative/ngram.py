@@ -8,7 +8,7 @@ followed the most recent earlier occurrence are proposed. The longest ``n`` in
 
 from __future__ import annotations
 
-from workers.spec.proposer import ProposalRequest
+from workers.speculative.proposer import ProposalRequest
 
 
 class NgramProposer:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from workers.identity import CacheNamespace
+from contract.identity import CacheNamespace, PromptDigests
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -123,11 +123,31 @@ class SamplingParams:
             raise InvalidRequestError("logit_bias values must be in [-100, 100]", "logit_bias")
         if not 1 <= self.n <= MAX_CHOICES:
             raise InvalidRequestError(f"n must be in [1, {MAX_CHOICES}]", "n")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise InvalidRequestError("min_tokens must be in [0, max_tokens]", "min_tokens")
+        self.check_min_tokens()
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]",
                                       "logprobs")
+
+    def check_min_tokens(self) -> None:
+        """Raises :class:`InvalidRequestError` unless ``0 <= min_tokens <= max_tokens``."""
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError("min_tokens must be in [0, max_tokens]", "min_tokens")
+
+    def check_context(self, prompt_tokens: int, max_model_len: int) -> None:
+        """Raises :class:`InvalidRequestError` (code ``context_length_exceeded``) unless a
+        prompt of ``prompt_tokens`` leaves room for output and ``max_tokens`` more fit within
+        ``max_model_len`` tokens: ``param`` is ``prompt`` when the prompt alone leaves no room,
+        else ``max_tokens``."""
+        if prompt_tokens >= max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_model_len} tokens, and the "
+                f"prompt has {prompt_tokens} tokens, leaving no room for output", "prompt",
+                "context_length_exceeded")
+        if prompt_tokens + self.max_tokens > max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_model_len} tokens; the prompt "
+                f"has {prompt_tokens} tokens and max_tokens asks for {self.max_tokens} more",
+                "max_tokens", "context_length_exceeded")
 
     def for_choice(self, index: int) -> SamplingParams:
         """The parameters of choice ``index`` of an ``n > 1`` request: seed + index (mod
@@ -146,15 +166,18 @@ class GenerationRequest:
         token_ids: the prompt, already tokenized (chat template applied) by the ingress.
         sampling: sampling parameters.
         namespace: the cache scope (tenant, salt) this request may share KV within.
-        routing_digests: block digests of the prompt under the deployment's identity, computed
-            once by the ingress for the prefix-aware router. Workers recompute their own.
+        prompt_digests: the prompt's block digests under the deployment's identity and
+            ``namespace``, computed once by the ingress: the prefix-aware router looks them up
+            in the index, and the worker uses them once :meth:`PromptDigests.verified
+            <contract.identity.PromptDigests.verified>` against its own identity (else it
+            hashes the prompt itself). None when not computed.
     """
 
     request_id: str
     token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     namespace: CacheNamespace = field(default_factory=CacheNamespace)
-    routing_digests: list[bytes] = field(default_factory=list)
+    prompt_digests: PromptDigests | None = None
 
 
 @dataclass

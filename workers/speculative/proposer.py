@@ -1,7 +1,7 @@
 """The interface every draft proposer implements, local or behind a draft replica.
 
 A proposal is never output: the target engine verifies it in one forward pass and commits only
-what verification accepts (``workers.spec.verify``). Proposers see token ids only.
+what verification accepts (``workers.speculative.verify``). Proposers see token ids only.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ class ProposalRequest:
 class Proposer(Protocol):
     """Proposes draft tokens for a batch of sequences.
 
-    Implementations: ``workers.spec.ngram.NgramProposer`` (prompt lookup over the request's own
-    tokens), ``workers.spec.suffix.SuffixProposer`` (a suffix index over every sequence the
-    proposer has seen), ``workers.spec.remote.RemoteProposer`` (either of them on a draft
-    replica).
+    Implementations: ``workers.speculative.ngram.NgramProposer`` (prompt lookup over the
+    request's own tokens), ``workers.speculative.suffix.SuffixProposer`` (a suffix index over
+    every sequence the proposer has seen), ``workers.speculative.remote.RemoteProposer`` (either
+    of them on a draft replica).
     """
 
     name: str

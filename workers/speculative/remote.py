@@ -1,5 +1,5 @@
 """A proposer on draft replicas (``cluster.draft_deployment.DraftProposer``), seen by the engine
-as any other :class:`~workers.spec.proposer.Proposer`.
+as any other :class:`~workers.speculative.proposer.Proposer`.
 
 The draft/target protocol (DESIGN §Speculation): token ids only on the wire; one batched call
 per engine step for every speculating sequence; a deadline per call. A late or failed call
@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from workers.spec.proposer import ProposalRequest
+from workers.speculative.proposer import ProposalRequest
 
 log = logging.getLogger(__name__)
 

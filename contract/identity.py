@@ -9,6 +9,8 @@ root digest; block digests chain from it, in the manner of vLLM v1's prefix-cach
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import hmac
 from collections.abc import Sequence
@@ -74,30 +76,60 @@ class CacheIdentity:
 
     def with_namespace(self, namespace: CacheNamespace) -> CacheIdentity:
         """The same model identity under another access scope."""
-        return CacheIdentity(
-            self.model_digest, self.numerics, self.block_size, self.adapter, namespace
-        )
+        return dataclasses.replace(self, namespace=namespace)
 
-    @property
+    @functools.cached_property
     def model_key(self) -> str:
-        """Hex digest of the identity without its namespace.
+        """Hex digest of the identity without its namespace (computed once per instance).
 
         Workers whose blocks could ever be interchangeable share a model key; the digest index
         groups entries by it. Tenants are not part of it: their separation lives in the chained
-        block digests themselves (see :attr:`root_digest`).
+        block digests themselves (see :meth:`root_for`).
         """
         adapter = self.adapter or AdapterRef("", "")
         fields = ("model", self.model_digest, self.numerics, str(self.block_size),
                   adapter.adapter_id, adapter.weights_digest)
         return _hash_fields(fields).hex()
 
-    @property
-    def root_digest(self) -> bytes:
-        """The 32-byte digest block 0's digest chains from."""
-        salt = self.namespace.cache_salt
-        fields = ("root", self.model_key, "tenant", self.namespace.tenant,
+    def root_for(self, namespace: CacheNamespace) -> bytes:
+        """The 32-byte digest block 0's digest chains from, for a request in ``namespace``."""
+        salt = namespace.cache_salt
+        fields = ("root", self.model_key, "tenant", namespace.tenant,
                   "salt", "" if salt is None else "1" + salt)
         return _hash_fields(fields)
+
+    @property
+    def root_digest(self) -> bytes:
+        """:meth:`root_for` this identity's own namespace."""
+        return self.root_for(self.namespace)
+
+
+@dataclass(frozen=True)
+class PromptDigests:
+    """A prompt's chained block digests, as the ingress computed them once for the router and
+    the worker.
+
+    Attributes:
+        model_key: :attr:`CacheIdentity.model_key` of the identity they chain under, so the
+            ingress sees without hashing whether they are current after a redeploy.
+        digests: one 32-byte digest per full block of the prompt (:func:`block_digests`).
+    """
+
+    model_key: str
+    digests: list[bytes]
+
+    def verified(self, root: bytes, token_ids: Sequence[int], block_size: int) -> bool:
+        """Whether these are the digests of ``token_ids`` under ``root``, checked as cheaply
+        as is sound: one digest per full block, and the first one recomputed.
+
+        Every later digest chains from the first through :func:`block_digest`, so a chain
+        made under another model, numerics, adapter or namespace (another root) fails here;
+        a block found in the cache under any of them is still checked against its token ids
+        and its parent's digest (``workers.block_pool``).
+        """
+        if len(self.digests) != len(token_ids) // block_size:
+            return False
+        return not self.digests or self.digests[0] == block_digest(root, token_ids[:block_size])
 
 
 def _hash_fields(fields: Sequence[str]) -> bytes:
@@ -125,7 +157,7 @@ def block_digests(root: bytes, token_ids: Sequence[int], block_size: int) -> lis
     """Chained digests of every full block of ``token_ids``.
 
     Args:
-        root: the identity's root digest (:attr:`CacheIdentity.root_digest`).
+        root: the identity's root digest (:meth:`CacheIdentity.root_for`).
         token_ids: the token sequence, ``len(token_ids) // block_size`` full blocks are hashed;
             a trailing partial block gets no digest.
         block_size: tokens per block.
@@ -151,3 +183,10 @@ def tenant_from_api_key(api_key: str | None, secret: bytes) -> str:
     if not api_key:
         return ANONYMOUS_TENANT
     return hmac.new(secret, api_key.encode(), hashlib.sha256).hexdigest()
+
+
+def prompt_digests(identity: CacheIdentity, namespace: CacheNamespace,
+                   token_ids: Sequence[int]) -> PromptDigests:
+    """The block digests of a prompt of ``namespace`` under ``identity``'s model."""
+    root = identity.root_for(namespace)
+    return PromptDigests(identity.model_key, block_digests(root, token_ids, identity.block_size))

@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 
-from workers.spec.proposer import ProposalRequest
+from workers.speculative.proposer import ProposalRequest
 
 
 class _Seq:

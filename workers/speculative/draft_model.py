@@ -8,22 +8,27 @@ hit again (they age out of the draft's LRU). Only the committed tail since the l
 is recomputed per call, then ``k - 1`` decode steps run, batched over every sequence of the call.
 
 Drafting is greedy, so each proposal is one token (a one-hot draft distribution) and the
-target's verification (``workers.spec.verify``) keeps the target's output distribution exactly.
+target's verification (``workers.speculative.verify``) keeps the target's output distribution
+exactly.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from transformers import AutoConfig
 
+from contract.request import GenerationRequest, InvalidRequestError, SamplingParams
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
-from workers.model_loader import LoadedModel, load_tokenizer, resolve_source
-from workers.request import GenerationRequest, InvalidRequestError, SamplingParams
-from workers.spec.proposer import ProposalRequest
+from workers.model_loader import LoadedModel, load_model, load_tokenizer, resolve_source
+from workers.speculative.config import SpeculativeConfig
+from workers.speculative.proposer import ProposalRequest
+
+DRAFT_KV_FRACTION = 4
+"""The draft's KV budget is the target's divided by this."""
 
 
 @dataclass
@@ -95,6 +100,24 @@ class DraftModelProposer:
             target = Vocabulary.of(target)
         check_draft_compatible(target, Vocabulary.of(draft))
         return cls(LLMEngine(config, loaded=draft))
+
+    @classmethod
+    def load(cls, config: SpeculativeConfig, target: LoadedModel | Vocabulary,
+             engine_config: EngineConfig) -> DraftModelProposer:
+        """Loads ``config.draft_model`` and drafts for ``target`` on an engine like
+        ``engine_config`` (the target's), with a quarter of its KV budget.
+
+        Raises:
+            ValueError: no draft model is configured, or its vocabulary or tokenizer differs
+                from the target's.
+        """
+        if not config.draft_model:
+            raise ValueError("the model proposer needs a draft model (--draft-model)")
+        draft = load_model(config.draft_model, engine_config.dtype, engine_config.device)
+        draft_config = replace(engine_config, model=config.draft_model,
+                               speculative=SpeculativeConfig(),
+                               kv_cache_bytes=engine_config.kv_cache_bytes // DRAFT_KV_FRACTION)
+        return cls.for_target(draft, target, draft_config)
 
     def propose(self, requests: list[ProposalRequest]) -> list[list[int]]:
         """Up to ``k`` greedy draft tokens per request, all requests batched in the draft's

@@ -25,7 +25,7 @@ exponentially weighted mean per call.
 
 from __future__ import annotations
 
-from workers.request import SpecUsage
+from contract.request import SpecUsage
 
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_WEIGHT = 2.0
