@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import contract.identity
 from cluster.ingress_deployment import NalarIngress
 from cluster.worker_identity import WorkerIdentity
 from contract.description import WorkerDescription
@@ -57,13 +58,17 @@ def watch_over(workers: FakeWorkers, keys: ReplicaModelKeys, **kwargs) -> Worker
                           **kwargs)
 
 
-async def test_unchanged_workers_leave_the_request_alone():
+async def test_unchanged_workers_leave_the_request_alone(monkeypatch):
     keys = ReplicaModelKeys()
     keys.update(DEPLOYMENT, [OLD.model_key])
     workers = FakeWorkers(description(NEW))
     watch = watch_over(workers, keys)
     request = request_under(OLD)
+    hashed = []
+    monkeypatch.setattr(contract.identity, "_hash_fields", lambda fields: hashed.append(fields))
+    monkeypatch.setattr(contract.identity, "block_digest", lambda *args: hashed.append(args))
     assert await watch.current(request) is request
+    assert hashed == []  # current digests are recognised by their model key, unhashed
     assert watch.identity == OLD and watch.max_model_len == 2048
     assert workers.calls == 0
 

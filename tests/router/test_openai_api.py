@@ -147,6 +147,34 @@ async def test_json_needs_its_content_type(client, backend):
 # -- routing digests and tenancy ---------------------------------------------------------------
 
 
+async def test_the_ingress_hashes_a_prompt_once(client, backend, monkeypatch):
+    """One root digest and one digest per full block of the prompt, each computed once; the
+    request carries them with the model key they chain under."""
+    import contract.identity
+
+    counts = {"fields": 0, "blocks": 0}
+    hash_fields, block_digest = contract.identity._hash_fields, contract.identity.block_digest
+
+    def counted_fields(fields):
+        counts["fields"] += 1
+        return hash_fields(fields)
+
+    def counted_block(parent, tokens):
+        counts["blocks"] += 1
+        return block_digest(parent, tokens)
+
+    assert IDENTITY.model_key  # computed once per identity, not per request
+    monkeypatch.setattr(contract.identity, "_hash_fields", counted_fields)
+    monkeypatch.setattr(contract.identity, "block_digest", counted_block)
+    prompt = list(range(100, 100 + 3 * 16 + 5))
+    response = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+    assert response.status_code == 200, response.text
+    assert counts == {"fields": 1, "blocks": 3}
+    digests = backend.requests[-1].prompt_digests
+    assert digests.model_key == IDENTITY.model_key
+    assert digests.digests == expected_digests(prompt, None)
+
+
 async def test_routing_digests_follow_key_and_salt(client, backend):
     """Case R8 (salted digests): the same token ids under two tenants or two salts get
     disjoint block digests. The workers publish digests chained from the same namespaced
