@@ -6,7 +6,8 @@ attention: at batch 16 and 330-token contexts in fp32 on a 2-core AMD EPYC, that
 14.5 ms and the attention 14.3 ms of a 78 ms step (``torch.profiler``). The kernel is built with
 ``torch.utils.cpp_extension`` on first use, for this CPU (``-march=native``; the build's name
 carries torch's CPU capability, so another CPU builds its own), under
-``$NALAR_CACHE_DIR/kernels`` (default ``~/.cache/nalar/kernels``). ``make`` builds it at
+``$NALAR_CACHE_DIR/kernels`` (default ``~/.cache/nalar/kernels``), in a directory named by a
+digest of the sources, flags and torch version. ``make`` builds it at
 install (``python -m workers.kernels``), so a worker's start only loads it. Where no compiler
 is found, or ``NALAR_NATIVE_KERNELS=0``, it is None and attention keeps the gather path.
 ``NALAR_DISABLE_KERNELS`` names kernels (comma-separated stems: ``paged_decode``,
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -40,11 +42,27 @@ DISABLE_VARIABLE = "NALAR_NATIVE_KERNELS"
 DISABLE_ONE_VARIABLE = "NALAR_DISABLE_KERNELS"
 
 
-def _build_dir(name: str) -> Path:
+def _staged_sources(name: str, stem: str, flags: list[str]) -> Path:
+    """``<stem>.cpp`` and the shared headers, copied into a build directory named by a digest
+    of their content, the flags and torch's version, and the path of the copy to compile.
+
+    torch's builder rebuilds whenever a source's path or a flag changes. Compiling from the
+    package itself made two checkouts of one version (a worktree, an installed copy) rebuild
+    each other's kernels at every start, one minute each, since both wrote one build
+    directory; a content-addressed copy gives every version its own and shares it between
+    checkouts."""
     from workers.model_loader import cache_root
-    path = cache_root() / "kernels" / name
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    sources = [KERNELS / f"{stem}.cpp", *sorted(KERNELS.glob("*.h"))]
+    hasher = hashlib.sha256(f"{torch.__version__}|{' '.join(flags)}".encode())
+    for source in sources:
+        hasher.update(source.name.encode() + b"\0" + source.read_bytes())
+    build_dir = cache_root() / "kernels" / f"{name}-{hasher.hexdigest()[:16]}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    for source in sources:
+        staged = build_dir / source.name
+        if not staged.is_file() or staged.read_bytes() != source.read_bytes():
+            staged.write_bytes(source.read_bytes())
+    return build_dir / f"{stem}.cpp"
 
 
 def _put_ninja_on_path() -> None:
@@ -127,9 +145,10 @@ def _build(stem: str) -> ModuleType | None:
     flags = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off",
              f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
     try:
-        return cpp_extension.load(name=name, sources=[str(KERNELS / f"{stem}.cpp")],
-                                  extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                                  build_directory=str(_build_dir(name)), verbose=False)
+        source = _staged_sources(name, stem, flags)
+        return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=flags,
+                                  extra_ldflags=["-fopenmp"],
+                                  build_directory=str(source.parent), verbose=False)
     except Exception as exc:  # no compiler, headers or toolchain: keep the torch path
         logger.warning("native kernel %s unavailable (%s); the torch path serves instead",
                        stem, exc)
