@@ -19,8 +19,8 @@ class ServingBackend(Protocol):
     Attributes:
         served_model_name: the only ``model`` requests may name.
         max_model_len: context length in tokens (prompt plus output).
-        identity: the worker deployment's cache identity (anonymous namespace); the app derives
-            each request's root digest with ``identity.with_namespace(ns).root_digest``.
+        identity: the worker deployment's cache identity (anonymous namespace); the app hashes
+            each prompt under it once (:func:`contract.identity.prompt_digests`).
         namespace_secret: the key of :func:`~contract.identity.tenant_from_api_key`.
         tokenizer: the workers' transformers tokenizer, chat template included.
     """
