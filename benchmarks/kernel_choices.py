@@ -5,19 +5,18 @@
    count: where prepacking pays, where it stops, and how far the results differ.
 2. Causal flash attention of one prompt on strided head views (as they come out of the fused
    qkv projection) against contiguous head-major copies: whether copying first pays (it did
-   not, measured: ``workers.paged_attention`` attends to the views).
+   not, measured: ``workers.attention.paged`` attends to the views).
 3. Decode attention over the paged cache, fp32 and bf16, per batch and context length: our
    native kernel reading blocks in place (``workers.kernels``) against gathering the blocks
    into a copy for torch's SDPA, with the tables scattered over the pool as a running worker's
    are, and the largest difference between the two. These loops keep one layer's KV in the
    CPU's caches; a step does not, so the native kernel is also timed over 30 layers' caches
    at 16 x 512 tokens (``decode_attention_from_dram``), next to only reading those blocks.
-4. Prefill attention in bf16 (``workers.paged_attention.prefill_kernel``), one layer, for
-   each ``--prefill-cases`` (new tokens + cached tokens): our kernel (AMX tiles or
+4. Prefill attention in bf16 (``workers.attention.kernel_choice.prefill_kernel``), one layer,
+   for each ``--prefill-cases`` (new tokens + cached tokens): our kernel (AMX tiles or
    AVX512-BF16, ``prefill_backend`` in the JSON) reading the cached context in place against
-   torch's flash kernel (two calls and a log-sum-exp merge
-   over a gathered copy when there is cached context), trials alternating between the two;
-   fastest and median.
+   torch's flash kernel (two calls and a log-sum-exp merge over a gathered copy when there is
+   cached context), trials alternating between the two; fastest and median.
 
 Writes JSON; ``--quick`` for a smoke run.
 """
@@ -30,8 +29,8 @@ import random
 import torch
 import torch.nn.functional as F
 
+from workers.attention.kernel_choice import prefill_kernel
 from workers.model_loader import parse_dtype
-from workers.paged_attention import prefill_kernel
 
 try:
     from benchmarks import common
@@ -105,25 +104,23 @@ def decode_attention(cases: list[tuple[int, int]], repeats: int) -> dict:
 
 
 def _decode_case(cache, batch: int, context: int, repeats: int) -> dict:
-    from workers import paged_attention
+    from workers.attention import metadata, paged
     from workers.kernels import paged_decode
 
     blocks = random.Random(0).sample(range(DECODE_POOL_BLOCKS),
                                      batch * -(-context // DECODE_BLOCK))
     per_row = len(blocks) // batch
     tables = [blocks[i * per_row:(i + 1) * per_row] for i in range(batch)]
-    groups = {native: paged_attention.build_metadata(
+    groups = {native: metadata.build_metadata(
         cache, tables, [context - 1] * batch, [1] * batch, torch.device("cpu"),
         native_decode=native).decode_groups[0] for native in (False, True)}
     query = torch.randn(batch, HEADS, HEAD_DIM).to(cache.keys[0].dtype)
 
     def gathered():
-        return paged_attention._attend_gathered(0, query, groups[False], cache,
-                                                HEAD_DIM ** -0.5)
+        return paged._attend_gathered(0, query, groups[False], cache, HEAD_DIM ** -0.5)
 
     def native():
-        return paged_attention._attend_decodes_in_place(0, query, groups[True], cache,
-                                                        HEAD_DIM ** -0.5)
+        return paged._attend_decodes_in_place(0, query, groups[True], cache, HEAD_DIM ** -0.5)
 
     entry = {"gather_ms": common.median_time(gathered, repeats) * 1e3, "native_ms": None,
              "max_abs_difference": None}
@@ -139,7 +136,7 @@ def decode_attention_from_dram(batch: int, context: int, layers: int, repeats: i
     comes from DRAM rather than from the caches a one-layer loop keeps warm. Milliseconds a
     step for the native kernel, and the floor: the bytes it reads at the sequential read
     bandwidth of the same caches (``sum`` over every pool, which is twice the bytes read)."""
-    from workers import paged_attention
+    from workers.attention import metadata, paged
     from workers.kernels import paged_decode
     from workers.kv_cache import PagedKVCache
 
@@ -154,14 +151,13 @@ def decode_attention_from_dram(batch: int, context: int, layers: int, repeats: i
         cache.values[0].normal_()
     blocks = random.Random(0).sample(range(pool), batch * per_row)
     tables = [blocks[i * per_row:(i + 1) * per_row] for i in range(batch)]
-    group = paged_attention.build_metadata(caches[0], tables, [context - 1] * batch, [1] * batch,
-                                           torch.device("cpu"),
-                                           native_decode=True).decode_groups[0]
+    group = metadata.build_metadata(caches[0], tables, [context - 1] * batch, [1] * batch,
+                                    torch.device("cpu"), native_decode=True).decode_groups[0]
     query = torch.randn(batch, HEADS, HEAD_DIM).bfloat16()
 
     def attend():
         for cache in caches:
-            paged_attention._attend_decodes_in_place(0, query, group, cache, HEAD_DIM ** -0.5)
+            paged._attend_decodes_in_place(0, query, group, cache, HEAD_DIM ** -0.5)
 
     def read():
         for cache in caches:
@@ -197,7 +193,7 @@ def prefill_attention(cases: list[tuple[int, int]], repeats: int) -> dict:
 
 
 def _prefill_case(new: int, cached: int, repeats: int) -> dict:
-    from workers import paged_attention
+    from workers.attention import metadata, paged
     from workers.kv_cache import PagedKVCache
 
     blocks = -(-(new + cached) // DECODE_BLOCK)
@@ -207,12 +203,11 @@ def _prefill_case(new: int, cached: int, repeats: int) -> dict:
     cache.values[0].normal_()
     table = torch.tensor(random.Random(0).sample(range(blocks + 8), blocks))
     cached_blocks = table[:-(-cached // DECODE_BLOCK)] if cached else None
-    span = paged_attention.PrefillSpan(0, new, cached, cached_blocks)
+    span = metadata.PrefillSpan(0, new, cached, cached_blocks)
     qkv = torch.randn(new, (HEADS + 2 * KV_HEADS) * HEAD_DIM, dtype=torch.bfloat16)
     q, k, v = (x.view(new, -1, HEAD_DIM) for x in qkv.split(
         [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1))
-    kernels = {"native": paged_attention._attend_span_native,
-               "flash": paged_attention._attend_span}
+    kernels = {"native": paged._attend_span_native, "flash": paged._attend_span}
 
     def attend(name: str) -> torch.Tensor:
         return kernels[name](0, q, k, v, span, cache, HEAD_DIM ** -0.5)

@@ -22,6 +22,7 @@ from contract.request import (
     SpecUsage,
     TokenLogprob,
 )
+from workers.attention.transformers_adapter import ATTN_IMPLEMENTATION
 from workers.block_manager import BlockManager
 from workers.block_pool import BlockPool
 from workers.choices import Choices
@@ -32,7 +33,6 @@ from workers.model_loader import LoadedModel, load_model, numerics_tag
 from workers.model_runner import ModelRunner
 from workers.model_support import check_supported
 from workers.models.linear import bound_primitive_caches
-from workers.paged_attention import ATTN_IMPLEMENTATION
 from workers.request_metrics import RequestMetrics
 from workers.sampler import SampledToken, SamplingRow, sample
 from workers.scheduler import ScheduledBatch, Scheduler

@@ -2,7 +2,7 @@
 
 Llama-style architectures run on the compact implementation in ``workers.models`` (fused
 projections, no per-layer module dispatch); every other architecture runs transformers' own
-modules with ``workers.paged_attention`` plugged in through ``AttentionInterface``. Either way
+modules with ``workers.attention`` plugged in through ``AttentionInterface``. Either way
 only the rows that are sampled go through the LM head, so a 1,024-token prefill pays for one row
 of vocabulary logits, not 1,024.
 """
@@ -12,19 +12,18 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from workers.kv_cache import PagedKVCache
-from workers.models import compact_model_for
-from workers.models.linear import linear_kernel
-from workers.paged_attention import (
-    ATTN_IMPLEMENTATION,
+from workers.attention.kernel_choice import (
     FLASH_PREFILL,
     NATIVE_DECODE,
-    AttentionMetadata,
-    build_metadata,
     decode_kernel,
     decode_score_products,
     prefill_kernel,
 )
+from workers.attention.metadata import AttentionMetadata, build_metadata
+from workers.attention.transformers_adapter import ATTN_IMPLEMENTATION
+from workers.kv_cache import PagedKVCache
+from workers.models import compact_model_for
+from workers.models.linear import linear_kernel
 from workers.scheduler import ScheduledBatch
 
 
@@ -41,12 +40,13 @@ class ModelRunner:
         linear_kernel: the small-batch matmul kernel of the compact path (``aten`` on the
             transformers path); see ``workers.models.linear``.
         decode_kernel: what plain decodes attend with (``native-paged`` or ``gather-sdpa``);
-            see ``workers.paged_attention.decode_kernel``.
+            see ``workers.attention.kernel_choice.decode_kernel``.
         decode_scores: what the native decode kernel computes bf16 scores with (``tiles``,
             ``pairs``, or empty for widened dot products); see
-            ``workers.paged_attention.decode_score_products``.
+            ``workers.attention.kernel_choice.decode_score_products``.
         prefill_kernel: what prompts and prefill chunks attend with (``amx-tiles``,
-            ``avx512-bf16`` or ``sdpa-flash``); see ``workers.paged_attention.prefill_kernel``.
+            ``avx512-bf16`` or ``sdpa-flash``); see
+            ``workers.attention.kernel_choice.prefill_kernel``.
         norm_kernel: what the compact path's RMSNorms run on (``native`` or ``torch``; ``torch``
             on the transformers path); see ``workers.models.norm``.
     """

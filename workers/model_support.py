@@ -1,7 +1,7 @@
 """Refuse, at load, models whose forward pass needs something the engine would silently drop.
 
 The engine runs a model's projections and MLPs as the model defines them, but replaces its
-attention (``workers.paged_attention``: plain causal softmax attention over the paged cache,
+attention (``workers.attention``: plain causal softmax attention over the paged cache,
 which ignores every extra keyword a transformers attention module passes: ``sliding_window``,
 ``softcap``, ``s_aux``, ...) and feeds one flat ``[1, T]`` batch of all scheduled sequences.
 Anything that changes attention, or that depends on the batch's shape, would be dropped without

@@ -10,9 +10,9 @@ import subprocess
 import pytest
 import torch
 
-from workers import paged_attention
+from workers.attention.kernel_choice import GATHER_DECODE, NATIVE_DECODE, decode_kernel
+from workers.attention.metadata import build_metadata
 from workers.kernels import paged_decode
-from workers.paged_attention import GATHER_DECODE, NATIVE_DECODE, decode_kernel
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 32, 4
 CPU = torch.device("cpu")
@@ -91,17 +91,15 @@ def test_native_decode_groups_are_chosen_once_per_step_and_carry_no_mask():
     from workers.kv_cache import PagedKVCache
     cache = PagedKVCache(1, 8, BLOCK, KV_HEADS, DIM, torch.float32, CPU)
     tables, computed = [[0, 1, 2], [3, 4]], [10, 5]  # contexts 11 and 6: padded to 12
-    native = paged_attention.build_metadata(cache, tables, computed, [1, 1], CPU)
-    gathered = paged_attention.build_metadata(cache, tables, computed, [1, 1], CPU,
-                                              native_decode=False)
+    native = build_metadata(cache, tables, computed, [1, 1], CPU)
+    gathered = build_metadata(cache, tables, computed, [1, 1], CPU, native_decode=False)
     [group] = native.decode_groups
     assert group.native and group.mask is None and group.padding is None
     assert group.lengths.tolist() == [11, 6]
     [group] = gathered.decode_groups
     assert not group.native and group.mask is not None and len(group.padding) == 1 + 6
     # A verification block (q_len 2) never takes the native path, which has no causal mask.
-    verify = paged_attention.build_metadata(cache, tables, computed, [2, 1], CPU,
-                                            verify=[True, False])
+    verify = build_metadata(cache, tables, computed, [2, 1], CPU, verify=[True, False])
     assert [(g.q_len, g.native) for g in verify.decode_groups] == [(1, True), (2, False)]
 
 
@@ -110,15 +108,14 @@ def test_native_plain_decodes_are_one_group_in_row_order_whatever_their_lengths(
     cache = PagedKVCache(1, 16, BLOCK, KV_HEADS, DIM, torch.float32, CPU)
     # contexts 2, 13 and 7 (more than 2x apart), then a verification block of 2 rows
     tables, computed, new = [[0], [1, 2, 3, 4], [5, 6], [7, 8]], [1, 12, 6, 6], [1, 1, 1, 2]
-    native = paged_attention.build_metadata(cache, tables, computed, new, CPU,
-                                            verify=[False, False, False, True])
+    native = build_metadata(cache, tables, computed, new, CPU,
+                            verify=[False, False, False, True])
     plain, verify = native.decode_groups
     assert plain.native and plain.lengths.tolist() == [2, 13, 7]
     assert plain.row_index == slice(0, 3)  # a view of the batch, not a gather
     assert not verify.native and verify.rows.tolist() == [3, 4]
-    gathered = paged_attention.build_metadata(cache, tables, computed, new, CPU,
-                                              verify=[False, False, False, True],
-                                              native_decode=False)
+    gathered = build_metadata(cache, tables, computed, new, CPU,
+                              verify=[False, False, False, True], native_decode=False)
     assert [g.lengths.tolist() for g in gathered.decode_groups] == [[8], [13, 7], [2]]
     assert gathered.decode_groups[1].rows.tolist() == [1, 2]
 

@@ -13,16 +13,12 @@ import math
 import pytest
 import torch
 
-from workers import paged_attention as paged_attention_module
+from workers.attention import kernel_choice
+from workers.attention.kernel_choice import GATHER_DECODE, NATIVE_DECODE, decode_kernel
+from workers.attention.metadata import build_metadata
+from workers.attention.paged import paged_attention
 from workers.kernels import paged_decode
 from workers.kv_cache import PagedKVCache
-from workers.paged_attention import (
-    GATHER_DECODE,
-    NATIVE_DECODE,
-    build_metadata,
-    decode_kernel,
-    paged_attention,
-)
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 32, 4  # 32: the smallest head size the kernel takes
 CPU = torch.device("cpu")
@@ -32,7 +28,7 @@ CPU = torch.device("cpu")
 def decode_path(request, monkeypatch) -> str:
     """Runs the test on one decode path: the gather path by hiding the native kernel."""
     if request.param == GATHER_DECODE:
-        monkeypatch.setattr(paged_attention_module, "paged_decode", lambda: None)
+        monkeypatch.setattr(kernel_choice, "paged_decode", lambda: None)
     elif paged_decode() is None:
         pytest.skip("the native kernel could not be built here (no compiler)")
     assert decode_kernel(torch.float32, CPU, DIM) == request.param

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from workers.attention.kernel_choice import FLASH_PREFILL, prefill_kernel
 from workers.kernels import prefill_attention
-from workers.paged_attention import FLASH_PREFILL, prefill_kernel
 
 CPU = torch.device("cpu")
 BLOCK = 16
@@ -129,8 +129,9 @@ def test_a_bf16_step_routes_its_spans_to_our_kernel():
     """Through build_metadata and paged_attention, as the model calls them: a bf16 cache's
     metadata takes our kernel, and a span over cached context (20 cached tokens, 30 new)
     gets exactly the kernel's output, beside a decode row in the same step."""
+    from workers.attention.metadata import build_metadata
+    from workers.attention.paged import paged_attention
     from workers.kv_cache import PagedKVCache
-    from workers.paged_attention import build_metadata, paged_attention
 
     heads, kv_heads, dim = 4, 2, 64
     cache = PagedKVCache(1, 8, BLOCK, kv_heads, dim, torch.bfloat16, CPU)

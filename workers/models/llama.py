@@ -15,11 +15,12 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from workers.attention.metadata import AttentionMetadata
+from workers.attention.paged import paged_attention
 from workers.models.gated import GatedActivation
 from workers.models.linear import Linear
 from workers.models.norm import NATIVE_NORM, RMSNorm, norm_kernel
 from workers.models.rotary import rotate
-from workers.paged_attention import AttentionMetadata, paged_attention
 
 
 def _fuse(linears: list[nn.Linear]) -> Linear:
