@@ -29,6 +29,8 @@ test: $(STAMP)
 
 # Full sizes take a while: run on a quiet machine. The throughput HTTP row needs `make serve`
 # running: make bench-http. BENCH_ARGS passes flags to the new scripts (e.g. --threads 2).
+# Every script writes benchmarks/out/<name>.json (ignored by git); to commit a run, copy it
+# into its machine's folder under benchmarks/results/ (see benchmarks/README.md).
 BENCH_ARGS ?=
 
 bench: $(STAMP)
@@ -42,7 +44,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/memory_growth.py $(BENCH_ARGS)
 
 bench-http: $(STAMP)
-	$(BIN)/python benchmarks/throughput.py --rows http --out benchmarks/results/throughput_http.json $(BENCH_ARGS)
+	$(BIN)/python benchmarks/throughput.py --rows http --out benchmarks/out/throughput_http.json $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

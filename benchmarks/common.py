@@ -23,7 +23,12 @@ from typing import Any
 
 import torch
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+OUT_DIR = Path(__file__).resolve().parent / "out"
+"""Where every script writes by default (``--out``, plots, and the step profile
+``draft_roundtrip.py`` reads): ``benchmarks/out/``, ignored by git, so a run never overwrites a
+committed result. Committed runs live in ``benchmarks/results/<machine kind>/``."""
+RESULTS_DIR = OUT_DIR
+"""The name the scripts build their default paths from: the same folder as :data:`OUT_DIR`."""
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = "tiny"
 """``--model tiny``: a 2-layer random Llama with the embedded tokenizer, for smoke tests."""
@@ -49,7 +54,7 @@ def add_common_args(parser: argparse.ArgumentParser, name: str) -> None:
                         help="tiny sizes that finish in seconds (smoke test)")
     parser.add_argument("--kv-cache-mib", type=int, default=512,
                         help="our engine's KV cache budget (MiB)")
-    parser.add_argument("--out", default=str(RESULTS_DIR / f"{name}.json"),
+    parser.add_argument("--out", default=str(OUT_DIR / f"{name}.json"),
                         help="where to write the JSON result")
 
 

@@ -120,7 +120,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--url", default=None, help="measure a running server instead")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="benchmarks/results/prefix_ttft.json")
+    parser.add_argument("--out", default="benchmarks/out/prefix_ttft.json")
     args = parser.parse_args()
     result = summarize(http_mode(args) if args.url else engine_mode(args))
     out = Path(args.out)
