@@ -1,4 +1,4 @@
-"""Chaos benchmark: faults injected into a live cluster under load (issue 7, item 4).
+"""Chaos benchmark: faults injected into a live cluster under load.
 
 One application, ``nalar-chaos`` (served under ``/chaos``), with two fp32 workers, a private
 ``redis-server`` as its index (never the shared one: this one is killed) and ngram speculation
@@ -535,7 +535,7 @@ def free_port() -> int:
 
 
 def table(rows: list[dict]) -> str:
-    """The README's Markdown table of the case rows."""
+    """A Markdown table of the case rows (as docs/operations.md shows them)."""
     head = ("| case | accepted before fault | completed | explicit errors | cut | hung | "
             "sent during (completed / errors) | leaked blocks | recovery (s) | "
             "hit rate before / after |\n|---|---|---|---|---|---|---|---|---|---|")

@@ -1,7 +1,7 @@
 """What one ngram draft call costs in the worker's process versus through a draft replica,
 next to the decode step it would speed up: the figures behind ngram's default placement
-(issue 5, item 3: "a proposer as cheap as ngram may also run inside the worker when
-measurement shows that the round trip to a draft replica costs more than it saves").
+(a proposer as cheap as ngram may run inside the worker when measurement shows that the
+round trip to a draft replica costs more than it saves).
 
 - In process: ``NgramProposer.propose`` on decode contexts of real text (--context tokens of
   Python standard-library source each, as ``common.text_prompts`` builds them), at batch 1 and
@@ -10,8 +10,8 @@ measurement shows that the round trip to a draft replica costs more than it save
   same bounds) on this machine's Ray, called through ``RemoteProposer`` from a plain thread,
   as a worker's engine thread calls it: to_wire, the handle call, the replica's work, the
   reply, from_wire. The engine waits for it (drafting is not overlapped with verification).
-- The decode step of SmolLM2 on this machine, from ``results/step_profile.json`` (batch 1 and
-  16) when present, else measured here briefly.
+- The decode step of SmolLM2 on this machine, from ``--step-profile`` (``step_profile.py``'s
+  JSON; batch 1 and 16) when present, else measured here briefly.
 
 Median and p99 over --calls calls each (after --warmup untimed ones). The JSON's
 ``conclusion`` says where ngram should run, by these numbers.

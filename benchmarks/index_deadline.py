@@ -75,8 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--headroom", type=float, default=1.0,
                         help="the recommended deadline's factor over the measured p99.9")
     parser.add_argument("--max-deadline-ms", type=float, default=500.0,
-                        help="cap: what a miss costs (default: a 640-token prefill here, ~0.5 s "
-                             "at ~1,200 tokens/s per benchmarks/results/prefill.json)")
+                        help="cap: what a miss costs (default: a 640-token prefill, ~0.5 s "
+                             "at ~1,200 tokens/s on a 2-core machine)")
     parser.add_argument("--cluster-workers", type=int, default=2,
                         help="workers of the cluster the deadline is sized for")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")

@@ -11,7 +11,7 @@ fits in, i.e. no chunking) the JSON reports:
 - the long prompt's TTFT, total output tokens/s, and the per-step series
   ``[end s, step ms, prefill tokens, decode tokens]``.
 
-Goal (issue 9): at the best chunked setting, longest stall <= 0.3x unchunked while the long
+Goal: at the best chunked setting, longest stall <= 0.3x unchunked while the long
 prompt's TTFT stays within 1.1x of unchunked. SmolLM2's max_position_embeddings is 8,192, so
 the long prompt plus its output must stay within it.
 

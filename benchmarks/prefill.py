@@ -8,7 +8,7 @@ transformers' own forward pass, in the same run.
 - transformers: one ``model(input_ids)`` call, SDPA attention, ``use_cache=False``,
   ``logits_to_keep=1`` (the same work: all L positions, one LM-head row).
 
-Median over --repeats trials after one warm-up. Goal (issue 9): >= 1.5x transformers at 8k.
+Median over --repeats trials after one warm-up. Goal: >= 1.5x transformers at 8k.
 The 8k length is 8,000 tokens: SmolLM2's ``max_position_embeddings`` is 8,192, and prompt plus
 output must fit.
 

@@ -12,7 +12,7 @@ policy decodes the same tokens.
 Per policy and workload the JSON holds the token-weighted prefix reuse ratio, its fraction of
 the oracle's, the busiest / least busy worker ratio of requests served (infinite when a worker
 served none), TTFT p50 and its ratio to round-robin's, and the whole ``nalar bench`` summary.
-Goals (issue 8): prefix routing reaches >= 0.9 of the oracle's reuse, keeps the busiest worker
+Goals: prefix routing reaches >= 0.9 of the oracle's reuse, keeps the busiest worker
 <= 1.3x the least busy, and has TTFT p50 <= 0.5x round-robin's.
 
     .venv/bin/python benchmarks/routing.py [--requests 200] [--quick]
@@ -161,7 +161,7 @@ def figures(runs: dict[str, dict]) -> dict[str, dict[str, Any]]:
 
 
 def goals(workload: str, table: dict[str, dict]) -> list[dict]:
-    """Issue 8's three goals for prefix routing on one workload."""
+    """The three goals of prefix routing on one workload."""
     prefix = table.get("prefix", {})
     return [common.goal(f"{workload} prefix reuse / oracle",
                         prefix.get("fraction_of_oracle_reuse"), 0.9),

@@ -1,4 +1,4 @@
-"""Soak: a bounded mixed workload at twice the measured capacity (issue 7, item 5).
+"""Soak: a bounded mixed workload at twice the measured capacity.
 
 Starts its own cluster (``--workers`` workers, Redis at ``--redis-url`` under a fresh key
 prefix, ``--max-model-len`` tokens of context) and drives it through the ``nalar bench``

@@ -1,6 +1,6 @@
 """Speculative decoding on copy-heavy real input: decode tokens/s with and without drafts.
 
-Workload (issue 5): chat prompts (the tokenizer's chat template, as the OpenAI ingress applies
+Workload: chat prompts (the tokenizer's chat template, as the OpenAI ingress applies
 it) that ask the model to rewrite a real function of the Python standard library, read from
 the source files on this machine (:func:`stdlib_functions`: functions of 15-60 lines, taken in
 turn from :data:`STDLIB_MODULES`), adding a docstring or comments. Greedy, EOS honoured (every
@@ -25,7 +25,7 @@ tokens; they count as prefill output). With --concurrency requests, decode token
 tokens committed after every request has its first token, over that window. Each timed figure
 is the median of --repeats runs; the variants alternate within each repeat.
 
-Goals (issue 5): batch 1 decode tokens/s >= 2x no speculation and >= 1.3x transformers prompt
+Goals: batch 1 decode tokens/s >= 2x no speculation and >= 1.3x transformers prompt
 lookup; general chat >= 0.95x no speculation; greedy ids identical with and without
 speculation on every prompt.
 

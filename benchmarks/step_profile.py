@@ -43,7 +43,8 @@ except ImportError:  # run as a script: benchmarks/ is on sys.path, the repo roo
 GIGA = 1e9
 ISSUE_REFERENCE = {"read_bandwidth_bytes_per_s": 90e9, "bf16_matmul_flops_per_s": 890e9,
                    "bf16_weights_bytes": 270e6}
-"""Issue 9's figures for the 2-core development machine, kept next to ours for comparison."""
+"""The figures a 2-core development machine was measured at when these goals were set, kept next
+to ours for comparison."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -88,7 +89,7 @@ def matmul_rate(size: int, dtype: torch.dtype, repeats: int, weights: list[torch
     """FLOP/s (2 FLOPs per MAC) of one ``size``-cubed matmul in ``dtype``, and of ``F.linear``
     on ``rows`` rows for each distinct shape of the model's ``weights`` (a prefill's own
     matmuls). ``flops_per_s``, the limit prefill is held against, is the fastest of them: on
-    stop 17's machine the square matmul ran at 375 GFLOP/s while a 1,024-token prefill as a
+    an AMD EPYC (Zen 5) the square matmul ran at 375 GFLOP/s while a 1,024-token prefill as a
     whole reached 496, so the square alone was no limit."""
     a = torch.randn(size, size).to(dtype)
     b = torch.randn(size, size).to(dtype)

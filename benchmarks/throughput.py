@@ -1,6 +1,6 @@
 """Output tokens/s of the 16-request workload: our server and engine next to transformers.
 
-Workload (issue 9): --requests 16 prompts of --prompt-tokens 256 token ids (standard-library
+Workload: --requests 16 prompts of --prompt-tokens 256 token ids (standard-library
 source text), each decoding exactly --output-tokens 128 tokens, greedy, EOS ignored. Rows, each
 selectable with --rows:
 
@@ -289,7 +289,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 # --- goals ----------------------------------------------------------------------------------
 
 def goals(rows: dict) -> list[dict]:
-    """Issue 9's throughput goals, for each of our rows (engine, http) that ran."""
+    """The throughput goals, for each of our rows (engine, http) that ran."""
     def tps(*path):
         node = rows
         for key in path:

@@ -201,6 +201,6 @@ class ClusterConfig(BaseModel):
 
         torch would otherwise give every worker all the cores: on 2 cores, 2 workers of 2
         OpenMP threads each ran a lone request at 14 output tokens/s through HTTP, against
-        20 in process on 1 thread (docs/NOTES.md).
+        20 in process on 1 thread (docs/design-decisions.md).
         """
         return self.worker_threads or max(1, (os.cpu_count() or 1) // self.num_workers)

@@ -51,7 +51,7 @@ def init_ray(num_cpus: int | None = None, log_to_driver: bool = True) -> None:
 _OWNED_INDEXES: dict[str, object] = {}
 """The embedded index clients this process created, by actor name: their handles keep the
 actors alive. Ray collects a named, non-detached actor once no handle to it exists, so a
-handle dropped here (as before stop 17) let the driver's actor go within half a second, and
+handle dropped here (as it once was) let the driver's actor go within half a second, and
 the first worker to call created it anew as its owner: it then died with that worker."""
 
 

@@ -6,7 +6,7 @@ parameters this server does not implement are declared here only so that a non-n
 refused by name (``unsupported_parameter``); sending their neutral value (``logprobs: false``,
 ``n: 1``, ``tools: []`` ...) or ``null`` is allowed, because it asks for nothing we ignore.
 Fields that cannot change the output (``user``, ``metadata``, ``priority`` ...) are accepted.
-README.md ("Request extensions") gives the decision for each field vLLM-targeted clients send.
+docs/api.md ("Request extensions") gives the decision for each field vLLM-targeted clients send.
 
 Validation errors are raised as ``PydanticCustomError`` whose *type* is the OpenAI error ``code``
 (``router.errors`` turns them into ``{"error": {...}}`` bodies with that code).

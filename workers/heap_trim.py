@@ -5,7 +5,8 @@ Why: glibc's malloc keeps freed memory inside its arenas. A prefill chunk's acti
 few MiB per tensor, under glibc's dynamic mmap threshold once that has risen (it follows the
 largest freed mmapped block, up to 32 MiB), so they come from an arena, and the arena's pages
 stay resident after the step frees them when live blocks sit above them. A 30-minute soak saw
-one worker's RSS step up 127 MiB and stay there (``benchmarks/results/soak.json``, stop 14).
+one worker's RSS step up 127 MiB and stay there
+(``benchmarks/results/epyc-avx512bf16/soak_2bed34c.json``).
 ``malloc_trim(0)`` releases every arena's free pages (madvise), wherever they lie. The call
 walks the heap, so it runs at most once per interval, between steps.
 """

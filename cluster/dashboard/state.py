@@ -68,7 +68,7 @@ class Dashboard:
         return StreamTimer(self.ttft, self.itl)
 
     async def data(self) -> dict[str, Any]:
-        """The whole document (see the README's Dashboard section for its fields)."""
+        """The whole document (docs/operations.md, "Metrics and dashboard", lists its fields)."""
         scrape, index = await asyncio.gather(asyncio.to_thread(self.fetch), self._index())
         now = self.clock()
         workers = [self._worker_row(stats, now) for stats in scrape.workers]

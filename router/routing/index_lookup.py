@@ -21,16 +21,16 @@ logger = logging.getLogger(__name__)
 DEFAULT_LOOKUP_DEADLINE_S = 0.5
 """Seconds one index lookup may take before routing goes on without it.
 
-Sized by ``benchmarks/index_deadline.py`` (``benchmarks/results/index_deadline.json``) on this
-2-core machine while it was shared (1-minute load average 15-16): with the default 2 workers the
-router runs 4 lookups at once (Ray Serve's ``min(50, 2 x replicas)`` routing tasks), and their
-p99.9 was 736 ms for 4096-token prompts (256 digests), 377 ms at 1024 tokens and 127 ms at 256
-(an earlier run at the same load: 231 ms at 4096 tokens). The former 50 ms sat well inside
-these tails, as the 1,000-request burst of issue 7 saw (18 expiries). Waiting longer
-than a miss costs never pays, and a miss of the issue's 640-token prompt costs about 0.5 s here
-(~1,200 prefill tokens/s, ``benchmarks/results/prefill.json``): that cap decides. An expiry costs
-``index_retry_s`` (1 s) without the index, during which routing stays prefix-aware from the
-router's own record of the prefixes it sent."""
+Sized by ``benchmarks/index_deadline.py``
+(``benchmarks/results/epyc-avx2-fp32/index_deadline.json``) on a 2-core machine while it was
+shared (1-minute load average 15-16): with the default 2 workers the router runs 4 lookups at
+once (Ray Serve's ``min(50, 2 x replicas)`` routing tasks), and their p99.9 was 736 ms for
+4096-token prompts (256 digests), 377 ms at 1024 tokens and 127 ms at 256 (an earlier run at
+the same load: 231 ms at 4096 tokens). The former 50 ms sat well inside these tails, as a
+1,000-request burst saw (18 expiries). Waiting longer than a miss costs never pays, and a miss
+of a 640-token prompt cost about 0.5 s there (~1,200 prefill tokens/s): that cap decides. An
+expiry costs ``index_retry_s`` (1 s) without the index, during which routing stays
+prefix-aware from the router's own record of the prefixes it sent."""
 
 
 @dataclass(frozen=True)

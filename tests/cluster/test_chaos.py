@@ -1,4 +1,4 @@
-"""Chaos cases at CI sizes (issue 7, item 4): each fault of ``benchmarks/chaos.py`` struck once
+"""Chaos cases at CI sizes: each fault of ``benchmarks/chaos.py`` struck once
 under load on its own application (two fp32 workers, a private ``redis-server``, one ngram
 draft replica), served under ``/chaos`` by the session cluster's HTTP proxy.
 

@@ -1,4 +1,4 @@
-"""The index heals after Redis restarts empty, end to end (issue 8, item 6).
+"""The index heals after Redis restarts empty, end to end.
 
 A one-worker application on the session's Ray cluster uses a private ``redis-server`` (no
 persistence, on a free port; never the shared one). Redis is killed while the worker has nothing

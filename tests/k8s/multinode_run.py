@@ -1,4 +1,4 @@
-"""More than one node, on one machine (issue 6): a Ray head and two worker nodes.
+"""More than one node, on one machine: a Ray head and two worker nodes.
 
 Run by ``tests/k8s/test_multinode.py`` in its own process (a pytest session already holds a Ray
 instance): ``python tests/k8s/multinode_run.py --model-dir D --redis-url U --out F``.

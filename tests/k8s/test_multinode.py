@@ -1,4 +1,4 @@
-"""More than one node (issue 6): a Ray head and two worker nodes on this machine, one worker
+"""More than one node: a Ray head and two worker nodes on this machine, one worker
 replica pinned to each by a custom resource, a real Redis index (``multinode_run.py`` runs the
 cluster in its own process and reports what it saw)."""
 

@@ -1,4 +1,4 @@
-"""``serve run`` on k8s/serve-config.yaml serves the Nalar application (issue 6).
+"""``serve run`` on k8s/serve-config.yaml serves the Nalar application.
 
 The file is run as a user would, by Ray's own CLI in a separate process (its own local Ray
 instance), with only the model, port and Redis key prefix changed: the model is a tiny random

@@ -1,4 +1,4 @@
-"""Hostile input against the OpenAI routes (issue 7, item 6).
+"""Hostile input against the OpenAI routes.
 
 Bodies come from the app's own OpenAPI schema (schemathesis's generators: bodies the schema
 allows and bodies it forbids); from a valid body with fields replaced by hostile values

@@ -565,7 +565,7 @@ async def test_routes_with_the_real_memory_index():
     assert await index.match("m", digests, ["b"]) == {"b": 0}
 
 
-# ---- faults of issue 8 ------------------------------------------------------------------------
+# ---- faults: index and replicas misbehaving -----------------------------------------------------
 
 
 async def test_request_cancelled_before_dispatch_stops_counting_as_load():

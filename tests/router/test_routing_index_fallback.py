@@ -27,7 +27,7 @@ from test_routing_telemetry import scrape
 from router.routing.policies import PrefixPolicy, ReplicaView
 from router.routing.telemetry import RoutingTelemetry
 
-PROMPT = 640  # tokens: 40 blocks of 16, the shared prefix of the report
+PROMPT = 640  # tokens: 40 blocks of 16, a shared prefix as a real report had it
 
 
 def broken_index(how: str) -> tuple[FakeIndex, dict]:

@@ -110,7 +110,7 @@ def test_bf16_follows_transformers_until_the_first_near_tie(smollm_bf16, referen
 
 
 def test_a_seeded_bf16_request_is_the_same_beside_other_requests(smollm_bf16, make_engine):
-    """The README's bf16 seed guarantee, on the issue's own scenario: a request with seed 4242
+    """The bf16 seed guarantee (docs/api.md, "Seeds"): a request with seed 4242
     at temperature 1.0, cold, alone and then beside 3 unseeded requests of other lengths on
     the same engine, gives the same tokens. It holds because every row's numbers are its own:
     the decode kernel computes each sequence alone, the prefill kernel each query row alone,

@@ -242,7 +242,7 @@ def test_top_p_over_a_large_vocabulary_matches_the_reference(scale):
 
 
 def test_the_vocabulary_is_sorted_only_when_top_p_needs_it(monkeypatch):
-    """The issue's cost: a full-vocabulary sort per row per step. Plain temperature sampling
+    """The cost to avoid: a full-vocabulary sort per row per step. Plain temperature sampling
     and top-k draw without one (top-k ranks with ``topk`` alone), and so does top-p while its
     nucleus lies among the ranked candidates; a flat row whose nucleus does not falls back to
     one sort. Counted by wrapping torch's sort entry points."""
