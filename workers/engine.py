@@ -22,7 +22,6 @@ from contract.request import (
     SpecUsage,
     TokenLogprob,
 )
-from workers.attention.transformers_adapter import ATTN_IMPLEMENTATION
 from workers.block_manager import BlockManager
 from workers.block_pool import BlockPool
 from workers.choices import Choices
@@ -122,16 +121,8 @@ class LLMEngine:
         # runner fuses the model's weights.
         check_supported(model_config, self.max_model_len, self.loaded.model)
         self.runner = ModelRunner(self.loaded.model, kv_cache)
-        # The runner's path (compact or transformers modules) and its matmul, prefill and
-        # decode attention and norm kernels change rounding, so the KV it computes is only
-        # reusable by workers running the same ones.
-        attention = (f"{ATTN_IMPLEMENTATION}/{self.runner.implementation}"
-                     f"|linear={self.runner.linear_kernel}|prefill={self.runner.prefill_kernel}"
-                     f"|decode={self.runner.decode_kernel}"
-                     f"{'+' + self.runner.decode_scores if self.runner.decode_scores else ''}"
-                     f"|norm={self.runner.norm_kernel}")
         self.identity = CacheIdentity(self.loaded.model_digest,
-                                      numerics_tag(self.loaded.device, attention),
+                                      numerics_tag(self.loaded.device, self.runner.kernels),
                                       config.block_size)
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = self._eos_token_ids()

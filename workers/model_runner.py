@@ -67,6 +67,16 @@ class ModelRunner:
         self.norm_kernel = self._compact.norm_kernel if self._compact is not None else "torch"
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
+    @property
+    def kernels(self) -> str:
+        """The path and kernels this runner computes with, as one tag: they change rounding,
+        so the KV it computes is only reusable by workers running the same ones (the cache
+        identity's numerics carry it)."""
+        scores = f"+{self.decode_scores}" if self.decode_scores else ""
+        return (f"{ATTN_IMPLEMENTATION}/{self.implementation}|linear={self.linear_kernel}"
+                f"|prefill={self.prefill_kernel}|decode={self.decode_kernel}{scores}"
+                f"|norm={self.norm_kernel}")
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, num_logits: list[int]) -> torch.Tensor:
         """Compute the KV of every scheduled token and the logits of each sequence's last
