@@ -118,13 +118,15 @@ def _git(*args: str) -> str | None:
 
 # --- models ----------------------------------------------------------------------------------
 
-def load(model: str, dtype: str):
-    """A fresh :class:`workers.model_loader.LoadedModel` on CPU (each call its own weights, so
-    the engine's runner and a transformers baseline never share a module)."""
+def load(model: str, dtype: str, device: str = "cpu"):
+    """A fresh :class:`workers.model_loader.LoadedModel` on ``device`` (each call its own
+    weights, so the engine's runner and a transformers baseline never share a module)."""
     if model == TINY_MODEL:
-        return tiny_model(dtype)
+        loaded = tiny_model(dtype)
+        loaded.model.to(device)
+        return loaded
     from workers.model_loader import load_model
-    return load_model(model, dtype=dtype, device="cpu")
+    return load_model(model, dtype=dtype, device=device)
 
 
 def tiny_model(dtype: str):
@@ -154,14 +156,18 @@ def embedded_tokenizer():
 
 
 def build_engine(loaded, *, threads: int | None, max_model_len: int | None = None,
-                 max_num_batched_tokens: int = 2048, kv_cache_mib: int = 512):
-    """An :class:`workers.engine.LLMEngine` over ``loaded`` (CPU, the model's dtype)."""
+                 max_num_batched_tokens: int = 2048, kv_cache_mib: int | None = 512,
+                 **fields):
+    """An :class:`workers.engine.LLMEngine` over ``loaded`` (on its device, in its dtype);
+    ``kv_cache_mib`` None sizes the KV cache automatically (``workers.kv_budget``); ``fields``
+    set other :class:`workers.config.EngineConfig` fields."""
     from workers.config import EngineConfig
     from workers.engine import LLMEngine
-    config = EngineConfig(dtype=str(loaded.dtype).removeprefix("torch."), device="cpu",
-                          kv_cache_bytes=kv_cache_mib << 20, num_threads=threads,
-                          max_model_len=max_model_len,
-                          max_num_batched_tokens=max_num_batched_tokens)
+    config = EngineConfig(dtype=str(loaded.dtype).removeprefix("torch."),
+                          device=loaded.device.type,
+                          kv_cache_bytes=None if kv_cache_mib is None else kv_cache_mib << 20,
+                          num_threads=threads, max_model_len=max_model_len,
+                          max_num_batched_tokens=max_num_batched_tokens, **fields)
     return LLMEngine(config, loaded=loaded)
 
 

@@ -155,6 +155,7 @@ def hf_generate(model, prompts: list[list[int]], output_tokens: int, pad_id: int
     for row, prompt in enumerate(prompts):
         ids[row, width - len(prompt):] = torch.tensor(prompt)
         mask[row, width - len(prompt):] = 1
+    ids, mask = ids.to(model.device), mask.to(model.device)
     wall_s, out = common.timed(lambda: model.generate(
         ids, attention_mask=mask, generation_config=greedy_config(output_tokens, pad_id)))
     generated = (out.shape[1] - width) * len(prompts)

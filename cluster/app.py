@@ -48,6 +48,12 @@ def draft_app(config: ClusterConfig) -> Application:
     return drafts.bind(config.speculative_config(), config.engine_config())
 
 
+def gpu_demand(config: ClusterConfig) -> float:
+    """GPUs the application asks Ray for: ``worker_gpus`` per worker replica. The ingress and
+    the draft replicas ask for none (their ``ray_actor_options`` name no GPU)."""
+    return config.num_workers * config.worker_gpus
+
+
 def build_app(config: ClusterConfig) -> Application:
     """The application ``serve.run`` deploys.
 

@@ -22,14 +22,23 @@ def _serve_parser(commands) -> None:
     serve_cmd.add_argument("--served-model-name", default=None)
     serve_cmd.add_argument("--dtype", default="auto",
                            help="auto (bf16 where native, else fp32), bfloat16, float16, float32")
-    serve_cmd.add_argument("--workers", type=int, default=2, dest="num_workers")
+    serve_cmd.add_argument("--workers", type=int, default=None, dest="num_workers",
+                           help="worker replicas, one engine each (default: one per visible "
+                                "CUDA device, else 2)")
     serve_cmd.add_argument("--redis-url", default=None,
                            help="Redis digest index (default: $REDIS_URL, else embedded)")
     serve_cmd.add_argument("--host", default="127.0.0.1")
     serve_cmd.add_argument("--port", type=int, default=8000)
     serve_cmd.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    serve_cmd.add_argument("--kv-memory-mib", type=int, default=512, dest="kv_cache_mib",
-                           help="KV cache budget per worker, MiB")
+    serve_cmd.add_argument("--kv-memory-mib", type=int, default=None, dest="kv_cache_mib",
+                           help="KV cache budget per worker, MiB (default: 512 on a CPU; on "
+                                "CUDA what --gpu-memory-utilization leaves after the weights "
+                                "and a step's activations)")
+    serve_cmd.add_argument("--gpu-memory-utilization", type=float, default=None,
+                           help="on CUDA, the fraction of the device's total memory each "
+                                "worker may use in all: weights, KV cache, activations "
+                                "(default 0.9; workers sharing a GPU must add up to at most "
+                                "1)")
     serve_cmd.add_argument("--max-model-len", type=int, default=None)
     serve_cmd.add_argument("--max-num-seqs", type=int, default=64)
     serve_cmd.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -44,7 +53,8 @@ def _serve_parser(commands) -> None:
                                 "first, with aging (prefix)")
     serve_cmd.add_argument("--gpus-per-worker", type=float, default=None, dest="worker_gpus",
                            help="GPUs each worker replica asks Ray for (default: 1 when CUDA "
-                                "is available, else 0)")
+                                "is available, else 0); a fraction shares a GPU (0.5: two "
+                                "workers on each)")
     serve_cmd.add_argument("--routing", choices=["prefix", "round-robin", "power-of-two"],
                            default=None,
                            help="request routing: longest cached prefix weighed against load "
@@ -133,7 +143,7 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    from cluster.runtime import PortInUseError, start_cluster, stop_cluster
+    from cluster.runtime import NotEnoughGPUsError, PortInUseError, start_cluster, stop_cluster
 
     config = serve_config(args)
     index = f"Redis at {config.redis_url}" if config.redis_url else "embedded"
@@ -145,6 +155,9 @@ def serve_command(args: argparse.Namespace) -> int:
     except PortInUseError as exc:
         print(f"nalar: cannot serve: {exc}. Stop the other server or pass --port.",
               file=sys.stderr)
+        return 1
+    except NotEnoughGPUsError as exc:
+        print(f"nalar: cannot serve: {exc}", file=sys.stderr)
         return 1
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())

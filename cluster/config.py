@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 from collections.abc import Iterable
@@ -10,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 
+from workers import devices
 from workers.config import EngineConfig, MiB
 from workers.speculative.config import SpeculativeConfig
 
@@ -17,11 +19,20 @@ INDEX_ACTOR_NAMESPACE = "nalar"
 """Ray namespace of the embedded index actor, so the driver and Serve replicas find one actor."""
 
 
-def _has_cuda() -> bool:
-    """In production each worker replica asks Ray for one GPU; on a CPU machine for none."""
-    import torch
+def default_num_workers() -> int:
+    """One worker per visible CUDA device, else 2 (CPU workers)."""
+    return devices.visible_gpu_count() or 2
 
-    return torch.cuda.is_available()
+
+def default_worker_gpus() -> float:
+    """With CUDA visible each worker replica asks Ray for one GPU; on a CPU machine for none."""
+    return 1.0 if devices.cuda_available() else 0.0
+
+
+def workers_per_gpu(worker_gpus: float) -> int:
+    """How many worker replicas asking for ``worker_gpus`` (a fraction) Ray places on one
+    GPU: 2 at 0.5, 3 at 0.3, 1 at 0.6 or at one or more GPUs each."""
+    return max(1, math.floor(1 / worker_gpus + 1e-9)) if worker_gpus > 0 else 1
 
 
 def split_api_keys(values: str | Iterable[str]) -> list[str]:
@@ -48,6 +59,14 @@ class ClusterConfig(BaseModel):
     ``speculative_remote`` moves ``ngram`` onto draft replicas (``suffix`` always runs there);
     ``draft_replicas`` of ``draft_cpus`` CPUs each; a draft call slower than
     ``draft_deadline_s`` gives no proposals for that step.
+
+    GPUs: with CUDA visible, ``num_workers`` defaults to the visible devices and each worker
+    replica asks Ray for ``worker_gpus`` (default 1) of them; ``cluster.runtime`` refuses to
+    deploy more than the Ray cluster has (:class:`~cluster.runtime.NotEnoughGPUsError`).
+    ``kv_cache_mib`` None sizes each worker's KV cache automatically (``workers.kv_budget``):
+    512 MiB on a CPU; on CUDA what is left of ``gpu_memory_utilization`` of the device's memory
+    after the weights and a step's activations. Workers sharing a GPU (``worker_gpus`` < 1)
+    must fit their utilizations in one device.
 
     ``worker_resources`` are Ray custom resources each worker replica asks for: giving every
     node one unit of a resource (``{"nalar_target": 1}``) places one worker per node.
@@ -77,21 +96,23 @@ class ClusterConfig(BaseModel):
     ``SecretStr``: a printed or logged configuration shows ``**********``.
 
     Raises:
-        pydantic.ValidationError: a field out of range, or ``ngram_min > ngram_max``.
+        pydantic.ValidationError: a field out of range, ``ngram_min > ngram_max``, or workers
+            sharing a GPU whose memory utilizations add up past 1.
     """
 
     model: str = "embedded"
     served_model_name: str | None = None
     dtype: str = "auto"
     device: str | None = None
-    num_workers: int = Field(2, ge=1)
+    num_workers: int = Field(default_factory=default_num_workers, ge=1)
     redis_url: str | None = Field(default_factory=lambda: os.environ.get("REDIS_URL") or None)
     key_prefix: str = "nalar"
     index_actor_name: str = "nalar-digest-index"
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     block_size: int = Field(16, ge=1)
-    kv_cache_mib: int = Field(512, ge=1)
+    kv_cache_mib: int | None = Field(None, ge=1)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
     max_num_partial_prefills: int = Field(1, ge=1)
@@ -99,7 +120,7 @@ class ClusterConfig(BaseModel):
     scheduling_policy: Literal["fcfs", "prefix"] = "fcfs"
     max_model_len: int | None = Field(None, ge=2)
     worker_cpus: float = Field(0.5, gt=0)
-    worker_gpus: float = Field(default_factory=lambda: 1.0 if _has_cuda() else 0.0, ge=0)
+    worker_gpus: float = Field(default_factory=default_worker_gpus, ge=0)
     worker_threads: int | None = Field(None, ge=1)
     worker_resources: dict[str, float] = Field(default_factory=dict)
     ingress_resources: dict[str, float] = Field(default_factory=dict)
@@ -153,11 +174,26 @@ class ClusterConfig(BaseModel):
         self.speculative_config()
         return self
 
+    @model_validator(mode="after")
+    def _shared_gpu_memory_fits(self) -> ClusterConfig:
+        # Workers that share a GPU each size their KV cache to gpu_memory_utilization of it.
+        sharing = workers_per_gpu(self.worker_gpus)
+        if (self.worker_gpus > 0 and self.kv_cache_mib is None and sharing > 1
+                and sharing * self.gpu_memory_utilization > 1 + 1e-9):
+            fit = math.floor(100 * 0.9 / sharing) / 100
+            raise ValueError(
+                f"--gpus-per-worker {self.worker_gpus:g} puts {sharing} workers on a GPU, and "
+                f"each may use gpu_memory_utilization {self.gpu_memory_utilization:g} of its "
+                f"memory ({sharing * self.gpu_memory_utilization:g} of it in all): pass "
+                f"--gpu-memory-utilization {fit:g} (or less), or --kv-memory-mib")
+        return self
+
     def engine_config(self) -> EngineConfig:
         """The per-worker engine configuration."""
         return EngineConfig(
             model=self.model, dtype=self.dtype, device=self.device, block_size=self.block_size,
-            kv_cache_bytes=self.kv_cache_mib * MiB, max_num_seqs=self.max_num_seqs,
+            kv_cache_bytes=None if self.kv_cache_mib is None else self.kv_cache_mib * MiB,
+            gpu_memory_utilization=self.gpu_memory_utilization, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_partial_prefills=self.max_num_partial_prefills,
             long_prefill_token_threshold=self.long_prefill_token_threshold,

@@ -3,21 +3,99 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 import os
 import socket
+from collections.abc import Mapping
 
 import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from cluster.app import APP_NAME, build_app
-from cluster.config import INDEX_ACTOR_NAMESPACE, ClusterConfig
+from cluster.app import APP_NAME, build_app, gpu_demand
+from cluster.config import INDEX_ACTOR_NAMESPACE, ClusterConfig, workers_per_gpu
+
+log = logging.getLogger(__name__)
 
 OBJECT_STORE_BYTES = 256 << 20
 
 
 class PortInUseError(OSError):
     """The HTTP port is taken by another process."""
+
+
+class NotEnoughGPUsError(RuntimeError):
+    """The worker replicas ask Ray for more GPUs than the Ray cluster has: the ones left over
+    would wait for a GPU forever, and the application would never be ready."""
+
+
+def joins_existing_cluster() -> bool:
+    """Whether :func:`init_ray` joins a running cluster (``$RAY_ADDRESS``) rather than
+    starting a local one."""
+    address = os.environ.get("RAY_ADDRESS")
+    return bool(address) and address != "local"
+
+
+def workers_that_fit(cluster_gpus: float, worker_gpus: float) -> int:
+    """How many worker replicas asking for ``worker_gpus`` each Ray can place on
+    ``cluster_gpus`` GPUs: a fraction of one GPU never spans two."""
+    if worker_gpus < 1:
+        return math.floor(cluster_gpus + 1e-9) * workers_per_gpu(worker_gpus)
+    return math.floor(cluster_gpus / worker_gpus + 1e-9)
+
+
+def check_gpus(config: ClusterConfig, cluster_resources: Mapping[str, float],
+               may_grow: bool = False) -> None:
+    """Refuses a deployment whose worker replicas do not all fit on the GPUs the Ray cluster
+    declares, instead of waiting forever for the ones that do not.
+
+    Args:
+        config: the cluster configuration (``num_workers`` x ``worker_gpus`` are asked for;
+            nothing else asks for a GPU, see :func:`cluster.app.gpu_demand`).
+        cluster_resources: the Ray cluster's resources (``ray.cluster_resources()``).
+        may_grow: the cluster was joined (``$RAY_ADDRESS``) and may add GPUs (an autoscaler):
+            log a warning instead of refusing.
+
+    Raises:
+        NotEnoughGPUsError: the replicas do not fit, naming the GPUs asked for and had, and
+            the flags that make them fit.
+    """
+    if gpu_demand(config) == 0:
+        return
+    have = float(cluster_resources.get("GPU", 0))
+    fit = workers_that_fit(have, config.worker_gpus)
+    if fit >= config.num_workers:
+        return
+    message = gpu_shortage_message(config, have, fit)
+    if may_grow:
+        log.warning("%s. Deploying anyway: the Ray cluster at $RAY_ADDRESS may add GPUs; "
+                    "until it does, the application is not ready", message)
+        return
+    raise NotEnoughGPUsError(message)
+
+
+def gpu_shortage_message(config: ClusterConfig, have: float, fit: int) -> str:
+    """What :func:`check_gpus` says: the GPUs asked for and had, and what to pass instead."""
+    workers, per_worker = config.num_workers, config.worker_gpus
+    message = (f"{workers} workers ask Ray for {per_worker:g} GPU each "
+               f"({gpu_demand(config):g} in all), but the Ray cluster has {have:g} GPU(s)")
+    if gpu_demand(config) <= have + 1e-9:
+        message += f", and {workers_per_gpu(per_worker)} such worker(s) fit on a GPU"
+    whole = math.floor(have + 1e-9)
+    if whole < 1:
+        return (f"{message}: pass --gpus-per-worker 0 to run the workers on CPUs, or start "
+                "Ray with GPUs")
+    remedies = [f"--workers {fit}"] if fit >= 1 else []
+    per_gpu = math.ceil(workers / whole)
+    if per_gpu > 1:
+        share = math.floor(100 / per_gpu) / 100
+        utilization = math.floor(100 * config.gpu_memory_utilization / per_gpu) / 100
+        remedies.append(f"--gpus-per-worker {share:g} --gpu-memory-utilization "
+                        f"{utilization:g} to put {per_gpu} workers on each GPU")
+    else:
+        remedies.append("--gpus-per-worker 1")
+    return f"{message}: pass {' or '.join(remedies)}"
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -39,9 +117,9 @@ def init_ray(num_cpus: int | None = None, log_to_driver: bool = True) -> None:
     """
     if ray.is_initialized():
         return
-    address = os.environ.get("RAY_ADDRESS")
-    if address and address != "local":
-        ray.init(address=address, log_to_driver=log_to_driver, namespace=INDEX_ACTOR_NAMESPACE)
+    if joins_existing_cluster():
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=log_to_driver,
+                 namespace=INDEX_ACTOR_NAMESPACE)
         return
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
              log_to_driver=log_to_driver, object_store_memory=OBJECT_STORE_BYTES,
@@ -81,10 +159,13 @@ def start_cluster(config: ClusterConfig, http: bool = True) -> DeploymentHandle:
 
     Raises:
         PortInUseError: the HTTP port is taken.
+        NotEnoughGPUsError: the worker replicas ask for more GPUs than the Ray cluster has
+            (a warning instead when the cluster was joined through ``$RAY_ADDRESS``).
     """
     if http:
         check_port_free(config.host, config.port)
     init_ray()
+    check_gpus(config, ray.cluster_resources(), may_grow=joins_existing_cluster())
     start_index_actor(config)
     http_options = {"host": config.host, "port": config.port} if http else None
     serve.start(http_options=http_options)

@@ -18,7 +18,12 @@ class EngineConfig:
         dtype: ``auto`` (bf16 where the hardware has it natively, else fp32), or a dtype name.
         device: ``cuda``/``cpu``, None for CUDA when available.
         block_size: tokens per KV block.
-        kv_cache_bytes: memory budget for the KV tensors, in bytes.
+        kv_cache_bytes: memory budget for the KV tensors, in bytes; None sizes it
+            automatically (``workers.kv_budget``): 512 MiB on a CPU, from the device's free
+            memory on CUDA.
+        gpu_memory_utilization: on CUDA with an automatic KV budget, the fraction of the
+            device's total memory this worker may use in all (weights, KV cache, a step's
+            activations), as vLLM's option of that name.
         max_num_seqs: most sequences running at once.
         max_num_batched_tokens: most tokens computed in one step (prefill chunks + decodes).
         max_num_partial_prefills: most prompts being prefilled in chunks at once (vLLM).
@@ -40,7 +45,8 @@ class EngineConfig:
     dtype: str = "auto"
     device: str | None = None
     block_size: int = 16
-    kv_cache_bytes: int = 512 * MiB
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_num_partial_prefills: int = 1

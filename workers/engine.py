@@ -27,6 +27,7 @@ from workers.block_pool import BlockPool
 from workers.choices import Choices
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
+from workers.kv_budget import kv_cache_budget
 from workers.kv_cache import PagedKVCache
 from workers.model_loader import LoadedModel, load_model, numerics_tag
 from workers.model_runner import ModelRunner
@@ -104,7 +105,7 @@ class LLMEngine:
         self.loaded = loaded or load_model(config.model, config.dtype, config.device)
         self.tokenizer = self.loaded.tokenizer
         model_config = self.loaded.model.config
-        kv_cache = PagedKVCache.from_budget(model_config, config.kv_cache_bytes,
+        kv_cache = PagedKVCache.from_budget(model_config, kv_cache_budget(config, self.loaded),
                                             config.block_size, self.loaded.dtype,
                                             self.loaded.device)
         self.pool = BlockPool(kv_cache.num_blocks, config.block_size)

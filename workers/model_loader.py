@@ -24,6 +24,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from workers import devices
+
 log = logging.getLogger(__name__)
 
 EMBEDDED_MODEL = "embedded"
@@ -107,7 +109,7 @@ def cpu_flags() -> frozenset[str]:
 
 def default_device() -> torch.device:
     """CUDA when a GPU is visible (a Ray replica sees the one it was given), else CPU."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device("cuda" if devices.cuda_available() else "cpu")
 
 
 def parse_dtype(name: str | None, device: torch.device) -> torch.dtype:
@@ -192,7 +194,9 @@ def model_digest(model: PreTrainedModel) -> str:
     """Hex sha256 of the weights' content, the numerics-relevant config, and the dtype.
 
     Content, not name: two checkpoints with one name but different weights never share KV.
-    Hashes every parameter and buffer in name order (about 0.3 s for 135M parameters).
+    Hashes every parameter and buffer in name order (about 0.3 s for 135M parameters). Meant
+    for a model on the host (:func:`load_model` hashes before moving it to its device): a
+    model on a GPU would have every weight copied back first.
     """
     hasher = hashlib.sha256()
     config = {k: v for k, v in model.config.to_dict().items()
@@ -232,9 +236,12 @@ def load_model(model: str = EMBEDDED_MODEL, dtype: str | None = "auto",
     path, served_name = resolve_source(model)
     hf_model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch_dtype, attn_implementation=attn_implementation)
+    # Hashed while still on the host, where transformers loads it: after the move, hashing
+    # would copy every weight back from the device.
+    digest = model_digest(hf_model)
     hf_model.to(torch_device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return LoadedModel(hf_model, tokenizer, model_digest(hf_model), served_name, path)
+    return LoadedModel(hf_model, tokenizer, digest, served_name, path)
 
 
 def load_tokenizer(model: str = EMBEDDED_MODEL) -> Any:

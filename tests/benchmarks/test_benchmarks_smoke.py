@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import (  # noqa: E402
     common,
+    gpu_first_start,
     interference,
     kernel_choices,
     memory_growth,
@@ -312,3 +313,38 @@ def test_spec_paper_check_quick(tmp_path):
     if result["png"] is not None:
         assert Path(result["png"]).stat().st_size > 0
     assert len(result["goals"]) == 3
+
+
+def test_gpu_first_start_says_plainly_without_cuda(tmp_path, monkeypatch):
+    from workers import devices
+
+    monkeypatch.setattr(devices, "visible_gpu_count", lambda: 0)
+    out = tmp_path / "gpu_first_start.json"
+    with pytest.raises(SystemExit, match="needs a CUDA device and torch sees none"):
+        gpu_first_start.main(["--quick", "--out", str(out)])
+    assert not out.exists()
+
+
+def test_gpu_first_start_checks_on_the_cpu(tmp_path):
+    """The script's three checks, run on the CPU (its CUDA run is for a GPU host)."""
+    out = tmp_path / "gpu_first_start.json"
+    args = gpu_first_start.parse_args([*QUICK, "--dtype", "float32", "--kv-cache-mib", "16",
+                                       "--out", str(out)])
+    result = gpu_first_start.measure(args, "cpu")
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result, default=str))
+    assert result["machine"]["dtype"] == "float32" and result["device"] == "cpu"
+    assert result["kv_cache"]["derivation"] == ["KV cache budget 16 MiB (explicit): 16 MiB as "
+                                                "configured"]
+    equality = result["greedy_equality"]
+    assert list(equality) == ["float32"]  # fp32 already: no rerun
+    assert equality["float32"]["all_identical"]
+    assert [(row["identical"], row["tokens"]) for row in equality["float32"]["prompts"]] == [
+        (True, 8), (True, 8)]
+    prefix = result["prefix_ttft"]
+    assert [(s["miss_cached_tokens"], s["hit_cached_tokens"]) for s in prefix["samples"]] == [
+        (0, 992)]
+    assert prefix["hit_ttft_median_ms"] > 0 and prefix["miss_ttft_median_ms"] > 0
+    concurrent = result["concurrent"]
+    assert concurrent["output_tokens"] == 4 * 8 and concurrent["output_tokens_per_s"] > 0
+    assert concurrent["ttft"]["count"] == 4
+    assert "token_ids" not in json.dumps(result)

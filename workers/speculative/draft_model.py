@@ -23,6 +23,7 @@ from transformers import AutoConfig
 from contract.request import GenerationRequest, InvalidRequestError, SamplingParams
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
+from workers.kv_budget import CPU_KV_CACHE_BYTES
 from workers.model_loader import LoadedModel, load_model, load_tokenizer, resolve_source
 from workers.speculative.config import SpeculativeConfig
 from workers.speculative.proposer import ProposalRequest
@@ -105,7 +106,8 @@ class DraftModelProposer:
     def load(cls, config: SpeculativeConfig, target: LoadedModel | Vocabulary,
              engine_config: EngineConfig) -> DraftModelProposer:
         """Loads ``config.draft_model`` and drafts for ``target`` on an engine like
-        ``engine_config`` (the target's), with a quarter of its KV budget.
+        ``engine_config`` (the target's), with a quarter of its KV budget (of 512 MiB when
+        the target's is automatic).
 
         Raises:
             ValueError: no draft model is configured, or its vocabulary or tokenizer differs
@@ -114,9 +116,12 @@ class DraftModelProposer:
         if not config.draft_model:
             raise ValueError("the model proposer needs a draft model (--draft-model)")
         draft = load_model(config.draft_model, engine_config.dtype, engine_config.device)
+        # An automatic target budget counts as the CPU's: a fixed draft budget, never sized
+        # from a device's free memory (the draft may share its device with the target).
+        target_kv = engine_config.kv_cache_bytes or CPU_KV_CACHE_BYTES
         draft_config = replace(engine_config, model=config.draft_model,
                                speculative=SpeculativeConfig(),
-                               kv_cache_bytes=engine_config.kv_cache_bytes // DRAFT_KV_FRACTION)
+                               kv_cache_bytes=target_kv // DRAFT_KV_FRACTION)
         return cls.for_target(draft, target, draft_config)
 
     def propose(self, requests: list[ProposalRequest]) -> list[list[int]]:
