@@ -118,7 +118,7 @@ class ChaosTarget:
 
     Attributes:
         config: its configuration.
-        redis: its private ``redis-server`` (``tests/private_redis.PrivateRedis``: ``url``,
+        redis: its private ``redis-server`` (``tests/helpers.PrivateRedis``: ``url``,
             ``kill()``, ``start()``).
         base_url: its HTTP root (``http://host:port/chaos``).
     """
@@ -517,7 +517,7 @@ def private_redis():
     import shutil
 
     sys.path.insert(0, str(common.REPO_ROOT / "tests"))  # tests/ is not a package
-    from private_redis import PrivateRedis
+    from helpers import PrivateRedis
 
     binary = shutil.which("redis-server")
     if binary is None:

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 
 import pytest
 import redis
+from helpers import PrivateRedis
 
 _LOCAL_REDIS = "redis://127.0.0.1:6379/0"
 
@@ -32,30 +30,6 @@ def _answers_ping(url: str) -> bool:
         return False
     finally:
         client.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _start_redis_server(binary: str) -> tuple[subprocess.Popen[bytes], str]:
-    """Start a throwaway redis-server without persistence; wait (up to 10 s) for PING."""
-    port = _free_port()
-    process = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    deadline = time.monotonic() + 10.0
-    while time.monotonic() < deadline and process.poll() is None:
-        if _answers_ping(url):
-            return process, url
-        time.sleep(0.05)
-    process.kill()
-    raise RuntimeError(f"redis-server on port {port} did not answer PING within 10 s")
 
 
 @pytest.fixture(scope="session")
@@ -73,12 +47,12 @@ def redis_url() -> Iterator[str]:
         if os.environ.get("NALAR_REQUIRE_REDIS") == "1":
             pytest.fail(f"{reason} (NALAR_REQUIRE_REDIS=1)")
         pytest.skip(reason)
-    process, url = _start_redis_server(binary)
+    server = PrivateRedis(binary)
+    server.start()
     try:
-        yield url
+        yield server.url
     finally:
-        process.terminate()
-        process.wait(timeout=10)
+        server.kill()
 
 
 @pytest.fixture

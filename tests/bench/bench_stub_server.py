@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from helpers import free_port
 
 MODEL = "stub-model"
 CHUNK_DELAY_S = 0.002
@@ -126,17 +126,11 @@ async def _events(state: StubState, body: dict, key: str | None, chat: bool,
         state.in_flight -= 1
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextmanager
 def running_stub(worker_header: bool = True) -> Iterator[tuple[str, StubState]]:
     """Serves a fresh stub under uvicorn in a thread; yields its base URL and state."""
     state = StubState(worker_header=worker_header)
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port,
                                            log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+from helpers import free_port
 
 from cluster.config import ClusterConfig
 from router.index.redis_index import delete_key_prefix
@@ -17,12 +17,6 @@ from router.index.redis_index import delete_key_prefix
 class ClusterUnderTest:
     config: ClusterConfig
     base_url: str
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -35,7 +29,7 @@ def cluster(ray_session, redis_url: str) -> Iterator[ClusterUnderTest]:
 
     prefix = f"nalar-test-{uuid.uuid4().hex[:8]}"
     config = ClusterConfig(num_workers=2, redis_url=redis_url, key_prefix=prefix,
-                           port=_free_port(), dtype="float32", kv_cache_mib=128,
+                           port=free_port(), dtype="float32", kv_cache_mib=128,
                            worker_threads=1, routing_stats_period_s=0.2, worker_ttl_s=10)
     start_cluster(config)
     yield ClusterUnderTest(config, f"http://127.0.0.1:{config.port}")

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from private_redis import PrivateRedis, private_redis_server
+from helpers import PrivateRedis, private_redis_server
 from ray import serve
 
 from bench.records import RequestRecord

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,18 +20,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DRAIN_TIMEOUT_S = 10
 START_TIMEOUT_S = 300
 SHORT_TOKENS = 24  # finishes well within the drain deadline
 LONG_TOKENS = 1000  # cannot finish within it on a CPU (64 MiB of KV holds ~1,400 tokens)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @dataclass

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 import uuid
 from collections.abc import Iterator
 
 import pytest
 import redis
-from private_redis import PrivateRedis, private_redis_server
+from helpers import PrivateRedis, free_port, private_redis_server
 from ray import serve
 
 from cluster.app import WORKER_DEPLOYMENT, build_app
@@ -50,10 +49,7 @@ def recovery_config(ray_session, private_redis: PrivateRedis) -> Iterator[Cluste
     """One small fp32 worker against the private Redis. Serve's HTTP proxy is not needed; if
     Serve is not running yet it starts on a free port (the session ``cluster`` fixture, which
     sorts before this file, otherwise chose it)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     config = ClusterConfig(num_workers=1, redis_url=private_redis.url,
                            key_prefix=f"nalar-test-{uuid.uuid4().hex[:8]}", dtype="float32",
                            kv_cache_mib=16, worker_cpus=0.25, worker_threads=1,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -10,14 +9,6 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from workers.model_loader import load_tokenizer
-
-
-@pytest.fixture
-def free_port() -> int:
-    """A TCP port nothing listens on now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -1,13 +1,18 @@
 """The Kubernetes manifests and Serve config parse and validate offline.
 
-The RayService is checked against KubeRay's CRD schema (``shared/schemas``), its embedded
-``serveConfigV2`` against Ray's ``ServeDeploySchema`` and the application's args against
+The RayService is checked against KubeRay's CRD schema, its embedded ``serveConfigV2`` against
+Ray's ``ServeDeploySchema`` and the application's args against
 :class:`~cluster.config.ClusterConfig`; built-in kinds with ``kubernetes-validate``.
+
+The CRD is not in the repository: ``$NALAR_KUBERAY_CRD`` names its YAML file (``.ci/run`` sets
+it). Unset, the CRD tests skip and say so; set to a file that is not there, they fail.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+import os
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +26,7 @@ from cluster.config import ClusterConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
-CRD = ROOT.parent / "shared" / "schemas" / "ray.io_rayservices.yaml"
+CRD_ENV = "NALAR_KUBERAY_CRD"
 KUBERNETES_VERSION = "1.34"
 
 
@@ -43,11 +48,25 @@ def _rayservice() -> dict[str, Any]:
     return service
 
 
-@pytest.fixture(scope="module")
-def crd_schema() -> dict[str, Any]:
-    if not CRD.exists():
-        pytest.fail(f"the RayService CRD schema is missing: {CRD}")
-    crd = yaml.safe_load(CRD.read_text())
+def _crd_schema() -> dict[str, Any]:
+    """The RayService CRD's v1 schema, from the file ``$NALAR_KUBERAY_CRD`` names.
+
+    Skips the calling test when the variable is unset (or empty); fails it when the file is
+    missing. Called from the test bodies rather than a fixture, so that a missing file is
+    reported as a failed test, not a setup error.
+    """
+    path = os.environ.get(CRD_ENV)
+    if not path:
+        pytest.skip(f"set {CRD_ENV} to the KubeRay RayService CRD YAML (.ci/run sets it) to "
+                    "validate the manifests against it")
+    if not Path(path).is_file():
+        pytest.fail(f"{CRD_ENV}={path}: no such file (the KubeRay RayService CRD YAML)")
+    return _load_crd_schema(path)
+
+
+@functools.cache
+def _load_crd_schema(path: str) -> dict[str, Any]:
+    crd = yaml.safe_load(Path(path).read_text())
     (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
     return v1["schema"]["openAPIV3Schema"]
 
@@ -72,11 +91,12 @@ def test_every_yaml_file_parses_and_kustomization_names_existing_files() -> None
             assert (K8S / name).is_file(), name
 
 
-def test_rayservice_validates_against_the_kuberay_crd(crd_schema) -> None:
-    assert _crd_errors(crd_schema, _rayservice()) == []
+def test_rayservice_validates_against_the_kuberay_crd() -> None:
+    assert _crd_errors(_crd_schema(), _rayservice()) == []
 
 
-def test_a_broken_rayservice_fails_the_crd_schema(crd_schema) -> None:
+def test_a_broken_rayservice_fails_the_crd_schema() -> None:
+    crd_schema = _crd_schema()
     broken = copy.deepcopy(_rayservice())
     group = broken["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
     del group["groupName"]                      # required

@@ -5,21 +5,15 @@ cluster in its own process and reports what it saw)."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 
 SCRIPT = Path(__file__).with_name("multinode_run.py")
 RUN_TIMEOUT_S = 480
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +21,7 @@ def report(tiny_model_dir, redis_url, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("multinode") / "report.json"
     run = subprocess.run(
         [sys.executable, str(SCRIPT), "--model-dir", str(tiny_model_dir),
-         "--redis-url", redis_url, "--port", str(_free_port()), "--out", str(out)],
+         "--redis-url", redis_url, "--port", str(free_port()), "--out", str(out)],
         capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     return json.loads(out.read_text())

@@ -21,6 +21,7 @@ import httpx
 import pytest
 import torch
 import yaml
+from helpers import free_port
 from transformers import AutoModelForCausalLM
 
 from router.index.redis_index import delete_key_prefix
@@ -45,8 +46,8 @@ def _config_file(tmp_path: Path, model_dir: Path, port: int, redis_url: str,
 
 
 @pytest.fixture
-def served(tmp_path, tiny_model_dir, redis_url, free_port) -> Iterator[str]:
-    port = free_port
+def served(tmp_path, tiny_model_dir, redis_url) -> Iterator[str]:
+    port = free_port()
     prefix = f"nalar-serve-run-{uuid.uuid4().hex[:8]}"
     config = _config_file(tmp_path, tiny_model_dir, port, redis_url, prefix)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 import msgpack
 import pytest
 import redis
-from private_redis import PrivateRedis, private_redis_server
+from helpers import PrivateRedis, free_port, private_redis_server
 
 from contract.kv_events import KVEvent, encode_events
 from router.index import DigestIndex, IndexStats, IndexUnavailableError, MemoryIndex, make_index
@@ -456,11 +456,8 @@ async def test_redis_script_rejects_bad_batches_atomically(
 
 
 async def test_redis_down_raises_index_unavailable_fast(model_key: str) -> None:
-    import socket
-
-    with socket.socket() as sock:  # a port nobody listens on: connection refused at once
-        sock.bind(("127.0.0.1", 0))
-        url = f"redis://127.0.0.1:{sock.getsockname()[1]}/0"
+    # a port nobody listens on: connection refused at once
+    url = f"redis://127.0.0.1:{free_port()}/0"
     index = RedisIndex(url, "nalar-test-down", timeout_s=0.5)
     started = time.monotonic()
     try:

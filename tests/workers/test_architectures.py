@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import greedy, output_ids
 from near_tie import GreedyTrace, greedy_trace
 from transformers import (
     LlamaConfig,
@@ -31,7 +32,6 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from contract.request import GenerationChunk, GenerationRequest, SamplingParams
 from workers.engine import LLMEngine
 from workers.model_loader import LoadedModel, model_digest
 from workers.model_support import check_supported
@@ -137,15 +137,6 @@ def family(request, smollm_tokenizer) -> Family:
     return Family(request.param, loaded, prompts, references, eos)
 
 
-def greedy(request_id: str, prompt: list[int]) -> GenerationRequest:
-    return GenerationRequest(request_id, prompt,
-                             SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
-
-
-def output_ids(chunks: list[GenerationChunk]) -> list[int]:
-    return [token for chunk in chunks for token in chunk.token_ids]
-
-
 def assert_same_tokens(engine: LLMEngine, family: Family, got: list[int], i: int,
                        what: str) -> None:
     assert got == family.expected(i), (
@@ -168,7 +159,8 @@ def test_cold_single_then_warm_prefix_hit(family, make_engine):
     engine = make_engine(family.loaded, num_blocks=32, max_num_seqs=4)
     for i, prompt in enumerate(family.prompts):
         before = engine.counters.prefill_tokens
-        chunks = engine.generate([greedy(f"cold-{i}", prompt)])[f"cold-{i}"]
+        request = greedy(f"cold-{i}", prompt, NEW_TOKENS, ignore_eos=False)
+        chunks = engine.generate([request])[f"cold-{i}"]
         assert_same_tokens(engine, family, output_ids(chunks), i, "cold")
         assert chunks[-1].cached_tokens == 0
         assert engine.counters.prefill_tokens - before == len(prompt)
@@ -176,7 +168,8 @@ def test_cold_single_then_warm_prefix_hit(family, make_engine):
     for i, prompt in enumerate(family.prompts):
         cached = (len(prompt) - 1) // BLOCK * BLOCK
         before = engine.counters.prefill_tokens
-        chunks = engine.generate([greedy(f"warm-{i}", prompt)])[f"warm-{i}"]
+        request = greedy(f"warm-{i}", prompt, NEW_TOKENS, ignore_eos=False)
+        chunks = engine.generate([request])[f"warm-{i}"]
         assert_same_tokens(engine, family, output_ids(chunks), i, "warm")
         assert chunks[-1].cached_tokens == cached >= BLOCK
         # the hit is real: only the uncached tail was computed
@@ -187,7 +180,8 @@ def test_cold_single_then_warm_prefix_hit(family, make_engine):
 
 def test_four_requests_batched(family, make_engine):
     engine = make_engine(family.loaded, num_blocks=32, max_num_seqs=4)
-    requests = [greedy(f"b{i}", p) for i, p in enumerate(family.prompts)]
+    requests = [greedy(f"b{i}", p, NEW_TOKENS, ignore_eos=False)
+                for i, p in enumerate(family.prompts)]
     outputs = engine.generate(requests)
     for i, request in enumerate(requests):
         assert_same_tokens(engine, family, output_ids(outputs[request.request_id]), i, "batched")
@@ -202,7 +196,8 @@ def test_chunked_prefill(family, make_engine):
     """A step budget of 8 tokens splits every prompt into chunks that share steps with other
     sequences' chunks and decodes."""
     engine = make_engine(family.loaded, num_blocks=32, max_num_seqs=4, max_num_batched_tokens=8)
-    requests = [greedy(f"c{i}", p) for i, p in enumerate(family.prompts)]
+    requests = [greedy(f"c{i}", p, NEW_TOKENS, ignore_eos=False)
+                for i, p in enumerate(family.prompts)]
     outputs = engine.generate(requests)
     for i, request in enumerate(requests):
         assert_same_tokens(engine, family, output_ids(outputs[request.request_id]), i, "chunked")

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-import torch
+from helpers import greedy, output_ids, random_prompt
 
 from contract.identity import block_digests
 from contract.kv_events import KVEvent
@@ -20,16 +20,6 @@ from contract.request import GenerationChunk, GenerationRequest, InvalidRequestE
 from workers.async_engine import AsyncEngine
 
 BLOCK = 16
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    return torch.randint(3, 1000, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def greedy(request_id: str, token_ids: list[int], max_tokens: int = 8,
-           **sampling) -> GenerationRequest:
-    return GenerationRequest(request_id, token_ids, SamplingParams(
-        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **sampling))
 
 
 @pytest.fixture
@@ -49,18 +39,15 @@ async def collect(engine: AsyncEngine, request: GenerationRequest) -> list[Gener
     return [chunk async for chunk in engine.generate(request)]
 
 
-def ids(chunks: list[GenerationChunk]) -> list[int]:
-    return [t for c in chunks for t in c.token_ids]
-
-
 async def test_concurrent_streams_complete_and_match_the_sync_engine(
         async_engine, tiny_qwen, make_engine):
-    requests = [greedy(f"s{i}", prompt(i, 20 + 6 * i), max_tokens=12 + 2 * i) for i in range(4)]
+    requests = [greedy(f"s{i}", random_prompt(i, 20 + 6 * i), max_tokens=12 + 2 * i,
+                       ignore_eos=True) for i in range(4)]
     expected = make_engine(tiny_qwen, num_blocks=32).generate(requests)
 
     results = await asyncio.gather(*(collect(async_engine, r) for r in requests))
     for request, chunks in zip(requests, results, strict=True):
-        assert ids(chunks) == ids(expected[request.request_id])
+        assert output_ids(chunks) == output_ids(expected[request.request_id])
         assert [c.finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
         # A consumer that falls behind gets queued tokens merged into one chunk: counts stay
         # cumulative and exact whatever the chunking.
@@ -74,7 +61,7 @@ async def test_concurrent_streams_complete_and_match_the_sync_engine(
 
 async def test_closing_the_stream_early_aborts_and_frees_blocks(async_engine):
     engine = async_engine.engine
-    long = greedy("long", prompt(1, 40), max_tokens=400)
+    long = greedy("long", random_prompt(1, 40), max_tokens=400, ignore_eos=True)
     stream = async_engine.generate(long)
     first = await stream.__anext__()
     second = await stream.__anext__()
@@ -82,7 +69,8 @@ async def test_closing_the_stream_early_aborts_and_frees_blocks(async_engine):
     await stream.aclose()  # the client went away
 
     # sent after the abort, so its last chunk proves the abort was applied before it
-    after = await collect(async_engine, greedy("after", prompt(2, 20), max_tokens=2))
+    after = await collect(async_engine,
+                          greedy("after", random_prompt(2, 20), max_tokens=2, ignore_eos=True))
     assert after[-1].finish_reason == "length"
     assert engine.sequence("long") is None
     assert engine.pool.num_in_use == 0
@@ -97,8 +85,8 @@ async def test_invalid_request_raises_before_any_chunk(async_engine):
     bad = [
         (GenerationRequest("empty", []), "prompt"),
         (GenerationRequest("vocab", [5, 1000]), "prompt"),
-        (greedy("top-p", [5, 6], top_p=0.0), "top_p"),
-        (greedy("too-long", [5, 6], max_tokens=10_000), "max_tokens"),
+        (greedy("top-p", [5, 6], top_p=0.0, ignore_eos=True), "top_p"),
+        (greedy("too-long", [5, 6], max_tokens=10_000, ignore_eos=True), "max_tokens"),
     ]
     for request, param in bad:
         stream = async_engine.generate(request)
@@ -106,16 +94,17 @@ async def test_invalid_request_raises_before_any_chunk(async_engine):
             await stream.__anext__()
         assert error.value.param == param
     # a request id already streaming
-    running = async_engine.generate(greedy("dup", [5, 6, 7], max_tokens=300))
+    running = async_engine.generate(greedy("dup", [5, 6, 7], max_tokens=300, ignore_eos=True))
     assert (await running.__anext__()).finish_reason is None
     with pytest.raises(InvalidRequestError) as error:
-        await async_engine.generate(greedy("dup", [8, 9], max_tokens=2)).__anext__()
+        await async_engine.generate(
+            greedy("dup", [8, 9], max_tokens=2, ignore_eos=True)).__anext__()
     assert error.value.param == "id"
     await running.aclose()
     # the engine still serves afterwards
-    chunks = await collect(async_engine, greedy("ok", [5, 6, 7], max_tokens=3))
+    chunks = await collect(async_engine, greedy("ok", [5, 6, 7], max_tokens=3, ignore_eos=True))
     # a consumer that lags gets its queued tokens merged, so count tokens, not chunks
-    assert len(ids(chunks)) == 3
+    assert len(output_ids(chunks)) == 3
     assert [c.completion_tokens for c in chunks][-1] == 3
     assert chunks[-1].finish_reason == "length"
     assert async_engine.engine.pool.num_in_use == 0
@@ -131,16 +120,19 @@ async def test_a_request_is_validated_once_at_the_engines_door(async_engine, mon
             calls[_name] += 1
             return _original(self, *args)
         monkeypatch.setattr(SamplingParams, name, counted)
-    chunks = await collect(async_engine, greedy("once", prompt(3, 20), max_tokens=4, n=2))
-    assert len(ids(chunks)) == 8
+    chunks = await collect(
+        async_engine, greedy("once", random_prompt(3, 20), max_tokens=4, n=2, ignore_eos=True))
+    assert len(output_ids(chunks)) == 8
     assert calls == {"validate": 1, "check_context": 1}
 
 
 async def test_a_submitted_stream_closed_unread_aborts_its_request(async_engine):
     engine = async_engine.engine
-    stream = async_engine.submit(greedy("unread", prompt(4, 40), max_tokens=400))
+    stream = async_engine.submit(
+        greedy("unread", random_prompt(4, 40), max_tokens=400, ignore_eos=True))
     stream.close()  # the caller went away before reading a chunk
-    after = await collect(async_engine, greedy("after-unread", prompt(5, 20), max_tokens=2))
+    after = await collect(
+        async_engine, greedy("after-unread", random_prompt(5, 20), max_tokens=2, ignore_eos=True))
     assert after[-1].finish_reason == "length"
     assert engine.sequence("unread") is None
     assert engine.pool.num_in_use == 0
@@ -149,8 +141,8 @@ async def test_a_submitted_stream_closed_unread_aborts_its_request(async_engine)
 
 async def test_kv_events_reach_the_callback(async_engine, events):
     engine = async_engine.engine
-    token_ids = prompt(3, 2 * BLOCK + 8)
-    chunks = await collect(async_engine, greedy("ev", token_ids, max_tokens=4))
+    token_ids = random_prompt(3, 2 * BLOCK + 8)
+    chunks = await collect(async_engine, greedy("ev", token_ids, max_tokens=4, ignore_eos=True))
     assert chunks[-1].finish_reason == "length"
     # the prompt's two full blocks were stored at its first step, published before the last
     # chunk was produced; 2 * 16 + 8 + 3 computed tokens fill no third block
@@ -172,10 +164,13 @@ async def test_duplicate_id_refused_in_the_engine_thread_leaves_the_first_reques
     async_engine = AsyncEngine(make_engine(tiny_qwen, num_blocks=32),
                                on_events=hold_engine_thread)
     try:
-        holder = asyncio.ensure_future(collect(async_engine, greedy("hold", prompt(9, 20), 2)))
+        holder = asyncio.ensure_future(
+            collect(async_engine, greedy("hold", random_prompt(9, 20), 2, ignore_eos=True)))
         assert await asyncio.to_thread(entered.wait, 30)  # engine thread parked in a callback
-        first = async_engine.generate(greedy("dup", prompt(10, 20), max_tokens=5))
-        second = async_engine.generate(greedy("dup", prompt(11, 20), max_tokens=5))
+        first = async_engine.generate(
+            greedy("dup", random_prompt(10, 20), max_tokens=5, ignore_eos=True))
+        second = async_engine.generate(
+            greedy("dup", random_prompt(11, 20), max_tokens=5, ignore_eos=True))
         first_chunk = asyncio.ensure_future(first.__anext__())
         second_chunk = asyncio.ensure_future(second.__anext__())
         await asyncio.sleep(0)  # let both generators validate and queue their "add"
@@ -189,8 +184,8 @@ async def test_duplicate_id_refused_in_the_engine_thread_leaves_the_first_reques
 
         chunks = await asyncio.wait_for(rest(), timeout=30)  # a lost stream would hang here
         assert [c.finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
-        assert ids(chunks) == ids(make_engine(tiny_qwen, num_blocks=32).generate(
-            [greedy("dup", prompt(10, 20), max_tokens=5)])["dup"])
+        assert output_ids(chunks) == output_ids(make_engine(tiny_qwen, num_blocks=32).generate(
+            [greedy("dup", random_prompt(10, 20), max_tokens=5, ignore_eos=True)])["dup"])
         await asyncio.wait_for(holder, timeout=30)
     finally:
         release.set()
@@ -198,7 +193,7 @@ async def test_duplicate_id_refused_in_the_engine_thread_leaves_the_first_reques
 
 
 async def test_n_choices_stream_until_every_choice_has_finished(async_engine):
-    request = GenerationRequest("n2", prompt(41, 24), SamplingParams(
+    request = GenerationRequest("n2", random_prompt(41, 24), SamplingParams(
         temperature=1.0, seed=5, n=2, max_tokens=6, ignore_eos=True))
     chunks = await collect(async_engine, request)
 
@@ -212,9 +207,10 @@ async def test_n_choices_stream_until_every_choice_has_finished(async_engine):
 
 async def test_a_lagging_consumer_gets_the_backlog_merged_in_order(async_engine, tiny_qwen,
                                                                    make_engine):
-    request = greedy("lag", prompt(42, 20), max_tokens=24)
+    request = greedy("lag", random_prompt(42, 20), max_tokens=24, ignore_eos=True)
     expected = make_engine(tiny_qwen, num_blocks=32).generate([request])["lag"]
-    stream = async_engine.generate(greedy("lag", prompt(42, 20), max_tokens=24))
+    stream = async_engine.generate(
+        greedy("lag", random_prompt(42, 20), max_tokens=24, ignore_eos=True))
     first = await anext(stream)
     # Stall this consumer until the engine has finished the request: the rest waits queued.
     while async_engine.engine.sequence("lag") is not None:
@@ -222,6 +218,6 @@ async def test_a_lagging_consumer_gets_the_backlog_merged_in_order(async_engine,
     rest = [chunk async for chunk in stream]
 
     assert len(rest) == 1  # 23 queued one-token chunks arrive as one message
-    assert ids([first, *rest]) == ids(expected)
+    assert output_ids([first, *rest]) == output_ids(expected)
     assert first.text + rest[0].text == "".join(c.text for c in expected)
     assert rest[0].finish_reason == "length" and rest[0].completion_tokens == 24

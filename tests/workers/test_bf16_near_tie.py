@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import greedy
 from near_tie import GreedyTrace, assert_matches_until_near_tie, captured_logits, greedy_trace
 
 from contract.request import GenerationRequest, SamplingParams
@@ -71,11 +72,6 @@ def references(smollm_bf16) -> tuple[list[list[int]], list[GreedyTrace]]:
     return prompts, traces
 
 
-def greedy(request_id: str, prompt: list[int]) -> GenerationRequest:
-    return GenerationRequest(request_id, prompt,
-                             SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
-
-
 def test_bf16_follows_transformers_until_the_first_near_tie(smollm_bf16, references,
                                                             make_engine):
     prompts, traces = references
@@ -87,7 +83,8 @@ def test_bf16_follows_transformers_until_the_first_near_tie(smollm_bf16, referen
     assert engine.loaded.dtype == torch.bfloat16
 
     for run, server in (("cold", engine), ("warm", engine), ("chunked", chunking)):
-        requests = [greedy(f"{run}-{i}", p) for i, p in enumerate(prompts)]
+        requests = [greedy(f"{run}-{i}", p, NEW_TOKENS, ignore_eos=False)
+                    for i, p in enumerate(prompts)]
         with captured_logits(server) as logits:
             outputs = server.generate(requests)
         compared = 0

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import greedy, output_ids
 from test_engine_equality import tiny_prompts
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from contract.request import GenerationRequest, SamplingParams
 from workers.config import EngineConfig
 from workers.model_loader import LoadedModel, model_digest
 from workers.speculative.config import SpeculativeConfig
@@ -37,11 +37,12 @@ def draft_config(num_blocks_bytes: int = 1 << 20) -> EngineConfig:
     return EngineConfig(dtype="float32", device="cpu", kv_cache_bytes=num_blocks_bytes)
 
 
-def greedy(engine, prompts, max_tokens=20) -> list[list[int]]:
-    requests = [GenerationRequest(f"r{i}", list(p), SamplingParams(
-        temperature=0.0, max_tokens=max_tokens, ignore_eos=True)) for i, p in enumerate(prompts)]
+def greedy_outputs(engine, prompts, max_tokens=20) -> list[list[int]]:
+    """Each prompt's greedy output (past EOS), generated together as ``r0``, ``r1``, ..."""
+    requests = [greedy(f"r{i}", list(p), max_tokens, ignore_eos=True)
+                for i, p in enumerate(prompts)]
     chunks = engine.generate(requests)
-    return [[t for c in chunks[r.request_id] for t in c.token_ids] for r in requests]
+    return [output_ids(chunks[r.request_id]) for r in requests]
 
 
 def test_s5_vocabulary_mismatch_is_refused_naming_both(tiny_qwen, smollm_tokenizer):
@@ -64,11 +65,11 @@ def test_s5_different_tokenizer_is_refused(tiny_qwen, smollm_tokenizer):
 def test_greedy_ids_equal_with_a_draft_model(tiny_qwen, smollm_tokenizer, make_engine,
                                              draft_is_target):
     prompts = tiny_prompts()[:3] + [[17]]  # S1: a one-token prompt too
-    expected = greedy(make_engine(tiny_qwen), prompts)
+    expected = greedy_outputs(make_engine(tiny_qwen), prompts)
     draft = tiny_qwen if draft_is_target else tiny_draft(smollm_tokenizer)
     proposer = DraftModelProposer.for_target(draft, tiny_qwen, draft_config())
     engine = make_engine(tiny_qwen, speculative=SPEC, proposer=proposer)
-    assert greedy(engine, prompts) == expected
+    assert greedy_outputs(engine, prompts) == expected
     spec = engine.counters.spec
     assert spec.verification_steps > 0
     if draft_is_target:  # draft = target: every draft is accepted (S7's setting)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from helpers import greedy, output_ids
 
-from contract.request import GenerationChunk, GenerationRequest, SamplingParams
 from workers.model_loader import LoadedModel
 
 NEW_TOKENS = 16
@@ -65,15 +65,6 @@ def case(request, hf_greedy) -> Case:
     return Case(loaded, prompts, references, eos)
 
 
-def greedy_request(request_id: str, prompt: list[int]) -> GenerationRequest:
-    return GenerationRequest(request_id, prompt,
-                             SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
-
-
-def output_ids(chunks: list[GenerationChunk]) -> list[int]:
-    return [token for chunk in chunks for token in chunk.token_ids]
-
-
 def cached_when_warm(prompt: list[int]) -> int:
     """Full blocks of the prompt short of its last token: what a warm cache must serve."""
     return (len(prompt) - 1) // BLOCK * BLOCK
@@ -84,7 +75,8 @@ def test_single_requests_cold_then_warm_match_hf(case, make_engine):
     assert engine.eos_token_ids == case.eos_token_ids  # HF stops where the engine stops
     for i, prompt in enumerate(case.prompts):
         before = engine.counters.prefill_tokens
-        chunks = engine.generate([greedy_request(f"cold-{i}", prompt)])[f"cold-{i}"]
+        request = greedy(f"cold-{i}", prompt, NEW_TOKENS, ignore_eos=False)
+        chunks = engine.generate([request])[f"cold-{i}"]
         assert output_ids(chunks) == case.references[i], f"cold prompt {i}"
         assert chunks[-1].finish_reason == (
             "stop" if case.references[i][-1] in case.eos_token_ids else "length")
@@ -94,7 +86,8 @@ def test_single_requests_cold_then_warm_match_hf(case, make_engine):
 
     for i, prompt in enumerate(case.prompts):
         before = engine.counters.prefill_tokens
-        chunks = engine.generate([greedy_request(f"warm-{i}", prompt)])[f"warm-{i}"]
+        request = greedy(f"warm-{i}", prompt, NEW_TOKENS, ignore_eos=False)
+        chunks = engine.generate([request])[f"warm-{i}"]
         assert output_ids(chunks) == case.references[i], f"warm prompt {i}"
         assert chunks[-1].cached_tokens == cached_when_warm(prompt) >= BLOCK
         # the prefilled-token counter proves the hit: only the uncached tail was computed
@@ -107,7 +100,8 @@ def test_batched_cold_then_warm_requests_match_hf(case, make_engine):
     engine = make_engine(case.loaded, num_blocks=64, max_num_seqs=4)
     total_prompt = sum(len(p) for p in case.prompts)
 
-    cold = engine.generate([greedy_request(f"b{i}", p) for i, p in enumerate(case.prompts)])
+    cold = engine.generate([greedy(f"b{i}", p, NEW_TOKENS, ignore_eos=False)
+                            for i, p in enumerate(case.prompts)])
     for i in range(len(case.prompts)):
         assert output_ids(cold[f"b{i}"]) == case.references[i], f"cold batched prompt {i}"
         assert cold[f"b{i}"][-1].cached_tokens == 0
@@ -119,7 +113,8 @@ def test_batched_cold_then_warm_requests_match_hf(case, make_engine):
     cold_steps = engine.counters.steps
     assert cold_steps <= 2 * NEW_TOKENS
 
-    warm = engine.generate([greedy_request(f"w{i}", p) for i, p in enumerate(case.prompts)])
+    warm = engine.generate([greedy(f"w{i}", p, NEW_TOKENS, ignore_eos=False)
+                            for i, p in enumerate(case.prompts)])
     expected_cached = [cached_when_warm(p) for p in case.prompts]
     for i in range(len(case.prompts)):
         assert output_ids(warm[f"w{i}"]) == case.references[i], f"warm prompt {i}"
@@ -138,12 +133,13 @@ def test_prompts_longer_than_the_token_budget_are_prefilled_in_chunks(case, make
     """A step budget of 8 tokens splits every prompt into chunks; steps that run only a middle
     chunk sample nothing. Output still equals HF, alone and batched."""
     engine = make_engine(case.loaded, max_num_batched_tokens=8)
-    alone = engine.generate([greedy_request("alone", case.prompts[-1])])
+    alone = engine.generate([greedy("alone", case.prompts[-1], NEW_TOKENS, ignore_eos=False)])
     assert output_ids(alone["alone"]) == case.references[-1]
     assert engine.counters.prefill_tokens == len(case.prompts[-1])
     assert engine.counters.steps >= len(case.prompts[-1]) // 8 + len(case.references[-1]) - 1
 
-    requests = [greedy_request(f"c{i}", p) for i, p in enumerate(case.prompts[:4])]
+    requests = [greedy(f"c{i}", p, NEW_TOKENS, ignore_eos=False)
+                for i, p in enumerate(case.prompts[:4])]
     outputs = engine.generate(requests)
     assert [output_ids(outputs[r.request_id]) for r in requests] == case.references[:4]
     assert max(engine.counters.batch_sizes) >= 2  # chunks and decodes shared steps

@@ -9,24 +9,11 @@ import threading
 from types import SimpleNamespace
 
 import pytest
-import torch
+from helpers import greedy, output_ids, random_prompt
 
-from contract.request import GenerationChunk, GenerationRequest, SamplingParams
+from contract.request import GenerationChunk, GenerationRequest
 from workers.async_engine import AsyncEngine, EngineDeadError
 from workers.engine import StepFailedError
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    return torch.randint(3, 1000, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def greedy(request_id: str, token_ids: list[int], max_tokens: int = 8) -> GenerationRequest:
-    return GenerationRequest(request_id, token_ids, SamplingParams(
-        temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-
-
-def ids(chunks: list[GenerationChunk]) -> list[int]:
-    return [t for c in chunks for t in c.token_ids]
 
 
 def fail_when_batched(engine, request_id: str, after_calls: int = 2) -> dict:
@@ -53,8 +40,9 @@ def assert_pool_at_rest(engine) -> None:
 
 
 def test_a_failed_step_aborts_only_its_batch(tiny_qwen, make_engine):
-    requests = [greedy("bad", prompt(1, 40), 12), greedy("mate", prompt(2, 30), 12),
-                greedy("later", prompt(3, 35), 12)]
+    requests = [greedy("bad", random_prompt(1, 40), 12, ignore_eos=True),
+                greedy("mate", random_prompt(2, 30), 12, ignore_eos=True),
+                greedy("later", random_prompt(3, 35), 12, ignore_eos=True)]
     reference = make_engine(tiny_qwen, num_blocks=64).generate(requests)
     engine = make_engine(tiny_qwen, num_blocks=64, max_num_seqs=2)  # "later" waits
     state = fail_when_batched(engine, "bad")
@@ -71,7 +59,7 @@ def test_a_failed_step_aborts_only_its_batch(tiny_qwen, make_engine):
     while engine.has_work():  # the engine keeps serving the request outside the step
         for chunk in engine.step():
             chunks[chunk.request_id].append(chunk)
-    assert ids(chunks["later"]) == ids(reference["later"])
+    assert output_ids(chunks["later"]) == output_ids(reference["later"])
     assert chunks["later"][-1].finish_reason == "length"
     assert_pool_at_rest(engine)
 
@@ -81,8 +69,9 @@ async def collect(engine: AsyncEngine, request: GenerationRequest) -> list[Gener
 
 
 async def test_a_failed_step_fails_only_its_streams(tiny_qwen, make_engine):
-    requests = [greedy("bad", prompt(1, 40), 12), greedy("mate", prompt(2, 30), 12),
-                greedy("later", prompt(3, 35), 12)]
+    requests = [greedy("bad", random_prompt(1, 40), 12, ignore_eos=True),
+                greedy("mate", random_prompt(2, 30), 12, ignore_eos=True),
+                greedy("later", random_prompt(3, 35), 12, ignore_eos=True)]
     reference = make_engine(tiny_qwen, num_blocks=64).generate(requests)
     engine = make_engine(tiny_qwen, num_blocks=64, max_num_seqs=2)
     state = fail_when_batched(engine, "bad")
@@ -95,12 +84,13 @@ async def test_a_failed_step_fails_only_its_streams(tiny_qwen, make_engine):
         for failed in ("bad", "mate"):
             assert isinstance(outcome[failed], RuntimeError)
             assert "injected kernel fault" in str(outcome[failed])
-        assert ids(outcome["later"]) == ids(reference["later"])
+        assert output_ids(outcome["later"]) == output_ids(reference["later"])
         # still healthy, still serving
         async_engine.check_health()
-        again = await asyncio.wait_for(collect(async_engine, greedy("again", prompt(4, 20))), 60)
-        assert ids(again) == ids(make_engine(tiny_qwen, num_blocks=64).generate(
-            [greedy("again", prompt(4, 20))])["again"])
+        again = await asyncio.wait_for(
+            collect(async_engine, greedy("again", random_prompt(4, 20), ignore_eos=True)), 60)
+        assert output_ids(again) == output_ids(make_engine(tiny_qwen, num_blocks=64).generate(
+            [greedy("again", random_prompt(4, 20), ignore_eos=True)])["again"])
         assert_pool_at_rest(engine)
     finally:
         async_engine.shutdown()
@@ -121,9 +111,11 @@ async def test_an_error_outside_a_step_fails_current_streams_and_the_loop_goes_o
     async_engine._deliver = broken_once
     try:
         with pytest.raises(RuntimeError, match="injected delivery fault"):
-            await asyncio.wait_for(collect(async_engine, greedy("victim", prompt(5, 20))), 60)
-        chunks = await asyncio.wait_for(collect(async_engine, greedy("next", prompt(6, 20))), 60)
-        assert chunks[-1].finish_reason == "length" and len(ids(chunks)) == 8
+            await asyncio.wait_for(
+                collect(async_engine, greedy("victim", random_prompt(5, 20), ignore_eos=True)), 60)
+        chunks = await asyncio.wait_for(
+            collect(async_engine, greedy("next", random_prompt(6, 20), ignore_eos=True)), 60)
+        assert chunks[-1].finish_reason == "length" and len(output_ids(chunks)) == 8
         async_engine.check_health()
         assert_pool_at_rest(engine)
     finally:
@@ -143,7 +135,8 @@ async def test_a_dead_loop_fails_fast_and_fails_the_health_check(tiny_qwen, make
     async_engine = AsyncEngine(engine, on_events=park_engine_thread)
     worker = SimpleNamespace(async_engine=async_engine)
     NalarWorker.check_health(worker)  # healthy
-    pending = async_engine.generate(greedy("pending", prompt(7, 20), max_tokens=100))
+    pending = async_engine.generate(
+        greedy("pending", random_prompt(7, 20), max_tokens=100, ignore_eos=True))
     first = asyncio.ensure_future(pending.__anext__())
     assert await asyncio.to_thread(entered.wait, 30)
 
@@ -164,7 +157,8 @@ async def test_a_dead_loop_fails_fast_and_fails_the_health_check(tiny_qwen, make
     await asyncio.wait_for(asyncio.to_thread(async_engine._thread.join, 30), 35)
     assert not async_engine._thread.is_alive()
     with pytest.raises(EngineDeadError, match="injected loop fault"):
-        await asyncio.wait_for(collect(async_engine, greedy("new", prompt(8, 20))), 5)
+        await asyncio.wait_for(
+            collect(async_engine, greedy("new", random_prompt(8, 20), ignore_eos=True)), 5)
     with pytest.raises(EngineDeadError):
         NalarWorker.check_health(worker)
     assert engine.pool.num_in_use == 0  # the pending request was aborted, its blocks freed
@@ -174,20 +168,22 @@ async def test_shutdown_fails_new_requests_at_once(tiny_qwen, make_engine):
     async_engine = AsyncEngine(make_engine(tiny_qwen, num_blocks=16))
     async_engine.shutdown()
     with pytest.raises(EngineDeadError, match="shut down"):
-        await asyncio.wait_for(collect(async_engine, greedy("late", prompt(9, 10))), 5)
+        await asyncio.wait_for(
+            collect(async_engine, greedy("late", random_prompt(9, 10), ignore_eos=True)), 5)
 
 
 async def test_aborting_unknown_or_finished_requests_is_harmless(tiny_qwen, make_engine):
     engine = make_engine(tiny_qwen, num_blocks=16)
     assert engine.abort("never-seen") is None
-    engine.generate([greedy("done", prompt(10, 20), max_tokens=3)])
+    engine.generate([greedy("done", random_prompt(10, 20), max_tokens=3, ignore_eos=True)])
     assert engine.abort("done") is None
     assert engine.abort("done") is None
     async_engine = AsyncEngine(engine)
     try:
         async_engine._inbox.put(("abort", "never-seen", None))
         async_engine._inbox.put(("abort", "done", None))
-        chunks = await asyncio.wait_for(collect(async_engine, greedy("ok", prompt(11, 20))), 60)
+        chunks = await asyncio.wait_for(
+            collect(async_engine, greedy("ok", random_prompt(11, 20), ignore_eos=True)), 60)
         assert chunks[-1].finish_reason == "length"
         async_engine.check_health()
         assert_pool_at_rest(engine)

@@ -9,32 +9,20 @@ from __future__ import annotations
 
 import re
 
-import torch
+from helpers import greedy, output_ids, random_prompt
 
 import workers.sequence
 from contract.identity import CacheNamespace, block_digest, block_digests, tenant_from_api_key
 from contract.kv_events import KVEvent
-from contract.request import GenerationChunk, GenerationRequest, SamplingParams
+from contract.request import GenerationRequest, SamplingParams
 
 BLOCK = 16
-MAX_TOKENS = 8
 
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes "
         "Gutenberg, a goldsmith from Mainz, combined movable metal type, oil-based inks and a "
         "wooden screw press into a system that could produce books quickly and cheaply. Within "
         "fifty years, printing shops had spread to more than two hundred cities across Europe, "
         "and")
-
-
-def greedy(request_id: str, prompt: list[int], namespace: CacheNamespace | None = None,
-           max_tokens: int = MAX_TOKENS) -> GenerationRequest:
-    return GenerationRequest(request_id, prompt,
-                             SamplingParams(temperature=0.0, max_tokens=max_tokens),
-                             namespace=namespace or CacheNamespace())
-
-
-def output_ids(chunks: list[GenerationChunk]) -> list[int]:
-    return [token for chunk in chunks for token in chunk.token_ids]
 
 
 def serve(engine, request: GenerationRequest) -> tuple[list[int], int, int]:
@@ -58,10 +46,6 @@ def stored_digests(events: list[KVEvent]) -> set[bytes]:
     return {d for event in events if event.kind == "stored" for d in event.digests}
 
 
-def random_prompt(seed: int, length: int) -> list[int]:
-    return torch.randint(3, 1000, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 # ---- P1–P3: SmolLM2 ------------------------------------------------------------------------
 
 
@@ -70,11 +54,11 @@ def test_p1_positions_after_a_hit(smollm, make_engine):
     prefix, question = tokens[:3 * BLOCK], tokens[3 * BLOCK:3 * BLOCK + 10]
     assert (len(prefix), len(question)) == (48, 10)
     engine = make_engine(smollm, num_blocks=32)
-    reference = cold(engine, greedy("cold", prefix + question))
+    reference = cold(engine, greedy("cold", prefix + question, ignore_eos=False))
 
     engine.reset_prefix_cache()
-    serve(engine, greedy("p", prefix, max_tokens=4))
-    out, cached, prefilled = serve(engine, greedy("pq", prefix + question))
+    serve(engine, greedy("p", prefix, max_tokens=4, ignore_eos=False))
+    out, cached, prefilled = serve(engine, greedy("pq", prefix + question, ignore_eos=False))
     assert cached == 3 * BLOCK
     assert prefilled == len(question)  # only Q was computed; P's KV came from the cache
     assert out == reference
@@ -85,8 +69,8 @@ def test_p2_whole_prompt_cached_still_computes_its_last_token(smollm, make_engin
     engine = make_engine(smollm, num_blocks=32)
     for blocks in (2, 3):
         prompt = tokens[:blocks * BLOCK]  # an exact multiple of the block size
-        reference = cold(engine, greedy(f"cold-{blocks}", prompt))
-        out, cached, prefilled = serve(engine, greedy(f"again-{blocks}", prompt))
+        reference = cold(engine, greedy(f"cold-{blocks}", prompt, ignore_eos=False))
+        out, cached, prefilled = serve(engine, greedy(f"again-{blocks}", prompt, ignore_eos=False))
         # the last block holds the last token, which must be recomputed for its logits
         assert cached == (blocks - 1) * BLOCK
         assert cached <= len(prompt) - 1
@@ -107,17 +91,17 @@ def test_p3_same_text_other_token_ids_reuse_only_the_agreeing_blocks(smollm, mak
     assert spelled != whole
 
     engine = make_engine(smollm, num_blocks=32)
-    cold_whole = cold(engine, greedy("cold-whole", whole))
-    cold_spelled = cold(engine, greedy("cold-spelled", spelled))
+    cold_whole = cold(engine, greedy("cold-whole", whole, ignore_eos=False))
+    cold_spelled = cold(engine, greedy("cold-spelled", spelled, ignore_eos=False))
 
     engine.reset_prefix_cache()
-    assert serve(engine, greedy("whole", whole)) == (cold_whole, 0, len(whole))
-    out, cached, prefilled = serve(engine, greedy("spelled", spelled))
+    assert serve(engine, greedy("whole", whole, ignore_eos=False)) == (cold_whole, 0, len(whole))
+    out, cached, prefilled = serve(engine, greedy("spelled", spelled, ignore_eos=False))
     assert cached == split_at // BLOCK * BLOCK == BLOCK  # only block 0's ids agree
     assert prefilled == len(spelled) - BLOCK
     assert out == cold_spelled
     # and the other way round: the whole-word ids are now cached, the spelled ones partly
-    out, cached, _ = serve(engine, greedy("whole-again", whole))
+    out, cached, _ = serve(engine, greedy("whole-again", whole, ignore_eos=False))
     assert (out, cached) == (cold_whole, (len(whole) - 1) // BLOCK * BLOCK)
 
 
@@ -137,7 +121,7 @@ def test_p4_model_numerics_are_identity(tiny_qwen, tiny_qwen_bf16, make_engine):
     assert fp32.identity.root_digest != bf16.identity.root_digest
 
     for engine in (fp32, bf16):
-        serve(engine, greedy("p", prompt))
+        serve(engine, greedy("p", prompt, ignore_eos=False))
     fp32_digests = stored_digests(fp32.drain_events())
     bf16_digests = stored_digests(bf16.drain_events())
     assert fp32_digests >= set(block_digests(fp32.identity.root_digest, prompt, BLOCK))
@@ -146,13 +130,14 @@ def test_p4_model_numerics_are_identity(tiny_qwen, tiny_qwen_bf16, make_engine):
     assert not fp32_digests & bf16_digests  # the index can never credit one with the other's
 
     # neither engine finds the other's prefix, even for the very same tokens
-    probe = workers.sequence.Sequence(greedy("probe", prompt), fp32.identity.root_digest, BLOCK)
+    probe = workers.sequence.Sequence(greedy("probe", prompt, ignore_eos=False),
+                                      fp32.identity.root_digest, BLOCK)
     assert bf16.block_manager.cached_prefix(probe) == []
     assert len(fp32.block_manager.cached_prefix(probe)) == 3
     # control: a second fp32 engine over the same weights computes the same digests
     twin = make_engine(tiny_qwen, num_blocks=16)
     assert twin.identity == fp32.identity
-    serve(twin, greedy("p", prompt))
+    serve(twin, greedy("p", prompt, ignore_eos=False))
     assert stored_digests(twin.drain_events()) == fp32_digests
 
 
@@ -165,7 +150,7 @@ def test_p5_tenant_isolation(tiny_qwen, make_engine):
     engine = make_engine(tiny_qwen, num_blocks=64)
 
     def serve_as(request_id: str, namespace: CacheNamespace):
-        result = serve(engine, greedy(request_id, prompt, namespace))
+        result = serve(engine, greedy(request_id, prompt, namespace=namespace, ignore_eos=False))
         return result, stored_digests(engine.drain_events())
 
     (out_a, cached, prefilled), digests_a = serve_as("a", CacheNamespace(tenant_a))
@@ -196,7 +181,7 @@ def test_p6_digest_collision_is_refused(tiny_qwen, make_engine, monkeypatch):
     second = q_block + shared_block + tail[:5]  # block 0 collides with first's block 0
     third = p_block + shared_block + tail[:9]  # first's block 0, then second's block 1
     engine = make_engine(tiny_qwen, num_blocks=32)
-    references = {name: cold(engine, greedy(f"cold-{name}", prompt))
+    references = {name: cold(engine, greedy(f"cold-{name}", prompt, ignore_eos=False))
                   for name, prompt in (("second", second), ("third", third))}
 
     def colliding(parent: bytes, token_ids) -> bytes:
@@ -207,9 +192,9 @@ def test_p6_digest_collision_is_refused(tiny_qwen, make_engine, monkeypatch):
     monkeypatch.setattr(workers.sequence, "block_digest", colliding)
     engine.reset_prefix_cache()
     engine.drain_events()
-    serve(engine, greedy("first", first))
+    serve(engine, greedy("first", first, ignore_eos=False))
     (collided,) = stored_digests(engine.drain_events())
-    out, cached, prefilled = serve(engine, greedy("second", second))
+    out, cached, prefilled = serve(engine, greedy("second", second, ignore_eos=False))
     assert engine.sequence("second") is None
     assert (out, cached, prefilled) == (references["second"], 0, len(second))  # refused
     # the colliding block was never published, nor anything computed after it
@@ -219,7 +204,7 @@ def test_p6_digest_collision_is_refused(tiny_qwen, make_engine, monkeypatch):
 
     # a third request that matches the first's block 0 and the second's block 1 may reuse
     # block 0 only: the second's block 1 was computed after other tokens
-    out, cached, prefilled = serve(engine, greedy("third", third))
+    out, cached, prefilled = serve(engine, greedy("third", third, ignore_eos=False))
     assert (out, cached, prefilled) == (references["third"], BLOCK, len(third) - BLOCK)
 
 
@@ -232,7 +217,7 @@ def test_p6_chain_collision_after_other_tokens_is_refused(tiny_qwen, make_engine
     other = q_block + tail[:5]  # caches q_block as the block 0 of another context
     victim = q_block + shared + tail[:6]
     engine = make_engine(tiny_qwen, num_blocks=32)
-    reference = cold(engine, greedy("cold", victim))
+    reference = cold(engine, greedy("cold", victim, ignore_eos=False))
     root = engine.identity.with_namespace(CacheNamespace()).root_digest
     after_p, after_q = block_digest(root, p_block), block_digest(root, q_block)
 
@@ -241,10 +226,10 @@ def test_p6_chain_collision_after_other_tokens_is_refused(tiny_qwen, make_engine
 
     monkeypatch.setattr(workers.sequence, "block_digest", chain_collision)
     engine.reset_prefix_cache()
-    serve(engine, greedy("first", first))
-    serve(engine, greedy("other", other))
+    serve(engine, greedy("first", first, ignore_eos=False))
+    serve(engine, greedy("other", other, ignore_eos=False))
     engine.drain_events()
-    out, cached, prefilled = serve(engine, greedy("victim", victim))
+    out, cached, prefilled = serve(engine, greedy("victim", victim, ignore_eos=False))
     assert (out, cached, prefilled) == (reference, BLOCK, len(victim) - BLOCK)  # block 0 only
     # the victim's own block 1 collides with the first's: it stays private
     assert stored_digests(engine.drain_events()) == set()
@@ -271,8 +256,8 @@ def computed_twice(engine, p_block: list[int], shared: list[int], tail: list[int
     shared_after_p = block_digest(after_p, shared)
     engine.reset_prefix_cache()
     engine.drain_events()
-    chunks = engine.generate([greedy("short", p_block + tail[:3], max_tokens=2),
-                              greedy("long", p_block + shared + tail[:5])])
+    chunks = engine.generate([greedy("short", p_block + tail[:3], max_tokens=2, ignore_eos=False),
+                              greedy("long", p_block + shared + tail[:5], ignore_eos=False)])
     assert [c.cached_tokens for c in chunks["long"]][-1] == 0  # computed at once, not reused
     assert stored_digests(engine.drain_events()) == {after_p, shared_after_p}
     return shared_after_p
@@ -284,9 +269,9 @@ def test_p6_blocks_computed_twice_at_once_are_still_reused(tiny_qwen, make_engin
     p_block, shared, tail = (random_prompt(72 + i, BLOCK) for i in range(3))
     probe = p_block + shared + tail[:7]
     engine = make_engine(tiny_qwen, num_blocks=32)
-    reference = cold(engine, greedy("cold", probe))
+    reference = cold(engine, greedy("cold", probe, ignore_eos=False))
     computed_twice(engine, p_block, shared, tail)
-    out, cached, prefilled = serve(engine, greedy("probe", probe))
+    out, cached, prefilled = serve(engine, greedy("probe", probe, ignore_eos=False))
     assert (out, cached, prefilled) == (reference, 2 * BLOCK, len(probe) - 2 * BLOCK)
 
 
@@ -299,7 +284,7 @@ def test_p6_collision_at_a_replaced_parent_is_refused(tiny_qwen, make_engine, mo
     victim = q_block + shared + tail[:6]
     again = q_block + shared + tail[:7]
     engine = make_engine(tiny_qwen, num_blocks=32)
-    references = {name: cold(engine, greedy(f"cold-{name}", prompt))
+    references = {name: cold(engine, greedy(f"cold-{name}", prompt, ignore_eos=False))
                   for name, prompt in (("victim", victim), ("again", again))}
 
     def colliding(parent: bytes, token_ids) -> bytes:
@@ -311,13 +296,14 @@ def test_p6_collision_at_a_replaced_parent_is_refused(tiny_qwen, make_engine, mo
                             p_block)
     evict(engine.pool, collided)
     assert engine.pool.cached_digests() == [shared_after_p]  # block 1 outlived its parent
-    serve(engine, greedy("collider", collider))  # q_block is cached under p_block's digest
+    # q_block is cached under p_block's digest
+    serve(engine, greedy("collider", collider, ignore_eos=False))
     assert set(engine.pool.cached_digests()) == {collided, shared_after_p}
 
-    out, cached, prefilled = serve(engine, greedy("victim", victim))
+    out, cached, prefilled = serve(engine, greedy("victim", victim, ignore_eos=False))
     assert (out, cached, prefilled) == (references["victim"], BLOCK, len(victim) - BLOCK)
     # the victim's own block 1 replaced the unreachable one, and is found from now on
-    out, cached, prefilled = serve(engine, greedy("again", again))
+    out, cached, prefilled = serve(engine, greedy("again", again, ignore_eos=False))
     assert (out, cached, prefilled) == (references["again"], 2 * BLOCK, len(again) - 2 * BLOCK)
     engine.pool.check_invariants()
 
@@ -368,7 +354,8 @@ def test_p8_block_accounting_at_rest(tiny_qwen, make_engine):
                 assert set(event.digests) <= live
                 live.difference_update(event.digests)
 
-    requests = [greedy(f"burst-{i}", p, max_tokens=6 + i % 5) for i, p in enumerate(prompts)]
+    requests = [greedy(f"burst-{i}", p, max_tokens=6 + i % 5, ignore_eos=False)
+                for i, p in enumerate(prompts)]
     for request in requests:
         engine.add_request(request)
     while engine.has_work():

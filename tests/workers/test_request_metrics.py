@@ -5,9 +5,9 @@ a known amount."""
 from __future__ import annotations
 
 import pytest
-import torch
+from helpers import greedy, random_prompt
 
-from contract.request import GenerationRequest, SamplingParams
+from contract.request import GenerationRequest
 from workers.request_metrics import (
     DECODE,
     E2E,
@@ -55,11 +55,10 @@ class SteppedClock:
         return self.now
 
 
-def greedy(request_id: str, prompt_len: int, max_tokens: int) -> GenerationRequest:
-    prompt = torch.randint(3, 1000, (prompt_len,),
-                           generator=torch.Generator().manual_seed(len(request_id))).tolist()
-    return GenerationRequest(request_id, prompt, SamplingParams(
-        temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+def request_of_length(request_id: str, prompt_len: int, max_tokens: int) -> GenerationRequest:
+    """Greedy, past EOS, on a random prompt seeded by the id's length."""
+    return greedy(request_id, random_prompt(len(request_id), prompt_len), max_tokens,
+                  ignore_eos=True)
 
 
 def bucket_of(bounds, value: float) -> int:
@@ -79,7 +78,7 @@ def test_batched_requests_give_exact_latencies(timed_engine):
     """Three requests prefilled together in step 1, then one decode step per token."""
     engine = timed_engine()
     lengths = {"a": 4, "bb": 5, "ccc": 6}
-    engine.generate([greedy(rid, 20, n) for rid, n in lengths.items()])
+    engine.generate([request_of_length(rid, 20, n) for rid, n in lengths.items()])
     metrics = engine.request_metrics
     snap = metrics.snapshot()
     assert snap[TTFT]["count"] == 3 and snap[TTFT]["sum"] == 3 * STEP_S
@@ -97,7 +96,7 @@ def test_batched_requests_give_exact_latencies(timed_engine):
 def test_a_request_that_waits_counts_queue_time(timed_engine):
     """One sequence at a time: the second waits for the first's two steps."""
     engine = timed_engine(max_num_seqs=1)
-    engine.generate([greedy("first", 20, 2), greedy("second", 20, 3)])
+    engine.generate([request_of_length("first", 20, 2), request_of_length("second", 20, 3)])
     snap = engine.request_metrics.snapshot()
     assert snap[QUEUE]["sum"] == 2 * STEP_S          # 0 for the first, 2 steps for the second
     assert snap[TTFT]["sum"] == STEP_S + 3 * STEP_S  # the second's first token ends step 3
@@ -106,7 +105,7 @@ def test_a_request_that_waits_counts_queue_time(timed_engine):
 
 def test_an_aborted_request_has_no_completion_times(timed_engine):
     engine = timed_engine()
-    engine.add_request(greedy("gone", 20, 8))
+    engine.add_request(request_of_length("gone", 20, 8))
     engine.step()
     engine.step()
     engine.abort("gone")
@@ -118,9 +117,9 @@ def test_an_aborted_request_has_no_completion_times(timed_engine):
 
 def test_choices_of_one_request_count_its_prompt_once(timed_engine):
     engine = timed_engine()
-    request = greedy("n3", 20, 4)
-    request.sampling.n = 3
-    engine.generate([request])
+    n3 = request_of_length("n3", 20, 4)
+    n3.sampling.n = 3
+    engine.generate([n3])
     metrics = engine.request_metrics
     assert metrics.prompt_tokens == 20 and metrics.generation_tokens == 12
     assert metrics.snapshot()[TTFT]["count"] == 3 and metrics.snapshot()[E2E]["count"] == 3

@@ -9,7 +9,7 @@ all computed, as the engine does. Engine-level tests compare greedy token ids (f
 from __future__ import annotations
 
 import pytest
-import torch
+from helpers import greedy, output_ids, random_prompt
 
 from contract.request import GenerationChunk, GenerationRequest, InvalidRequestError, SamplingParams
 from workers.block_manager import BlockManager
@@ -147,35 +147,22 @@ def test_unknown_policy_is_refused():
 # ---- engine level --------------------------------------------------------------------------
 
 
-def random_prompt(seed: int, length: int, vocab: int = 1000) -> list[int]:
-    return torch.randint(3, vocab, (length,),
-                         generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def greedy(request_id: str, prompt: list[int], max_tokens: int) -> GenerationRequest:
-    return GenerationRequest(request_id, prompt, SamplingParams(
-        temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-
-
-def output_ids(chunks: list[GenerationChunk]) -> list[int]:
-    return [token for chunk in chunks for token in chunk.token_ids]
-
-
 def test_a_request_that_could_never_fit_is_refused_at_admission(tiny_qwen, make_engine):
     engine = make_engine(tiny_qwen, num_blocks=4)  # 64 tokens of KV in all
     with pytest.raises(InvalidRequestError) as error:
-        engine.add_request(greedy("huge", random_prompt(1, 50), max_tokens=20))
+        engine.add_request(greedy("huge", random_prompt(1, 50), max_tokens=20, ignore_eos=True))
     assert (error.value.param, error.value.code) == ("max_tokens", "context_length_exceeded")
     assert "64" in str(error.value)
     assert not engine.has_work()
     # the largest request that fits still runs to completion alone
-    chunks = engine.generate([greedy("fits", random_prompt(2, 50), max_tokens=14)])["fits"]
+    fits = greedy("fits", random_prompt(2, 50), max_tokens=14, ignore_eos=True)
+    chunks = engine.generate([fits])["fits"]
     assert chunks[-1].finish_reason == "length" and len(output_ids(chunks)) == 14
     assert engine.pool.num_in_use == 0
 
 
 def test_preemption_keeps_greedy_outputs_token_for_token(tiny_qwen, make_engine):
-    requests = [greedy(f"r{i}", random_prompt(30 + i, 20 + 3 * i), max_tokens=30)
+    requests = [greedy(f"r{i}", random_prompt(30 + i, 20 + 3 * i), max_tokens=30, ignore_eos=True)
                 for i in range(6)]
     reference = make_engine(tiny_qwen, num_blocks=128).generate(requests)
     engine = make_engine(tiny_qwen, num_blocks=10, max_num_batched_tokens=32)
@@ -195,7 +182,7 @@ def test_p7_p8_under_preemption_shared_prefixes(tiny_qwen, make_engine):
     admission, never for recomputation; at rest nothing is in use and the pool is consistent."""
     shared = random_prompt(80, 32)
     prompts = [shared + random_prompt(800 + i, 5 + 4 * i) for i in range(8)]
-    requests = [greedy(f"p{i}", p, max_tokens=20) for i, p in enumerate(prompts)]
+    requests = [greedy(f"p{i}", p, max_tokens=20, ignore_eos=True) for i, p in enumerate(prompts)]
     reference = make_engine(tiny_qwen, num_blocks=128).generate(requests)
     engine = make_engine(tiny_qwen, num_blocks=14, max_num_batched_tokens=48)
     for request in requests:
@@ -237,7 +224,7 @@ def generate_counting_prefill(engine, requests) -> tuple[dict, list[int]]:
 def test_chunking_never_changes_tiny_model_outputs(tiny_qwen, make_engine, budget):
     """Budgets under the longest prompt (the tiny model holds 512 positions; chunks of 512 are
     SmolLM2's test below)."""
-    requests = [greedy(f"c{i}", random_prompt(60 + i, 40 + 37 * i), max_tokens=6)
+    requests = [greedy(f"c{i}", random_prompt(60 + i, 40 + 37 * i), max_tokens=6, ignore_eos=True)
                 for i in range(5)]  # 40 .. 188 tokens
     reference = make_engine(tiny_qwen, num_blocks=128, max_num_batched_tokens=4096,
                             max_num_seqs=1).generate(requests)
@@ -257,7 +244,8 @@ def test_chunking_never_changes_smollm_outputs(smollm, make_engine):
     start (one partial prefill at a time) nor fit beside it, so its chunks are not cut."""
     vocab = smollm.model.config.vocab_size
     head = random_prompt(90, 560, vocab)
-    requests = [greedy(f"s{i}", head + random_prompt(91 + i, 40 + 17 * i, vocab), max_tokens=2)
+    requests = [greedy(f"s{i}", head + random_prompt(91 + i, 40 + 17 * i, vocab), max_tokens=2,
+                       ignore_eos=True)
                 for i in range(2)]
     unchunked = make_engine(smollm, num_blocks=96, max_num_batched_tokens=2048, max_num_seqs=1)
     reference = unchunked.generate(requests)

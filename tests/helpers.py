@@ -1,0 +1,124 @@
+"""Helpers shared by the test modules: a free port, random prompts, greedy engine requests and
+their output tokens, a private ``redis-server``.
+
+Imported as ``helpers`` from any test module: ``tests/`` is not a package, and pytest (default
+``prepend`` import mode) puts the directory of ``tests/conftest.py`` on ``sys.path``, as it does
+``tests/workers`` for ``near_tie`` and ``tests/router`` for ``openai_fakes``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterable, Iterator
+
+import pytest
+import redis
+
+from contract.identity import CacheNamespace
+from contract.request import GenerationChunk, GenerationRequest, SamplingParams
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (bound, read, released)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def random_prompt(seed: int, length: int, vocab: int = 1000) -> list[int]:
+    """``length`` token ids drawn uniformly from ``[3, vocab)`` by a torch generator seeded with
+    ``seed`` (ids 0-2 are left out: special tokens in the test models)."""
+    import torch  # here, not above: the conftest imports this module, and most tests need no torch
+
+    return torch.randint(3, vocab, (length,),
+                         generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def greedy(request_id: str, prompt: list[int], max_tokens: int = 8, *, ignore_eos: bool,
+           namespace: CacheNamespace | None = None, **sampling) -> GenerationRequest:
+    """A greedy (temperature 0) request for ``prompt``.
+
+    Args:
+        request_id: the request's id.
+        prompt: its prompt token ids.
+        max_tokens: most tokens to generate.
+        ignore_eos: keep generating past the model's EOS. No default: whether a request may
+            stop early changes what a test compares, so each call says which it wants.
+        namespace: its cache namespace; None for the default (anonymous tenant, no salt).
+        **sampling: any other :class:`~contract.request.SamplingParams` field.
+    """
+    return GenerationRequest(
+        request_id, prompt,
+        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos,
+                       **sampling),
+        namespace=CacheNamespace() if namespace is None else namespace)
+
+
+def output_ids(chunks: Iterable[GenerationChunk]) -> list[int]:
+    """The output token ids of a request's chunks, in order."""
+    return [token for chunk in chunks for token in chunk.token_ids]
+
+
+class PrivateRedis:
+    """A ``redis-server`` without persistence on a free port, killed and restarted (empty) on
+    that same port at will. For tests that must kill and restart Redis, or that find no shared
+    one (never the shared one).
+
+    Args:
+        binary: path of the ``redis-server`` executable.
+    """
+
+    def __init__(self, binary: str) -> None:
+        self.binary = binary
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Start it, empty, and wait up to 10 s for PING.
+
+        Raises:
+            RuntimeError: it did not answer within 10 s.
+        """
+        self.process = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
+        try:
+            deadline = time.monotonic() + 10.0
+            while time.monotonic() < deadline and self.process.poll() is None:
+                try:
+                    if client.ping():
+                        return
+                except redis.ConnectionError:
+                    time.sleep(0.05)
+        finally:
+            client.close()
+        self.kill()
+        raise RuntimeError(f"redis-server on port {self.port} did not answer PING in 10 s")
+
+    def kill(self) -> None:
+        """Kill it (nothing is saved) and wait until it is gone."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+    def restart(self) -> None:
+        """Kill it and start it again, empty, on the same port."""
+        self.kill()
+        self.start()
+
+
+def private_redis_server() -> Iterator[PrivateRedis]:
+    """Body of a fixture: a started :class:`PrivateRedis`, killed afterwards; skips the test
+    when no ``redis-server`` binary is installed."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("no redis-server binary")
+    server = PrivateRedis(binary)
+    server.start()
+    yield server
+    server.kill()
