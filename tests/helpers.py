@@ -62,6 +62,21 @@ def output_ids(chunks: Iterable[GenerationChunk]) -> list[int]:
     return [token for chunk in chunks for token in chunk.token_ids]
 
 
+def count_calls(monkeypatch: pytest.MonkeyPatch, owner: object,
+                names: Iterable[str]) -> dict[str, int]:
+    """Wraps the methods ``names`` of ``owner`` (a class or module) for the test's duration;
+    returns the live count of calls to each."""
+    calls = dict.fromkeys(names, 0)
+    for name in calls:
+        original = getattr(owner, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
 class PrivateRedis:
     """A ``redis-server`` without persistence on a free port, killed and restarted (empty) on
     that same port at will. For tests that must kill and restart Redis, or that find no shared

@@ -4,6 +4,7 @@ error naming the parameter the client sent, and reaches no worker."""
 from __future__ import annotations
 
 import pytest
+from helpers import count_calls
 from openai_fakes import (
     CHAT,
     COMPLETIONS,
@@ -147,14 +148,7 @@ async def test_a_context_refusal_names_the_limit_the_client_sent(client):
 async def test_a_request_is_validated_once_at_the_ingress(client, backend, monkeypatch, limit):
     """The sampling ranges and the context are each checked once, whether the output limit
     is the client's or defaults to the rest of the context."""
-    calls = {"validate": 0, "check_context": 0}
-    for name in calls:
-        original = getattr(SamplingParams, name)
-
-        def counted(self, *args, _name=name, _original=original):
-            calls[_name] += 1
-            return _original(self, *args)
-        monkeypatch.setattr(SamplingParams, name, counted)
+    calls = count_calls(monkeypatch, SamplingParams, ["validate", "check_context"])
     response = await client.post(CHAT, json={"messages": HELLO, **limit})
     assert response.status_code == 200, response.text
     assert calls == {"validate": 1, "check_context": 1}

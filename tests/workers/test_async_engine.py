@@ -12,7 +12,7 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from helpers import greedy, output_ids, random_prompt
+from helpers import count_calls, greedy, output_ids, random_prompt
 
 from contract.identity import block_digests
 from contract.kv_events import KVEvent
@@ -112,14 +112,7 @@ async def test_invalid_request_raises_before_any_chunk(async_engine):
 
 async def test_a_request_is_validated_once_at_the_engines_door(async_engine, monkeypatch):
     """The worker process checks a request once: the sampling ranges and the context."""
-    calls = {"validate": 0, "check_context": 0}
-    for name in calls:
-        original = getattr(SamplingParams, name)
-
-        def counted(self, *args, _name=name, _original=original):
-            calls[_name] += 1
-            return _original(self, *args)
-        monkeypatch.setattr(SamplingParams, name, counted)
+    calls = count_calls(monkeypatch, SamplingParams, ["validate", "check_context"])
     chunks = await collect(
         async_engine, greedy("once", random_prompt(3, 20), max_tokens=4, n=2, ignore_eos=True))
     assert len(output_ids(chunks)) == 8
