@@ -5,11 +5,11 @@ device probe), and the refusal of more GPUs than the Ray cluster has (a fake
 from __future__ import annotations
 
 import logging
-import socket
 import time
 
 import pydantic
 import pytest
+from helpers import free_port
 
 from cluster.cli import build_parser, main, serve_config
 from cluster.config import ClusterConfig, workers_per_gpu
@@ -134,14 +134,15 @@ def test_joining_means_an_address_other_than_local(monkeypatch):
 
 def test_serve_refuses_gpus_the_ray_cluster_lacks_in_one_line(ray_session, monkeypatch, capsys):
     """The test session's Ray has no GPU: asking for one fails at once, before anything is
-    deployed, with one line on stderr and no traceback."""
+    deployed, with one line on stderr and no traceback. (Other tests of the session may have
+    deployed applications of their own: none of them is touched.)"""
+    from ray import serve
+
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    before = deployed_at(serve)
     started = time.monotonic()
-    code = main(["serve", "--port", str(port), "--workers", "2", "--gpus-per-worker", "1",
-                 "--kv-memory-mib", "16"])
+    code = main(["serve", "--port", str(free_port()), "--workers", "2", "--gpus-per-worker",
+                 "1", "--kv-memory-mib", "16"])
     elapsed = time.monotonic() - started
     err = capsys.readouterr().err
     assert code == 1
@@ -150,6 +151,10 @@ def test_serve_refuses_gpus_the_ray_cluster_lacks_in_one_line(ray_session, monke
         "has 0 GPU(s): pass --gpus-per-worker 0 to run the workers on CPUs, or start Ray with "
         "GPUs"]
     assert elapsed < 30
-    from ray import serve
+    assert deployed_at(serve) == before
 
-    assert "nalar" not in serve.status().applications
+
+def deployed_at(serve) -> dict[str, float]:
+    """When each Serve application now running was last deployed."""
+    return {name: app.last_deployed_time_s
+            for name, app in serve.status().applications.items()}
