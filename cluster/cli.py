@@ -10,6 +10,7 @@ import threading
 import time
 
 import httpx
+import pydantic
 
 from cluster.config import ClusterConfig
 
@@ -110,7 +111,7 @@ def _speculative_flags(serve_cmd) -> None:
     spec.add_argument("--draft-replicas", type=int, default=None,
                       help="draft replicas when the proposer runs remotely (default 1)")
     spec.add_argument("--draft-deadline-ms", type=_milliseconds, default=None,
-                      dest="draft_deadline_s",
+                      dest="draft_deadline_s", metavar="MS",
                       help="a draft call slower than this gives no drafts that step "
                            "(default 50)")
     spec.add_argument("--speculative-remote", action="store_true", default=None,
@@ -142,12 +143,36 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
     return ClusterConfig(**options)
 
 
+def _flag_errors(error: pydantic.ValidationError) -> list[str]:
+    """One line per invalid setting, naming the flag the user gave (not the config field)."""
+    flags = {action.dest: action.option_strings[-1]
+             for action in _serve_actions() if action.option_strings}
+    lines = []
+    for problem in error.errors():
+        field = str(problem["loc"][0]) if problem["loc"] else ""
+        message = problem["msg"].removeprefix("Value error, ")
+        lines.append(f"{flags.get(field, field)}: {message}" if field else message)
+    return lines
+
+
+def _serve_actions() -> list[argparse.Action]:
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return commands.choices["serve"]._actions
+
+
 def serve_command(args: argparse.Namespace) -> int:
     from cluster.runtime import NotEnoughGPUsError, PortInUseError, start_cluster, stop_cluster
 
-    config = serve_config(args)
+    try:
+        config = serve_config(args)
+    except pydantic.ValidationError as exc:
+        for line in _flag_errors(exc):
+            print(f"nalar: cannot serve: {line}", file=sys.stderr)
+        return 2
     index = f"Redis at {config.redis_url}" if config.redis_url else "embedded"
-    print(f"starting Nalar Serve: model {config.model}, {config.num_workers} workers, "
+    workers = f"{config.num_workers} worker{'s' if config.num_workers != 1 else ''}"
+    print(f"starting Nalar Serve: model {config.model}, {workers}, "
           f"index {index}, speculation {_speculation(config)}, {_auth(config)} ...",
           flush=True)
     try:

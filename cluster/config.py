@@ -185,7 +185,7 @@ class ClusterConfig(BaseModel):
                 f"--gpus-per-worker {self.worker_gpus:g} puts {sharing} workers on a GPU, and "
                 f"each may use gpu_memory_utilization {self.gpu_memory_utilization:g} of its "
                 f"memory ({sharing * self.gpu_memory_utilization:g} of it in all): pass "
-                f"--gpu-memory-utilization {fit:g} (or less), or --kv-memory-mib")
+                f"--gpu-memory-utilization {fit:g} (or less), or a fixed --kv-memory-mib")
         return self
 
     def engine_config(self) -> EngineConfig:

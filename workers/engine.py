@@ -5,6 +5,7 @@ Synchronous core; ``workers.async_engine`` runs it in a thread and streams its o
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -40,6 +41,8 @@ from workers.sequence import Sequence
 from workers.speculative.build import build_proposer
 from workers.speculative.decoding import SpeculativeDecoding
 from workers.speculative.proposer import Proposer
+
+log = logging.getLogger(__name__)
 
 
 class StepFailedError(RuntimeError):
@@ -118,6 +121,11 @@ class LLMEngine:
         model_limit = getattr(model_config, "max_position_embeddings", None) or 1 << 30
         self.max_model_len = min(config.max_model_len or model_limit, model_limit,
                                  kv_cache.num_blocks * config.block_size)
+        if config.max_model_len and self.max_model_len < config.max_model_len:
+            log.warning("max_model_len %d lowered to %d tokens: the model's limit is %d and "
+                        "the KV cache holds %d (%d blocks of %d)", config.max_model_len,
+                        self.max_model_len, model_limit, kv_cache.num_blocks * config.block_size,
+                        kv_cache.num_blocks, config.block_size)
         # Refuse, naming them, features the paged runner would silently drop; before the
         # runner fuses the model's weights.
         check_supported(model_config, self.max_model_len, self.loaded.model)

@@ -37,3 +37,23 @@ def test_max_queue_delay_reaches_the_config_and_a_bad_one_is_refused():
     assert config("--max-queue-delay", "60").max_queue_delay_s == 60.0
     with pytest.raises(pydantic.ValidationError, match="max_queue_delay_s"):
         config("--max-queue-delay", "0")
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (["--gpu-memory-utilization", "1.5"],
+     "nalar: cannot serve: --gpu-memory-utilization: Input should be less than or equal to 1"),
+    (["--workers", "0"], "nalar: cannot serve: --workers: Input should be greater than or equal "
+                         "to 1"),
+    (["--max-queue-delay", "0"], "nalar: cannot serve: --max-queue-delay: Input should be "
+                                 "greater than 0"),
+    (["--gpus-per-worker", "0.5"], "nalar: cannot serve: --gpus-per-worker 0.5 puts 2 workers "
+     "on a GPU, and each may use gpu_memory_utilization 0.9 of its memory (1.8 of it in all): "
+     "pass --gpu-memory-utilization 0.45 (or less), or a fixed --kv-memory-mib"),
+])
+def test_a_flag_out_of_range_is_one_line_naming_the_flag(capsys, argv, line):
+    """No traceback and no internal field name: the flag as the user typed it (exit code 2,
+    argparse's for bad usage); nothing is started."""
+    assert main(["serve", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [line]
+    assert "starting" not in captured.out

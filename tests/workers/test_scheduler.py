@@ -8,6 +8,8 @@ all computed, as the engine does. Engine-level tests compare greedy token ids (f
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from helpers import greedy, output_ids, random_prompt
 
@@ -260,3 +262,16 @@ def test_chunking_never_changes_smollm_outputs(smollm, make_engine):
         for request in requests:
             assert output_ids(chunks[request.request_id]) == output_ids(
                 reference[request.request_id]), (budget, request.request_id)
+
+
+def test_an_explicit_max_model_len_the_cache_cannot_hold_is_lowered_with_a_warning(
+        tiny_qwen, make_engine, caplog):
+    with caplog.at_level(logging.WARNING, logger="workers.engine"):
+        engine = make_engine(tiny_qwen, num_blocks=4, max_model_len=500)
+    assert engine.max_model_len == 64
+    assert "max_model_len 500 lowered to 64 tokens" in caplog.text
+    assert "the KV cache holds 64 (4 blocks of 16)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="workers.engine"):
+        assert make_engine(tiny_qwen, num_blocks=4, max_model_len=48).max_model_len == 48
+    assert "lowered" not in caplog.text
