@@ -10,12 +10,17 @@ they call.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def visible_gpu_count() -> int:
     """CUDA devices this process sees (``$CUDA_VISIBLE_DEVICES`` applies: a Ray replica sees
     the ones it was given); 0 without CUDA."""
+    import torch  # here: the CLI (``nalar chat``, ``nalar bench``) reads defaults without it
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -28,5 +33,7 @@ def device_memory(device: torch.device) -> tuple[int, int]:
     """(free, total) bytes of a CUDA device, as the driver reports them (``cudaMemGetInfo``):
     free is what no process holds, this one's allocations (weights, the CUDA context)
     already taken out."""
+    import torch
+
     free, total = torch.cuda.mem_get_info(device)
     return free, total

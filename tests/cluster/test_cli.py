@@ -57,3 +57,15 @@ def test_a_flag_out_of_range_is_one_line_naming_the_flag(capsys, argv, line):
     captured = capsys.readouterr()
     assert captured.err.splitlines() == [line]
     assert "starting" not in captured.out
+
+
+def test_the_cli_starts_without_importing_torch():
+    """`nalar chat` and `nalar bench` talk HTTP only: loading the CLI (and the configuration
+    defaults it reads) must not cost torch's import (seconds)."""
+    import subprocess
+    import sys
+
+    probe = "import cluster.cli, sys; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip() == "False"
