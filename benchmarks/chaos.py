@@ -501,7 +501,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--outage-s", type=float, default=defaults.outage_s)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--quick", action="store_true", help="the CI sizes")
-    parser.add_argument("--out", default=str(common.RESULTS_DIR / "chaos.json"))
+    parser.add_argument("--out", default=str(common.OUT_DIR / "chaos.json"))
     return parser.parse_args(argv)
 
 

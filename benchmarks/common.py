@@ -27,8 +27,6 @@ OUT_DIR = Path(__file__).resolve().parent / "out"
 """Where every script writes by default (``--out``, plots, and the step profile
 ``draft_roundtrip.py`` reads): ``benchmarks/out/``, ignored by git, so a run never overwrites a
 committed result. Committed runs live in ``benchmarks/results/<machine kind>/``."""
-RESULTS_DIR = OUT_DIR
-"""The name the scripts build their default paths from: the same folder as :data:`OUT_DIR`."""
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = "tiny"
 """``--model tiny``: a 2-layer random Llama with the embedded tokenizer, for smoke tests."""

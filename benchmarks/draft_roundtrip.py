@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--k", type=int, default=4, help="draft tokens asked per sequence")
     parser.add_argument("--ngram-min", type=int, default=1)
     parser.add_argument("--ngram-max", type=int, default=4)
-    parser.add_argument("--step-profile", default=str(common.RESULTS_DIR / "step_profile.json"),
+    parser.add_argument("--step-profile", default=str(common.OUT_DIR / "step_profile.json"),
                         help="decode step times to compare with (measured here if missing)")
     args = parser.parse_args(argv)
     if args.quick:

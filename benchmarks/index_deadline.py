@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cluster-workers", type=int, default=2,
                         help="workers of the cluster the deadline is sized for")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
-    parser.add_argument("--out", default=str(common.RESULTS_DIR / "index_deadline.json"))
+    parser.add_argument("--out", default=str(common.OUT_DIR / "index_deadline.json"))
     return parser.parse_args(argv)
 
 

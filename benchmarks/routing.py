@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
-    parser.add_argument("--plot", default=str(common.RESULTS_DIR / "routing.png"))
+    parser.add_argument("--plot", default=str(common.OUT_DIR / "routing.png"))
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.tenants, args.prefix_tokens = 12, 3, 64

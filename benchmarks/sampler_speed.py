@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import (  # noqa: E402
-    RESULTS_DIR,
+    OUT_DIR,
     log,
     machine_info,
     median_time,
@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 16])
-    parser.add_argument("--out", default=str(RESULTS_DIR / "sampler_speed.json"))
+    parser.add_argument("--out", default=str(OUT_DIR / "sampler_speed.json"))
     args = parser.parse_args()
     threads = set_threads(args.threads)
     results = []

@@ -346,7 +346,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="a short capacity measurement (20 s, 5 s of warm-up, 4 in "
                              "flight); --duration still applies")
-    parser.add_argument("--out", default=str(common.RESULTS_DIR / "soak.json"))
+    parser.add_argument("--out", default=str(common.OUT_DIR / "soak.json"))
     args = parser.parse_args(argv)
     if args.quick:
         args.capacity_s, args.capacity_warmup_s, args.capacity_concurrency = 20.0, 5.0, 4
