@@ -116,15 +116,16 @@ def _git(*args: str) -> str | None:
 
 # --- models ----------------------------------------------------------------------------------
 
-def load(model: str, dtype: str, device: str = "cpu"):
+def load(model: str, dtype: str, device: str = "cpu", quantization: str = "none"):
     """A fresh :class:`workers.model_loader.LoadedModel` on ``device`` (each call its own
-    weights, so the engine's runner and a transformers baseline never share a module)."""
+    weights, so the engine's runner and a transformers baseline never share a module), its
+    weights held as ``quantization`` says (``workers.stored_weights``)."""
     if model == TINY_MODEL:
         loaded = tiny_model(dtype)
         loaded.model.to(device)
         return loaded
     from workers.model_loader import load_model
-    return load_model(model, dtype=dtype, device=device)
+    return load_model(model, dtype=dtype, device=device, quantization=quantization)
 
 
 def tiny_model(dtype: str):

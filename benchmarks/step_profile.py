@@ -8,9 +8,10 @@ next to limits measured on this machine with the same threads.
   is the floor of a step's time at small batch (the roofline model: Williams et al., 2009).
 - Decode step time of our engine at batch 1, 8, 16 with --context 512 token contexts: median
   over --steps steps in which every sequence decodes one token.
-- The linear layers alone: ``F.linear`` over every ``nn.Linear`` weight of the model (q/k/v/o,
-  gate/up/down per layer, the LM head) at the same batch, no attention, no framework: what a
-  step would cost if everything else were free.
+- The linear layers alone: every linear layer of the model (q/k/v/o, gate/up/down per layer,
+  the LM head), unfused, in the form the engine computes it (prepacked, or streaming its
+  stored weight), at the same batch, no attention, no framework: what a step would cost if
+  everything else were free.
 - Prefill: our engine's tokens/s on a --prefill-tokens prompt against the measured matmul
   limit (the fastest GFLOP/s of a --matmul-size square matmul and of ``F.linear`` at the
   prompt's rows on each of the model's weight shapes, in its dtype): the FLOPs of the
@@ -22,7 +23,7 @@ next to limits measured on this machine with the same threads.
   every Python call, so Python's share reads somewhat high.
 
     .venv/bin/python benchmarks/step_profile.py [--batches 1,8,16] [--threads 2] [--breakdown]
-        [--quick]
+        [--quantization none|gguf|int8] [--quick]
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ to ours for comparison."""
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     common.add_common_args(parser, "step_profile")
+    parser.add_argument("--quantization", default="none", choices=["none", "gguf", "int8"],
+                        help="how the weights are held (workers.stored_weights)")
     parser.add_argument("--batches", default="1,8,16", help="decode batch sizes")
     parser.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed per batch")
@@ -84,10 +87,10 @@ def memory_bandwidth(nbytes: int, repeats: int) -> dict:
             "copy_bytes_per_s": 2 * nbytes / copy_s}
 
 
-def matmul_rate(size: int, dtype: torch.dtype, repeats: int, weights: list[torch.Tensor],
+def matmul_rate(size: int, dtype: torch.dtype, repeats: int, shapes: set[tuple[int, int]],
                 rows: int) -> dict:
     """FLOP/s (2 FLOPs per MAC) of one ``size``-cubed matmul in ``dtype``, and of ``F.linear``
-    on ``rows`` rows for each distinct shape of the model's ``weights`` (a prefill's own
+    on ``rows`` rows for each distinct ``(out, in)`` weight shape of the model (a prefill's own
     matmuls). ``flops_per_s``, the limit prefill is held against, is the fastest of them: on
     an AMD EPYC (Zen 5) the square matmul ran at 375 GFLOP/s while a 1,024-token prefill as a
     whole reached 496, so the square alone was no limit."""
@@ -95,9 +98,9 @@ def matmul_rate(size: int, dtype: torch.dtype, repeats: int, weights: list[torch
     b = torch.randn(size, size).to(dtype)
     square = 2 * size ** 3 / common.median_time(lambda: a @ b, repeats)
     linear = {}
-    for (out_features, in_features), weight in {tuple(w.shape): w for w in weights}.items():
+    for out_features, in_features in sorted(shapes):
         x = torch.randn(rows, in_features).to(dtype)
-        w = weight.to(dtype)
+        w = torch.randn(out_features, in_features).to(dtype)
         seconds = common.median_time(lambda x=x, w=w: F.linear(x, w), repeats)
         linear[f"{rows}x{in_features}->{out_features}"] = 2 * x.numel() * out_features / seconds
     return {"size": size, "dtype": str(dtype).removeprefix("torch."),
@@ -107,14 +110,24 @@ def matmul_rate(size: int, dtype: torch.dtype, repeats: int, weights: list[torch
 
 # --- model arithmetic ----------------------------------------------------------------------
 
-def linear_weights(model) -> list[torch.Tensor]:
-    """Every ``nn.Linear`` weight of the model (decoder layers and LM head), [out, in]."""
-    return [module.weight for module in model.modules() if isinstance(module, torch.nn.Linear)]
+def linear_modules(model) -> list[torch.nn.Linear]:
+    """Every ``nn.Linear`` of the model (decoder layers and LM head)."""
+    return [module for module in model.modules() if isinstance(module, torch.nn.Linear)]
+
+
+def linear_shapes(model) -> set[tuple[int, int]]:
+    """The distinct ``(out_features, in_features)`` of the model's linear layers."""
+    return {(m.out_features, m.in_features) for m in linear_modules(model)}
 
 
 def weight_bytes(model) -> int:
-    """Bytes of the model's distinct parameters (tied embeddings counted once)."""
+    """Bytes of the model's distinct weights as held: dense parameters, and the stored
+    (quantized) weights that replaced dense ones (tied embeddings counted once)."""
     seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    for module in model.modules():
+        stored = getattr(module, "stored_weight", None)
+        if stored is not None:
+            seen[stored.data.data_ptr()] = stored.nbytes
     return sum(seen.values())
 
 
@@ -122,23 +135,26 @@ def prefill_flops(model, tokens: int) -> float:
     """FLOPs of a prefill of ``tokens``: 2 x decoder linear parameters per token, causal
     attention (QK^T and PV over half the square), and one LM-head row."""
     config = model.config
-    head = model.get_output_embeddings().weight
-    decoder = sum(w.numel() for w in linear_weights(model) if w is not head)
+    head = model.get_output_embeddings()
+    decoder = sum(m.out_features * m.in_features for m in linear_modules(model) if m is not head)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     attention = (2 * 2 * config.num_hidden_layers * config.num_attention_heads * head_dim
                  * tokens * (tokens + 1) / 2)
-    return 2 * decoder * tokens + attention + 2 * head.numel()
+    return 2 * decoder * tokens + attention + 2 * head.out_features * head.in_features
 
 
 @torch.inference_mode()
 def linear_layers_s(model, batch: int, repeats: int) -> float:
-    """Median seconds of one pass of ``F.linear`` over every linear weight at ``batch`` rows."""
-    weights = linear_weights(model)
-    inputs = {w.shape[1]: torch.randn(batch, w.shape[1]).to(w.dtype) for w in weights}
+    """Median seconds of one pass over every linear layer at ``batch`` rows, each in the form
+    the engine computes it (``Linear.of``: prepacked, or streaming its stored weight), unfused."""
+    from workers.models.linear import Linear
+
+    layers = [(Linear.of(m), m.in_features) for m in linear_modules(model)]
+    inputs = {k: torch.randn(batch, k).to(model.dtype) for _, k in layers}
 
     def one_pass():
-        for weight in weights:
-            F.linear(inputs[weight.shape[1]], weight)
+        for layer, in_features in layers:
+            layer(inputs[in_features])
 
     return common.median_time(one_pass, repeats)
 
@@ -187,14 +203,14 @@ def decode_breakdown(engine, prompts: list[list[int]], steps: int, top: int) -> 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     threads = common.set_threads(args.threads)
-    loaded = common.load(args.model, args.dtype)
+    loaded = common.load(args.model, args.dtype, quantization=args.quantization)
     model, dtype = loaded.model, loaded.dtype
     weights = weight_bytes(model)
     common.log(f"memory bandwidth (weights' size, {args.bandwidth_mib} MiB), {threads} threads")
     bandwidth = {"weights_size": memory_bandwidth(weights, args.repeats),
                  "large": memory_bandwidth(args.bandwidth_mib << 20, args.repeats)}
     common.log(f"matmul rate ({args.matmul_size}^3, {dtype})")
-    matmul = matmul_rate(args.matmul_size, dtype, args.repeats, linear_weights(model),
+    matmul = matmul_rate(args.matmul_size, dtype, args.repeats, linear_shapes(model),
                          args.prefill_tokens)
     read_weights_ms = 1000 * weights / bandwidth["weights_size"]["read_bytes_per_s"]
     read_weights_dram_ms = 1000 * weights / bandwidth["large"]["read_bytes_per_s"]
@@ -241,7 +257,8 @@ def main(argv: list[str] | None = None) -> dict:
     common.log(f"prefill {args.prefill_tokens} tokens: {prefill['tokens_per_s']:.0f} tokens/s, "
                f"{prefill['fraction_of_matmul_limit']:.2f} of the matmul limit")
     result = {"benchmark": "step_profile", "machine": common.machine_info(dtype),
-              "threads": threads, "model": args.model, "quick": args.quick,
+              "threads": threads, "model": args.model, "quantization": loaded.quantization,
+              "quick": args.quick,
               "context_tokens": args.context, "weights_bytes": weights,
               "memory_bandwidth": bandwidth, "matmul": matmul, "decode": decode,
               "decode_breakdown": breakdown, "prefill": prefill,

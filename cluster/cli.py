@@ -22,7 +22,13 @@ def _serve_parser(commands) -> None:
                                 "directory or a locally cached hub id")
     serve_cmd.add_argument("--served-model-name", default=None)
     serve_cmd.add_argument("--dtype", default="auto",
-                           help="auto (bf16 where native, else fp32), bfloat16, float16, float32")
+                           help="activations and KV cache (and dense weights): auto (bf16 where "
+                                "native, else fp32), bfloat16, float16, float32")
+    serve_cmd.add_argument("--quantization", default="auto",
+                           choices=["auto", "none", "gguf", "int8"],
+                           help="weights: gguf keeps a GGUF file's Q8_0/Q4_0/Q4_1 tensors as "
+                                "stored, int8 quantizes per channel, none is dense in --dtype; "
+                                "auto: gguf for a GGUF model on the CPU, else none")
     serve_cmd.add_argument("--workers", type=int, default=None, dest="num_workers",
                            help="worker replicas, one engine each (default: one per visible "
                                 "CUDA device, else 2)")

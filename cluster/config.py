@@ -104,6 +104,7 @@ class ClusterConfig(BaseModel):
     served_model_name: str | None = None
     dtype: str = "auto"
     device: str | None = None
+    quantization: Literal["auto", "none", "gguf", "int8"] = "auto"
     num_workers: int = Field(default_factory=default_num_workers, ge=1)
     redis_url: str | None = Field(default_factory=lambda: os.environ.get("REDIS_URL") or None)
     key_prefix: str = "nalar"
@@ -191,7 +192,8 @@ class ClusterConfig(BaseModel):
     def engine_config(self) -> EngineConfig:
         """The per-worker engine configuration."""
         return EngineConfig(
-            model=self.model, dtype=self.dtype, device=self.device, block_size=self.block_size,
+            model=self.model, dtype=self.dtype, device=self.device,
+            quantization=self.quantization, block_size=self.block_size,
             kv_cache_bytes=None if self.kv_cache_mib is None else self.kv_cache_mib * MiB,
             gpu_memory_utilization=self.gpu_memory_utilization, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,

@@ -17,6 +17,10 @@ class EngineConfig:
         model: ``embedded``, a ``.gguf`` path, a model directory or a cached hub id.
         dtype: ``auto`` (bf16 where the hardware has it natively, else fp32), or a dtype name.
         device: ``cuda``/``cpu``, None for CUDA when available.
+        quantization: how weights are held: ``none`` (dense in ``dtype``), ``gguf`` (a GGUF
+            file's Q8_0/Q4_0/Q4_1 tensors as stored), ``int8`` (per-channel weight-only) or
+            ``auto`` (``gguf`` for a GGUF model). ``none`` here; ``nalar serve`` defaults to
+            ``auto``.
         block_size: tokens per KV block.
         kv_cache_bytes: memory budget for the KV tensors, in bytes; None sizes it
             automatically (``workers.kv_budget``): 512 MiB on a CPU, from the device's free
@@ -44,6 +48,7 @@ class EngineConfig:
     model: str = "embedded"
     dtype: str = "auto"
     device: str | None = None
+    quantization: str = "none"
     block_size: int = 16
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.9

@@ -105,7 +105,8 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         bound_primitive_caches()
         self.config = config
-        self.loaded = loaded or load_model(config.model, config.dtype, config.device)
+        self.loaded = loaded or load_model(config.model, config.dtype, config.device,
+                                            quantization=config.quantization)
         self.tokenizer = self.loaded.tokenizer
         model_config = self.loaded.model.config
         kv_cache = PagedKVCache.from_budget(model_config, kv_cache_budget(config, self.loaded),

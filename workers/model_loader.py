@@ -25,6 +25,11 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from workers import devices
+from workers.stored_weights import (
+    attach_gguf_weights,
+    attach_int8_weights,
+    resolve_quantization,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +53,9 @@ class LoadedModel:
         model_digest: hex sha256 of the weights' content, the numerics-relevant config and dtype.
         served_name: the model name the API reports.
         source_path: the directory the weights were loaded from.
+        quantization: ``none`` (dense weights in ``dtype``), ``gguf`` (the GGUF file's Q8_0,
+            Q4_0, Q4_1 tensors as stored) or ``int8`` (per-channel weight-only int8); see
+            ``workers.stored_weights``.
     """
 
     model: PreTrainedModel
@@ -55,6 +63,7 @@ class LoadedModel:
     model_digest: str
     served_name: str
     source_path: Path
+    quantization: str = "none"
 
     @property
     def device(self) -> torch.device:
@@ -217,31 +226,55 @@ def numerics_tag(device: torch.device, attn_implementation: str) -> str:
 
 
 def load_model(model: str = EMBEDDED_MODEL, dtype: str | None = "auto",
-               device: str | None = None, attn_implementation: str = "sdpa") -> LoadedModel:
+               device: str | None = None, attn_implementation: str = "sdpa",
+               quantization: str = "none") -> LoadedModel:
     """Load a causal LM for serving.
 
     Args:
         model: ``embedded``, a ``.gguf`` path, a model directory, or a cached hub id.
-        dtype: ``auto`` (bf16 where native, else fp32), ``bfloat16``, ``float16``, ``float32``.
+        dtype: the activation and KV dtype, and that of dense weights: ``auto`` (bf16 where
+            native, else fp32), ``bfloat16``, ``float16``, ``float32``.
         device: ``cuda``/``cpu``; None picks CUDA when available.
         attn_implementation: the transformers attention implementation to load with; the
             engine's runner swaps in its paged attention for serving.
+        quantization: how the weights are held: ``none``, ``gguf``, ``int8`` or ``auto``
+            (``gguf`` for a GGUF model); see ``workers.stored_weights``.
 
     Raises:
         FileNotFoundError: the source cannot be found locally.
-        ValueError: an unknown dtype.
+        ValueError: an unknown dtype or quantization, or a quantization this model or device
+            cannot be served with.
     """
     torch_device = torch.device(device) if device else default_device()
     torch_dtype = parse_dtype(dtype, torch_device)
+    quantization = resolve_quantization(quantization, model, torch_device)
     path, served_name = resolve_source(model)
     hf_model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch_dtype, attn_implementation=attn_implementation)
     # Hashed while still on the host, where transformers loads it: after the move, hashing
     # would copy every weight back from the device.
     digest = model_digest(hf_model)
+    if quantization != "none":
+        _attach_stored(hf_model, quantization, model, torch_device)
     hf_model.to(torch_device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return LoadedModel(hf_model, tokenizer, digest, served_name, path)
+    return LoadedModel(hf_model, tokenizer, digest, served_name, path, quantization)
+
+
+def _attach_stored(hf_model: PreTrainedModel, quantization: str, model: str,
+                   device: torch.device) -> None:
+    from workers.models import COMPACT_MODEL_TYPES
+
+    if device.type != "cpu" or hf_model.config.model_type not in COMPACT_MODEL_TYPES:
+        raise ValueError(f"--quantization {quantization} is served on the CPU for the "
+                         f"{', '.join(sorted(COMPACT_MODEL_TYPES))} architectures; this is "
+                         f"{hf_model.config.model_type} on {device.type}: use "
+                         "--quantization none")
+    if quantization == "gguf":
+        gguf = embedded_gguf_path() if model == EMBEDDED_MODEL else Path(model).expanduser()
+        attach_gguf_weights(hf_model, gguf)
+    else:
+        attach_int8_weights(hf_model)
 
 
 def load_tokenizer(model: str = EMBEDDED_MODEL) -> Any:

@@ -23,8 +23,9 @@ from workers.attention.metadata import AttentionMetadata, build_metadata
 from workers.attention.transformers_adapter import ATTN_IMPLEMENTATION
 from workers.kv_cache import PagedKVCache
 from workers.models import compact_model_for
-from workers.models.linear import linear_kernel
+from workers.models.linear import linear_kernel, stored_kernel
 from workers.scheduler import ScheduledBatch
+from workers.stored_weights import stored_formats
 
 
 class ModelRunner:
@@ -38,7 +39,8 @@ class ModelRunner:
     Attributes:
         implementation: ``"compact"`` or ``"transformers"``, the path this model runs on.
         linear_kernel: the small-batch matmul kernel of the compact path (``aten`` on the
-            transformers path); see ``workers.models.linear``.
+            transformers path; ``weight-stream:<formats>/<simd>`` over stored quantized
+            weights); see ``workers.models.linear``.
         decode_kernel: what plain decodes attend with (``native-paged`` or ``gather-sdpa``);
             see ``workers.attention.kernel_choice.decode_kernel``.
         decode_scores: what the native decode kernel computes bf16 scores with (``tiles``,
@@ -57,8 +59,7 @@ class ModelRunner:
         self.device = model.device
         self._compact = compact_model_for(model)
         self.implementation = "compact" if self._compact is not None else "transformers"
-        self.linear_kernel = (linear_kernel(model.dtype, model.device)
-                              if self._compact is not None else "aten")
+        self.linear_kernel = self._linear_kernel(model)
         head_dim = kv_cache.keys[0].shape[-1]
         self.decode_kernel = decode_kernel(model.dtype, model.device, head_dim)
         self.prefill_kernel = prefill_kernel(model.dtype, model.device, head_dim)
@@ -66,6 +67,12 @@ class ModelRunner:
                               if self.decode_kernel == NATIVE_DECODE else "")
         self.norm_kernel = self._compact.norm_kernel if self._compact is not None else "torch"
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+    def _linear_kernel(self, model: PreTrainedModel) -> str:
+        if self._compact is None:
+            return "aten"
+        formats = stored_formats(model)
+        return stored_kernel(formats) if formats else linear_kernel(model.dtype, model.device)
 
     @property
     def kernels(self) -> str:

@@ -78,6 +78,12 @@ def tiny_qwen(smollm_tokenizer) -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
+def fresh_tiny_qwen() -> Callable[..., Qwen2ForCausalLM]:
+    """Builds a new tiny Qwen2 (same seed, same weights) for a test that changes it."""
+    return build_tiny_qwen2
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen_bf16(smollm_tokenizer) -> LoadedModel:
     """The same tiny Qwen2 weights, loaded in bf16 (another numerics, so another identity)."""
     model = build_tiny_qwen2(torch.bfloat16)

@@ -11,7 +11,8 @@ digest of the sources, flags and torch version. ``make`` builds it at
 install (``python -m workers.kernels``), so a worker's start only loads it. Where no compiler
 is found, or ``NALAR_NATIVE_KERNELS=0``, it is None and attention keeps the gather path.
 ``NALAR_DISABLE_KERNELS`` names kernels (comma-separated stems: ``paged_decode``,
-``rms_norm``, ``rope``, ``silu_mul``, ``prefill_attention``) to leave out alone, to compare with
+``rms_norm``, ``rope``, ``silu_mul``, ``prefill_attention``,
+``weight_linear``) to leave out alone, to compare with
 the torch path.
 
 :func:`rms_norm` is the Llama family's RMSNorm in one call instead of eight torch ops, with
@@ -19,7 +20,8 @@ the same rounding points, :func:`rope` the rotary embedding in one call instead 
 :func:`silu_mul` the gated MLP's ``silu(gate) * up`` in one pass instead of two (these two
 bit-identical); without them the torch ops serve. :func:`prefill_attention` is bf16 prefill
 attention on AMX tiles or in AVX512-BF16, where the CPU has either; without it torch's flash
-kernel serves.
+kernel serves. :func:`weight_linear` is the small-batch linear layer over weights kept in their
+stored format (GGUF's Q8_0, Q4_0, Q4_1; per-channel int8; bf16; fp32).
 """
 
 from __future__ import annotations
@@ -124,6 +126,20 @@ def prefill_attention() -> ModuleType | None:
     raises RuntimeError for other dtypes, shapes, or block ids outside the cache."""
     module = _build("prefill_attention")
     return module if module is not None and module.backend else None
+
+
+def weight_linear() -> ModuleType | None:
+    """The compiled weight-streaming linear extension, or None where it is disabled or cannot
+    be built. ``weight_linear(x, weight, format, out_features, bias, path)`` takes ``x``
+    ``[M, K]`` float32 or bfloat16 (K a multiple of 32), the stored weight rows ``[N,
+    row_bytes(format, K)]`` uint8 and a ``[N]`` bias or None, and returns ``[M, N]`` in x's
+    dtype, computed in float32; ``dequantize(weight, format, K, path)`` returns the ``[N, K]``
+    float32 weights it multiplies; ``paths()`` lists the SIMD paths this build and CPU run,
+    widest first (``avx512``, ``avx2``, ``scalar``; ``path`` 0 picks the first, 1-3 force
+    scalar, avx2, avx512). Both raise RuntimeError for unknown formats, shapes that do not
+    match the format, or a path this CPU lacks. Formats are numbered in
+    ``workers.models.quantized``."""
+    return _build("weight_linear")
 
 
 @functools.cache

@@ -12,7 +12,8 @@ from workers import kernels
 
 BUILDS = (("paged decode attention", "paged_decode"), ("RMSNorm", "rms_norm"),
           ("RoPE", "rope"), ("SiLU and mul", "silu_mul"),
-          ("prefill attention", "prefill_attention"))
+          ("prefill attention", "prefill_attention"),
+          ("weight-streaming linear", "weight_linear"))
 
 
 def _built(attribute: str) -> bool:

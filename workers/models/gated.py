@@ -23,7 +23,7 @@ class GatedActivation:
 
     Args:
         act: the MLP's activation module.
-        weight: a weight of the MLP, for the device and dtype the kernel must serve.
+        weight: a weight of the model, for the device and dtype the kernel must serve.
     """
 
     def __init__(self, act: nn.Module, weight: torch.Tensor):

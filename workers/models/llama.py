@@ -18,17 +18,26 @@ from transformers import PreTrainedModel
 from workers.attention.metadata import AttentionMetadata
 from workers.attention.paged import paged_attention
 from workers.models.gated import GatedActivation
-from workers.models.linear import Linear
+from workers.models.linear import Linear, StoredLinear
 from workers.models.norm import NATIVE_NORM, RMSNorm, norm_kernel
 from workers.models.rotary import rotate
+from workers.models.weight_formats import StoredWeight
 
 
-def _fuse(linears: list[nn.Linear]) -> Linear:
+def _fuse(linears: list[nn.Linear]) -> Linear | StoredLinear:
     """One linear layer computing ``linears``' outputs side by side; each of them has its
-    weight (and bias) re-pointed at its slice of the fused tensors."""
-    weight = torch.cat([linear.weight.data for linear in linears])
+    weight (and bias) re-pointed at its slice of the fused tensors. Stored weights of one
+    format fuse as stored; a mix of formats is dequantized into one plain weight."""
     has_bias = linears[0].bias is not None
     bias = torch.cat([linear.bias.data for linear in linears]) if has_bias else None
+    stored = [getattr(linear, "stored_weight", None) for linear in linears]
+    if all(stored) and len({(w.fmt, w.in_features) for w in stored}) == 1:
+        return StoredLinear(StoredWeight.concat(stored), bias)
+    for linear, weight in zip(linears, stored, strict=True):
+        if weight is not None:  # mixed formats: back to the plain path for this group
+            linear.weight.data = weight.dequantize().to(linear.weight.dtype)
+            linear.stored_weight = None
+    weight = torch.cat([linear.weight.data for linear in linears])
     start = 0
     for linear in linears:
         end = start + linear.out_features
@@ -56,7 +65,7 @@ class _Layer:
         self.k_norm = getattr(attn, "k_norm", None)
         self.o_proj = Linear.of(attn.o_proj)
         self.gate_up_proj = _fuse([mlp.gate_proj, mlp.up_proj])
-        self.act = GatedActivation(mlp.act_fn, mlp.gate_proj.weight)
+        self.act = GatedActivation(mlp.act_fn, layer.input_layernorm.weight)
         self.down_proj = Linear.of(mlp.down_proj)
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -83,6 +92,16 @@ class _Layer:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
+def _embedding(embed: nn.Embedding):
+    """The token embedding: the module itself, or a lookup that dequantizes only the rows it
+    needs from a stored table (cast to the model's activation dtype)."""
+    stored = getattr(embed, "stored_weight", None)
+    if stored is None:
+        return embed
+    dtype = embed.weight.dtype
+    return lambda ids: stored.dequantize(ids).to(dtype)
+
+
 class LlamaStyleDecoder:
     """A Llama-family causal LM run over one flat batch of rows.
 
@@ -95,7 +114,7 @@ class LlamaStyleDecoder:
         inner = model.model
         self.norm_kernel = norm_kernel(model.dtype, model.device)
         native = self.norm_kernel == NATIVE_NORM
-        self.embed = inner.embed_tokens
+        self.embed = _embedding(inner.embed_tokens)
         self.rotary = inner.rotary_emb
         self.norm = RMSNorm(inner.norm, native)
         self.lm_head = Linear.of(model.lm_head)

@@ -1,0 +1,122 @@
+"""Weights served as stored: the embedded GGUF's Q4_1/Q8_0 tensors kept as their bytes, mapped
+to the right modules (llama.cpp's q/k row order undone), in memory at about the file's size, in
+a cache identity of their own; and per-channel int8 for dense models."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import greedy, output_ids
+
+from contract.identity import CacheIdentity
+from workers import kernels
+from workers.model_loader import LoadedModel, embedded_gguf_path, load_model, model_digest
+from workers.models.linear import Linear
+from workers.models.weight_formats import WeightFormat
+from workers.stored_weights import attach_int8_weights, resolve_quantization, stored_formats
+
+pytestmark = pytest.mark.skipif(kernels.weight_linear() is None,
+                                reason="weight_linear kernel not built here")
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def stored_smollm():
+    """The embedded model with its GGUF tensors as stored, activations in fp32."""
+    return load_model("embedded", dtype="float32", device="cpu", quantization="gguf")
+
+
+def stored_modules(model):
+    return {name: module.stored_weight for name, module in model.named_modules()
+            if getattr(module, "stored_weight", None) is not None}
+
+
+def test_every_stored_weight_dequantizes_to_what_transformers_loads(stored_smollm, smollm):
+    """Same values as transformers' own GGUF dequantization, module by module: the tensor
+    names map to the right modules and the q/k rows are back in transformers' order."""
+    dense = dict(smollm.model.named_modules())
+    stored = stored_modules(stored_smollm.model)
+    assert len(stored) == 30 * 7 + 2  # 7 projections a layer, the embedding, the tied head
+    assert {w.fmt for w in stored.values()} == {WeightFormat.Q4_1, WeightFormat.Q8_0}
+    for name, weight in stored.items():
+        assert torch.equal(weight.dequantize(), dense[name].weight), name
+    assert stored_smollm.model.lm_head.stored_weight is \
+        stored_smollm.model.model.embed_tokens.stored_weight
+
+
+def test_the_worker_holds_the_weights_at_about_the_files_size(stored_smollm):
+    """Goal: at most 1.2x the GGUF file; the dense weights it replaced are freed."""
+    held = {p.data_ptr(): p.numel() * p.element_size() for p in stored_smollm.model.parameters()}
+    for weight in stored_modules(stored_smollm.model).values():
+        held[weight.data.data_ptr()] = weight.nbytes
+    file_bytes = os.path.getsize(embedded_gguf_path())
+    assert sum(held.values()) <= 1.2 * file_bytes
+    assert sum(held.values()) >= 0.95 * file_bytes  # the weights really are all there
+
+
+def test_stored_weights_get_their_own_cache_identity(stored_smollm, smollm, make_engine):
+    stored_engine = make_engine(stored_smollm, num_blocks=16)
+    dense_engine = make_engine(smollm, num_blocks=16)
+    assert stored_engine.runner.linear_kernel.startswith("weight-stream:Q4_1+Q8_0/")
+    assert dense_engine.runner.linear_kernel in ("onednn-prepacked", "aten")
+    assert stored_engine.identity.numerics != dense_engine.identity.numerics
+    assert stored_engine.identity.model_key != dense_engine.identity.model_key
+    assert isinstance(stored_engine.identity, CacheIdentity)
+
+
+def test_stored_weights_generate_what_the_dense_model_does(stored_smollm, smollm, make_engine,
+                                                          smollm_tokenizer):
+    """Decodes of up to 4 rows use int8 activations (llama.cpp's rounding), so long greedy
+    runs part from the float model's at near-ties; the first tokens of a clear answer agree."""
+    prompt = smollm_tokenizer("The capital of France is").input_ids
+    outputs = []
+    for loaded in (stored_smollm, smollm):
+        engine = make_engine(loaded, num_blocks=16)
+        request = greedy("paris", prompt, 4, ignore_eos=True)
+        outputs.append(output_ids(engine.generate([request])["paris"]))
+    assert outputs[0] == outputs[1]
+    assert smollm_tokenizer.decode(outputs[0]).startswith(" Paris")
+
+
+def test_int8_per_channel_serves_a_dense_model(smollm_tokenizer, make_engine, fresh_tiny_qwen):
+    """Every decoder projection quantized per channel: each layer's output stays within what
+    rounding each weight to its row's int8 step allows, and an engine serves the model."""
+    model, dense = fresh_tiny_qwen(), fresh_tiny_qwen()  # one seed: the same weights
+    assert attach_int8_weights(model) == 2 * 7
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    for layer, dense_layer in zip(model.model.layers, dense.model.layers, strict=True):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            module, reference = (getattr(m.self_attn, name) for m in (layer, dense_layer))
+            if module.in_features != x.shape[1]:
+                continue
+            step = reference.weight.abs().amax(dim=1) / 127
+            bound = x.abs().sum(dim=1, keepdim=True) * step / 2 + 1e-5
+            got = Linear.of(module)(x)
+            assert ((got - F.linear(x, reference.weight, reference.bias)).abs() <= bound).all()
+    loaded = LoadedModel(model, smollm_tokenizer, model_digest(dense), "tiny-int8",
+                         Path("tiny-int8"), "int8")
+    engine = make_engine(loaded, num_blocks=16)
+    assert "INT8_CHANNEL" in engine.runner.linear_kernel
+    request = greedy("int8", [5, 6, 7, 8], 8, ignore_eos=True)
+    assert len(output_ids(engine.generate([request])["int8"])) == 8
+
+
+def test_auto_quantization_follows_the_source_and_device():
+    gguf = str(embedded_gguf_path())
+    assert resolve_quantization("auto", gguf, CPU) == "gguf"
+    assert resolve_quantization("auto", "embedded", CPU) == "gguf"
+    assert resolve_quantization("auto", "embedded", torch.device("cuda")) == "none"
+    assert resolve_quantization("auto", "/models/llama", CPU) == "none"
+    assert resolve_quantization("int8", "/models/llama", CPU) == "int8"
+    with pytest.raises(ValueError, match="needs a .gguf model"):
+        resolve_quantization("gguf", "/models/llama", CPU)
+    with pytest.raises(ValueError, match="unknown quantization"):
+        resolve_quantization("q3_k", gguf, CPU)
+
+
+def test_stored_formats_are_empty_for_a_dense_model(smollm):
+    assert stored_formats(smollm.model) == set()

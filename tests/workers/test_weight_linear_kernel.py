@@ -1,0 +1,185 @@
+"""The weight-streaming linear kernel against dequantize-then-multiply references, on every SIMD
+path this CPU and build run, with odd shapes and remainders.
+
+The GGUF formats' reference is the ``gguf`` package's own dequantization (llama.cpp's formulas
+in numpy), not ours; per-channel int8, bf16 and fp32 are dequantized here in torch. Tolerance:
+the kernel sums in float32 in another order than torch's matmul, so float32 outputs agree to
+about 1e-6 of the output's scale (checked at 2e-5); bfloat16 outputs are the float32 result
+rounded once (checked at one bf16 ulp, 2^-7 relative).
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from workers import kernels
+from workers.models.weight_formats import (
+    BLOCK,
+    StoredWeight,
+    WeightFormat,
+    quantize_int8_per_channel,
+    row_bytes,
+)
+
+native = kernels.weight_linear()
+pytestmark = pytest.mark.skipif(native is None, reason="weight_linear kernel not built here")
+PATHS = {"scalar": 1, "avx2": 2, "avx512": 3}
+AVAILABLE = native.paths() if native is not None else []
+GGUF_TYPES = {WeightFormat.Q8_0: gguf.GGMLQuantizationType.Q8_0,
+              WeightFormat.Q4_0: gguf.GGMLQuantizationType.Q4_0,
+              WeightFormat.Q4_1: gguf.GGMLQuantizationType.Q4_1}
+
+
+def _half_bytes(values: torch.Tensor) -> torch.Tensor:
+    return values.to(torch.float16).contiguous().view(torch.uint8).reshape(*values.shape, 2)
+
+
+def random_stored(fmt: WeightFormat, out_features: int, in_features: int,
+                  seed: int) -> StoredWeight:
+    """A weight of random stored bytes with sane scales (no fp16 NaN or infinity)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = in_features // BLOCK
+    if fmt == WeightFormat.F32:
+        data = torch.randn(out_features, in_features, generator=g).view(torch.uint8)
+    elif fmt == WeightFormat.BF16:
+        data = torch.randn(out_features, in_features, generator=g).bfloat16().view(torch.uint8)
+    elif fmt == WeightFormat.INT8_CHANNEL:
+        return quantize_int8_per_channel(torch.randn(out_features, in_features, generator=g))
+    else:
+        scale = _half_bytes(0.01 + 0.1 * torch.rand(out_features, blocks, generator=g))
+        parts = [scale]
+        if fmt == WeightFormat.Q4_1:
+            parts.append(_half_bytes(torch.randn(out_features, blocks, generator=g) * 0.1))
+        quant_bytes = 32 if fmt == WeightFormat.Q8_0 else 16
+        parts.append(torch.randint(0, 256, (out_features, blocks, quant_bytes), generator=g,
+                                   dtype=torch.uint8))
+        data = torch.cat(parts, dim=2).reshape(out_features, -1)
+    return StoredWeight(data.contiguous(), fmt, in_features)
+
+
+def reference_weight(weight: StoredWeight) -> torch.Tensor:
+    """``[out, in]`` float32, dequantized without our kernel."""
+    data = weight.data
+    if weight.fmt in GGUF_TYPES:
+        return torch.from_numpy(gguf.quants.dequantize(data.numpy(), GGUF_TYPES[weight.fmt]))
+    if weight.fmt == WeightFormat.F32:
+        return data.view(torch.float32).clone()
+    if weight.fmt == WeightFormat.BF16:
+        return data.view(torch.bfloat16).float()
+    scale = data[:, :4].contiguous().view(torch.float32)
+    return data[:, 4:].contiguous().view(torch.int8).float() * scale
+
+
+@pytest.mark.parametrize("path", AVAILABLE)
+@pytest.mark.parametrize("fmt", list(WeightFormat))
+def test_dequantize_matches_the_reference(path, fmt):
+    weight = random_stored(fmt, 7, 96, seed=int(fmt))
+    ours = native.dequantize(weight.data, int(fmt), 96, PATHS[path])
+    # Q4 values are d*q + m: one fused rounding in our kernel against two in numpy's.
+    tolerance = 1e-6 * reference_weight(weight).abs().max().item()
+    torch.testing.assert_close(ours, reference_weight(weight), rtol=0, atol=tolerance)
+
+
+@pytest.mark.parametrize("path", AVAILABLE)
+@pytest.mark.parametrize("fmt", list(WeightFormat))
+@pytest.mark.parametrize("rows,out_features,in_features",
+                         [(1, 1, 32), (3, 5, 96), (5, 7, 544), (17, 33, 1056), (2, 258, 576)])
+def test_linear_matches_dequantize_then_multiply(path, fmt, rows, out_features, in_features):
+    """Odd rows (register-tile remainders), odd output features (column-tile remainders), and
+    inputs past one 512-wide buffer fill (544: one fill and a 32-wide rest)."""
+    weight = random_stored(fmt, out_features, in_features, seed=rows * 1000 + out_features)
+    g = torch.Generator().manual_seed(in_features)
+    x = torch.randn(rows, in_features, generator=g)
+    bias = torch.randn(out_features, generator=g)
+    expected = x @ reference_weight(weight).T + bias
+    y = native.weight_linear(x, weight.data, int(fmt), out_features, bias, PATHS[path])
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(y, expected, rtol=0, atol=2e-5 * scale)
+    y16 = native.weight_linear(x.bfloat16(), weight.data, int(fmt), out_features, None,
+                               PATHS[path])
+    expected16 = x.bfloat16().float() @ reference_weight(weight).T
+    assert y16.dtype == torch.bfloat16
+    torch.testing.assert_close(y16.float(), expected16, rtol=2 ** -7, atol=2e-5 * scale)
+
+
+def test_paths_end_with_scalar_and_a_missing_one_is_refused():
+    assert AVAILABLE[-1] == "scalar"
+    assert set(AVAILABLE) <= set(PATHS)
+    weight = random_stored(WeightFormat.Q4_0, 4, 32, seed=0)
+    for name in set(PATHS) - set(AVAILABLE):
+        with pytest.raises(RuntimeError, match="not available"):
+            native.weight_linear(torch.ones(1, 32), weight.data, 1, 4, None, PATHS[name])
+
+
+def test_every_path_agrees_with_the_widest_on_one_layer():
+    """The fallback computes the same layer: paths differ only in summation order."""
+    weight = random_stored(WeightFormat.Q4_1, 96, 576, seed=3)
+    x = torch.randn(4, 576, generator=torch.Generator().manual_seed(3))
+    results = [native.weight_linear(x, weight.data, 2, 96, None, PATHS[p]) for p in AVAILABLE]
+    for result in results[1:]:
+        torch.testing.assert_close(result, results[0], rtol=0,
+                                   atol=2e-5 * results[0].abs().max().item())
+
+
+def test_bad_shapes_and_formats_raise_clearly():
+    weight = random_stored(WeightFormat.Q8_0, 4, 64, seed=0)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        native.weight_linear(torch.ones(1, 48), weight.data, 0, 4, None, 0)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        native.weight_linear(torch.ones(1, 64), weight.data, 2, 4, None, 0)  # Q4_1 row size
+    with pytest.raises(RuntimeError, match="unknown weight format"):
+        native.weight_linear(torch.ones(1, 64), weight.data, 9, 4, None, 0)
+    with pytest.raises(ValueError, match="uint8 rows"):
+        StoredWeight(weight.data[:, :-1], WeightFormat.Q8_0, 64)
+
+
+def test_row_bytes_agree_with_the_kernel_and_gguf():
+    for fmt in WeightFormat:
+        assert row_bytes(fmt, 576) == native.row_bytes(int(fmt), 576)
+    for fmt, ggml_type in GGUF_TYPES.items():
+        block, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
+        assert row_bytes(fmt, 576) == 576 // block * type_size
+
+
+def test_int8_per_channel_rounds_each_weight_to_its_nearest_step():
+    w = torch.randn(6, 64, generator=torch.Generator().manual_seed(1))
+    stored = quantize_int8_per_channel(w)
+    step = w.abs().amax(dim=1, keepdim=True) / 127
+    assert (reference_weight(stored) - w).abs().le(step / 2 + 1e-7).all()
+    assert np.array_equal(stored.dequantize().numpy(), reference_weight(stored).numpy())
+
+
+def int8_error_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``[rows, out]`` bound on |int8-activation result - float result|: each input is off by at
+    most half its block's step sx = max|x| / 127, so a dot product by sum |w| sx / 2 (plus float
+    summation slack)."""
+    rows, in_features = x.shape
+    step = x.abs().reshape(rows, in_features // BLOCK, BLOCK).amax(dim=2) / 127
+    per_input = step.repeat_interleave(BLOCK, dim=1) / 2  # [rows, in]
+    return per_input @ weight.abs().T * 1.001 + 1e-4
+
+
+@pytest.mark.parametrize("path", AVAILABLE)
+@pytest.mark.parametrize("fmt", list(GGUF_TYPES))
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 1, 32), (3, 7, 96), (4, 258, 576),
+                                                           (5, 33, 1056)])
+def test_int8_activations_stay_within_the_rounding_bound(path, fmt, rows, out_features,
+                                                         in_features):
+    """llama.cpp's way: x rounded to int8 per block, integer dot products, held to the bound
+    that rounding implies."""
+    weight = random_stored(fmt, out_features, in_features, seed=rows + out_features)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    reference = reference_weight(weight)
+    expected = x @ reference.T
+    y = native.weight_linear(x, weight.data, int(fmt), out_features, None, PATHS[path], True)
+    assert ((y - expected).abs() <= int8_error_bound(x, reference)).all()
+
+
+def test_int8_activations_are_refused_for_other_formats():
+    weight = random_stored(WeightFormat.BF16, 4, 32, seed=0)
+    with pytest.raises(RuntimeError, match="int8 activations need"):
+        native.weight_linear(torch.ones(1, 32), weight.data, int(WeightFormat.BF16), 4, None,
+                             0, True)

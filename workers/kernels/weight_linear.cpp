@@ -1,0 +1,550 @@
+// Small-batch linear layers y = x W^T (+ b) over weights kept in their stored format: llama.cpp's
+// block-quantized Q8_0, Q4_0 and Q4_1 (GGUF), per-channel int8, bf16 and fp32. At decode batch
+// sizes a linear layer is bound by reading its weight, so each weight is read from memory once
+// for all the step's rows: a tile of 4 output columns is dequantized into an L1-resident buffer,
+// 512 inputs at a time, and every row is multiplied against that buffer before the next tile is
+// read (the weight-streaming GEMV of llama.cpp and of weight-only kernels such as Marlin, here
+// in fp32 arithmetic on fp32 activations, so the only rounding beyond the dequantized product's
+// is the summation order). The dequantized weight never exists at full size.
+//
+// Paths: AVX-512F (16 lanes), AVX2 + FMA (8 lanes) and scalar, each compiled where the compiler
+// targets it (-march=native) and chosen at run time from what the CPU reports; `path` forces a
+// narrower one (tests compare every path present against a dequantize-then-multiply reference).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <immintrin.h>
+
+#include "int8_dot.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+// Weight formats, numbered as workers/models/quantized.py numbers them.
+enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kInt8Channel = 3, kBF16 = 4, kF32 = 5 };
+enum Path : int64_t { kBest = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3 };
+
+constexpr int64_t kBlock = 32;          // weights per quantization block (GGUF's QK)
+constexpr int64_t kChunk = 512;         // inputs dequantized per buffer fill (16 blocks)
+constexpr int64_t kCols = 4;            // output columns per tile
+constexpr int64_t kRows = 4;            // rows per register tile
+constexpr int64_t kMacsPerTask = 1 << 16;  // under this much work, one thread
+
+// Bytes a row of `k` weights takes (GGUF layout; the per-channel int8 row has a float32 scale
+// in front of its k int8 values).
+int64_t row_bytes(int64_t format, int64_t k) {
+  switch (format) {
+    case kQ8_0: return k / kBlock * 34;   // f16 d, 32 x int8
+    case kQ4_0: return k / kBlock * 18;   // f16 d, 16 bytes of nibbles
+    case kQ4_1: return k / kBlock * 20;   // f16 d, f16 m, 16 bytes of nibbles
+    case kInt8Channel: return 4 + k;
+    case kBF16: return 2 * k;
+    case kF32: return 4 * k;
+  }
+  TORCH_CHECK(false, "unknown weight format ", format);
+}
+
+float half_to_float(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// The float a row's weights are scaled by after the dot product (per-channel int8), else 1.
+float row_scale(int64_t format, const uint8_t* row) {
+  if (format != kInt8Channel) return 1.f;
+  float scale;
+  std::memcpy(&scale, row, 4);
+  return scale;
+}
+
+// ---- dequantizing one block of 32 weights into out[0..32) ----------------------------------
+// GGUF's 4-bit blocks hold element j in the low nibble of byte j and element j + 16 in its high
+// nibble.
+
+template <int64_t format>
+inline void block_scalar(const uint8_t* b, float* out) {
+  switch (format) {
+    case kQ8_0: {
+      const float d = half_to_float(b);
+      for (int j = 0; j < 32; ++j) out[j] = d * static_cast<float>(static_cast<int8_t>(b[2 + j]));
+      return;
+    }
+    case kQ4_0: case kQ4_1: {
+      const float d = half_to_float(b);
+      constexpr bool q41 = format == kQ4_1;
+      const float m = q41 ? half_to_float(b + 2) : -8.f * d;
+      const uint8_t* qs = b + (q41 ? 4 : 2);
+      for (int j = 0; j < 16; ++j) {
+        out[j] = std::fma(static_cast<float>(qs[j] & 0x0F), d, m);  // rounded as the SIMD paths
+        out[j + 16] = std::fma(static_cast<float>(qs[j] >> 4), d, m);
+      }
+      return;
+    }
+    case kInt8Channel:
+      for (int j = 0; j < 32; ++j) out[j] = static_cast<float>(static_cast<int8_t>(b[j]));
+      return;
+    case kBF16: {
+      const uint16_t* h = reinterpret_cast<const uint16_t*>(b);
+      for (int j = 0; j < 32; ++j) out[j] = static_cast<float>(c10::BFloat16(h[j], c10::BFloat16::from_bits()));
+      return;
+    }
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+template <int64_t format>
+inline void block_avx2(const uint8_t* b, float* out) {
+  switch (format) {
+    case kQ8_0: {
+      const __m256 d = _mm256_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(b)));
+      for (int i = 0; i < 4; ++i) {
+        const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i));
+        _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
+      }
+      return;
+    }
+    case kQ4_0: case kQ4_1: {
+      constexpr bool q41 = format == kQ4_1;
+      const float df = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b));
+      const __m256 d = _mm256_set1_ps(df);
+      const __m256 m = _mm256_set1_ps(q41 ? _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b + 2))
+                                          : -8.f * df);
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (q41 ? 4 : 2)));
+      const __m128i mask = _mm_set1_epi8(0x0F);
+      const __m128i halves[2] = {_mm_and_si128(bytes, mask),
+                                 _mm_and_si128(_mm_srli_epi16(bytes, 4), mask)};
+      for (int h = 0; h < 2; ++h) {
+        const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(halves[h]));
+        const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(halves[h], 8)));
+        _mm256_storeu_ps(out + 16 * h, _mm256_fmadd_ps(lo, d, m));
+        _mm256_storeu_ps(out + 16 * h + 8, _mm256_fmadd_ps(hi, d, m));
+      }
+      return;
+    }
+    case kInt8Channel:
+      for (int i = 0; i < 4; ++i) {
+        const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8 * i));
+        _mm256_storeu_ps(out + 8 * i, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+      }
+      return;
+    case kBF16:
+      for (int i = 0; i < 4; ++i) {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * i));
+        _mm256_storeu_ps(out + 8 * i, _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+      }
+      return;
+  }
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+template <int64_t format>
+inline void block_avx512(const uint8_t* b, float* out) {
+  switch (format) {
+    case kQ8_0: {
+      const __m512 d = _mm512_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(b)));
+      for (int i = 0; i < 2; ++i) {
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + 16 * i));
+        _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))));
+      }
+      return;
+    }
+    case kQ4_0: case kQ4_1: {
+      constexpr bool q41 = format == kQ4_1;
+      const float df = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b));
+      const __m512 d = _mm512_set1_ps(df);
+      const __m512 m = _mm512_set1_ps(q41 ? _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b + 2))
+                                          : -8.f * df);
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (q41 ? 4 : 2)));
+      const __m128i mask = _mm_set1_epi8(0x0F);
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
+      const __m512 hi = _mm512_cvtepi32_ps(
+          _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
+      _mm512_storeu_ps(out, _mm512_fmadd_ps(lo, d, m));
+      _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(hi, d, m));
+      return;
+    }
+    case kInt8Channel:
+      for (int i = 0; i < 2; ++i) {
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * i));
+        _mm512_storeu_ps(out + 16 * i, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+      }
+      return;
+    case kBF16:
+      for (int i = 0; i < 2; ++i) {
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * i));
+        _mm512_storeu_ps(out + 16 * i, _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+      }
+      return;
+  }
+}
+#endif
+
+// ---- the register tile: sums[r][c] += dot(x row r, w column c) over n inputs -------------
+
+template <int R, int C>
+void tile_scalar(const float* x, int64_t ldx, const float* const* w, int64_t n, float* sums) {
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < n; ++k) acc += x[r * ldx + k] * w[c][k];
+      sums[r * kCols + c] += acc;
+    }
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+float reduce_avx2(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+template <int R, int C>
+void tile_avx2(const float* x, int64_t ldx, const float* const* w, int64_t n, float* sums) {
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < n; k += 8) {
+    __m256 wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(w[c] + k);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * ldx + k);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(wv[c], xv, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) sums[r * kCols + c] += reduce_avx2(acc[r][c]);
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+template <int R, int C>
+void tile_avx512(const float* x, int64_t ldx, const float* const* w, int64_t n, float* sums) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < n; k += 16) {
+    __m512 wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_ps(w[c] + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_loadu_ps(x + r * ldx + k);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(wv[c], xv, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) sums[r * kCols + c] += _mm512_reduce_add_ps(acc[r][c]);
+}
+#endif
+
+// Dequantizes `count` consecutive blocks of one row (the per-block code inlined: called through
+// a pointer once per buffer fill, not once per block).
+using BlocksFn = void (*)(const uint8_t*, int64_t, float*);
+
+template <int64_t format, void (*block)(const uint8_t*, float*)>
+void blocks(const uint8_t* data, int64_t count, float* out) {
+  constexpr int64_t bytes = format == kQ8_0 ? 34 : format == kQ4_0 ? 18 : format == kQ4_1 ? 20
+                          : format == kInt8Channel ? 32 : 64;
+  for (int64_t b = 0; b < count; ++b) block(data + b * bytes, out + b * kBlock);
+}
+
+#define NALAR_BLOCKS_TABLE(fn)                                                      \
+  {blocks<kQ8_0, fn<kQ8_0>>, blocks<kQ4_0, fn<kQ4_0>>, blocks<kQ4_1, fn<kQ4_1>>,     \
+   blocks<kInt8Channel, fn<kInt8Channel>>, blocks<kBF16, fn<kBF16>>}
+using TileFn = void (*)(const float*, int64_t, const float* const*, int64_t, float*);
+
+// tiles[r - 1][c - 1] multiplies r rows by c columns.
+struct Kernels {
+  BlocksFn blocks[kF32];  // by format; fp32 rows are multiplied in place
+  TileFn tiles[kRows][kCols];
+};
+
+#define NALAR_TILE_TABLE(fn)                                                              \
+  {{fn<1, 1>, fn<1, 2>, fn<1, 3>, fn<1, 4>}, {fn<2, 1>, fn<2, 2>, fn<2, 3>, fn<2, 4>},   \
+   {fn<3, 1>, fn<3, 2>, fn<3, 3>, fn<3, 4>}, {fn<4, 1>, fn<4, 2>, fn<4, 3>, fn<4, 4>}}
+
+bool cpu_has(Path path) {
+  __builtin_cpu_init();
+  switch (path) {
+    case kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case kAvx512: return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    default: return true;
+  }
+}
+
+// The paths compiled into this build that this CPU runs, widest first.
+std::vector<Path> available_paths() {
+  std::vector<Path> paths;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (cpu_has(kAvx512)) paths.push_back(kAvx512);
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (cpu_has(kAvx2)) paths.push_back(kAvx2);
+#endif
+  paths.push_back(kScalar);
+  return paths;
+}
+
+Kernels kernels_for(Path path) {
+  const auto paths = available_paths();
+  if (path == kBest) path = paths.front();
+  TORCH_CHECK(std::find(paths.begin(), paths.end(), path) != paths.end(),
+              "path ", static_cast<int64_t>(path), " is not available on this CPU or build");
+  switch (path) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    case kAvx512: return {NALAR_BLOCKS_TABLE(block_avx512), NALAR_TILE_TABLE(tile_avx512)};
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+    case kAvx2: return {NALAR_BLOCKS_TABLE(block_avx2), NALAR_TILE_TABLE(tile_avx2)};
+#endif
+    default: return {NALAR_BLOCKS_TABLE(block_scalar), NALAR_TILE_TABLE(tile_scalar)};
+  }
+}
+
+// ---- one tile of up to kCols output columns, all rows ----------------------------------------
+
+struct Problem {
+  const float* x;       // [rows, k] float32
+  int64_t rows, k;
+  const uint8_t* w;     // [n, row_bytes]
+  int64_t format, row_bytes;
+};
+
+// Adds the tile's dot products over inputs [k0, k0 + n) into sums [rows][kCols].
+void chunk(const Problem& p, const Kernels& kern, int64_t col0, int64_t cols, int64_t k0,
+           int64_t n, float* buffer, float* sums) {
+  const float* w[kCols];
+  for (int64_t c = 0; c < cols; ++c) {
+    const uint8_t* row = p.w + (col0 + c) * p.row_bytes;
+    if (p.format == kF32) {  // already floats: multiply straight from the weight
+      w[c] = reinterpret_cast<const float*>(row) + k0;
+      continue;
+    }
+    const uint8_t* data = row + (p.format == kInt8Channel ? 4 : 0);
+    float* out = buffer + c * kChunk;
+    const int64_t bytes_per_block = row_bytes(p.format, kBlock) - (p.format == kInt8Channel ? 4 : 0);
+    kern.blocks[p.format](data + k0 / kBlock * bytes_per_block, n / kBlock, out);
+    w[c] = out;
+  }
+  for (int64_t r0 = 0; r0 < p.rows; r0 += kRows) {
+    const int64_t rows = std::min(kRows, p.rows - r0);
+    kern.tiles[rows - 1][cols - 1](p.x + r0 * p.k + k0, p.k, w, n, sums + r0 * kCols);
+  }
+}
+
+template <typename Out>
+void column_tile(const Problem& p, const Kernels& kern, int64_t col0, int64_t cols,
+                 const float* bias, Out* y, int64_t n_out, std::vector<float>& sums,
+                 float* buffer) {
+  sums.assign(p.rows * kCols, 0.f);
+  for (int64_t k0 = 0; k0 < p.k; k0 += kChunk) {
+    chunk(p, kern, col0, cols, k0, std::min(kChunk, p.k - k0), buffer, sums.data());
+  }
+  for (int64_t c = 0; c < cols; ++c) {
+    const float scale = row_scale(p.format, p.w + (col0 + c) * p.row_bytes);
+    const float b = bias != nullptr ? bias[col0 + c] : 0.f;
+    for (int64_t r = 0; r < p.rows; ++r) {
+      y[r * n_out + col0 + c] = static_cast<Out>(sums[r * kCols + c] * scale + b);
+    }
+  }
+}
+
+template <typename Out>
+void run(const Problem& p, const Kernels& kern, int64_t n_out, const float* bias, Out* y) {
+  const int64_t tiles = (n_out + kCols - 1) / kCols;
+  const int64_t macs_per_tile = kCols * p.k * p.rows;
+  const int64_t grain = std::max<int64_t>(1, kMacsPerTask / std::max<int64_t>(macs_per_tile, 1));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> sums;
+    alignas(64) float buffer[kCols * kChunk];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t col0 = t * kCols;
+      column_tile(p, kern, col0, std::min(kCols, n_out - col0), bias, y, n_out, sums, buffer);
+    }
+  });
+}
+
+// ---- int8 activations (GGUF formats only): see int8_dot.h ----------------------------------
+
+using Int8TileFn = void (*)(const int8_dot::QuantizedRows&, int64_t, const uint8_t* const*,
+                            float*, int64_t);
+
+// int8_tiles[r - 1] multiplies r rows (1 or 2) by kCols columns of one format.
+struct Int8Kernels {
+  Int8TileFn tiles[2];
+};
+
+template <int64_t F>
+Int8Kernels int8_kernels_for(Path path) {
+  switch (path) {
+#if defined(__AVX2__) && defined(__FMA__)
+    case kAvx512:
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+      if (__builtin_cpu_supports("avx512vnni")) {
+        return {{int8_dot::tile_avx2<F, 1, kCols, true>, int8_dot::tile_avx2<F, 2, kCols, true>}};
+      }
+#endif
+      [[fallthrough]];
+    case kAvx2:
+      return {{int8_dot::tile_avx2<F, 1, kCols, false>, int8_dot::tile_avx2<F, 2, kCols, false>}};
+#endif
+    default:
+      return {{int8_dot::tile_scalar<F, 1, kCols>, int8_dot::tile_scalar<F, 2, kCols>}};
+  }
+}
+
+Int8Kernels int8_kernels(int64_t format, Path path) {
+  const auto paths = available_paths();
+  if (path == kBest) path = paths.front();
+  TORCH_CHECK(std::find(paths.begin(), paths.end(), path) != paths.end(),
+              "path ", static_cast<int64_t>(path), " is not available on this CPU or build");
+  switch (format) {
+    case kQ8_0: return int8_kernels_for<kQ8_0>(path);
+    case kQ4_0: return int8_kernels_for<kQ4_0>(path);
+    case kQ4_1: return int8_kernels_for<kQ4_1>(path);
+  }
+  TORCH_CHECK(false, "int8 activations need a Q8_0, Q4_0 or Q4_1 weight, got format ", format);
+}
+
+// Column tiles are padded to kCols stored rows (the tail repeats its last column; its sums
+// are dropped), so every tile runs one kernel.
+template <typename Out>
+void run_int8(const int8_dot::QuantizedRows& x, const uint8_t* w, int64_t bytes, int64_t n_out,
+              const Int8Kernels& kern, const float* bias, Out* y) {
+  const int64_t tiles = (n_out + kCols - 1) / kCols;
+  const int64_t macs_per_tile = kCols * x.k * x.rows;
+  const int64_t grain = std::max<int64_t>(1, kMacsPerTask / std::max<int64_t>(macs_per_tile, 1));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> sums(x.rows * kCols);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t col0 = t * kCols, cols = std::min(kCols, n_out - col0);
+      const uint8_t* rows[kCols];
+      for (int64_t c = 0; c < kCols; ++c) rows[c] = w + (col0 + std::min(c, cols - 1)) * bytes;
+      std::fill(sums.begin(), sums.end(), 0.f);
+      int64_t r = 0;
+      for (; r + 2 <= x.rows; r += 2) kern.tiles[1](x, r, rows, sums.data() + r * kCols, kCols);
+      if (r < x.rows) kern.tiles[0](x, r, rows, sums.data() + r * kCols, kCols);
+      for (int64_t c = 0; c < cols; ++c) {
+        const float b = bias != nullptr ? bias[col0 + c] : 0.f;
+        for (int64_t i = 0; i < x.rows; ++i) {
+          y[i * n_out + col0 + c] = static_cast<Out>(sums[i * kCols + c] + b);
+        }
+      }
+    }
+  });
+}
+
+void check_weight(const at::Tensor& weight, int64_t format, int64_t out_features,
+                  int64_t in_features) {
+  TORCH_CHECK(format >= kQ8_0 && format <= kF32, "unknown weight format ", format);
+  TORCH_CHECK(in_features > 0 && in_features % kBlock == 0,
+              "in_features must be a positive multiple of ", kBlock, ", got ", in_features);
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kByte
+              && weight.is_contiguous(), "weight: contiguous uint8 bytes on the CPU");
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == out_features
+              && weight.size(1) == row_bytes(format, in_features),
+              "weight must be [out_features, ", row_bytes(format, in_features),
+              "] bytes for this format, got ", weight.sizes());
+}
+
+}  // namespace
+
+// x [M, K] float32 or bfloat16; weight [N, row_bytes(format, K)] uint8 (the stored rows);
+// bias [N] float32 or None; path 0 picks the widest this CPU has; int8_activations (GGUF
+// formats only) quantizes x per block to int8 and multiplies in integers (int8_dot.h), else x
+// is multiplied in float32 against weights dequantized to float32. Returns [M, N] in x's dtype.
+at::Tensor weight_linear(at::Tensor x, at::Tensor weight, int64_t format, int64_t out_features,
+                         c10::optional<at::Tensor> bias, int64_t path, bool int8_activations) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "x: [M, K] on the CPU");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "x: float32 or bfloat16");
+  const int64_t k = x.size(1);
+  check_weight(weight, format, out_features, k);
+  at::Tensor bias_f;
+  if (bias.has_value()) {
+    bias_f = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias_f.dim() == 1 && bias_f.size(0) == out_features, "bias: [out_features]");
+  }
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  auto y = at::empty({x.size(0), out_features}, x.options());
+  const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  if (int8_activations) {
+    const Int8Kernels kern = int8_kernels(format, static_cast<Path>(path));
+    int8_dot::QuantizedRows xq;
+    xq.quantize(xf.data_ptr<float>(), x.size(0), k);
+    const uint8_t* w = weight.data_ptr<uint8_t>();
+    if (dtype == at::kFloat) {
+      run_int8(xq, w, row_bytes(format, k), out_features, kern, b, y.data_ptr<float>());
+    } else {
+      run_int8(xq, w, row_bytes(format, k), out_features, kern, b, y.data_ptr<at::BFloat16>());
+    }
+    return y;
+  }
+  const Problem p{xf.data_ptr<float>(), x.size(0), k, weight.data_ptr<uint8_t>(), format,
+                  row_bytes(format, k)};
+  const Kernels kern = kernels_for(static_cast<Path>(path));
+  if (dtype == at::kFloat) {
+    run(p, kern, out_features, b, y.data_ptr<float>());
+  } else {
+    run(p, kern, out_features, b, y.data_ptr<at::BFloat16>());
+  }
+  return y;
+}
+
+// weight [N, row_bytes(format, K)] uint8. Returns [N, K] float32: the weights as the kernel
+// multiplies them (per-channel int8 rows times their scale).
+at::Tensor dequantize(at::Tensor weight, int64_t format, int64_t in_features, int64_t path) {
+  check_weight(weight, format, weight.size(0), in_features);
+  const Kernels kern = kernels_for(static_cast<Path>(path));
+  auto out = at::empty({weight.size(0), in_features}, at::kFloat);
+  const int64_t bytes = row_bytes(format, in_features);
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, weight.size(0), 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* row = w + n * bytes;
+      float* o = dst + n * in_features;
+      if (format == kF32) {
+        std::memcpy(o, row, 4 * in_features);
+        continue;
+      }
+      const uint8_t* data = row + (format == kInt8Channel ? 4 : 0);
+      kern.blocks[format](data, in_features / kBlock, o);
+      const float scale = row_scale(format, row);
+      if (scale != 1.f) {
+        for (int64_t i = 0; i < in_features; ++i) o[i] *= scale;
+      }
+    }
+  });
+  return out;
+}
+
+std::vector<std::string> paths() {
+  std::vector<std::string> names;
+  for (Path p : available_paths()) {
+    names.push_back(p == kAvx512 ? "avx512" : p == kAvx2 ? "avx2" : "scalar");
+  }
+  return names;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("weight_linear", &weight_linear, "x W^T (+ b) over weights in their stored format",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("format"),
+        pybind11::arg("out_features"), pybind11::arg("bias"), pybind11::arg("path") = 0,
+        pybind11::arg("int8_activations") = false);
+  m.def("dequantize", &dequantize, "stored weight rows as float32");
+  m.def("row_bytes", &row_bytes, "bytes of one stored row of k weights");
+  m.def("paths", &paths, "the paths this build and CPU run, widest first");
+}

@@ -1,0 +1,149 @@
+"""Weights kept in the format they are stored in, and multiplied without a full-size copy.
+
+A GGUF file's Q8_0, Q4_0 and Q4_1 tensors (llama.cpp's block formats: 32 weights share an fp16
+scale, and for Q4_1 an fp16 minimum) are held as their bytes, one row of blocks per output
+feature, and multiplied by ``workers.kernels.weight_linear``, which dequantizes a few columns
+at a time into registers and a small buffer. ``--quantization int8`` gives a safetensors model
+the same path: per-channel weight-only int8 (one float32 scale per output feature, symmetric,
+round to nearest), as in LLM.int8()'s weight half and most weight-only serving paths.
+
+The format is part of the numerics a worker computes with, so it enters the cache identity
+(``ModelRunner.kernels``): a quantized worker never shares KV blocks with a full-precision one.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from workers import kernels
+
+log = logging.getLogger(__name__)
+
+BLOCK = 32
+"""Weights per quantization block (GGUF's ``QK``); in_features must be a multiple of it."""
+
+
+class WeightFormat(enum.IntEnum):
+    """Stored weight formats, numbered as the native kernel numbers them."""
+
+    Q8_0 = 0
+    Q4_0 = 1
+    Q4_1 = 2
+    INT8_CHANNEL = 3
+    BF16 = 4
+    F32 = 5
+
+
+GGUF_FORMATS = {"Q8_0": WeightFormat.Q8_0, "Q4_0": WeightFormat.Q4_0,
+                "Q4_1": WeightFormat.Q4_1}
+"""The GGUF tensor types served as stored; other types are dequantized at load."""
+
+_BYTES_PER_BLOCK = {WeightFormat.Q8_0: 34, WeightFormat.Q4_0: 18, WeightFormat.Q4_1: 20,
+                    WeightFormat.INT8_CHANNEL: BLOCK, WeightFormat.BF16: 2 * BLOCK,
+                    WeightFormat.F32: 4 * BLOCK}
+
+
+def row_bytes(fmt: WeightFormat, in_features: int) -> int:
+    """Bytes one output feature's row of ``in_features`` weights takes in ``fmt`` (the
+    per-channel int8 row starts with its float32 scale)."""
+    header = 4 if fmt == WeightFormat.INT8_CHANNEL else 0
+    return header + in_features // BLOCK * _BYTES_PER_BLOCK[fmt]
+
+
+@functools.cache
+def native():
+    """The compiled kernel module; says once in the log which SIMD path it runs, and when that
+    is a fallback (no AVX-512 on this CPU or in this build: AVX2, else scalar).
+
+    Raises:
+        RuntimeError: it could not be built here (no compiler) or is disabled; stored weights
+            have no other path.
+    """
+    module = kernels.weight_linear()
+    if module is None:
+        raise RuntimeError("quantized weights need the native weight_linear kernel, which is "
+                           "disabled or could not be built here (see the log); serve with "
+                           "--quantization none")
+    path = module.paths()[0]
+    if path == "avx512":
+        log.info("stored weights: the avx512 kernels serve (int8 dot products with VNNI "
+                 "where the CPU has it)")
+    else:
+        log.warning("stored weights: no AVX-512 on this CPU or in this build; the %s kernels "
+                    "serve instead", path)
+    return module
+
+
+@dataclass(frozen=True)
+class StoredWeight:
+    """A linear layer's weight as stored.
+
+    Attributes:
+        data: ``[out_features, row_bytes(fmt, in_features)]`` uint8, contiguous.
+        fmt: its format.
+        in_features: weights per row (a multiple of :data:`BLOCK`).
+    """
+
+    data: torch.Tensor
+    fmt: WeightFormat
+    in_features: int
+
+    def __post_init__(self):
+        expected = (self.data.shape[0], row_bytes(self.fmt, self.in_features))
+        if (self.data.dtype != torch.uint8 or tuple(self.data.shape) != expected
+                or self.in_features % BLOCK):
+            raise ValueError(f"{self.fmt.name} weight of {self.in_features} inputs needs "
+                             f"uint8 rows {expected}, got {self.data.dtype} "
+                             f"{tuple(self.data.shape)}")
+
+    @property
+    def out_features(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``[out_features, in_features]`` float32, or only the rows ``rows`` ``[T]`` (an
+        embedding lookup) as ``[T, in_features]``."""
+        data = self.data if rows is None else self.data.index_select(0, rows)
+        return native().dequantize(data, int(self.fmt), self.in_features, 0)
+
+    @classmethod
+    def concat(cls, parts: list[StoredWeight]) -> StoredWeight:
+        """One weight whose rows are ``parts``' rows in order (fused projections).
+
+        Raises:
+            ValueError: parts of different formats or input sizes.
+        """
+        if len({(p.fmt, p.in_features) for p in parts}) != 1:
+            raise ValueError("only weights of one format and input size can be fused")
+        return cls(torch.cat([p.data for p in parts]), parts[0].fmt, parts[0].in_features)
+
+
+def quantize_int8_per_channel(weight: torch.Tensor) -> StoredWeight:
+    """Symmetric per-channel int8: each output feature's row is scaled so that its largest
+    magnitude maps to 127, rounded to nearest.
+
+    Args:
+        weight: ``[out_features, in_features]`` of any float dtype, in_features a multiple of
+            :data:`BLOCK`.
+
+    Raises:
+        ValueError: in_features not a multiple of :data:`BLOCK`.
+    """
+    out_features, in_features = weight.shape
+    if in_features % BLOCK:
+        raise ValueError(f"int8 weights need in_features a multiple of {BLOCK}, got "
+                         f"{in_features}")
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    data = torch.cat([scale[:, None].contiguous().view(torch.uint8), q.view(torch.uint8)], dim=1)
+    return StoredWeight(data.contiguous(), WeightFormat.INT8_CHANNEL, in_features)
