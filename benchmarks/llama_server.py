@@ -8,10 +8,11 @@ like our kernels: ``<cache>/llama.cpp/<version>-<digest of the CPU flags>/`` und
 the embedded Q4_1 GGUF, cached beside the build.
 
 Pairs (``--pairs``; the arguments of ours are the ``PAIRS`` table):
-- ``q4_1``: ``nalar serve --model <q4_1.gguf>`` (dequantized, at ``--dtype auto``: bf16 where
-  native) against ``llama-server`` on that GGUF;
-- ``f32``: ours on the same file at ``--dtype float32`` against ``llama-server`` on the F32
-  GGUF made from it.
+- ``q4_1``: ``nalar serve --model <q4_1.gguf> --quantization gguf`` (the Q4_1/Q8_0 weights
+  as stored, activations at ``--dtype auto``: bf16 where native) against ``llama-server`` on
+  that GGUF;
+- ``f32``: ours on the same file dequantized (``--quantization none --dtype float32``)
+  against ``llama-server`` on the F32 GGUF made from it.
 
 Per pair both servers are started once and stay up; one is measured at a time, by
 ``nalar bench`` in a subprocess (``--output-json``), each workload on one server then the
@@ -87,12 +88,12 @@ LLAMA_SERVER_FLAGS = ("-c", "32768", "--parallel", "16", "--jinja", "--host", "1
 (the context is split between slots unless ``--kv-unified``)."""
 
 PAIRS: dict[str, dict[str, Any]] = {
-    "q4_1": {"nalar": ["--model", "{q4_1}"], "llama_gguf": "q4_1"},
-    "f32": {"nalar": ["--model", "{q4_1}", "--dtype", "float32"], "llama_gguf": "f32"},
+    "q4_1": {"nalar": ["--model", "{q4_1}", "--quantization", "gguf"], "llama_gguf": "q4_1"},
+    "f32": {"nalar": ["--model", "{q4_1}", "--quantization", "none", "--dtype", "float32"],
+            "llama_gguf": "f32"},
 }
-"""Per pair: the arguments of ``nalar serve`` (``{q4_1}``/``{f32}``: the GGUF paths; edit
-here when ``nalar serve`` grows a flag such as ``--quantization gguf``) and the GGUF
-``llama-server`` loads."""
+"""Per pair: the arguments of ``nalar serve`` (``{q4_1}``/``{f32}``: the GGUF paths) and the
+GGUF ``llama-server`` loads."""
 
 WORKLOADS: dict[str, dict[str, Any]] = {
     "single": {

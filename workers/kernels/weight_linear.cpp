@@ -418,6 +418,20 @@ Int8Kernels int8_kernels(int64_t format, Path path) {
   TORCH_CHECK(false, "int8 activations need a Q8_0, Q4_0 or Q4_1 weight, got format ", format);
 }
 
+// Weight rows are read once, in order: asking for a tile kPrefetchTiles ahead hides the memory
+// latency the hardware prefetcher leaves (SmolLM2's stored layers at one row on a 2-core AMD
+// EPYC: 23.0 -> 17.5 ms a step on 1 thread, 14.3 -> 13.0 ms on 2; a distance of 12 was no
+// better on 2 threads and worse on 1).
+constexpr int64_t kPrefetchTiles = 4;
+
+void prefetch_tile(const uint8_t* w, int64_t bytes, int64_t tile, int64_t end) {
+  if (tile >= end) return;
+  const uint8_t* start = w + tile * kCols * bytes;
+  for (int64_t offset = 0; offset < kCols * bytes; offset += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(start + offset), _MM_HINT_T0);
+  }
+}
+
 // Column tiles are padded to kCols stored rows (the tail repeats its last column; its sums
 // are dropped), so every tile runs one kernel.
 template <typename Out>
@@ -430,6 +444,7 @@ void run_int8(const int8_dot::QuantizedRows& x, const uint8_t* w, int64_t bytes,
     std::vector<float> sums(x.rows * kCols);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t col0 = t * kCols, cols = std::min(kCols, n_out - col0);
+      prefetch_tile(w, bytes, t + kPrefetchTiles, end);
       const uint8_t* rows[kCols];
       for (int64_t c = 0; c < kCols; ++c) rows[c] = w + (col0 + std::min(c, cols - 1)) * bytes;
       std::fill(sums.begin(), sums.end(), 0.f);
