@@ -29,7 +29,7 @@ def cluster(ray_session, redis_url: str) -> Iterator[ClusterUnderTest]:
 
     prefix = f"nalar-test-{uuid.uuid4().hex[:8]}"
     config = ClusterConfig(num_workers=2, redis_url=redis_url, key_prefix=prefix,
-                           port=free_port(), dtype="float32", kv_cache_mib=128,
+                           port=free_port(), dtype="float32", quantization="none", kv_cache_mib=128,
                            worker_threads=1, routing_stats_period_s=0.2, worker_ttl_s=10)
     start_cluster(config)
     yield ClusterUnderTest(config, f"http://127.0.0.1:{config.port}")

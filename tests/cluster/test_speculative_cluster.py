@@ -99,7 +99,8 @@ def test_killed_replica_means_no_drafts_then_recovery(draft_handle):
 def remote_worker(cluster):
     """One worker whose engine drafts through a RemoteProposer on one ngram draft replica
     (beside the session's cluster, as :func:`draft_handle`)."""
-    config = ClusterConfig(num_workers=1, redis_url=None, dtype="float32", kv_cache_mib=16,
+    config = ClusterConfig(num_workers=1, redis_url=None, dtype="float32", quantization="none",
+                           kv_cache_mib=16,
                            worker_cpus=0.25, worker_threads=1, speculative="ngram",
                            speculative_remote=True, draft_deadline_s=2.0,
                            adaptive_speculation=False, index_actor_name=f"{APP}-index")

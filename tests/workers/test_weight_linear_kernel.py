@@ -27,6 +27,7 @@ from workers.models.weight_formats import (
 native = kernels.weight_linear()
 pytestmark = pytest.mark.skipif(native is None, reason="weight_linear kernel not built here")
 PATHS = {"scalar": 1, "avx2": 2, "avx512": 3}
+INT8, BF16_PAIRS = 1, 2  # the kernel's products argument (0: float32)
 AVAILABLE = native.paths() if native is not None else []
 GGUF_TYPES = {WeightFormat.Q8_0: gguf.GGMLQuantizationType.Q8_0,
               WeightFormat.Q4_0: gguf.GGMLQuantizationType.Q4_0,
@@ -174,7 +175,7 @@ def test_int8_activations_stay_within_the_rounding_bound(path, fmt, rows, out_fe
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
     reference = reference_weight(weight)
     expected = x @ reference.T
-    y = native.weight_linear(x, weight.data, int(fmt), out_features, None, PATHS[path], True)
+    y = native.weight_linear(x, weight.data, int(fmt), out_features, None, PATHS[path], INT8)
     assert ((y - expected).abs() <= int8_error_bound(x, reference)).all()
 
 
@@ -182,4 +183,31 @@ def test_int8_activations_are_refused_for_other_formats():
     weight = random_stored(WeightFormat.BF16, 4, 32, seed=0)
     with pytest.raises(RuntimeError, match="int8 activations need"):
         native.weight_linear(torch.ones(1, 32), weight.data, int(WeightFormat.BF16), 4, None,
-                             0, True)
+                             0, INT8)
+
+
+@pytest.mark.skipif(native is None or not native.has_bf16_pairs(),
+                    reason="no AVX512-BF16 on this CPU or in this build")
+@pytest.mark.parametrize("fmt", list(WeightFormat))
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 1, 32), (5, 7, 544),
+                                                           (17, 33, 1056)])
+def test_bf16_pair_products_match_the_bf16_rounded_weights(fmt, rows, out_features,
+                                                           in_features):
+    """bf16 x times the weights rounded to bf16: every product exact in float32, so only the
+    summation order and the output's rounding differ from the float32 reference. Per-channel
+    int8 rows multiply their integers (exact in bf16) and scale the sum, so nothing rounds."""
+    weight = random_stored(fmt, out_features, in_features, seed=rows)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    multiplied = reference_weight(weight)
+    if fmt != WeightFormat.INT8_CHANNEL:
+        multiplied = multiplied.bfloat16().float()
+    expected = x.float() @ multiplied.T
+    y = native.weight_linear(x, weight.data, int(fmt), out_features, None, 0, BF16_PAIRS)
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(y.float(), expected, rtol=2 ** -7, atol=2e-5 * scale)
+
+
+def test_bf16_pair_products_need_bf16_activations():
+    weight = random_stored(WeightFormat.Q4_1, 4, 32, seed=0)
+    with pytest.raises(RuntimeError, match="bf16 pair products need"):
+        native.weight_linear(torch.ones(1, 32), weight.data, 2, 4, None, 0, BF16_PAIRS)

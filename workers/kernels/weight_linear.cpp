@@ -32,6 +32,7 @@ namespace {
 // Weight formats, numbered as workers/models/quantized.py numbers them.
 enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kInt8Channel = 3, kBF16 = 4, kF32 = 5 };
 enum Path : int64_t { kBest = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3 };
+enum Products : int64_t { kFloat32 = 0, kInt8 = 1, kBf16Pairs = 2 };
 
 constexpr int64_t kBlock = 32;          // weights per quantization block (GGUF's QK)
 constexpr int64_t kChunk = 512;         // inputs dequantized per buffer fill (16 blocks)
@@ -253,6 +254,37 @@ void tile_avx512(const float* x, int64_t ldx, const float* const* w, int64_t n, 
 // a pointer once per buffer fill, not once per block).
 using BlocksFn = void (*)(const uint8_t*, int64_t, float*);
 
+#if defined(__AVX512BF16__)
+// Pair products (AVX512-BF16's dpbf16ps: 32 products a step into 16 float32 sums): bf16 x
+// against the weights rounded to bf16, as the dense bf16 model computes; twice the products of
+// the float32 tile per instruction. x rows are bf16; w[c] are n bf16 weights.
+template <int R, int C>
+void tile_bf16_pairs(const uint16_t* x, int64_t ldx, const uint16_t* const* w, int64_t n,
+                     float* sums) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < n; k += 32) {
+    __m512bh wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(w[c] + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * ldx + k);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wv[c], xv);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) sums[r * kCols + c] += _mm512_reduce_add_ps(acc[r][c]);
+}
+
+// n floats (a multiple of 32) to bf16, rounded to nearest even.
+void to_bf16(const float* in, int64_t n, uint16_t* out) {
+  for (int64_t i = 0; i < n; i += 32) {
+    const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(in + i + 16), _mm512_loadu_ps(in + i));
+    _mm512_storeu_si512(out + i, (__m512i)pair);
+  }
+}
+#endif
+
 template <int64_t format, void (*block)(const uint8_t*, float*)>
 void blocks(const uint8_t* data, int64_t count, float* out) {
   constexpr int64_t bytes = format == kQ8_0 ? 34 : format == kQ4_0 ? 18 : format == kQ4_1 ? 20
@@ -264,11 +296,13 @@ void blocks(const uint8_t* data, int64_t count, float* out) {
   {blocks<kQ8_0, fn<kQ8_0>>, blocks<kQ4_0, fn<kQ4_0>>, blocks<kQ4_1, fn<kQ4_1>>,     \
    blocks<kInt8Channel, fn<kInt8Channel>>, blocks<kBF16, fn<kBF16>>}
 using TileFn = void (*)(const float*, int64_t, const float* const*, int64_t, float*);
+using Bf16TileFn = void (*)(const uint16_t*, int64_t, const uint16_t* const*, int64_t, float*);
 
 // tiles[r - 1][c - 1] multiplies r rows by c columns.
 struct Kernels {
   BlocksFn blocks[kF32];  // by format; fp32 rows are multiplied in place
   TileFn tiles[kRows][kCols];
+  Bf16TileFn bf16_tiles[kRows][kCols];  // set where the build and CPU have AVX512-BF16
 };
 
 #define NALAR_TILE_TABLE(fn)                                                              \
@@ -304,12 +338,19 @@ Kernels kernels_for(Path path) {
               "path ", static_cast<int64_t>(path), " is not available on this CPU or build");
   switch (path) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    case kAvx512: return {NALAR_BLOCKS_TABLE(block_avx512), NALAR_TILE_TABLE(tile_avx512)};
+    case kAvx512:
+#if defined(__AVX512BF16__)
+      if (__builtin_cpu_supports("avx512bf16")) {
+        return {NALAR_BLOCKS_TABLE(block_avx512), NALAR_TILE_TABLE(tile_avx512),
+                NALAR_TILE_TABLE(tile_bf16_pairs)};
+      }
+#endif
+      return {NALAR_BLOCKS_TABLE(block_avx512), NALAR_TILE_TABLE(tile_avx512), {}};
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-    case kAvx2: return {NALAR_BLOCKS_TABLE(block_avx2), NALAR_TILE_TABLE(tile_avx2)};
+    case kAvx2: return {NALAR_BLOCKS_TABLE(block_avx2), NALAR_TILE_TABLE(tile_avx2), {}};
 #endif
-    default: return {NALAR_BLOCKS_TABLE(block_scalar), NALAR_TILE_TABLE(tile_scalar)};
+    default: return {NALAR_BLOCKS_TABLE(block_scalar), NALAR_TILE_TABLE(tile_scalar), {}};
   }
 }
 
@@ -317,14 +358,30 @@ Kernels kernels_for(Path path) {
 
 struct Problem {
   const float* x;       // [rows, k] float32
+  const uint16_t* xb;   // [rows, k] bf16 for pair products, else null
   int64_t rows, k;
   const uint8_t* w;     // [n, row_bytes]
   int64_t format, row_bytes;
 };
 
+void pair_products(const Problem& p, const Kernels& kern, const float* const* w, int64_t cols,
+                   int64_t k0, int64_t n, uint16_t* buffer_bf16, float* sums) {
+#if defined(__AVX512BF16__)
+  const uint16_t* wb[kCols];
+  for (int64_t c = 0; c < cols; ++c) {
+    to_bf16(w[c], n, buffer_bf16 + c * kChunk);
+    wb[c] = buffer_bf16 + c * kChunk;
+  }
+  for (int64_t r0 = 0; r0 < p.rows; r0 += kRows) {
+    const int64_t rows = std::min(kRows, p.rows - r0);
+    kern.bf16_tiles[rows - 1][cols - 1](p.xb + r0 * p.k + k0, p.k, wb, n, sums + r0 * kCols);
+  }
+#endif
+}
+
 // Adds the tile's dot products over inputs [k0, k0 + n) into sums [rows][kCols].
 void chunk(const Problem& p, const Kernels& kern, int64_t col0, int64_t cols, int64_t k0,
-           int64_t n, float* buffer, float* sums) {
+           int64_t n, float* buffer, uint16_t* buffer_bf16, float* sums) {
   const float* w[kCols];
   for (int64_t c = 0; c < cols; ++c) {
     const uint8_t* row = p.w + (col0 + c) * p.row_bytes;
@@ -338,6 +395,10 @@ void chunk(const Problem& p, const Kernels& kern, int64_t col0, int64_t cols, in
     kern.blocks[p.format](data + k0 / kBlock * bytes_per_block, n / kBlock, out);
     w[c] = out;
   }
+  if (p.xb != nullptr) {
+    pair_products(p, kern, w, cols, k0, n, buffer_bf16, sums);
+    return;
+  }
   for (int64_t r0 = 0; r0 < p.rows; r0 += kRows) {
     const int64_t rows = std::min(kRows, p.rows - r0);
     kern.tiles[rows - 1][cols - 1](p.x + r0 * p.k + k0, p.k, w, n, sums + r0 * kCols);
@@ -347,10 +408,11 @@ void chunk(const Problem& p, const Kernels& kern, int64_t col0, int64_t cols, in
 template <typename Out>
 void column_tile(const Problem& p, const Kernels& kern, int64_t col0, int64_t cols,
                  const float* bias, Out* y, int64_t n_out, std::vector<float>& sums,
-                 float* buffer) {
+                 float* buffer, uint16_t* buffer_bf16) {
   sums.assign(p.rows * kCols, 0.f);
   for (int64_t k0 = 0; k0 < p.k; k0 += kChunk) {
-    chunk(p, kern, col0, cols, k0, std::min(kChunk, p.k - k0), buffer, sums.data());
+    chunk(p, kern, col0, cols, k0, std::min(kChunk, p.k - k0), buffer, buffer_bf16,
+          sums.data());
   }
   for (int64_t c = 0; c < cols; ++c) {
     const float scale = row_scale(p.format, p.w + (col0 + c) * p.row_bytes);
@@ -369,9 +431,11 @@ void run(const Problem& p, const Kernels& kern, int64_t n_out, const float* bias
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> sums;
     alignas(64) float buffer[kCols * kChunk];
+    alignas(64) uint16_t buffer_bf16[kCols * kChunk];
     for (int64_t t = begin; t < end; ++t) {
       const int64_t col0 = t * kCols;
-      column_tile(p, kern, col0, std::min(kCols, n_out - col0), bias, y, n_out, sums, buffer);
+      column_tile(p, kern, col0, std::min(kCols, n_out - col0), bias, y, n_out, sums, buffer,
+                  buffer_bf16);
     }
   });
 }
@@ -477,11 +541,12 @@ void check_weight(const at::Tensor& weight, int64_t format, int64_t out_features
 }  // namespace
 
 // x [M, K] float32 or bfloat16; weight [N, row_bytes(format, K)] uint8 (the stored rows);
-// bias [N] float32 or None; path 0 picks the widest this CPU has; int8_activations (GGUF
-// formats only) quantizes x per block to int8 and multiplies in integers (int8_dot.h), else x
-// is multiplied in float32 against weights dequantized to float32. Returns [M, N] in x's dtype.
+// bias [N] float32 or None; path 0 picks the widest this CPU has. products: kFloat32 multiplies
+// x in float32 by the weights dequantized to float32; kInt8 (GGUF formats) quantizes x per
+// block to int8 and multiplies in integers (int8_dot.h); kBf16Pairs (bf16 x, AVX512-BF16)
+// multiplies bf16 x by the weights rounded to bf16. Returns [M, N] in x's dtype.
 at::Tensor weight_linear(at::Tensor x, at::Tensor weight, int64_t format, int64_t out_features,
-                         c10::optional<at::Tensor> bias, int64_t path, bool int8_activations) {
+                         c10::optional<at::Tensor> bias, int64_t path, int64_t products) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "x: [M, K] on the CPU");
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "x: float32 or bfloat16");
@@ -495,7 +560,8 @@ at::Tensor weight_linear(at::Tensor x, at::Tensor weight, int64_t format, int64_
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   auto y = at::empty({x.size(0), out_features}, x.options());
   const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  if (int8_activations) {
+  TORCH_CHECK(products >= kFloat32 && products <= kBf16Pairs, "unknown products ", products);
+  if (products == kInt8) {
     const Int8Kernels kern = int8_kernels(format, static_cast<Path>(path));
     int8_dot::QuantizedRows xq;
     xq.quantize(xf.data_ptr<float>(), x.size(0), k);
@@ -507,9 +573,15 @@ at::Tensor weight_linear(at::Tensor x, at::Tensor weight, int64_t format, int64_
     }
     return y;
   }
-  const Problem p{xf.data_ptr<float>(), x.size(0), k, weight.data_ptr<uint8_t>(), format,
-                  row_bytes(format, k)};
   const Kernels kern = kernels_for(static_cast<Path>(path));
+  const bool pairs = products == kBf16Pairs;
+  TORCH_CHECK(!pairs || (dtype == at::kBFloat16 && kern.bf16_tiles[0][0] != nullptr),
+              "bf16 pair products need bfloat16 x and a CPU and build with AVX512-BF16");
+  const at::Tensor x_bf16 = pairs ? x.contiguous() : at::Tensor();  // held: xb points into it
+  const uint16_t* xb = pairs ? reinterpret_cast<const uint16_t*>(x_bf16.data_ptr<at::BFloat16>())
+                             : nullptr;
+  const Problem p{xf.data_ptr<float>(), xb, x.size(0), k, weight.data_ptr<uint8_t>(), format,
+                  row_bytes(format, k)};
   if (dtype == at::kFloat) {
     run(p, kern, out_features, b, y.data_ptr<float>());
   } else {
@@ -558,7 +630,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("weight_linear", &weight_linear, "x W^T (+ b) over weights in their stored format",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("format"),
         pybind11::arg("out_features"), pybind11::arg("bias"), pybind11::arg("path") = 0,
-        pybind11::arg("int8_activations") = false);
+        pybind11::arg("products") = 0);
+  m.def("has_bf16_pairs", [] { return kernels_for(kBest).bf16_tiles[0][0] != nullptr; },
+        "whether bf16 pair products (products=2) run here");
   m.def("dequantize", &dequantize, "stored weight rows as float32");
   m.def("row_bytes", &row_bytes, "bytes of one stored row of k weights");
   m.def("paths", &paths, "the paths this build and CPU run, widest first");
