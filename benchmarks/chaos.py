@@ -102,11 +102,14 @@ def chaos_config(redis_url: str, key_prefix: str, dtype: str = "float32"):
 
     The draft deadline is generous (0.5 s) so that drafts are really proposed on a busy CPU
     (the point of ``draft_kill``); adaptive speculation is off so the workers always draft.
+    Dense weights: outputs are compared with a fault-free run, and on weights kept quantized
+    a token's rounding depends on its step's row count (int8 activations up to 4 rows), so a
+    run that loses its drafts would differ for that reason alone.
     """
     from cluster.config import ClusterConfig
 
     return ClusterConfig(num_workers=2, redis_url=redis_url, key_prefix=key_prefix, dtype=dtype,
-                         kv_cache_mib=128, worker_cpus=0.25, worker_threads=1,
+                         quantization="none", kv_cache_mib=128, worker_cpus=0.25, worker_threads=1,
                          routing_stats_period_s=0.2, worker_ttl_s=15.0, speculative="ngram",
                          speculative_remote=True, draft_deadline_s=0.5,
                          adaptive_speculation=False, draft_cpus=0.1)

@@ -69,3 +69,13 @@ def test_the_cli_starts_without_importing_torch():
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                             check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_quantization_flag_reaches_the_config():
+    def config(*argv: str):
+        return serve_config(build_parser().parse_args(["serve", *argv]))
+
+    assert config().quantization == "auto"
+    assert config("--quantization", "none").engine_config().quantization == "none"
+    with pytest.raises(SystemExit):  # argparse's choices: exit 2 with a usage line
+        config("--quantization", "q3_k")

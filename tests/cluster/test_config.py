@@ -20,3 +20,13 @@ def test_worker_threads_overrides_the_share(monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
     config = ClusterConfig(num_workers=2, worker_threads=3, namespace_secret="s")
     assert config.engine_config().num_threads == 3
+
+
+def test_quantization_reaches_the_engine_and_defaults_to_auto():
+    """``auto`` lets the loader serve a GGUF model's weights as stored (on a CPU); the flag's
+    other values pass through, and a name outside them is refused before anything starts."""
+    assert ClusterConfig(namespace_secret="s").engine_config().quantization == "auto"
+    config = ClusterConfig(quantization="int8", namespace_secret="s")
+    assert config.engine_config().quantization == "int8"
+    with pytest.raises(ValueError, match="quantization"):
+        ClusterConfig(quantization="q3_k", namespace_secret="s")
