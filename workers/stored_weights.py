@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from workers import kernels
 from workers.models.weight_formats import (
     GGUF_FORMATS,
     StoredWeight,
@@ -40,8 +41,8 @@ _PERMUTED_ARCHITECTURES = {"llama", "mistral"}
 
 
 def resolve_quantization(quantization: str, source: str, device: torch.device) -> str:
-    """``auto`` → ``gguf`` for a ``.gguf`` (or the embedded) model on the CPU, else ``none``
-    (the stored-weight kernels are CPU kernels).
+    """``auto`` → ``gguf`` for a ``.gguf`` (or the embedded) model on the CPU where the native
+    kernel is available, else ``none`` (the stored-weight kernels are CPU kernels).
 
     Raises:
         ValueError: an unknown name, or ``gguf`` for a model that is not a GGUF file.
@@ -51,7 +52,13 @@ def resolve_quantization(quantization: str, source: str, device: torch.device) -
                          f"{', '.join(QUANTIZATIONS)}")
     is_gguf = source.endswith(".gguf") or source == "embedded"
     if quantization == "auto":
-        return "gguf" if is_gguf and device.type == "cpu" else "none"
+        if not (is_gguf and device.type == "cpu"):
+            return "none"
+        if kernels.weight_linear() is None:  # no compiler, or kernels turned off
+            log.warning("GGUF weights are served dequantized: the native weight_linear "
+                        "kernel is unavailable")
+            return "none"
+        return "gguf"
     if quantization == "gguf" and not is_gguf:
         raise ValueError("--quantization gguf needs a .gguf model; use int8 for others")
     return quantization

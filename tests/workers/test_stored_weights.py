@@ -118,5 +118,10 @@ def test_auto_quantization_follows_the_source_and_device():
         resolve_quantization("q3_k", gguf, CPU)
 
 
+def test_auto_serves_dense_weights_where_the_kernel_is_off(monkeypatch):
+    monkeypatch.setattr(kernels, "weight_linear", lambda: None)
+    assert resolve_quantization("auto", "embedded", CPU) == "none"
+
+
 def test_stored_formats_are_empty_for_a_dense_model(smollm):
     assert stored_formats(smollm.model) == set()
