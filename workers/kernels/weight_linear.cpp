@@ -1,11 +1,15 @@
 // Small-batch linear layers y = x W^T (+ b) over weights kept in their stored format: llama.cpp's
 // block-quantized Q8_0, Q4_0 and Q4_1 (GGUF), per-channel int8, bf16 and fp32. At decode batch
 // sizes a linear layer is bound by reading its weight, so each weight is read from memory once
-// for all the step's rows: a tile of 4 output columns is dequantized into an L1-resident buffer,
-// 512 inputs at a time, and every row is multiplied against that buffer before the next tile is
-// read (the weight-streaming GEMV of llama.cpp and of weight-only kernels such as Marlin, here
-// in fp32 arithmetic on fp32 activations, so the only rounding beyond the dequantized product's
-// is the summation order). The dequantized weight never exists at full size.
+// for all the step's rows (the weight-streaming GEMV of llama.cpp and of weight-only kernels
+// such as Marlin). The dequantized weight never exists at full size. Three kinds of products:
+// - float32: a tile of 4 output columns is dequantized into an L1-resident buffer, 512 inputs
+//   at a time, and every row is multiplied against it in float32 before the next tile is read;
+//   the only rounding beyond the dequantized product's is the summation order;
+// - bf16 pairs (bf16 x, AVX512-BF16): the same tile rounded to bf16 and multiplied by
+//   dpbf16ps, as the dense bf16 model would compute;
+// - int8 (GGUF formats): x quantized per 32-input block, integer dot products on the stored
+//   bytes (int8_dot.h), as llama.cpp computes.
 //
 // Paths: AVX-512F (16 lanes), AVX2 + FMA (8 lanes) and scalar, each compiled where the compiler
 // targets it (-march=native) and chosen at run time from what the CPU reports; `path` forces a
