@@ -12,12 +12,23 @@ import torch
 import torch.nn.functional as F
 from helpers import greedy, output_ids
 
-from contract.identity import CacheIdentity
 from workers import kernels
 from workers.model_loader import LoadedModel, embedded_gguf_path, load_model, model_digest
-from workers.models.linear import Linear
-from workers.models.weight_formats import WeightFormat
-from workers.stored_weights import attach_int8_weights, resolve_quantization, stored_formats
+from workers.models.linear import (
+    BF16_PAIR_PRODUCTS,
+    FLOAT32_PRODUCTS,
+    INT8_PRODUCTS,
+    Linear,
+    StoredLinear,
+)
+from workers.models.llama import _fuse
+from workers.models.weight_formats import StoredWeight, WeightFormat, quantize_int8_per_channel
+from workers.stored_weights import (
+    _attach,
+    attach_int8_weights,
+    resolve_quantization,
+    stored_formats,
+)
 
 pytestmark = pytest.mark.skipif(kernels.weight_linear() is None,
                                 reason="weight_linear kernel not built here")
@@ -65,7 +76,6 @@ def test_stored_weights_get_their_own_cache_identity(stored_smollm, smollm, make
     assert dense_engine.runner.linear_kernel in ("onednn-prepacked", "aten")
     assert stored_engine.identity.numerics != dense_engine.identity.numerics
     assert stored_engine.identity.model_key != dense_engine.identity.model_key
-    assert isinstance(stored_engine.identity, CacheIdentity)
 
 
 def test_stored_weights_generate_what_the_dense_model_does(stored_smollm, smollm, make_engine,
@@ -91,8 +101,6 @@ def test_int8_per_channel_serves_a_dense_model(smollm_tokenizer, make_engine, fr
     for layer, dense_layer in zip(model.model.layers, dense.model.layers, strict=True):
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             module, reference = (getattr(m.self_attn, name) for m in (layer, dense_layer))
-            if module.in_features != x.shape[1]:
-                continue
             step = reference.weight.abs().amax(dim=1) / 127
             bound = x.abs().sum(dim=1, keepdim=True) * step / 2 + 1e-5
             got = Linear.of(module)(x)
@@ -125,3 +133,51 @@ def test_auto_serves_dense_weights_where_the_kernel_is_off(monkeypatch):
 
 def test_stored_formats_are_empty_for_a_dense_model(smollm):
     assert stored_formats(smollm.model) == set()
+
+
+def test_each_row_count_takes_the_measured_products(stored_smollm):
+    """The rule of ``workers.models.linear``, checked value for value against the kernel's
+    products: int8 up to 4 rows, bf16 pairs (bf16 x, where the CPU has them) or float32 up to
+    31, a dequantized temporary from 32; the LM head streams at any row count."""
+    native = kernels.weight_linear()
+    model = stored_smollm.model
+    down = model.model.layers[0].mlp.down_proj.stored_weight  # Q4_1, 576 x 1536
+    layer = StoredLinear(down)
+    g = torch.Generator().manual_seed(0)
+
+    def products(x, weight, kind):
+        return native.weight_linear(x, weight.data, int(weight.fmt), weight.out_features, None,
+                                    0, kind)
+
+    x = torch.randn(40, down.in_features, generator=g)
+    assert torch.equal(layer(x[:2]), products(x[:2], down, INT8_PRODUCTS))
+    assert torch.equal(layer(x[:4]), products(x[:4], down, INT8_PRODUCTS))
+    assert torch.equal(layer(x[:5]), products(x[:5], down, FLOAT32_PRODUCTS))
+    assert torch.equal(layer(x[:31]), products(x[:31], down, FLOAT32_PRODUCTS))
+    assert torch.equal(layer(x[:32]), F.linear(x[:32], down.dequantize()))
+    if native.has_bf16_pairs():
+        x16 = x[:8].bfloat16()
+        assert torch.equal(layer(x16), products(x16, down, BF16_PAIR_PRODUCTS))
+    head = model.lm_head.stored_weight  # Q8_0, 49,152 x 576: past DEQUANTIZED_MAX_WEIGHTS
+    h = torch.randn(32, head.in_features, generator=g)
+    assert torch.equal(StoredLinear(head)(h), products(h, head, FLOAT32_PRODUCTS))
+
+
+def test_projections_of_mixed_formats_fuse_as_one_dense_weight(stored_smollm):
+    """A q/k/v or gate/up group whose parts are stored in different formats cannot fuse as
+    stored: it is dequantized into one plain weight, part by part in order."""
+    q4_1 = StoredWeight(stored_smollm.model.model.layers[0].self_attn.q_proj
+                        .stored_weight.data[:64].clone(), WeightFormat.Q4_1, 576)
+    int8 = quantize_int8_per_channel(torch.randn(32, 576, generator=torch.Generator()
+                                                 .manual_seed(1)))
+    parts = [torch.nn.Linear(576, 64, bias=False), torch.nn.Linear(576, 32, bias=False)]
+    for module, weight in zip(parts, (q4_1, int8), strict=True):
+        _attach(module, weight)
+    fused = _fuse(parts)
+    assert isinstance(fused, Linear)
+    assert torch.equal(fused.weight, torch.cat([q4_1.dequantize(), int8.dequantize()]))
+    assert all(module.stored_weight is None for module in parts)
+    same = [torch.nn.Linear(576, 64, bias=False), torch.nn.Linear(576, 64, bias=False)]
+    for module in same:
+        _attach(module, q4_1)
+    assert isinstance(_fuse(same), StoredLinear)

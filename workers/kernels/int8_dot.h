@@ -11,6 +11,8 @@
 
 #include <immintrin.h>
 
+#include "stored_blocks.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -18,7 +20,9 @@
 
 namespace int8_dot {
 
-constexpr int64_t kBlock = 32;
+using stored::block_bytes;
+using stored::half_to_float;
+using stored::kBlock;
 
 // x [rows, k] float32 quantized per block: q [rows, k] int8, scale and sum [rows, k / 32]
 // (sum is sx times the block's sum of q: the block's sum of x as the kernel sees it).
@@ -54,21 +58,11 @@ struct QuantizedRows {
   }
 };
 
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
-
-// Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 (the formats of weight_linear.cpp).
-template <int64_t F>
-constexpr int64_t block_bytes() { return F == 0 ? 34 : F == 1 ? 18 : 20; }
-
 // One block's scale d and minimum m (m = -8 d for Q4_0, 0 for Q8_0).
 template <int64_t F>
 inline void scale_and_min(const uint8_t* b, float& d, float& m) {
-  d = half_at(b);
-  m = F == 2 ? half_at(b + 2) : F == 1 ? -8.f * d : 0.f;
+  d = half_to_float(b);
+  m = F == stored::kQ4_1 ? half_to_float(b + 2) : F == stored::kQ4_0 ? -8.f * d : 0.f;
 }
 
 // sums[r * stride + c] += row r of x times column c's weights, for R rows from r0 and C
@@ -81,17 +75,17 @@ void tile_scalar(const QuantizedRows& x, int64_t r0, const uint8_t* const* w, fl
     for (int c = 0; c < C; ++c) {
       float acc = 0.f;
       for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* blk = w[c] + b * block_bytes<F>();
+        const uint8_t* blk = w[c] + b * block_bytes(F);
         const int8_t* xq = x.q.data() + (r0 + r) * x.k + b * kBlock;
         float d, m;
         scale_and_min<F>(blk, d, m);
         int32_t dot = 0;
         for (int j = 0; j < kBlock; ++j) {
           int32_t wq;
-          if constexpr (F == 0) {
+          if constexpr (F == stored::kQ8_0) {
             wq = reinterpret_cast<const int8_t*>(blk + 2)[j];
           } else {
-            const uint8_t byte = blk[(F == 2 ? 4 : 2) + (j & 15)];
+            const uint8_t byte = blk[(F == stored::kQ4_1 ? 4 : 2) + (j & 15)];
             wq = j < 16 ? (byte & 0x0F) : (byte >> 4);
           }
           dot += wq * static_cast<int32_t>(xq[j]);
@@ -105,12 +99,6 @@ void tile_scalar(const QuantizedRows& x, int64_t r0, const uint8_t* const* w, fl
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-inline float reduce8(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
 // 8 int32 sums of 4 products each of unsigned bytes u and signed bytes s.
 template <bool kVnni>
 inline __m256i dot_u8s8(__m256i u, __m256i s) {
@@ -124,8 +112,8 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 // high nibbles 16-31; unsigned 0-15), or Q8_0's signed bytes.
 template <int64_t F>
 inline __m256i weight_bytes(const uint8_t* blk) {
-  if (F == 0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (F == 2 ? 4 : 2)));
+  if (F == stored::kQ8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (F == stored::kQ4_1 ? 4 : 2)));
   const __m128i mask = _mm_set1_epi8(0x0F);
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), mask),
                           _mm_and_si128(packed, mask));
@@ -137,7 +125,7 @@ inline void scale_and_min_f16c(const uint8_t* b, float& d, float& m) {
   uint16_t bits[2];
   std::memcpy(bits, b, 4);
   d = _cvtsh_ss(bits[0]);
-  m = F == 2 ? _cvtsh_ss(bits[1]) : F == 1 ? -8.f * d : 0.f;
+  m = F == stored::kQ4_1 ? _cvtsh_ss(bits[1]) : F == stored::kQ4_0 ? -8.f * d : 0.f;
 }
 
 template <int64_t F, int R, int C, bool kVnni>
@@ -158,15 +146,15 @@ void tile_avx2(const QuantizedRows& x, int64_t r0, const uint8_t* const* w, floa
       sx[r] = _mm256_set1_ps(x.scale[i]);
     }
     for (int c = 0; c < C; ++c) {
-      const uint8_t* blk = w[c] + b * block_bytes<F>();
+      const uint8_t* blk = w[c] + b * block_bytes(F);
       float d, m;
       scale_and_min_f16c<F>(blk, d, m);
       const __m256i wb = weight_bytes<F>(blk);
       // maddubs multiplies unsigned by signed bytes: Q8_0 moves its sign onto x.
-      const __m256i u = F == 0 ? _mm256_sign_epi8(wb, wb) : wb;
+      const __m256i u = F == stored::kQ8_0 ? _mm256_sign_epi8(wb, wb) : wb;
       const __m256 dv = _mm256_set1_ps(d);
       for (int r = 0; r < R; ++r) {
-        const __m256i s = F == 0 ? _mm256_sign_epi8(xq[r], wb) : xq[r];
+        const __m256i s = F == stored::kQ8_0 ? _mm256_sign_epi8(xq[r], wb) : xq[r];
         const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8<kVnni>(u, s));
         acc[r][c] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, sx[r]), acc[r][c]);
         if (F != 0) minimum_terms[r][c] += m * x.sum[(r0 + r) * blocks + b];
@@ -174,7 +162,7 @@ void tile_avx2(const QuantizedRows& x, int64_t r0, const uint8_t* const* w, floa
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) sums[r * stride + c] += reduce8(acc[r][c]) + minimum_terms[r][c];
+    for (int c = 0; c < C; ++c) sums[r * stride + c] += stored::reduce_add(acc[r][c]) + minimum_terms[r][c];
 }
 #endif
 

@@ -23,6 +23,7 @@
 #include <immintrin.h>
 
 #include "int8_dot.h"
+#include "stored_blocks.h"
 
 #include <algorithm>
 #include <cmath>
@@ -33,12 +34,11 @@
 
 namespace {
 
-// Weight formats, numbered as workers/models/quantized.py numbers them.
-enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kInt8Channel = 3, kBF16 = 4, kF32 = 5 };
+using namespace stored;  // the formats, block sizes and helpers shared with int8_dot.h
+
 enum Path : int64_t { kBest = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3 };
 enum Products : int64_t { kFloat32 = 0, kInt8 = 1, kBf16Pairs = 2 };
 
-constexpr int64_t kBlock = 32;          // weights per quantization block (GGUF's QK)
 constexpr int64_t kChunk = 512;         // inputs dequantized per buffer fill (16 blocks)
 constexpr int64_t kCols = 4;            // output columns per tile
 constexpr int64_t kRows = 4;            // rows per register tile
@@ -47,21 +47,8 @@ constexpr int64_t kMacsPerTask = 1 << 16;  // under this much work, one thread
 // Bytes a row of `k` weights takes (GGUF layout; the per-channel int8 row has a float32 scale
 // in front of its k int8 values).
 int64_t row_bytes(int64_t format, int64_t k) {
-  switch (format) {
-    case kQ8_0: return k / kBlock * 34;   // f16 d, 32 x int8
-    case kQ4_0: return k / kBlock * 18;   // f16 d, 16 bytes of nibbles
-    case kQ4_1: return k / kBlock * 20;   // f16 d, f16 m, 16 bytes of nibbles
-    case kInt8Channel: return 4 + k;
-    case kBF16: return 2 * k;
-    case kF32: return 4 * k;
-  }
-  TORCH_CHECK(false, "unknown weight format ", format);
-}
-
-float half_to_float(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+  TORCH_CHECK(format >= kQ8_0 && format <= kF32, "unknown weight format ", format);
+  return row_header_bytes(format) + k / kBlock * block_bytes(format);
 }
 
 // The float a row's weights are scaled by after the dot product (per-channel int8), else 1.
@@ -211,12 +198,6 @@ void tile_scalar(const float* x, int64_t ldx, const float* const* w, int64_t n, 
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-float reduce_avx2(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
 template <int R, int C>
 void tile_avx2(const float* x, int64_t ldx, const float* const* w, int64_t n, float* sums) {
   __m256 acc[R][C];
@@ -231,7 +212,7 @@ void tile_avx2(const float* x, int64_t ldx, const float* const* w, int64_t n, fl
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) sums[r * kCols + c] += reduce_avx2(acc[r][c]);
+    for (int c = 0; c < C; ++c) sums[r * kCols + c] += reduce_add(acc[r][c]);
 }
 #endif
 
@@ -291,9 +272,7 @@ void to_bf16(const float* in, int64_t n, uint16_t* out) {
 
 template <int64_t format, void (*block)(const uint8_t*, float*)>
 void blocks(const uint8_t* data, int64_t count, float* out) {
-  constexpr int64_t bytes = format == kQ8_0 ? 34 : format == kQ4_0 ? 18 : format == kQ4_1 ? 20
-                          : format == kInt8Channel ? 32 : 64;
-  for (int64_t b = 0; b < count; ++b) block(data + b * bytes, out + b * kBlock);
+  for (int64_t b = 0; b < count; ++b) block(data + b * block_bytes(format), out + b * kBlock);
 }
 
 #define NALAR_BLOCKS_TABLE(fn)                                                      \
@@ -322,21 +301,25 @@ bool cpu_has(Path path) {
   }
 }
 
-// The paths compiled into this build that this CPU runs, widest first.
-std::vector<Path> available_paths() {
-  std::vector<Path> paths;
+// The paths compiled into this build that this CPU runs, widest first (asked once: every
+// layer's call looks them up).
+const std::vector<Path>& available_paths() {
+  static const std::vector<Path> paths = [] {
+    std::vector<Path> found;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  if (cpu_has(kAvx512)) paths.push_back(kAvx512);
+    if (cpu_has(kAvx512)) found.push_back(kAvx512);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-  if (cpu_has(kAvx2)) paths.push_back(kAvx2);
+    if (cpu_has(kAvx2)) found.push_back(kAvx2);
 #endif
-  paths.push_back(kScalar);
+    found.push_back(kScalar);
+    return found;
+  }();
   return paths;
 }
 
 Kernels kernels_for(Path path) {
-  const auto paths = available_paths();
+  const auto& paths = available_paths();
   if (path == kBest) path = paths.front();
   TORCH_CHECK(std::find(paths.begin(), paths.end(), path) != paths.end(),
               "path ", static_cast<int64_t>(path), " is not available on this CPU or build");
@@ -361,7 +344,7 @@ Kernels kernels_for(Path path) {
 // ---- one tile of up to kCols output columns, all rows ----------------------------------------
 
 struct Problem {
-  const float* x;       // [rows, k] float32
+  const float* x;       // [rows, k] float32 (null for pair products)
   const uint16_t* xb;   // [rows, k] bf16 for pair products, else null
   int64_t rows, k;
   const uint8_t* w;     // [n, row_bytes]
@@ -393,10 +376,9 @@ void chunk(const Problem& p, const Kernels& kern, int64_t col0, int64_t cols, in
       w[c] = reinterpret_cast<const float*>(row) + k0;
       continue;
     }
-    const uint8_t* data = row + (p.format == kInt8Channel ? 4 : 0);
+    const uint8_t* data = row + row_header_bytes(p.format);
     float* out = buffer + c * kChunk;
-    const int64_t bytes_per_block = row_bytes(p.format, kBlock) - (p.format == kInt8Channel ? 4 : 0);
-    kern.blocks[p.format](data + k0 / kBlock * bytes_per_block, n / kBlock, out);
+    kern.blocks[p.format](data + k0 / kBlock * block_bytes(p.format), n / kBlock, out);
     w[c] = out;
   }
   if (p.xb != nullptr) {
@@ -474,7 +456,7 @@ Int8Kernels int8_kernels_for(Path path) {
 }
 
 Int8Kernels int8_kernels(int64_t format, Path path) {
-  const auto paths = available_paths();
+  const auto& paths = available_paths();
   if (path == kBest) path = paths.front();
   TORCH_CHECK(std::find(paths.begin(), paths.end(), path) != paths.end(),
               "path ", static_cast<int64_t>(path), " is not available on this CPU or build");
@@ -561,10 +543,12 @@ at::Tensor weight_linear(at::Tensor x, at::Tensor weight, int64_t format, int64_
     bias_f = bias->to(at::kFloat).contiguous();
     TORCH_CHECK(bias_f.dim() == 1 && bias_f.size(0) == out_features, "bias: [out_features]");
   }
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  TORCH_CHECK(products >= kFloat32 && products <= kBf16Pairs, "unknown products ", products);
+  const bool pairs = products == kBf16Pairs;
+  // float32 x for the float32 and int8 products; pair products read bf16 x as it is.
+  const at::Tensor xf = pairs ? x.contiguous() : x.to(at::kFloat).contiguous();
   auto y = at::empty({x.size(0), out_features}, x.options());
   const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  TORCH_CHECK(products >= kFloat32 && products <= kBf16Pairs, "unknown products ", products);
   if (products == kInt8) {
     const Int8Kernels kern = int8_kernels(format, static_cast<Path>(path));
     int8_dot::QuantizedRows xq;
@@ -578,13 +562,12 @@ at::Tensor weight_linear(at::Tensor x, at::Tensor weight, int64_t format, int64_
     return y;
   }
   const Kernels kern = kernels_for(static_cast<Path>(path));
-  const bool pairs = products == kBf16Pairs;
   TORCH_CHECK(!pairs || (dtype == at::kBFloat16 && kern.bf16_tiles[0][0] != nullptr),
               "bf16 pair products need bfloat16 x and a CPU and build with AVX512-BF16");
-  const at::Tensor x_bf16 = pairs ? x.contiguous() : at::Tensor();  // held: xb points into it
-  const uint16_t* xb = pairs ? reinterpret_cast<const uint16_t*>(x_bf16.data_ptr<at::BFloat16>())
+  const float* x32 = pairs ? nullptr : xf.data_ptr<float>();
+  const uint16_t* xb = pairs ? reinterpret_cast<const uint16_t*>(xf.data_ptr<at::BFloat16>())
                              : nullptr;
-  const Problem p{xf.data_ptr<float>(), xb, x.size(0), k, weight.data_ptr<uint8_t>(), format,
+  const Problem p{x32, xb, x.size(0), k, weight.data_ptr<uint8_t>(), format,
                   row_bytes(format, k)};
   if (dtype == at::kFloat) {
     run(p, kern, out_features, b, y.data_ptr<float>());
@@ -611,8 +594,7 @@ at::Tensor dequantize(at::Tensor weight, int64_t format, int64_t in_features, in
         std::memcpy(o, row, 4 * in_features);
         continue;
       }
-      const uint8_t* data = row + (format == kInt8Channel ? 4 : 0);
-      kern.blocks[format](data, in_features / kBlock, o);
+      kern.blocks[format](row + row_header_bytes(format), in_features / kBlock, o);
       const float scale = row_scale(format, row);
       if (scale != 1.f) {
         for (int64_t i = 0; i < in_features; ++i) o[i] *= scale;

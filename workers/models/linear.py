@@ -136,15 +136,17 @@ class StoredLinear:
         bias: ``[out_features]`` or None.
 
     Below :data:`STREAMED_MAX_ROWS` rows the native kernel reads each stored weight once for
-    all rows: up to :data:`INT8_MAX_ROWS` rows of a GGUF format with int8 activations, else in
-    float32. From there on (unless the layer is larger than :data:`DEQUANTIZED_MAX_WEIGHTS`)
-    the layer's weight is dequantized into a temporary in ``x``'s dtype for the plain kernel.
+    all rows: up to :data:`INT8_MAX_ROWS` rows of a GGUF format with int8 activations, else
+    with bf16 pair products (bf16 activations on a CPU with AVX512-BF16) or in float32. From
+    there on (unless the layer is larger than :data:`DEQUANTIZED_MAX_WEIGHTS`) the layer's
+    weight is dequantized into a temporary in ``x``'s dtype for the plain kernel.
     """
 
     def __init__(self, weight: StoredWeight, bias: torch.Tensor | None = None):
         self.weight = weight
         self.bias = bias
         self._kernel = native()
+        self._format, self._out_features = int(weight.fmt), weight.out_features  # per call
         self._int8 = weight.fmt in GGUF_FORMATS.values()
         self._bf16_pairs = self._kernel.has_bf16_pairs()
         self._dequantizes = weight.out_features * weight.in_features <= DEQUANTIZED_MAX_WEIGHTS
@@ -153,8 +155,8 @@ class StoredLinear:
         """``x``: ``[rows, in_features]`` float32 or bfloat16 → ``[rows, out_features]``."""
         rows = x.shape[0]
         if rows < STREAMED_MAX_ROWS or not self._dequantizes:
-            return self._kernel.weight_linear(x, self.weight.data, int(self.weight.fmt),
-                                              self.weight.out_features, self.bias, 0,
+            return self._kernel.weight_linear(x, self.weight.data, self._format,
+                                              self._out_features, self.bias, 0,
                                               self._products(x))
         return F.linear(x, self.weight.dequantize().to(x.dtype), self.bias)
 
