@@ -86,11 +86,10 @@ def attach_gguf_weights(model: PreTrainedModel, gguf_path: Path) -> dict[str, in
         fmt = GGUF_FORMATS.get(tensor.tensor_type.name)
         if module is None or fmt is None:
             continue
-        data = torch.from_numpy(np.array(tensor.data, copy=True))  # off the file's mapping
-        stored = StoredWeight(data, fmt, int(tensor.shape[0]))
+        rows = torch.from_numpy(np.array(tensor.data, copy=True))  # off the file's mapping
         if architecture in _PERMUTED_ARCHITECTURES:
-            stored = _unpermute_rows(stored, tensor.name, model.config)
-        _attach(module, stored)
+            rows = _unpermute_rows(rows, tensor.name, model.config)
+        _attach(module, StoredWeight.from_rows(rows, fmt, int(tensor.shape[0])))
         attached[tensor.tensor_type.name] = attached.get(tensor.tensor_type.name, 0) + 1
     _tie_lm_head(model, modules)
     log.info("serving %s as stored: %s", gguf_path.name, attached)
@@ -142,18 +141,19 @@ def _tie_lm_head(model: PreTrainedModel, modules: dict[str, nn.Module]) -> None:
             model.lm_head.stored_weight = stored
 
 
-def _unpermute_rows(stored: StoredWeight, name: str, config) -> StoredWeight:
-    """Undo llama.cpp's q/k row order (each head's rotary pairs interleaved) on whole rows of
-    blocks, as transformers' GGUF loader does on dequantized values."""
+def _unpermute_rows(rows: torch.Tensor, name: str, config) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order (each head's rotary pairs interleaved) on a tensor's
+    rows of blocks ``[out_features, row bytes]``, as transformers' GGUF loader does on
+    dequantized values."""
     if ".attn_q." in name:
         heads = config.num_attention_heads
     elif ".attn_k." in name:
         heads = config.num_key_value_heads
     else:
-        return stored
-    rows = stored.out_features
-    order = torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
-    return StoredWeight(stored.data[order].contiguous(), stored.fmt, stored.in_features)
+        return rows
+    n = rows.shape[0]
+    order = torch.arange(n).reshape(heads, n // heads // 2, 2).transpose(1, 2).reshape(n)
+    return rows[order].contiguous()
 
 
 def stored_formats(model: PreTrainedModel) -> set[str]:

@@ -23,6 +23,8 @@ from workers.models.linear import (
 )
 from workers.models.llama import _fuse
 from workers.models.weight_formats import StoredWeight, WeightFormat, quantize_int8_per_channel
+from workers.speculative.config import SpeculativeConfig
+from workers.speculative.ngram import NgramProposer
 from workers.stored_weights import (
     _attach,
     attach_int8_weights,
@@ -80,8 +82,8 @@ def test_stored_weights_get_their_own_cache_identity(stored_smollm, smollm, make
 
 def test_stored_weights_generate_what_the_dense_model_does(stored_smollm, smollm, make_engine,
                                                           smollm_tokenizer):
-    """Decodes of up to 4 rows use int8 activations (llama.cpp's rounding), so long greedy
-    runs part from the float model's at near-ties; the first tokens of a clear answer agree."""
+    """Steps of up to 31 rows use int8 activations (llama.cpp's rounding), so long greedy runs
+    part from the float model's at near-ties; the first tokens of a clear answer agree."""
     prompt = smollm_tokenizer("The capital of France is").input_ids
     outputs = []
     for loaded in (stored_smollm, smollm):
@@ -90,6 +92,28 @@ def test_stored_weights_generate_what_the_dense_model_does(stored_smollm, smollm
         outputs.append(output_ids(engine.generate([request])["paris"]))
     assert outputs[0] == outputs[1]
     assert smollm_tokenizer.decode(outputs[0]).startswith(" Paris")
+
+
+def test_speculation_on_stored_weights_decodes_what_plain_decoding_does(stored_smollm,
+                                                                       make_engine):
+    """A verification step (a row per draft token) computes each row as a one-row decode step
+    does, so speculation changes no greedy id on quantized weights either, whatever it
+    accepts or rejects."""
+    tokenizer = stored_smollm.tokenizer
+    prompts = [tokenizer.encode(text, add_special_tokens=False)
+               for text in ("one two three four " * 12, "The history of the printing press")]
+
+    def requests():
+        return [greedy(f"r{i}", p, 40, ignore_eos=True) for i, p in enumerate(prompts)]
+
+    plain = make_engine(stored_smollm).generate(requests())
+    engine = make_engine(stored_smollm, speculative=SpeculativeConfig(
+        method="ngram", num_speculative_tokens=4, adaptive=False), proposer=NgramProposer(1, 4))
+    speculated = engine.generate(requests())
+    assert [output_ids(speculated[f"r{i}"]) for i in range(2)] == \
+        [output_ids(plain[f"r{i}"]) for i in range(2)]
+    spec = engine.counters.spec
+    assert 0 < spec.accepted_tokens < sum(spec.proposed_by_position)  # accepted and rejected
 
 
 def test_int8_per_channel_serves_a_dense_model(smollm_tokenizer, make_engine, fresh_tiny_qwen):
@@ -137,8 +161,9 @@ def test_stored_formats_are_empty_for_a_dense_model(smollm):
 
 def test_each_row_count_takes_the_measured_products(stored_smollm):
     """The rule of ``workers.models.linear``, checked value for value against the kernel's
-    products: int8 up to 4 rows, bf16 pairs (bf16 x, where the CPU has them) or float32 up to
-    31, a dequantized temporary from 32; the LM head streams at any row count."""
+    products: a GGUF weight takes int8 products up to 31 rows and a dequantized temporary from
+    32; the LM head streams at any row count; a per-channel int8 weight takes bf16 pairs (bf16
+    x, where the CPU has them) or float32 up to 31 rows."""
     native = kernels.weight_linear()
     model = stored_smollm.model
     down = model.model.layers[0].mlp.down_proj.stored_weight  # Q4_1, 576 x 1536
@@ -150,24 +175,25 @@ def test_each_row_count_takes_the_measured_products(stored_smollm):
                                     0, kind)
 
     x = torch.randn(40, down.in_features, generator=g)
-    assert torch.equal(layer(x[:2]), products(x[:2], down, INT8_PRODUCTS))
-    assert torch.equal(layer(x[:4]), products(x[:4], down, INT8_PRODUCTS))
-    assert torch.equal(layer(x[:5]), products(x[:5], down, FLOAT32_PRODUCTS))
-    assert torch.equal(layer(x[:31]), products(x[:31], down, FLOAT32_PRODUCTS))
+    for rows in (1, 4, 5, 31):
+        assert torch.equal(layer(x[:rows]), products(x[:rows], down, INT8_PRODUCTS))
     assert torch.equal(layer(x[:32]), F.linear(x[:32], down.dequantize()))
-    if native.has_bf16_pairs():
-        x16 = x[:8].bfloat16()
-        assert torch.equal(layer(x16), products(x16, down, BF16_PAIR_PRODUCTS))
     head = model.lm_head.stored_weight  # Q8_0, 49,152 x 576: past DEQUANTIZED_MAX_WEIGHTS
     h = torch.randn(32, head.in_features, generator=g)
-    assert torch.equal(StoredLinear(head)(h), products(h, head, FLOAT32_PRODUCTS))
+    assert torch.equal(StoredLinear(head)(h), products(h, head, INT8_PRODUCTS))
+    int8 = quantize_int8_per_channel(torch.randn(64, 576, generator=g))
+    channel = StoredLinear(int8)
+    assert torch.equal(channel(h[:5]), products(h[:5], int8, FLOAT32_PRODUCTS))
+    if native.has_bf16_pairs():
+        h16 = h[:8].bfloat16()
+        assert torch.equal(channel(h16), products(h16, int8, BF16_PAIR_PRODUCTS))
 
 
 def test_projections_of_mixed_formats_fuse_as_one_dense_weight(stored_smollm):
     """A q/k/v or gate/up group whose parts are stored in different formats cannot fuse as
     stored: it is dequantized into one plain weight, part by part in order."""
-    q4_1 = StoredWeight(stored_smollm.model.model.layers[0].self_attn.q_proj
-                        .stored_weight.data[:64].clone(), WeightFormat.Q4_1, 576)
+    q4_1 = StoredWeight.from_rows(stored_smollm.model.model.layers[0].self_attn.q_proj
+                                  .stored_weight.rows()[:64], WeightFormat.Q4_1, 576)
     int8 = quantize_int8_per_channel(torch.randn(32, 576, generator=torch.Generator()
                                                  .manual_seed(1)))
     parts = [torch.nn.Linear(576, 64, bias=False), torch.nn.Linear(576, 32, bias=False)]
@@ -177,7 +203,12 @@ def test_projections_of_mixed_formats_fuse_as_one_dense_weight(stored_smollm):
     assert isinstance(fused, Linear)
     assert torch.equal(fused.weight, torch.cat([q4_1.dequantize(), int8.dequantize()]))
     assert all(module.stored_weight is None for module in parts)
-    same = [torch.nn.Linear(576, 64, bias=False), torch.nn.Linear(576, 64, bias=False)]
-    for module in same:
-        _attach(module, q4_1)
-    assert isinstance(_fuse(same), StoredLinear)
+    same = [torch.nn.Linear(576, 64, bias=False), torch.nn.Linear(576, 36, bias=False)]
+    first36 = StoredWeight.from_rows(q4_1.rows()[:36], WeightFormat.Q4_1, 576)
+    for module, weight in zip(same, (q4_1, first36), strict=True):
+        _attach(module, weight)
+    fused = _fuse(same)  # 64 + 36 features: the second part starts mid-group once fused
+    assert isinstance(fused, StoredLinear)
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(fused(x), torch.cat([StoredLinear(q4_1)(x), StoredLinear(first36)(x)],
+                                           dim=1))

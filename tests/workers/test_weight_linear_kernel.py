@@ -2,10 +2,11 @@
 path this CPU and build run, with odd shapes and remainders.
 
 The GGUF formats' reference is the ``gguf`` package's own dequantization (llama.cpp's formulas
-in numpy), not ours; per-channel int8, bf16 and fp32 are dequantized here in torch. Tolerance:
-the kernel sums in float32 in another order than torch's matmul, so float32 outputs agree to
-about 1e-6 of the output's scale (checked at 2e-5); bfloat16 outputs are the float32 result
-rounded once (checked at one bf16 ulp, 2^-7 relative).
+in numpy) of the rows before packing, not ours; per-channel int8, bf16 and fp32 are dequantized
+here in torch. Tolerance: the kernel sums in float32 in another order than torch's matmul, so
+float32 outputs agree to about 1e-6 of the output's scale (checked at 2e-5); bfloat16 outputs
+are the float32 result rounded once (checked at one bf16 ulp, 2^-7 relative). GGUF formats
+multiply with int8 activations, held to the bound that rounding implies.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ from workers.models.weight_formats import (
 native = kernels.weight_linear()
 pytestmark = pytest.mark.skipif(native is None, reason="weight_linear kernel not built here")
 PATHS = {"scalar": 1, "avx2": 2, "avx512": 3}
-INT8, BF16_PAIRS = 1, 2  # the kernel's products argument (0: float32)
+FLOAT32, INT8, BF16_PAIRS = 0, 1, 2  # the kernel's products argument
 AVAILABLE = native.paths() if native is not None else []
 GGUF_TYPES = {WeightFormat.Q8_0: gguf.GGMLQuantizationType.Q8_0,
               WeightFormat.Q4_0: gguf.GGMLQuantizationType.Q4_0,
               WeightFormat.Q4_1: gguf.GGMLQuantizationType.Q4_1}
+ROW_FORMATS = [fmt for fmt in WeightFormat if fmt not in GGUF_TYPES]
 
 
 def _half_bytes(values: torch.Tensor) -> torch.Tensor:
@@ -58,12 +60,12 @@ def random_stored(fmt: WeightFormat, out_features: int, in_features: int,
         parts.append(torch.randint(0, 256, (out_features, blocks, quant_bytes), generator=g,
                                    dtype=torch.uint8))
         data = torch.cat(parts, dim=2).reshape(out_features, -1)
-    return StoredWeight(data.contiguous(), fmt, in_features)
+    return StoredWeight.from_rows(data, fmt, in_features)
 
 
 def reference_weight(weight: StoredWeight) -> torch.Tensor:
     """``[out, in]`` float32, dequantized without our kernel."""
-    data = weight.data
+    data = weight.rows()
     if weight.fmt in GGUF_TYPES:
         return torch.from_numpy(gguf.quants.dequantize(data.numpy(), GGUF_TYPES[weight.fmt]))
     if weight.fmt == WeightFormat.F32:
@@ -77,15 +79,37 @@ def reference_weight(weight: StoredWeight) -> torch.Tensor:
 @pytest.mark.parametrize("path", AVAILABLE)
 @pytest.mark.parametrize("fmt", list(WeightFormat))
 def test_dequantize_matches_the_reference(path, fmt):
-    weight = random_stored(fmt, 7, 96, seed=int(fmt))
-    ours = native.dequantize(weight.data, int(fmt), 96, PATHS[path])
+    """All features (9: a whole group and a padded one), and a lookup of some."""
+    weight = random_stored(fmt, 9, 96, seed=int(fmt))
+    reference = reference_weight(weight)
+    ours = native.dequantize(weight.data, int(fmt), 9, 96, None, PATHS[path])
     # Q4 values are d*q + m: one fused rounding in our kernel against two in numpy's.
-    tolerance = 1e-6 * reference_weight(weight).abs().max().item()
-    torch.testing.assert_close(ours, reference_weight(weight), rtol=0, atol=tolerance)
+    tolerance = 1e-6 * reference.abs().max().item()
+    torch.testing.assert_close(ours, reference, rtol=0, atol=tolerance)
+    rows = torch.tensor([8, 0, 3, 8])
+    looked_up = native.dequantize(weight.data, int(fmt), 9, 96, rows, PATHS[path])
+    torch.testing.assert_close(looked_up, reference[rows], rtol=0, atol=tolerance)
+    with pytest.raises(RuntimeError, match="out of range"):
+        native.dequantize(weight.data, int(fmt), 9, 96, torch.tensor([9]), PATHS[path])
+
+
+@pytest.mark.parametrize("fmt", list(GGUF_TYPES))
+@pytest.mark.parametrize("out_features", [1, 8, 13])
+def test_packing_keeps_every_byte_of_the_gguf_rows(fmt, out_features):
+    """Packed groups of 8 features are the file's bytes reordered: unpacking gives them back,
+    and the packed size is the rows' size (padded to whole groups)."""
+    g = torch.Generator().manual_seed(out_features)
+    rows = torch.randint(0, 256, (out_features, row_bytes(fmt, 64)), generator=g,
+                         dtype=torch.uint8)
+    packed = native.pack(rows, int(fmt), 64)
+    groups = -(-out_features // 8)
+    assert packed.shape == (groups, 8 * row_bytes(fmt, 64))
+    assert torch.equal(native.unpack(packed, int(fmt), out_features, 64), rows)
+    assert torch.equal(StoredWeight.from_rows(rows, fmt, 64).rows(), rows)
 
 
 @pytest.mark.parametrize("path", AVAILABLE)
-@pytest.mark.parametrize("fmt", list(WeightFormat))
+@pytest.mark.parametrize("fmt", ROW_FORMATS)
 @pytest.mark.parametrize("rows,out_features,in_features",
                          [(1, 1, 32), (3, 5, 96), (5, 7, 544), (17, 33, 1056), (2, 258, 576)])
 def test_linear_matches_dequantize_then_multiply(path, fmt, rows, out_features, in_features):
@@ -112,29 +136,41 @@ def test_paths_end_with_scalar_and_a_missing_one_is_refused():
     weight = random_stored(WeightFormat.Q4_0, 4, 32, seed=0)
     for name in set(PATHS) - set(AVAILABLE):
         with pytest.raises(RuntimeError, match="not available"):
-            native.weight_linear(torch.ones(1, 32), weight.data, 1, 4, None, PATHS[name])
+            native.weight_linear(torch.ones(1, 32), weight.data, 1, 4, None, PATHS[name], INT8)
 
 
 def test_every_path_agrees_with_the_widest_on_one_layer():
-    """The fallback computes the same layer: paths differ only in summation order."""
-    weight = random_stored(WeightFormat.Q4_1, 96, 576, seed=3)
+    """The fallback computes the same layer: float32 paths differ only in summation order; the
+    int8 paths compute the same integers and round alike, so they agree bit for bit."""
     x = torch.randn(4, 576, generator=torch.Generator().manual_seed(3))
-    results = [native.weight_linear(x, weight.data, 2, 96, None, PATHS[p]) for p in AVAILABLE]
+    weight = random_stored(WeightFormat.F32, 96, 576, seed=3)
+    results = [native.weight_linear(x, weight.data, int(WeightFormat.F32), 96, None, PATHS[p])
+               for p in AVAILABLE]
     for result in results[1:]:
         torch.testing.assert_close(result, results[0], rtol=0,
                                    atol=2e-5 * results[0].abs().max().item())
+    for fmt in GGUF_TYPES:
+        weight = random_stored(fmt, 99, 576, seed=3)
+        results = [native.weight_linear(x, weight.data, int(fmt), 99, None, PATHS[p], INT8)
+                   for p in AVAILABLE]
+        for result in results[1:]:
+            assert torch.equal(result, results[0])
 
 
 def test_bad_shapes_and_formats_raise_clearly():
     weight = random_stored(WeightFormat.Q8_0, 4, 64, seed=0)
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        native.weight_linear(torch.ones(1, 48), weight.data, 0, 4, None, 0)
+        native.weight_linear(torch.ones(1, 48), weight.data, 0, 4, None, 0, INT8)
     with pytest.raises(RuntimeError, match="weight must be"):
-        native.weight_linear(torch.ones(1, 64), weight.data, 2, 4, None, 0)  # Q4_1 row size
+        native.weight_linear(torch.ones(1, 64), weight.data, 2, 4, None, 0, INT8)  # Q4_1 size
     with pytest.raises(RuntimeError, match="unknown weight format"):
-        native.weight_linear(torch.ones(1, 64), weight.data, 9, 4, None, 0)
-    with pytest.raises(ValueError, match="uint8 rows"):
-        StoredWeight(weight.data[:, :-1], WeightFormat.Q8_0, 64)
+        native.weight_linear(torch.ones(1, 64), weight.data, 9, 4, None, 0, INT8)
+    with pytest.raises(RuntimeError, match="int8 activations only"):
+        native.weight_linear(torch.ones(1, 64), weight.data, 0, 4, None, 0, FLOAT32)
+    with pytest.raises(ValueError, match="needs uint8"):
+        StoredWeight(weight.data[:, :-1], WeightFormat.Q8_0, 64, 4)
+    with pytest.raises(ValueError, match="rows of 64 inputs need"):
+        StoredWeight.from_rows(weight.rows()[:, :-1], WeightFormat.Q8_0, 64)
 
 
 def test_row_bytes_agree_with_the_kernel_and_gguf():
@@ -166,17 +202,29 @@ def int8_error_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("path", AVAILABLE)
 @pytest.mark.parametrize("fmt", list(GGUF_TYPES))
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 1, 32), (3, 7, 96), (4, 258, 576),
-                                                           (5, 33, 1056)])
+                                                           (5, 33, 1056), (31, 16, 64)])
 def test_int8_activations_stay_within_the_rounding_bound(path, fmt, rows, out_features,
                                                          in_features):
     """llama.cpp's way: x rounded to int8 per block, integer dot products, held to the bound
-    that rounding implies."""
+    that rounding implies; with a bias, in bf16, and for each row alone exactly as in the
+    batch (odd rows: the 4-row register tile's remainders; odd features: a padded group)."""
     weight = random_stored(fmt, out_features, in_features, seed=rows + out_features)
-    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=g)
+    bias = torch.randn(out_features, generator=g)
     reference = reference_weight(weight)
-    expected = x @ reference.T
-    y = native.weight_linear(x, weight.data, int(fmt), out_features, None, PATHS[path], INT8)
+    expected = x @ reference.T + bias
+    y = native.weight_linear(x, weight.data, int(fmt), out_features, bias, PATHS[path], INT8)
     assert ((y - expected).abs() <= int8_error_bound(x, reference)).all()
+    one_at_a_time = [native.weight_linear(x[i:i + 1], weight.data, int(fmt), out_features, bias,
+                                          PATHS[path], INT8) for i in range(rows)]
+    assert torch.equal(torch.cat(one_at_a_time), y)
+    y16 = native.weight_linear(x.bfloat16(), weight.data, int(fmt), out_features, None,
+                               PATHS[path], INT8)
+    expected16 = x.bfloat16().float() @ reference.T
+    bound16 = int8_error_bound(x.bfloat16().float(), reference) + expected16.abs() * 2 ** -8
+    assert y16.dtype == torch.bfloat16
+    assert ((y16.float() - expected16).abs() <= bound16).all()
 
 
 def test_int8_activations_are_refused_for_other_formats():
@@ -188,7 +236,7 @@ def test_int8_activations_are_refused_for_other_formats():
 
 @pytest.mark.skipif(native is None or not native.has_bf16_pairs(),
                     reason="no AVX512-BF16 on this CPU or in this build")
-@pytest.mark.parametrize("fmt", list(WeightFormat))
+@pytest.mark.parametrize("fmt", ROW_FORMATS)
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 1, 32), (5, 7, 544),
                                                            (17, 33, 1056)])
 def test_bf16_pair_products_match_the_bf16_rounded_weights(fmt, rows, out_features,
@@ -208,6 +256,7 @@ def test_bf16_pair_products_match_the_bf16_rounded_weights(fmt, rows, out_featur
 
 
 def test_bf16_pair_products_need_bf16_activations():
-    weight = random_stored(WeightFormat.Q4_1, 4, 32, seed=0)
+    weight = random_stored(WeightFormat.BF16, 4, 32, seed=0)
     with pytest.raises(RuntimeError, match="bf16 pair products need"):
-        native.weight_linear(torch.ones(1, 32), weight.data, 2, 4, None, 0, BF16_PAIRS)
+        native.weight_linear(torch.ones(1, 32), weight.data, int(WeightFormat.BF16), 4, None, 0,
+                             BF16_PAIRS)

@@ -1,14 +1,31 @@
-// Block-quantized weights times int8-quantized activations: llama.cpp's way of multiplying its
-// Q4_0, Q4_1 and Q8_0 weights (ggml's vec_dot_q4_0_q8_0 and kin). Each row of x is quantized
-// per 32-input block to int8 with a float scale sx = max|x| / 127; a block's dot product is
-// then an integer dot product of 32 byte pairs (maddubs, or one VNNI dpbusd), scaled once by
-// d * sx, and for Q4_1 (and Q4_0, whose -8 offset is a minimum of -8 d) a minimum m times the
-// block's sum of x. That reads the 4-bit weights as bytes, never widening them to floats: about
-// a quarter of the instructions of dequantizing to float32 (measured: benchmarks/step_profile.py).
-// Rounding x to int8 costs accuracy that dequantize-then-multiply does not: |x - sx q| <= sx / 2
-// per input, so a dot product is off by at most sum |w| sx / 2 (tests hold the kernel to that).
+// Block-quantized weights (GGUF's Q8_0, Q4_0, Q4_1) times int8-quantized activations: llama.cpp's
+// way of multiplying them (ggml's vec_dot_q4_1_q8_1 and kin), over a layout packed for it.
+//
+// Activations: each row of x is quantized per 32-input block to int8 with a float scale
+// sx = max|x| / 127. A block's dot product is an integer dot product of 32 byte pairs, scaled
+// once by d * sx; Q4_1 adds its minimum m times the block's sum of x. Rounding x to int8 costs
+// accuracy that dequantize-then-multiply does not: |x - sx q| <= sx / 2 per input, so a dot
+// product is off by at most sum |w| sx / 2 (tests hold the kernel to that). Each row is
+// computed the same way whatever else is in the batch, so a row's result does not depend on
+// the step's row count.
+//
+// Packed layout (made once at load by pack(), exact and reversible by unpack()): output
+// features in groups of kGroup = 8, one per 32-bit lane of a 256-bit register. A group holds,
+// for each block of 32 inputs in order, the 8 features' fp16 scales d, then (Q4_1) their fp16
+// minimums m, then their quants, interleaved so that one 32-byte load is 4 consecutive inputs
+// of all 8 features: quant vector j holds in lane c the inputs 4j..4j+3 of feature c. Q8_0 has
+// 8 such vectors (its int8 q stored as the unsigned q + 128); Q4_0 and Q4_1 have 4, whose low
+// nibbles are inputs 4j..4j+3 and high nibbles inputs 16+4j..16+4j+3 (GGUF's nibble order).
+// A lane's 4 bytes then take one dot-product instruction (VNNI dpbusd, or maddubs + madd)
+// against 4 inputs of x broadcast to every lane: about a fifth of the instructions per weight
+// of a feature-at-a-time dot product, which made the kernel compute-bound at 6-10 GB/s
+// (SmolLM2 on one core of an AMD EPYC; see benchmarks/step_profile.py). The group is the
+// block-major order of ggml's repacked q4_0_8x8 and of other weight-only GEMV kernels; the
+// sizes are the GGUF file's (a group block is 8 GGUF blocks' bytes). Features past the last
+// whole group are padded with zero bytes.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include "stored_blocks.h"
@@ -23,12 +40,95 @@ namespace int8_dot {
 using stored::block_bytes;
 using stored::half_to_float;
 using stored::kBlock;
+using stored::kQ4_0;
+using stored::kQ4_1;
+using stored::kQ8_0;
 
-// x [rows, k] float32 quantized per block: q [rows, k] int8, scale and sum [rows, k / 32]
-// (sum is sx times the block's sum of q: the block's sum of x as the kernel sees it).
+constexpr int64_t kGroup = 8;  // output features per packed group
+
+constexpr bool is_gguf(int64_t format) { return format >= kQ8_0 && format <= kQ4_1; }
+
+// Bytes of one block of a group (8 GGUF blocks), of its scales (and minimums) in front of the
+// quants, and of a whole group of k inputs.
+constexpr int64_t group_block_bytes(int64_t format) { return kGroup * block_bytes(format); }
+constexpr int64_t scale_bytes(int64_t format) { return format == kQ4_1 ? 32 : 16; }
+inline int64_t group_bytes(int64_t format, int64_t k) {
+  return k / kBlock * group_block_bytes(format);
+}
+inline int64_t groups(int64_t n) { return (n + kGroup - 1) / kGroup; }
+
+// Where input i of a block of feature c lives among a group block's quants, and in which
+// nibble (4-bit formats: false is the low one).
+inline int64_t quant_offset(int64_t format, int64_t c, int64_t i, bool& high) {
+  high = format != kQ8_0 && i >= 16;
+  const int64_t j = (high ? i - 16 : i) / 4;
+  return j * 32 + c * 4 + i % 4;
+}
+
+// Feature c's input i of this group block as its unsigned quant (Q8_0: q + 128).
+inline int unsigned_quant(int64_t format, const uint8_t* group_block, int64_t c, int64_t i) {
+  bool high;
+  const uint8_t byte = group_block[scale_bytes(format) + quant_offset(format, c, i, high)];
+  if (format == kQ8_0) return byte;
+  return high ? byte >> 4 : byte & 0x0F;
+}
+
+// One GGUF row's block b (b bytes at `gguf`) into feature c of a group block, and back.
+inline void pack_block(int64_t format, const uint8_t* gguf, int64_t c, uint8_t* group_block) {
+  std::memcpy(group_block + 2 * c, gguf, 2);  // d
+  if (format == kQ4_1) std::memcpy(group_block + 16 + 2 * c, gguf + 2, 2);  // m
+  uint8_t* quants = group_block + scale_bytes(format);
+  const uint8_t* q = gguf + (format == kQ4_1 ? 4 : 2);
+  bool high;
+  for (int64_t i = 0; i < kBlock; ++i) {
+    const int64_t at = quant_offset(format, c, i, high);
+    if (format == kQ8_0) {
+      quants[at] = static_cast<uint8_t>(q[i] ^ 0x80);
+    } else if (i < 16) {
+      quants[at] = static_cast<uint8_t>((quants[at] & 0xF0) | (q[i] & 0x0F));
+    } else {
+      quants[at] = static_cast<uint8_t>((quants[at] & 0x0F) | (q[i - 16] & 0xF0));
+    }
+  }
+}
+
+inline void unpack_block(int64_t format, const uint8_t* group_block, int64_t c, uint8_t* gguf) {
+  std::memcpy(gguf, group_block + 2 * c, 2);
+  if (format == kQ4_1) std::memcpy(gguf + 2, group_block + 16 + 2 * c, 2);
+  uint8_t* q = gguf + (format == kQ4_1 ? 4 : 2);
+  for (int64_t i = 0; i < 16; ++i) {
+    if (format == kQ8_0) {
+      q[i] = static_cast<uint8_t>(unsigned_quant(format, group_block, c, i) ^ 0x80);
+      q[i + 16] = static_cast<uint8_t>(unsigned_quant(format, group_block, c, i + 16) ^ 0x80);
+    } else {
+      q[i] = static_cast<uint8_t>(unsigned_quant(format, group_block, c, i)
+                                  | unsigned_quant(format, group_block, c, i + 16) << 4);
+    }
+  }
+}
+
+// Feature c's block of this group block as floats, rounded as the GGUF reference rounds
+// (d * q for Q8_0; one fused d * q + m for the 4-bit formats, m = -8 d for Q4_0).
+inline void dequantize_block(int64_t format, const uint8_t* group_block, int64_t c, float* out) {
+  const float d = half_to_float(group_block + 2 * c);
+  if (format == kQ8_0) {
+    for (int64_t i = 0; i < kBlock; ++i) {
+      out[i] = d * static_cast<float>(unsigned_quant(format, group_block, c, i) - 128);
+    }
+    return;
+  }
+  const float m = format == kQ4_1 ? half_to_float(group_block + 16 + 2 * c) : -8.f * d;
+  for (int64_t i = 0; i < kBlock; ++i) {
+    out[i] = std::fma(static_cast<float>(unsigned_quant(format, group_block, c, i)), d, m);
+  }
+}
+
+// x [rows, k] float32 quantized per block: q [rows, k] int8; per row and block its scale sx,
+// the integer sum of its q and that sum times sx (the block's sum of x as the kernel sees it).
 struct QuantizedRows {
   std::vector<int8_t> q;
   std::vector<float> scale, sum;
+  std::vector<int32_t> qsum;
   int64_t rows = 0, k = 0;
 
   void quantize(const float* x, int64_t n_rows, int64_t n_inputs) {
@@ -38,131 +138,187 @@ struct QuantizedRows {
     q.resize(rows * k);
     scale.resize(rows * blocks);
     sum.resize(rows * blocks);
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t b = 0; b < blocks; ++b) {
-        const float* in = x + r * k + b * kBlock;
-        float amax = 0.f;
-        for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(in[j]));
-        const float sx = amax / 127.f;
-        const float inverse = amax > 0.f ? 127.f / amax : 0.f;
-        int8_t* out = q.data() + r * k + b * kBlock;
-        int total = 0;
-        for (int j = 0; j < kBlock; ++j) {
-          out[j] = static_cast<int8_t>(std::nearbyint(in[j] * inverse));
-          total += out[j];
-        }
-        scale[r * blocks + b] = sx;
-        sum[r * blocks + b] = sx * static_cast<float>(total);
-      }
+    qsum.resize(rows * blocks);
+    // a prefill chunk's rows are many: quantized in parallel (bit-identical: rows independent)
+    at::parallel_for(0, rows * blocks, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) quantize_block(x + i * kBlock, i);
+    });
+  }
+
+ private:
+  void quantize_block(const float* in, int64_t i) {
+    float amax = 0.f;
+    for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(in[j]));
+    const float sx = amax / 127.f;
+    const float inverse = amax > 0.f ? 127.f / amax : 0.f;
+    int8_t* out = q.data() + i * kBlock;
+    int total = 0;
+    for (int j = 0; j < kBlock; ++j) {
+      out[j] = static_cast<int8_t>(std::nearbyint(in[j] * inverse));
+      total += out[j];
     }
+    scale[i] = sx;
+    qsum[i] = total;
+    sum[i] = sx * static_cast<float>(total);
   }
 };
 
-// One block's scale d and minimum m (m = -8 d for Q4_0, 0 for Q8_0).
-template <int64_t F>
-inline void scale_and_min(const uint8_t* b, float& d, float& m) {
-  d = half_to_float(b);
-  m = F == stored::kQ4_1 ? half_to_float(b + 2) : F == stored::kQ4_0 ? -8.f * d : 0.f;
+// The integer dot product of a block's unsigned quants u with x's q, less the offset that
+// makes u signed (Q8_0: 128, Q4_0: 8; Q4_1's minimum is a float term instead).
+constexpr int32_t unsigned_offset(int64_t format) {
+  return format == kQ8_0 ? 128 : format == kQ4_0 ? 8 : 0;
 }
 
-// sums[r * stride + c] += row r of x times column c's weights, for R rows from r0 and C
-// columns whose stored rows are w[0..C).
-template <int64_t F, int R, int C>
-void tile_scalar(const QuantizedRows& x, int64_t r0, const uint8_t* const* w, float* sums,
-                 int64_t stride) {
+// sums[r * kGroup + c] = row r0 + r of x times feature c of the group, for R rows.
+template <int64_t F, int R>
+void group_scalar(const QuantizedRows& x, int64_t r0, const uint8_t* group, float* sums) {
   const int64_t blocks = x.k / kBlock;
   for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < C; ++c) {
+    for (int64_t c = 0; c < kGroup; ++c) {
       float acc = 0.f;
       for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* blk = w[c] + b * block_bytes(F);
+        const uint8_t* gb = group + b * group_block_bytes(F);
         const int8_t* xq = x.q.data() + (r0 + r) * x.k + b * kBlock;
-        float d, m;
-        scale_and_min<F>(blk, d, m);
-        int32_t dot = 0;
-        for (int j = 0; j < kBlock; ++j) {
-          int32_t wq;
-          if constexpr (F == stored::kQ8_0) {
-            wq = reinterpret_cast<const int8_t*>(blk + 2)[j];
-          } else {
-            const uint8_t byte = blk[(F == stored::kQ4_1 ? 4 : 2) + (j & 15)];
-            wq = j < 16 ? (byte & 0x0F) : (byte >> 4);
-          }
-          dot += wq * static_cast<int32_t>(xq[j]);
-        }
         const int64_t i = (r0 + r) * blocks + b;
-        acc += static_cast<float>(dot) * (d * x.scale[i]) + m * x.sum[i];
+        int32_t dot = 0;
+        for (int64_t j = 0; j < kBlock; ++j) dot += unsigned_quant(F, gb, c, j) * xq[j];
+        dot -= unsigned_offset(F) * x.qsum[i];
+        // fused as the SIMD paths fuse, so that every path rounds alike
+        acc = std::fma(static_cast<float>(dot), half_to_float(gb + 2 * c) * x.scale[i], acc);
+        if (F == kQ4_1) acc = std::fma(half_to_float(gb + 16 + 2 * c), x.sum[i], acc);
       }
-      sums[r * stride + c] += acc;
+      sums[r * kGroup + c] = acc;
     }
   }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// 8 int32 sums of 4 products each of unsigned bytes u and signed bytes s.
-template <bool kVnni>
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  if constexpr (kVnni) return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#endif
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
-
-// The block's 32 weights as bytes in x's order (4-bit: the low nibbles are inputs 0-15, the
-// high nibbles 16-31; unsigned 0-15), or Q8_0's signed bytes.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// The 8 features of a group block as floats: out[c * ld + i] for input i, rounded as
+// dequantize_block. Quant vector j holds inputs 4j..4j+3 of every feature (4-bit formats: the
+// low nibbles are j = 0-3, the high ones j = 4-7), so an 8 x 8 transpose of 32-bit lanes puts
+// each feature's 32 inputs in order.
 template <int64_t F>
-inline __m256i weight_bytes(const uint8_t* blk) {
-  if (F == stored::kQ8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (F == stored::kQ4_1 ? 4 : 2)));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), mask),
-                          _mm_and_si128(packed, mask));
+void dequantize_group_block_avx2(const uint8_t* gb, float* out, int64_t ld) {
+  const uint8_t* quants = gb + scale_bytes(F);
+  __m256i v[8];
+  if constexpr (F == kQ8_0) {
+    for (int j = 0; j < 8; ++j) {
+      v[j] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * j)),
+                              _mm256_set1_epi8(-128));
+    }
+  } else {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    for (int j = 0; j < 4; ++j) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * j));
+      v[j] = _mm256_and_si256(q, nibble);
+      v[4 + j] = _mm256_and_si256(_mm256_srli_epi16(q, 4), nibble);
+    }
+  }
+  __m256i t[8], u[8];
+  for (int j = 0; j < 8; j += 2) {
+    t[j] = _mm256_unpacklo_epi32(v[j], v[j + 1]);
+    t[j + 1] = _mm256_unpackhi_epi32(v[j], v[j + 1]);
+  }
+  for (int j = 0; j < 8; j += 4) {
+    u[j] = _mm256_unpacklo_epi64(t[j], t[j + 2]);
+    u[j + 1] = _mm256_unpackhi_epi64(t[j], t[j + 2]);
+    u[j + 2] = _mm256_unpacklo_epi64(t[j + 1], t[j + 3]);
+    u[j + 3] = _mm256_unpackhi_epi64(t[j + 1], t[j + 3]);
+  }
+  // u[0..3] hold features 0, 1, 2, 3 (low 128 bits) and 4, 5, 6, 7 (high) of inputs 0-15,
+  // u[4..7] the same features' inputs 16-31.
+  alignas(32) float d[8], m[8];
+  _mm256_store_ps(d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb))));
+  if constexpr (F == kQ4_1) {
+    _mm256_store_ps(m, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 16))));
+  }
+  for (int c = 0; c < 8; ++c) {
+    const int half = c / 4, which = c % 4;
+    const __m256i bytes = _mm256_permute2x128_si256(u[which], u[4 + which], half ? 0x31 : 0x20);
+    const __m256 dv = _mm256_set1_ps(d[c]);
+    const __m256 mv = _mm256_set1_ps(F == kQ4_1 ? m[c] : -8.f * d[c]);
+    for (int q = 0; q < 4; ++q) {
+      const __m128i eight = q < 2 ? _mm256_castsi256_si128(bytes) : _mm256_extracti128_si256(bytes, 1);
+      const __m128i part = (q & 1) ? _mm_srli_si128(eight, 8) : eight;
+      __m256 w;
+      if constexpr (F == kQ8_0) {
+        w = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part)));
+      } else {
+        w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part)), dv, mv);
+      }
+      _mm256_storeu_ps(out + c * ld + 8 * q, w);
+    }
+  }
 }
 
-// scale_and_min with F16C's one-instruction conversions (c10::Half converts in software).
-template <int64_t F>
-inline void scale_and_min_f16c(const uint8_t* b, float& d, float& m) {
-  uint16_t bits[2];
-  std::memcpy(bits, b, 4);
-  d = _cvtsh_ss(bits[0]);
-  m = F == stored::kQ4_1 ? _cvtsh_ss(bits[1]) : F == stored::kQ4_0 ? -8.f * d : 0.f;
+inline __m256i broadcast_quad(const int8_t* p) {
+  int32_t quad;
+  std::memcpy(&quad, p, 4);
+  return _mm256_set1_epi32(quad);
 }
 
-template <int64_t F, int R, int C, bool kVnni>
-void tile_avx2(const QuantizedRows& x, int64_t r0, const uint8_t* const* w, float* sums,
-               int64_t stride) {
+// The group of 8 features times R rows: per block, the quant vectors are read and unpacked
+// once for all R rows; each row adds 8 lane-wise dot products of 4 bytes. With VNNI, dpbusd
+// takes the unsigned quants as they are; without it, maddubs (unsigned times signed bytes,
+// into int16 pairs that would overflow for Q8_0's 0-255) gets Q8_0's signed q as |q| and
+// moves q's sign onto x, as llama.cpp's AVX2 path does.
+template <int64_t F, int R, bool kVnni>
+void group_avx2(const QuantizedRows& x, int64_t r0, const uint8_t* group, float* sums) {
+  constexpr int kVectors = 8;  // 4 consecutive inputs each: 32 per block
   const int64_t blocks = x.k / kBlock;
-  __m256 acc[R][C];
-  float minimum_terms[R][C] = {};
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < blocks; ++b) {
-    __m256i xq[R];
-    __m256 sx[R];
-    for (int r = 0; r < R; ++r) {
-      const int64_t i = (r0 + r) * blocks + b;
-      xq[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-          x.q.data() + (r0 + r) * x.k + b * kBlock));
-      sx[r] = _mm256_set1_ps(x.scale[i]);
+    const uint8_t* gb = group + b * group_block_bytes(F);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb)));
+    __m256 m = _mm256_setzero_ps();
+    if constexpr (F == kQ4_1) {
+      m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 16)));
     }
-    for (int c = 0; c < C; ++c) {
-      const uint8_t* blk = w[c] + b * block_bytes(F);
-      float d, m;
-      scale_and_min_f16c<F>(blk, d, m);
-      const __m256i wb = weight_bytes<F>(blk);
-      // maddubs multiplies unsigned by signed bytes: Q8_0 moves its sign onto x.
-      const __m256i u = F == stored::kQ8_0 ? _mm256_sign_epi8(wb, wb) : wb;
-      const __m256 dv = _mm256_set1_ps(d);
-      for (int r = 0; r < R; ++r) {
-        const __m256i s = F == stored::kQ8_0 ? _mm256_sign_epi8(xq[r], wb) : xq[r];
-        const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8<kVnni>(u, s));
-        acc[r][c] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, sx[r]), acc[r][c]);
-        if (F != 0) minimum_terms[r][c] += m * x.sum[(r0 + r) * blocks + b];
+    const uint8_t* quants = gb + scale_bytes(F);
+    __m256i w[kVectors];
+    if constexpr (F == kQ8_0) {
+      for (int j = 0; j < kVectors; ++j) {
+        w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * j));
+        if constexpr (!kVnni) w[j] = _mm256_xor_si256(w[j], _mm256_set1_epi8(-128));  // signed q
+      }
+    } else {
+      for (int j = 0; j < 4; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * j));
+        w[j] = _mm256_and_si256(v, nibble);
+        w[4 + j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
       }
     }
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xq = x.q.data() + (r0 + r) * x.k + b * kBlock;
+      const int64_t i = (r0 + r) * blocks + b;
+      __m256i dots[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  // two short chains
+      for (int j = 0; j < kVectors; ++j) {
+        const __m256i xv = broadcast_quad(xq + 4 * j);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        if constexpr (kVnni) {
+          dots[j & 1] = _mm256_dpbusd_epi32(dots[j & 1], w[j], xv);
+          continue;
+        }
+#endif
+        __m256i pairs;
+        if constexpr (F == kQ8_0) {
+          pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w[j], w[j]), _mm256_sign_epi8(xv, w[j]));
+        } else {
+          pairs = _mm256_maddubs_epi16(w[j], xv);
+        }
+        dots[j & 1] = _mm256_add_epi32(dots[j & 1], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+      }
+      __m256i dot = _mm256_add_epi32(dots[0], dots[1]);
+      constexpr int32_t offset = F == kQ8_0 && !kVnni ? 0 : unsigned_offset(F);
+      if constexpr (offset != 0) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(offset * x.qsum[i]));
+      const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x.scale[i]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r]);
+      if constexpr (F == kQ4_1) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.sum[i]), acc[r]);
+    }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) sums[r * stride + c] += stored::reduce_add(acc[r][c]) + minimum_terms[r][c];
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(sums + r * kGroup, acc[r]);
 }
 #endif
 

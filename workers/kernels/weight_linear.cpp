@@ -59,29 +59,11 @@ float row_scale(int64_t format, const uint8_t* row) {
   return scale;
 }
 
-// ---- dequantizing one block of 32 weights into out[0..32) ----------------------------------
-// GGUF's 4-bit blocks hold element j in the low nibble of byte j and element j + 16 in its high
-// nibble.
+// ---- dequantizing one block of 32 weights of a row format into out[0..32) ------------------
 
 template <int64_t format>
 inline void block_scalar(const uint8_t* b, float* out) {
   switch (format) {
-    case kQ8_0: {
-      const float d = half_to_float(b);
-      for (int j = 0; j < 32; ++j) out[j] = d * static_cast<float>(static_cast<int8_t>(b[2 + j]));
-      return;
-    }
-    case kQ4_0: case kQ4_1: {
-      const float d = half_to_float(b);
-      constexpr bool q41 = format == kQ4_1;
-      const float m = q41 ? half_to_float(b + 2) : -8.f * d;
-      const uint8_t* qs = b + (q41 ? 4 : 2);
-      for (int j = 0; j < 16; ++j) {
-        out[j] = std::fma(static_cast<float>(qs[j] & 0x0F), d, m);  // rounded as the SIMD paths
-        out[j + 16] = std::fma(static_cast<float>(qs[j] >> 4), d, m);
-      }
-      return;
-    }
     case kInt8Channel:
       for (int j = 0; j < 32; ++j) out[j] = static_cast<float>(static_cast<int8_t>(b[j]));
       return;
@@ -97,32 +79,6 @@ inline void block_scalar(const uint8_t* b, float* out) {
 template <int64_t format>
 inline void block_avx2(const uint8_t* b, float* out) {
   switch (format) {
-    case kQ8_0: {
-      const __m256 d = _mm256_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(b)));
-      for (int i = 0; i < 4; ++i) {
-        const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i));
-        _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
-      }
-      return;
-    }
-    case kQ4_0: case kQ4_1: {
-      constexpr bool q41 = format == kQ4_1;
-      const float df = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b));
-      const __m256 d = _mm256_set1_ps(df);
-      const __m256 m = _mm256_set1_ps(q41 ? _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b + 2))
-                                          : -8.f * df);
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (q41 ? 4 : 2)));
-      const __m128i mask = _mm_set1_epi8(0x0F);
-      const __m128i halves[2] = {_mm_and_si128(bytes, mask),
-                                 _mm_and_si128(_mm_srli_epi16(bytes, 4), mask)};
-      for (int h = 0; h < 2; ++h) {
-        const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(halves[h]));
-        const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(halves[h], 8)));
-        _mm256_storeu_ps(out + 16 * h, _mm256_fmadd_ps(lo, d, m));
-        _mm256_storeu_ps(out + 16 * h + 8, _mm256_fmadd_ps(hi, d, m));
-      }
-      return;
-    }
     case kInt8Channel:
       for (int i = 0; i < 4; ++i) {
         const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8 * i));
@@ -144,29 +100,6 @@ inline void block_avx2(const uint8_t* b, float* out) {
 template <int64_t format>
 inline void block_avx512(const uint8_t* b, float* out) {
   switch (format) {
-    case kQ8_0: {
-      const __m512 d = _mm512_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(b)));
-      for (int i = 0; i < 2; ++i) {
-        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + 16 * i));
-        _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))));
-      }
-      return;
-    }
-    case kQ4_0: case kQ4_1: {
-      constexpr bool q41 = format == kQ4_1;
-      const float df = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b));
-      const __m512 d = _mm512_set1_ps(df);
-      const __m512 m = _mm512_set1_ps(q41 ? _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b + 2))
-                                          : -8.f * df);
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (q41 ? 4 : 2)));
-      const __m128i mask = _mm_set1_epi8(0x0F);
-      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
-      const __m512 hi = _mm512_cvtepi32_ps(
-          _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
-      _mm512_storeu_ps(out, _mm512_fmadd_ps(lo, d, m));
-      _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(hi, d, m));
-      return;
-    }
     case kInt8Channel:
       for (int i = 0; i < 2; ++i) {
         const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * i));
@@ -275,15 +208,13 @@ void blocks(const uint8_t* data, int64_t count, float* out) {
   for (int64_t b = 0; b < count; ++b) block(data + b * block_bytes(format), out + b * kBlock);
 }
 
-#define NALAR_BLOCKS_TABLE(fn)                                                      \
-  {blocks<kQ8_0, fn<kQ8_0>>, blocks<kQ4_0, fn<kQ4_0>>, blocks<kQ4_1, fn<kQ4_1>>,     \
-   blocks<kInt8Channel, fn<kInt8Channel>>, blocks<kBF16, fn<kBF16>>}
+#define NALAR_BLOCKS_TABLE(fn) {blocks<kInt8Channel, fn<kInt8Channel>>, blocks<kBF16, fn<kBF16>>}
 using TileFn = void (*)(const float*, int64_t, const float* const*, int64_t, float*);
 using Bf16TileFn = void (*)(const uint16_t*, int64_t, const uint16_t* const*, int64_t, float*);
 
 // tiles[r - 1][c - 1] multiplies r rows by c columns.
 struct Kernels {
-  BlocksFn blocks[kF32];  // by format; fp32 rows are multiplied in place
+  BlocksFn blocks[2];  // per-channel int8, bf16 (format - kInt8Channel); fp32 is read in place
   TileFn tiles[kRows][kCols];
   Bf16TileFn bf16_tiles[kRows][kCols];  // set where the build and CPU have AVX512-BF16
 };
@@ -378,7 +309,7 @@ void chunk(const Problem& p, const Kernels& kern, int64_t col0, int64_t cols, in
     }
     const uint8_t* data = row + row_header_bytes(p.format);
     float* out = buffer + c * kChunk;
-    kern.blocks[p.format](data + k0 / kBlock * block_bytes(p.format), n / kBlock, out);
+    kern.blocks[p.format - kInt8Channel](data + k0 / kBlock * block_bytes(p.format), n / kBlock, out);
     w[c] = out;
   }
   if (p.xb != nullptr) {
@@ -426,32 +357,45 @@ void run(const Problem& p, const Kernels& kern, int64_t n_out, const float* bias
   });
 }
 
-// ---- int8 activations (GGUF formats only): see int8_dot.h ----------------------------------
+// ---- GGUF formats: packed groups times int8 activations (int8_dot.h) ----------------------
 
-using Int8TileFn = void (*)(const int8_dot::QuantizedRows&, int64_t, const uint8_t* const*,
-                            float*, int64_t);
+using int8_dot::kGroup;
 
-// int8_tiles[r - 1] multiplies r rows (1 or 2) by kCols columns of one format.
+constexpr int kInt8Rows = 4;  // rows per group call (its unpacked quants reused across them)
+
+using GroupFn = void (*)(const int8_dot::QuantizedRows&, int64_t, const uint8_t*, float*);
+
+// groups[r - 1] multiplies r rows by one packed group of one format.
 struct Int8Kernels {
-  Int8TileFn tiles[2];
+  GroupFn groups[kInt8Rows];
 };
+
+#define NALAR_GROUP_TABLE(fn, ...) \
+  {{fn<__VA_ARGS__, 1>, fn<__VA_ARGS__, 2>, fn<__VA_ARGS__, 3>, fn<__VA_ARGS__, 4>}}
+
+template <int64_t F, int R>
+void group_vnni(const int8_dot::QuantizedRows& x, int64_t r0, const uint8_t* g, float* sums) {
+  int8_dot::group_avx2<F, R, true>(x, r0, g, sums);
+}
+template <int64_t F, int R>
+void group_maddubs(const int8_dot::QuantizedRows& x, int64_t r0, const uint8_t* g, float* sums) {
+  int8_dot::group_avx2<F, R, false>(x, r0, g, sums);
+}
 
 template <int64_t F>
 Int8Kernels int8_kernels_for(Path path) {
   switch (path) {
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
     case kAvx512:
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-      if (__builtin_cpu_supports("avx512vnni")) {
-        return {{int8_dot::tile_avx2<F, 1, kCols, true>, int8_dot::tile_avx2<F, 2, kCols, true>}};
-      }
+      if (__builtin_cpu_supports("avx512vnni")) return NALAR_GROUP_TABLE(group_vnni, F);
 #endif
       [[fallthrough]];
     case kAvx2:
-      return {{int8_dot::tile_avx2<F, 1, kCols, false>, int8_dot::tile_avx2<F, 2, kCols, false>}};
+      return NALAR_GROUP_TABLE(group_maddubs, F);
 #endif
     default:
-      return {{int8_dot::tile_scalar<F, 1, kCols>, int8_dot::tile_scalar<F, 2, kCols>}};
+      return NALAR_GROUP_TABLE(int8_dot::group_scalar, F);
   }
 }
 
@@ -468,47 +412,39 @@ Int8Kernels int8_kernels(int64_t format, Path path) {
   TORCH_CHECK(false, "int8 activations need a Q8_0, Q4_0 or Q4_1 weight, got format ", format);
 }
 
-// Weight rows are read once, in order: asking for a tile kPrefetchTiles ahead hides the memory
-// latency the hardware prefetcher leaves (SmolLM2's stored layers at one row on a 2-core AMD
-// EPYC: 23.0 -> 17.5 ms a step on 1 thread, 14.3 -> 13.0 ms on 2; a distance of 12 was no
-// better on 2 threads and worse on 1).
-constexpr int64_t kPrefetchTiles = 4;
-
-void prefetch_tile(const uint8_t* w, int64_t bytes, int64_t tile, int64_t end) {
-  if (tile >= end) return;
-  const uint8_t* start = w + tile * kCols * bytes;
-  for (int64_t offset = 0; offset < kCols * bytes; offset += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(start + offset), _MM_HINT_T0);
-  }
-}
-
-// Column tiles are padded to kCols stored rows (the tail repeats its last column; its sums
-// are dropped), so every tile runs one kernel.
+// Groups are read once, in order, each group's blocks consecutively: one stream the hardware
+// prefetcher follows (the feature-at-a-time layout read 4 streams and needed software
+// prefetching).
 template <typename Out>
-void run_int8(const int8_dot::QuantizedRows& x, const uint8_t* w, int64_t bytes, int64_t n_out,
+void run_int8(const int8_dot::QuantizedRows& x, const uint8_t* w, int64_t format, int64_t n_out,
               const Int8Kernels& kern, const float* bias, Out* y) {
-  const int64_t tiles = (n_out + kCols - 1) / kCols;
-  const int64_t macs_per_tile = kCols * x.k * x.rows;
-  const int64_t grain = std::max<int64_t>(1, kMacsPerTask / std::max<int64_t>(macs_per_tile, 1));
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> sums(x.rows * kCols);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t col0 = t * kCols, cols = std::min(kCols, n_out - col0);
-      prefetch_tile(w, bytes, t + kPrefetchTiles, end);
-      const uint8_t* rows[kCols];
-      for (int64_t c = 0; c < kCols; ++c) rows[c] = w + (col0 + std::min(c, cols - 1)) * bytes;
-      std::fill(sums.begin(), sums.end(), 0.f);
-      int64_t r = 0;
-      for (; r + 2 <= x.rows; r += 2) kern.tiles[1](x, r, rows, sums.data() + r * kCols, kCols);
-      if (r < x.rows) kern.tiles[0](x, r, rows, sums.data() + r * kCols, kCols);
-      for (int64_t c = 0; c < cols; ++c) {
-        const float b = bias != nullptr ? bias[col0 + c] : 0.f;
-        for (int64_t i = 0; i < x.rows; ++i) {
-          y[i * n_out + col0 + c] = static_cast<Out>(sums[i * kCols + c] + b);
+  const int64_t bytes = int8_dot::group_bytes(format, x.k);
+  const int64_t macs_per_group = kGroup * x.k * x.rows;
+  const int64_t grain = std::max<int64_t>(1, kMacsPerTask / std::max<int64_t>(macs_per_group, 1));
+  at::parallel_for(0, int8_dot::groups(n_out), grain, [&](int64_t begin, int64_t end) {
+    alignas(32) float sums[kInt8Rows * kGroup];
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t col0 = g * kGroup, cols = std::min(kGroup, n_out - col0);
+      for (int64_t r0 = 0; r0 < x.rows; r0 += kInt8Rows) {
+        const int64_t rows = std::min<int64_t>(kInt8Rows, x.rows - r0);
+        kern.groups[rows - 1](x, r0, w + g * bytes, sums);
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t c = 0; c < cols; ++c) {
+            const float b = bias != nullptr ? bias[col0 + c] : 0.f;
+            y[(r0 + r) * n_out + col0 + c] = static_cast<Out>(sums[r * kGroup + c] + b);
+          }
         }
       }
     }
   });
+}
+
+// The bytes a weight of `format` takes: GGUF formats packed in groups, the rest as rows.
+std::vector<int64_t> weight_shape(int64_t format, int64_t out_features, int64_t in_features) {
+  if (int8_dot::is_gguf(format)) {
+    return {int8_dot::groups(out_features), int8_dot::group_bytes(format, in_features)};
+  }
+  return {out_features, row_bytes(format, in_features)};
 }
 
 void check_weight(const at::Tensor& weight, int64_t format, int64_t out_features,
@@ -518,19 +454,20 @@ void check_weight(const at::Tensor& weight, int64_t format, int64_t out_features
               "in_features must be a positive multiple of ", kBlock, ", got ", in_features);
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kByte
               && weight.is_contiguous(), "weight: contiguous uint8 bytes on the CPU");
-  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == out_features
-              && weight.size(1) == row_bytes(format, in_features),
-              "weight must be [out_features, ", row_bytes(format, in_features),
-              "] bytes for this format, got ", weight.sizes());
+  const auto shape = weight_shape(format, out_features, in_features);
+  TORCH_CHECK(weight.sizes() == at::IntArrayRef(shape), "weight must be ", at::IntArrayRef(shape),
+              " bytes for this format and size (GGUF formats packed: pack()), got ",
+              weight.sizes());
 }
 
 }  // namespace
 
-// x [M, K] float32 or bfloat16; weight [N, row_bytes(format, K)] uint8 (the stored rows);
-// bias [N] float32 or None; path 0 picks the widest this CPU has. products: kFloat32 multiplies
-// x in float32 by the weights dequantized to float32; kInt8 (GGUF formats) quantizes x per
-// block to int8 and multiplies in integers (int8_dot.h); kBf16Pairs (bf16 x, AVX512-BF16)
-// multiplies bf16 x by the weights rounded to bf16. Returns [M, N] in x's dtype.
+// x [M, K] float32 or bfloat16; weight: for a GGUF format its packed groups
+// [ceil(N / 8), group bytes] (pack()), else its rows [N, row_bytes(format, K)] uint8; bias [N]
+// float32 or None; path 0 picks the widest this CPU has. products: GGUF formats take only kInt8
+// (x quantized per block to int8, integer products: int8_dot.h); the row formats take kFloat32
+// (x in float32 times the weights dequantized to float32) or kBf16Pairs (bf16 x, AVX512-BF16:
+// bf16 x times the weights rounded to bf16). Returns [M, N] in x's dtype.
 at::Tensor weight_linear(at::Tensor x, at::Tensor weight, int64_t format, int64_t out_features,
                          c10::optional<at::Tensor> bias, int64_t path, int64_t products) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "x: [M, K] on the CPU");
@@ -544,6 +481,10 @@ at::Tensor weight_linear(at::Tensor x, at::Tensor weight, int64_t format, int64_
     TORCH_CHECK(bias_f.dim() == 1 && bias_f.size(0) == out_features, "bias: [out_features]");
   }
   TORCH_CHECK(products >= kFloat32 && products <= kBf16Pairs, "unknown products ", products);
+  TORCH_CHECK(int8_dot::is_gguf(format) == (products == kInt8),
+              int8_dot::is_gguf(format) ? "GGUF formats multiply with int8 activations only"
+                                        : "int8 activations need a Q8_0, Q4_0 or Q4_1 weight",
+              ", got format ", format);
   const bool pairs = products == kBf16Pairs;
   // float32 x for the float32 and int8 products; pair products read bf16 x as it is.
   const at::Tensor xf = pairs ? x.contiguous() : x.to(at::kFloat).contiguous();
@@ -555,9 +496,9 @@ at::Tensor weight_linear(at::Tensor x, at::Tensor weight, int64_t format, int64_
     xq.quantize(xf.data_ptr<float>(), x.size(0), k);
     const uint8_t* w = weight.data_ptr<uint8_t>();
     if (dtype == at::kFloat) {
-      run_int8(xq, w, row_bytes(format, k), out_features, kern, b, y.data_ptr<float>());
+      run_int8(xq, w, format, out_features, kern, b, y.data_ptr<float>());
     } else {
-      run_int8(xq, w, row_bytes(format, k), out_features, kern, b, y.data_ptr<at::BFloat16>());
+      run_int8(xq, w, format, out_features, kern, b, y.data_ptr<at::BFloat16>());
     }
     return y;
   }
@@ -577,30 +518,139 @@ at::Tensor weight_linear(at::Tensor x, at::Tensor weight, int64_t format, int64_
   return y;
 }
 
-// weight [N, row_bytes(format, K)] uint8. Returns [N, K] float32: the weights as the kernel
-// multiplies them (per-channel int8 rows times their scale).
-at::Tensor dequantize(at::Tensor weight, int64_t format, int64_t in_features, int64_t path) {
-  check_weight(weight, format, weight.size(0), in_features);
-  const Kernels kern = kernels_for(static_cast<Path>(path));
-  auto out = at::empty({weight.size(0), in_features}, at::kFloat);
-  const int64_t bytes = row_bytes(format, in_features);
-  const uint8_t* w = weight.data_ptr<uint8_t>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, weight.size(0), 64, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const uint8_t* row = w + n * bytes;
-      float* o = dst + n * in_features;
-      if (format == kF32) {
-        std::memcpy(o, row, 4 * in_features);
+// rows [N, row_bytes(format, K)] uint8, GGUF's rows of a Q8_0, Q4_0 or Q4_1 tensor. Returns
+// [ceil(N / 8), group bytes]: the same bytes packed in groups of 8 features (int8_dot.h).
+at::Tensor pack(at::Tensor rows, int64_t format, int64_t in_features) {
+  TORCH_CHECK(int8_dot::is_gguf(format), "only GGUF formats are packed, got format ", format);
+  TORCH_CHECK(in_features > 0 && in_features % kBlock == 0,
+              "in_features must be a positive multiple of ", kBlock, ", got ", in_features);
+  TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kByte && rows.dim() == 2
+              && rows.size(1) == row_bytes(format, in_features),
+              "rows must be uint8 [N, ", row_bytes(format, in_features), "] on the CPU");
+  const int64_t n = rows.size(0);
+  const at::Tensor src = rows.contiguous();
+  auto out = at::zeros({int8_dot::groups(n), int8_dot::group_bytes(format, in_features)}, at::kByte);
+  const uint8_t* in = src.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t bytes = row_bytes(format, in_features), blocks = in_features / kBlock;
+  for (int64_t f = 0; f < n; ++f) {
+    uint8_t* group = dst + f / kGroup * out.size(1);
+    for (int64_t b = 0; b < blocks; ++b) {
+      int8_dot::pack_block(format, in + f * bytes + b * block_bytes(format), f % kGroup,
+                           group + b * int8_dot::group_block_bytes(format));
+    }
+  }
+  return out;
+}
+
+// The inverse of pack(): packed [ceil(N / 8), group bytes] to GGUF's rows [N, row bytes].
+at::Tensor unpack(at::Tensor packed, int64_t format, int64_t out_features, int64_t in_features) {
+  check_weight(packed, format, out_features, in_features);
+  auto out = at::empty({out_features, row_bytes(format, in_features)}, at::kByte);
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t bytes = row_bytes(format, in_features), blocks = in_features / kBlock;
+  for (int64_t f = 0; f < out_features; ++f) {
+    const uint8_t* group = src + f / kGroup * packed.size(1);
+    for (int64_t b = 0; b < blocks; ++b) {
+      int8_dot::unpack_block(format, group + b * int8_dot::group_block_bytes(format), f % kGroup,
+                             dst + f * bytes + b * block_bytes(format));
+    }
+  }
+  return out;
+}
+
+// Every feature of a packed weight as float32 [N, K] into out, a group at a time.
+void dequantize_packed(const uint8_t* w, int64_t format, int64_t n, int64_t k, Path path,
+                       float* out) {
+  using BlockFn = void (*)(const uint8_t*, float*, int64_t);
+  BlockFn simd = nullptr;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  if (path != kScalar) {
+    simd = format == kQ8_0 ? int8_dot::dequantize_group_block_avx2<kQ8_0>
+         : format == kQ4_0 ? int8_dot::dequantize_group_block_avx2<kQ4_0>
+                           : int8_dot::dequantize_group_block_avx2<kQ4_1>;
+  }
+#endif
+  const int64_t bytes = int8_dot::group_bytes(format, k), blocks = k / kBlock;
+  at::parallel_for(0, int8_dot::groups(n), 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> tail;  // the last group's padding features land here, then are dropped
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t features = std::min(kGroup, n - g * kGroup);
+      float* dst = out + g * kGroup * k;
+      if (features < kGroup) {
+        tail.resize(kGroup * k);
+        dst = tail.data();
+      }
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* gb = w + g * bytes + b * int8_dot::group_block_bytes(format);
+        if (simd != nullptr) {
+          simd(gb, dst + b * kBlock, k);
+          continue;
+        }
+        for (int64_t c = 0; c < kGroup; ++c) {
+          int8_dot::dequantize_block(format, gb, c, dst + c * k + b * kBlock);
+        }
+      }
+      if (features < kGroup) std::copy(tail.begin(), tail.begin() + features * k, out + g * kGroup * k);
+    }
+  });
+}
+
+// Features `index` [T] of a weight as float32 [T, K] (an embedding lookup).
+void dequantize_features(const uint8_t* w, int64_t format, int64_t k, int64_t bytes,
+                         const Kernels& kern, const int64_t* index, int64_t count, float* out) {
+  const int64_t blocks = k / kBlock;
+  at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t f = index[i];
+      float* o = out + i * k;
+      if (int8_dot::is_gguf(format)) {
+        const uint8_t* group = w + f / kGroup * bytes;
+        for (int64_t b = 0; b < blocks; ++b) {
+          int8_dot::dequantize_block(format, group + b * int8_dot::group_block_bytes(format),
+                                     f % kGroup, o + b * kBlock);
+        }
         continue;
       }
-      kern.blocks[format](row + row_header_bytes(format), in_features / kBlock, o);
+      const uint8_t* row = w + f * bytes;
+      if (format == kF32) {
+        std::memcpy(o, row, 4 * k);
+        continue;
+      }
+      kern.blocks[format - kInt8Channel](row + row_header_bytes(format), blocks, o);
       const float scale = row_scale(format, row);
       if (scale != 1.f) {
-        for (int64_t i = 0; i < in_features; ++i) o[i] *= scale;
+        for (int64_t j = 0; j < k; ++j) o[j] *= scale;
       }
     }
   });
+}
+
+// weight as weight_linear takes it (N output features of K inputs); rows: int64 [T] feature
+// indices (an embedding lookup), or None for all. Returns [N or T, K] float32: the weights as
+// the kernel multiplies them (per-channel int8 rows times their scale).
+at::Tensor dequantize(at::Tensor weight, int64_t format, int64_t out_features, int64_t in_features,
+                      c10::optional<at::Tensor> rows, int64_t path) {
+  check_weight(weight, format, out_features, in_features);
+  const Kernels kern = kernels_for(static_cast<Path>(path));  // checks the path
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  if (!rows.has_value() && int8_dot::is_gguf(format)) {
+    auto out = at::empty({out_features, in_features}, at::kFloat);
+    const Path resolved = path == kBest ? available_paths().front() : static_cast<Path>(path);
+    dequantize_packed(w, format, out_features, in_features, resolved, out.data_ptr<float>());
+    return out;
+  }
+  const at::Tensor index = rows.has_value() ? rows->to(at::kLong).contiguous()
+                                            : at::arange(out_features, at::kLong);
+  const int64_t* features = index.data_ptr<int64_t>();
+  for (int64_t i = 0; i < index.numel(); ++i) {
+    TORCH_CHECK(features[i] >= 0 && features[i] < out_features, "row ", features[i],
+                " out of range for ", out_features, " features");
+  }
+  auto out = at::empty({index.numel(), in_features}, at::kFloat);
+  dequantize_features(w, format, in_features, weight.size(1), kern, features, index.numel(),
+                      out.data_ptr<float>());
   return out;
 }
 
@@ -619,7 +669,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("products") = 0);
   m.def("has_bf16_pairs", [] { return kernels_for(kBest).bf16_tiles[0][0] != nullptr; },
         "whether bf16 pair products (products=2) run here");
-  m.def("dequantize", &dequantize, "stored weight rows as float32");
+  m.def("dequantize", &dequantize, "stored weights (all, or the rows asked for) as float32",
+        pybind11::arg("weight"), pybind11::arg("format"), pybind11::arg("out_features"),
+        pybind11::arg("in_features"), pybind11::arg("rows") = pybind11::none(),
+        pybind11::arg("path") = 0);
+  m.def("pack", &pack, "GGUF rows packed in groups of 8 features for the int8 kernel");
+  m.def("unpack", &unpack, "packed groups back to GGUF rows");
   m.def("row_bytes", &row_bytes, "bytes of one stored row of k weights");
   m.def("paths", &paths, "the paths this build and CPU run, widest first");
 }

@@ -33,27 +33,30 @@ from workers.models.weight_formats import GGUF_FORMATS, StoredWeight, native
 PREPACKED_MAX_ROWS = 256
 """Matmuls with fewer rows than this use the prepacked weight (measured crossover)."""
 
-INT8_MAX_ROWS = 4
-"""Stored GGUF weights (Q8_0, Q4_0, Q4_1) multiply up to this many rows with activations
-quantized to int8, as llama.cpp does (``workers/kernels/int8_dot.h``): on an AMD EPYC with
-AVX512 (2 threads, SmolLM2's gate/up Q4_1) 79 µs against 129 µs in float32 at 1 row, 193
-against 227 at 4, but 397 against 367 at 8."""
-
 FLOAT32_PRODUCTS, INT8_PRODUCTS, BF16_PAIR_PRODUCTS = 0, 1, 2
 """The native kernel's ``products``: float32 x times float32 weights; int8 x (per 32-input
-block) times the stored integers; bf16 x times the weights rounded to bf16 (AVX512-BF16's
-pair products, what the dense bf16 model computes). Above :data:`INT8_MAX_ROWS` rows bf16
-activations take the pair products where the CPU has them: SmolLM2's Q4_1 gate/up on 1 thread
-of an AMD EPYC, 453 against 560 µs (float32) at 5 rows, 878 against 1,362 at 16, 1,486
-against 2,453 at 31; at 4 rows int8 still led (389 against 421)."""
+block) times the stored integers of a GGUF format, packed in groups of 8 output features
+(``workers/kernels/int8_dot.h``); bf16 x times the weights rounded to bf16 (AVX512-BF16's pair
+products, what the dense bf16 model computes)."""
 
 STREAMED_MAX_ROWS = 32
 """Stored weights: matmuls with fewer rows than this stream the stored weight through the
 native kernel; from here on (a prefill) the layer's weight is dequantized into a temporary and
-the plain kernel runs, which then pays off (gate/up at 32 rows: 852 µs against 1,257 µs)."""
+the plain kernel runs (oneDNN, on AMX tiles where the CPU has them).
+
+Below it a GGUF format multiplies with int8 activations, as llama.cpp
+does: SmolLM2's Q4_1 gate/up on an AMD EPYC with AVX512-VNNI, 2 threads, 305 against 551 µs
+for dequantize-then-oneDNN at 32 rows. Each row is computed the same way whatever the step's
+row count, so a decode and a verification of draft tokens agree bit for bit. From 128 rows the
+two were within this machine's noise (1,128 against 1,365 µs at 128 rows, 4,468 against 4,765
+at 512, then 1,740 against 1,701 and 4,886 against 5,083 in a second run; a 1,024-token
+prefill 1,209 and 1,191 tokens/s against 1,319 and 1,201), so prefills keep the dense kernel,
+which AMX speeds up. The other formats stream with bf16 pair products where the CPU has
+AVX512-BF16 (878 against 1,362 µs in float32 for the same layer at 16 rows), else in float32.
+"""
 
 DEQUANTIZED_MAX_WEIGHTS = 8 << 20
-"""Larger layers (the LM head) always stream: dequantizing SmolLM2's 49,152 x 576 Q8_0 head
+"""Larger layers (the LM head) always stream: dequantizing SmolLM2's 49,152 x 576 head
 took 89 ms a call at 32 rows against 22 ms streaming (its float copy spills every cache)."""
 
 PRIMITIVE_CACHE_CAPACITY = 64
@@ -121,11 +124,11 @@ class Linear:
 
 def stored_kernel(fmt_names: set[str]) -> str:
     """The kernel tag of :class:`StoredLinear` over weights of the formats ``fmt_names``:
-    the formats, the SIMD path the native kernel runs on this CPU and the row thresholds
-    (together they decide every rounding)."""
+    the formats, the GGUF layout, the SIMD path the native kernel runs on this CPU and the row
+    threshold (together they decide every rounding)."""
     pairs = "/bf16-pairs" if native().has_bf16_pairs() else ""
-    return (f"weight-stream:{'+'.join(sorted(fmt_names))}/{native().paths()[0]}{pairs}"
-            f"/int8<={INT8_MAX_ROWS}/dense>={STREAMED_MAX_ROWS}")
+    return (f"weight-stream:{'+'.join(sorted(fmt_names))}/gguf-packed8-int8"
+            f"/{native().paths()[0]}{pairs}/dense>={STREAMED_MAX_ROWS}")
 
 
 class StoredLinear:
@@ -136,10 +139,10 @@ class StoredLinear:
         bias: ``[out_features]`` or None.
 
     Below :data:`STREAMED_MAX_ROWS` rows the native kernel reads each stored weight once for
-    all rows: up to :data:`INT8_MAX_ROWS` rows of a GGUF format with int8 activations, else
-    with bf16 pair products (bf16 activations on a CPU with AVX512-BF16) or in float32. From
-    there on (unless the layer is larger than :data:`DEQUANTIZED_MAX_WEIGHTS`) the layer's
-    weight is dequantized into a temporary in ``x``'s dtype for the plain kernel.
+    all rows: a GGUF format's packed groups with int8 activations (llama.cpp's way), the
+    others with bf16 pair products (bf16 activations on a CPU with AVX512-BF16) or in float32.
+    From there on (unless the layer is larger than :data:`DEQUANTIZED_MAX_WEIGHTS`) the
+    layer's weight is dequantized into a temporary in ``x``'s dtype for the plain kernel.
     """
 
     def __init__(self, weight: StoredWeight, bias: torch.Tensor | None = None):
@@ -153,15 +156,14 @@ class StoredLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[rows, in_features]`` float32 or bfloat16 → ``[rows, out_features]``."""
-        rows = x.shape[0]
-        if rows < STREAMED_MAX_ROWS or not self._dequantizes:
+        if x.shape[0] < STREAMED_MAX_ROWS or not self._dequantizes:
             return self._kernel.weight_linear(x, self.weight.data, self._format,
                                               self._out_features, self.bias, 0,
                                               self._products(x))
         return F.linear(x, self.weight.dequantize().to(x.dtype), self.bias)
 
     def _products(self, x: torch.Tensor) -> int:
-        if self._int8 and x.shape[0] <= INT8_MAX_ROWS:
+        if self._int8:
             return INT8_PRODUCTS
         if self._bf16_pairs and x.dtype == torch.bfloat16:
             return BF16_PAIR_PRODUCTS

@@ -1,11 +1,13 @@
 """Weights kept in the format they are stored in, and multiplied without a full-size copy.
 
 A GGUF file's Q8_0, Q4_0 and Q4_1 tensors (llama.cpp's block formats: 32 weights share an fp16
-scale, and for Q4_1 an fp16 minimum) are held as their bytes, one row of blocks per output
-feature, and multiplied by ``workers.kernels.weight_linear``, which dequantizes a few columns
-at a time into registers and a small buffer. ``--quantization int8`` gives a safetensors model
-the same path: per-channel weight-only int8 (one float32 scale per output feature, symmetric,
-round to nearest), as in LLM.int8()'s weight half and most weight-only serving paths.
+scale, and for Q4_1 an fp16 minimum) are held as their bytes, reordered once at load into
+groups of 8 output features for the int8 kernel (``workers/kernels/int8_dot.h``), and
+multiplied by ``workers.kernels.weight_linear`` without ever being widened to a full-size
+copy. ``--quantization int8`` gives a safetensors model a stored path too: per-channel
+weight-only int8 (one float32 scale per output feature, symmetric, round to nearest), as in
+LLM.int8()'s weight half and most weight-only serving paths; its rows are dequantized a few
+columns at a time into registers and a small buffer.
 
 The format is part of the numerics a worker computes with, so it enters the cache identity
 (``ModelRunner.kernels``): a quantized worker never shares KV blocks with a full-precision one.
@@ -79,41 +81,77 @@ def native():
     return module
 
 
+GROUP = 8
+"""Output features per packed group of a GGUF-format weight (``workers/kernels/int8_dot.h``)."""
+
+
+def stored_shape(fmt: WeightFormat, out_features: int, in_features: int) -> tuple[int, int]:
+    """The uint8 shape a weight is held in: a GGUF format's packed groups ``[ceil(out / 8),
+    group bytes]`` (the file's bytes, reordered for the int8 kernel), else one row per output
+    feature ``[out, row_bytes]``."""
+    if fmt in GGUF_FORMATS.values():
+        groups = -(-out_features // GROUP)
+        return groups, in_features // BLOCK * GROUP * _BYTES_PER_BLOCK[fmt]
+    return out_features, row_bytes(fmt, in_features)
+
+
 @dataclass(frozen=True)
 class StoredWeight:
     """A linear layer's weight as stored.
 
     Attributes:
-        data: ``[out_features, row_bytes(fmt, in_features)]`` uint8, contiguous.
+        data: uint8, contiguous, of :func:`stored_shape`: a GGUF format's blocks packed in
+            groups of :data:`GROUP` output features, the other formats' rows as they are.
         fmt: its format.
-        in_features: weights per row (a multiple of :data:`BLOCK`).
+        in_features: weights per output feature (a multiple of :data:`BLOCK`).
+        out_features: output features.
     """
 
     data: torch.Tensor
     fmt: WeightFormat
     in_features: int
+    out_features: int
 
     def __post_init__(self):
-        expected = (self.data.shape[0], row_bytes(self.fmt, self.in_features))
+        expected = stored_shape(self.fmt, self.out_features, self.in_features)
         if (self.data.dtype != torch.uint8 or tuple(self.data.shape) != expected
                 or self.in_features % BLOCK):
-            raise ValueError(f"{self.fmt.name} weight of {self.in_features} inputs needs "
-                             f"uint8 rows {expected}, got {self.data.dtype} "
+            raise ValueError(f"{self.fmt.name} weight {self.out_features}x{self.in_features} "
+                             f"needs uint8 {expected}, got {self.data.dtype} "
                              f"{tuple(self.data.shape)}")
 
-    @property
-    def out_features(self) -> int:
-        return self.data.shape[0]
+    @classmethod
+    def from_rows(cls, rows: torch.Tensor, fmt: WeightFormat, in_features: int) -> StoredWeight:
+        """The weight whose rows are ``rows`` ``[out_features, row_bytes]`` uint8 (a GGUF
+        tensor's bytes), packed where the format is a GGUF one.
+
+        Raises:
+            ValueError: rows that do not fit the format and size.
+        """
+        if tuple(rows.shape[1:]) != (row_bytes(fmt, in_features),) or rows.dtype != torch.uint8:
+            raise ValueError(f"{fmt.name} rows of {in_features} inputs need uint8 "
+                             f"[N, {row_bytes(fmt, in_features)}], got {rows.dtype} "
+                             f"{tuple(rows.shape)}")
+        data = rows.contiguous()
+        if fmt in GGUF_FORMATS.values():
+            data = native().pack(data, int(fmt), in_features)
+        return cls(data, fmt, in_features, rows.shape[0])
+
+    def rows(self) -> torch.Tensor:
+        """``[out_features, row_bytes]`` uint8: the weight's rows as a GGUF file holds them."""
+        if self.fmt in GGUF_FORMATS.values():
+            return native().unpack(self.data, int(self.fmt), self.out_features, self.in_features)
+        return self.data
 
     @property
     def nbytes(self) -> int:
         return self.data.numel()
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """``[out_features, in_features]`` float32, or only the rows ``rows`` ``[T]`` (an
-        embedding lookup) as ``[T, in_features]``."""
-        data = self.data if rows is None else self.data.index_select(0, rows)
-        return native().dequantize(data, int(self.fmt), self.in_features, 0)
+        """``[out_features, in_features]`` float32, or only the output features ``rows``
+        ``[T]`` (an embedding lookup) as ``[T, in_features]``."""
+        return native().dequantize(self.data, int(self.fmt), self.out_features,
+                                   self.in_features, rows)
 
     @classmethod
     def concat(cls, parts: list[StoredWeight]) -> StoredWeight:
@@ -124,7 +162,8 @@ class StoredWeight:
         """
         if len({(p.fmt, p.in_features) for p in parts}) != 1:
             raise ValueError("only weights of one format and input size can be fused")
-        return cls(torch.cat([p.data for p in parts]), parts[0].fmt, parts[0].in_features)
+        return cls.from_rows(torch.cat([p.rows() for p in parts]), parts[0].fmt,
+                             parts[0].in_features)
 
 
 def quantize_int8_per_channel(weight: torch.Tensor) -> StoredWeight:
@@ -146,4 +185,4 @@ def quantize_int8_per_channel(weight: torch.Tensor) -> StoredWeight:
     scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
     data = torch.cat([scale[:, None].contiguous().view(torch.uint8), q.view(torch.uint8)], dim=1)
-    return StoredWeight(data.contiguous(), WeightFormat.INT8_CHANNEL, in_features)
+    return StoredWeight(data.contiguous(), WeightFormat.INT8_CHANNEL, in_features, out_features)
