@@ -26,6 +26,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
 #include "stored_blocks.h"
@@ -131,7 +132,9 @@ struct QuantizedRows {
   std::vector<int32_t> qsum;
   int64_t rows = 0, k = 0;
 
-  void quantize(const float* x, int64_t n_rows, int64_t n_inputs) {
+  // T: float or c10::BFloat16 (widened exactly as it is read: no float copy of x is made)
+  template <typename T>
+  void quantize(const T* x, int64_t n_rows, int64_t n_inputs) {
     rows = n_rows;
     k = n_inputs;
     const int64_t blocks = k / kBlock;
@@ -146,7 +149,10 @@ struct QuantizedRows {
   }
 
  private:
-  void quantize_block(const float* in, int64_t i) {
+  template <typename T>
+  void quantize_block(const T* x, int64_t i) {
+    float in[kBlock];
+    for (int j = 0; j < kBlock; ++j) in[j] = static_cast<float>(x[j]);
     float amax = 0.f;
     for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(in[j]));
     const float sx = amax / 127.f;

@@ -485,23 +485,25 @@ at::Tensor weight_linear(at::Tensor x, at::Tensor weight, int64_t format, int64_
               int8_dot::is_gguf(format) ? "GGUF formats multiply with int8 activations only"
                                         : "int8 activations need a Q8_0, Q4_0 or Q4_1 weight",
               ", got format ", format);
-  const bool pairs = products == kBf16Pairs;
-  // float32 x for the float32 and int8 products; pair products read bf16 x as it is.
-  const at::Tensor xf = pairs ? x.contiguous() : x.to(at::kFloat).contiguous();
   auto y = at::empty({x.size(0), out_features}, x.options());
   const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   if (products == kInt8) {
     const Int8Kernels kern = int8_kernels(format, static_cast<Path>(path));
+    const at::Tensor xc = x.contiguous();
     int8_dot::QuantizedRows xq;
-    xq.quantize(xf.data_ptr<float>(), x.size(0), k);
     const uint8_t* w = weight.data_ptr<uint8_t>();
     if (dtype == at::kFloat) {
+      xq.quantize(xc.data_ptr<float>(), x.size(0), k);
       run_int8(xq, w, format, out_features, kern, b, y.data_ptr<float>());
     } else {
+      xq.quantize(xc.data_ptr<at::BFloat16>(), x.size(0), k);
       run_int8(xq, w, format, out_features, kern, b, y.data_ptr<at::BFloat16>());
     }
     return y;
   }
+  const bool pairs = products == kBf16Pairs;
+  // float32 x for the float32 products; pair products read bf16 x as it is.
+  const at::Tensor xf = pairs ? x.contiguous() : x.to(at::kFloat).contiguous();
   const Kernels kern = kernels_for(static_cast<Path>(path));
   TORCH_CHECK(!pairs || (dtype == at::kBFloat16 && kern.bf16_tiles[0][0] != nullptr),
               "bf16 pair products need bfloat16 x and a CPU and build with AVX512-BF16");
