@@ -98,9 +98,36 @@ def test_native_decode_groups_are_chosen_once_per_step_and_carry_no_mask():
     assert group.lengths.tolist() == [11, 6]
     [group] = gathered.decode_groups
     assert not group.native and group.mask is not None and len(group.padding) == 1 + 6
-    # A verification block (q_len 2) never takes the native path, which has no causal mask.
+    # A verification block (q_len 2) takes the native path a row at a time: each row is a
+    # sequence of its own there, over its own causal length, so it needs no mask either.
     verify = build_metadata(cache, tables, computed, [2, 1], CPU, verify=[True, False])
-    assert [(g.q_len, g.native) for g in verify.decode_groups] == [(1, True), (2, False)]
+    assert [(g.q_len, g.native) for g in verify.decode_groups] == [(1, True), (2, True)]
+    rows = verify.decode_groups[1]
+    assert rows.mask is None and rows.lengths.tolist() == [11, 12]
+    assert rows.block_ids.view(2, -1).tolist() == [[0, 1, 2], [0, 1, 2]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_verification_row_attends_exactly_as_a_plain_decode_of_its_position(dtype):
+    """Speculation stays exact on the native path: row j of a verification block (a decode
+    token and its drafts) gets the bits a plain decode step at that position gets."""
+    from workers.attention.paged import paged_attention
+    from workers.kv_cache import PagedKVCache
+    cache = PagedKVCache(1, 8, BLOCK, KV_HEADS, DIM, dtype, CPU)
+    generator = torch.Generator().manual_seed(3)
+    for tensor in (cache.keys[0], cache.values[0]):
+        tensor.copy_(torch.randn(tensor.shape, generator=generator).to(dtype))
+    table, computed, q_len = [4, 0, 6], 7, 3  # rows see 8, 9 and 10 tokens
+    query = torch.randn(q_len, HEADS, DIM, generator=generator).to(dtype)
+    key = torch.randn(q_len, KV_HEADS, DIM, generator=generator).to(dtype)
+    value = torch.randn(q_len, KV_HEADS, DIM, generator=generator).to(dtype)
+    verified = paged_attention(0, query, key, value, build_metadata(
+        cache, [table], [computed], [q_len], CPU, verify=[True]), scale=0.3)
+    for j in range(q_len):
+        plain = paged_attention(0, query[j:j + 1], key[j:j + 1], value[j:j + 1],
+                                build_metadata(cache, [table], [computed + j], [1], CPU),
+                                scale=0.3)
+        assert torch.equal(verified[j:j + 1], plain)
 
 
 def test_native_plain_decodes_are_one_group_in_row_order_whatever_their_lengths():
@@ -113,7 +140,7 @@ def test_native_plain_decodes_are_one_group_in_row_order_whatever_their_lengths(
     plain, verify = native.decode_groups
     assert plain.native and plain.lengths.tolist() == [2, 13, 7]
     assert plain.row_index == slice(0, 3)  # a view of the batch, not a gather
-    assert not verify.native and verify.rows.tolist() == [3, 4]
+    assert verify.native and verify.rows.tolist() == [3, 4] and verify.lengths.tolist() == [7, 8]
     gathered = build_metadata(cache, tables, computed, new, CPU,
                               verify=[False, False, False, True], native_decode=False)
     assert [g.lengths.tolist() for g in gathered.decode_groups] == [[8], [13, 7], [2]]
