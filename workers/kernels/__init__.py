@@ -130,15 +130,17 @@ def prefill_attention() -> ModuleType | None:
 
 def weight_linear() -> ModuleType | None:
     """The compiled weight-streaming linear extension, or None where it is disabled or cannot
-    be built. ``weight_linear(x, weight, format, out_features, bias, path)`` takes ``x``
-    ``[M, K]`` float32 or bfloat16 (K a multiple of 32), the stored weight rows ``[N,
-    row_bytes(format, K)]`` uint8 and a ``[N]`` bias or None, and returns ``[M, N]`` in x's
-    dtype, computed in float32; ``dequantize(weight, format, K, path)`` returns the ``[N, K]``
-    float32 weights it multiplies; ``paths()`` lists the SIMD paths this build and CPU run,
-    widest first (``avx512``, ``avx2``, ``scalar``; ``path`` 0 picks the first, 1-3 force
-    scalar, avx2, avx512). Both raise RuntimeError for unknown formats, shapes that do not
-    match the format, or a path this CPU lacks. Formats are numbered in
-    ``workers.models.quantized``."""
+    be built. ``weight_linear(x, weight, format, out_features, bias, path, products)`` takes
+    ``x`` ``[M, K]`` float32 or bfloat16 (K a multiple of 32), the stored weight (a GGUF
+    format's packed groups ``[ceil(N / 8), group bytes]`` from ``pack(rows, format, K)``, else
+    its rows ``[N, row_bytes(format, K)]`` uint8) and a ``[N]`` bias or None, and returns
+    ``[M, N]`` in x's dtype; ``dequantize(weight, format, N, K, rows, path)`` returns the
+    ``[N, K]`` float32 weights it multiplies (or the features ``rows``); ``unpack`` undoes
+    ``pack``; ``paths()`` lists the SIMD paths this build and CPU run, widest first
+    (``avx512``, ``avx2``, ``scalar``; ``path`` 0 picks the first, 1-3 force scalar, avx2,
+    avx512). They raise RuntimeError for unknown formats, shapes that do not match the format,
+    products a format does not take, or a path this CPU lacks. Formats are numbered in
+    ``workers.models.weight_formats``."""
     return _build("weight_linear")
 
 

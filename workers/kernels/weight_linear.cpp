@@ -3,17 +3,20 @@
 // sizes a linear layer is bound by reading its weight, so each weight is read from memory once
 // for all the step's rows (the weight-streaming GEMV of llama.cpp and of weight-only kernels
 // such as Marlin). The dequantized weight never exists at full size. Three kinds of products:
-// - float32: a tile of 4 output columns is dequantized into an L1-resident buffer, 512 inputs
-//   at a time, and every row is multiplied against it in float32 before the next tile is read;
-//   the only rounding beyond the dequantized product's is the summation order;
-// - bf16 pairs (bf16 x, AVX512-BF16): the same tile rounded to bf16 and multiplied by
-//   dpbf16ps, as the dense bf16 model would compute;
-// - int8 (GGUF formats): x quantized per 32-input block, integer dot products on the stored
-//   bytes (int8_dot.h), as llama.cpp computes.
+// - int8 (GGUF formats, packed at load in groups of 8 output features): x quantized per
+//   32-input block, integer dot products on the stored bytes (int8_dot.h), as llama.cpp
+//   computes;
+// - float32 (the row formats): a tile of 4 output columns is dequantized into an L1-resident
+//   buffer, 512 inputs at a time, and every row is multiplied against it in float32 before the
+//   next tile is read; the only rounding beyond the dequantized product's is the summation
+//   order;
+// - bf16 pairs (the row formats, bf16 x, AVX512-BF16): the same tile rounded to bf16 and
+//   multiplied by dpbf16ps, as the dense bf16 model would compute.
 //
-// Paths: AVX-512F (16 lanes), AVX2 + FMA (8 lanes) and scalar, each compiled where the compiler
-// targets it (-march=native) and chosen at run time from what the CPU reports; `path` forces a
-// narrower one (tests compare every path present against a dequantize-then-multiply reference).
+// Paths: AVX-512 (16 lanes; VNNI for int8), AVX2 + FMA (8 lanes) and scalar, each compiled where
+// the compiler targets it (-march=native) and chosen at run time from what the CPU reports;
+// `path` forces a narrower one (tests compare every path present against a
+// dequantize-then-multiply reference).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
