@@ -199,27 +199,34 @@ void group_scalar(const QuantizedRows& x, int64_t r0, const uint8_t* group, floa
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// A group block's 8 quant vectors, vector j holding inputs 4j..4j+3 of every feature: the
+// 4-bit formats' nibbles as bytes 0-15; Q8_0's bytes as stored (q + 128), or as its signed q.
+template <int64_t F, bool kSignedQ8>
+inline void load_quants(const uint8_t* gb, __m256i* v) {
+  const uint8_t* quants = gb + scale_bytes(F);
+  if constexpr (F == kQ8_0) {
+    for (int j = 0; j < 8; ++j) {
+      v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * j));
+      if constexpr (kSignedQ8) v[j] = _mm256_xor_si256(v[j], _mm256_set1_epi8(-128));
+    }
+    return;
+  }
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int j = 0; j < 4; ++j) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * j));
+    v[j] = _mm256_and_si256(q, nibble);
+    v[4 + j] = _mm256_and_si256(_mm256_srli_epi16(q, 4), nibble);
+  }
+}
+
 // The 8 features of a group block as floats: out[c * ld + i] for input i, rounded as
 // dequantize_block. Quant vector j holds inputs 4j..4j+3 of every feature (4-bit formats: the
 // low nibbles are j = 0-3, the high ones j = 4-7), so an 8 x 8 transpose of 32-bit lanes puts
 // each feature's 32 inputs in order.
 template <int64_t F>
 void dequantize_group_block_avx2(const uint8_t* gb, float* out, int64_t ld) {
-  const uint8_t* quants = gb + scale_bytes(F);
   __m256i v[8];
-  if constexpr (F == kQ8_0) {
-    for (int j = 0; j < 8; ++j) {
-      v[j] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * j)),
-                              _mm256_set1_epi8(-128));
-    }
-  } else {
-    const __m256i nibble = _mm256_set1_epi8(0x0F);
-    for (int j = 0; j < 4; ++j) {
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * j));
-      v[j] = _mm256_and_si256(q, nibble);
-      v[4 + j] = _mm256_and_si256(_mm256_srli_epi16(q, 4), nibble);
-    }
-  }
+  load_quants<F, true>(gb, v);
   __m256i t[8], u[8];
   for (int j = 0; j < 8; j += 2) {
     t[j] = _mm256_unpacklo_epi32(v[j], v[j + 1]);
@@ -274,7 +281,6 @@ void group_avx2(const QuantizedRows& x, int64_t r0, const uint8_t* group, float*
   const int64_t blocks = x.k / kBlock;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* gb = group + b * group_block_bytes(F);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb)));
@@ -282,20 +288,8 @@ void group_avx2(const QuantizedRows& x, int64_t r0, const uint8_t* group, float*
     if constexpr (F == kQ4_1) {
       m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 16)));
     }
-    const uint8_t* quants = gb + scale_bytes(F);
     __m256i w[kVectors];
-    if constexpr (F == kQ8_0) {
-      for (int j = 0; j < kVectors; ++j) {
-        w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * j));
-        if constexpr (!kVnni) w[j] = _mm256_xor_si256(w[j], _mm256_set1_epi8(-128));  // signed q
-      }
-    } else {
-      for (int j = 0; j < 4; ++j) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * j));
-        w[j] = _mm256_and_si256(v, nibble);
-        w[4 + j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-      }
-    }
+    load_quants<F, !kVnni>(gb, w);  // maddubs needs Q8_0's q signed
     for (int r = 0; r < R; ++r) {
       const int8_t* xq = x.q.data() + (r0 + r) * x.k + b * kBlock;
       const int64_t i = (r0 + r) * blocks + b;
