@@ -9,6 +9,7 @@ import sys
 
 import httpx
 
+from bench.adapters import DISTRIBUTIONS
 from bench.client import ENDPOINTS
 from bench.plot import plot_run
 from bench.report import report, summary_table, write_report
@@ -26,6 +27,12 @@ def add_bench_parser(commands) -> None:
                         help="the server's root or /v1 URL")
     target.add_argument("--endpoint", choices=list(ENDPOINTS), default="chat")
     target.add_argument("--model", default=None, help="default: the first of GET /v1/models")
+    target.add_argument("--lora-adapters", default="",
+                        help="comma-separated LoRA adapter names: each session asks for one "
+                             "of them as its model")
+    target.add_argument("--lora-distribution", choices=list(DISTRIBUTIONS), default="uniform",
+                        help="how sessions pick an adapter: uniform, or zipf (the i-th of "
+                             "--lora-adapters with weight 1/i)")
     target.add_argument("--api-key", default=None,
                         help="bearer key (shared-prefix sends each tenant's own key)")
     target.add_argument("--timeout", type=float, default=600.0, dest="timeout_s",
@@ -98,6 +105,8 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(base_url=args.base_url, endpoint=args.endpoint, model=args.model,
                        workload=workload, load=load, temperature=args.temperature,
                        ignore_eos=args.ignore_eos, timeout_s=args.timeout_s,
+                       lora_adapters=[n for n in args.lora_adapters.split(",") if n],
+                       lora_distribution=args.lora_distribution,
                        goodput_slos_ms=parse_goodput(args.goodput),
                        progress=not args.no_progress)
 

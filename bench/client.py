@@ -85,7 +85,8 @@ class OpenAIClient:
 
     def body(self, request: BenchRequest) -> dict[str, Any]:
         """The JSON body of ``request``."""
-        body: dict[str, Any] = {"model": self.model, "max_tokens": request.max_tokens,
+        body: dict[str, Any] = {"model": request.model or self.model,
+                                "max_tokens": request.max_tokens,
                                 "temperature": self.temperature, "stream": True,
                                 "stream_options": {"include_usage": True}}
         if self.endpoint == "chat":

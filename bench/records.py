@@ -19,6 +19,7 @@ class BenchRequest:
             ``usage``.
         api_key: the bearer key to send (a tenant's own key), or None for the client's default.
         label: what the request belongs to (``tenant-3``, ``conversation-7``), kept in records.
+        model: the ``model`` to ask for (a LoRA adapter's name), or None for the client's.
     """
 
     messages: list[dict[str, str]]
@@ -26,6 +27,7 @@ class BenchRequest:
     estimated_prompt_tokens: int
     api_key: str | None = None
     label: str = ""
+    model: str | None = None
 
 
 FAILURE_KINDS = ("http", "sse_error", "timeout", "broken_stream", "incomplete_stream",

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from bench.adapters import AdapterMix, with_adapters
 from bench.arrival import poisson_gaps
 from bench.client import OpenAIClient, first_model
 from bench.records import RequestRecord
@@ -70,6 +71,9 @@ class BenchConfig:
         timeout_s: the most one request may take.
         goodput_slos_ms: SLOs for ``request_goodput`` (see :func:`bench.stats.parse_goodput`).
         progress: show a progress bar.
+        lora_adapters: LoRA adapter names to spread sessions over (``bench.adapters``); empty
+            for every request to ask for ``model``.
+        lora_distribution: ``uniform`` or ``zipf``.
     """
 
     base_url: str = "http://127.0.0.1:8000"
@@ -82,6 +86,8 @@ class BenchConfig:
     timeout_s: float = 600.0
     goodput_slos_ms: dict[str, float] = field(default_factory=dict)
     progress: bool = True
+    lora_adapters: list[str] = field(default_factory=list)
+    lora_distribution: str = "uniform"
 
 
 @dataclass
@@ -115,6 +121,9 @@ async def run_benchmark_async(config: BenchConfig) -> BenchResult:
                               config.workload.api_key, config.temperature, config.ignore_eos,
                               config.timeout_s)
         stream = sessions(config.workload)
+        if config.lora_adapters:
+            mix = AdapterMix(config.lora_adapters, config.lora_distribution, config.load.seed)
+            stream = with_adapters(stream, mix)
         load = config.load
         if load.warmup:
             await run_phase(client, stream, load, load.warmup, None,

@@ -78,6 +78,28 @@ def _serve_parser(commands) -> None:
                                 "(default: no time bound, only the token bound)")
     _speculative_flags(serve_cmd)
     _auth_flags(serve_cmd)
+    _lora_flags(serve_cmd)
+
+
+def _lora_module(value: str) -> tuple[str, str]:
+    """``name=path`` (vLLM's ``--lora-modules`` form) as a pair."""
+    name, sep, path = value.partition("=")
+    if not (sep and name and path):
+        raise argparse.ArgumentTypeError(f"expected name=path, got {value!r}")
+    return name, path
+
+
+def _lora_flags(serve_cmd) -> None:
+    lora = serve_cmd.add_argument_group(
+        "LoRA adapters", "Requests select an adapter by its name in `model`; /v1/models lists "
+        "each with `parent` set to the base model.")
+    lora.add_argument("--lora-modules", nargs="+", type=_lora_module, action="extend",
+                      default=None, metavar="NAME=PATH",
+                      help="PEFT adapter directories every worker loads at start")
+    lora.add_argument("--max-lora-rank", type=int, default=None,
+                      help="largest adapter rank accepted (default 64)")
+    lora.add_argument("--max-loras", type=int, default=None,
+                      help="most adapters a worker holds (default 8)")
 
 
 def _auth_flags(serve_cmd) -> None:
@@ -146,6 +168,8 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
         pydantic.ValidationError: a flag out of range.
     """
     options = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
+    if "lora_modules" in options:
+        options["lora_modules"] = dict(options["lora_modules"])
     return ClusterConfig(**options)
 
 

@@ -95,9 +95,15 @@ class ClusterConfig(BaseModel):
     must be readable where the ingress runs. With neither, the API is open. The keys are
     ``SecretStr``: a printed or logged configuration shows ``**********``.
 
+    LoRA (``workers.lora``): ``lora_modules`` maps a ``model`` name to a PEFT adapter
+    directory every worker loads at start (absolute paths: the workers do not share the CLI's
+    working directory); ``max_lora_rank`` is the largest rank accepted, ``max_loras`` the most
+    adapters a worker holds.
+
     Raises:
-        pydantic.ValidationError: a field out of range, ``ngram_min > ngram_max``, or workers
-            sharing a GPU whose memory utilizations add up past 1.
+        pydantic.ValidationError: a field out of range, ``ngram_min > ngram_max``, workers
+            sharing a GPU whose memory utilizations add up past 1, or an adapter named as the
+            served model.
     """
 
     model: str = "embedded"
@@ -147,6 +153,9 @@ class ClusterConfig(BaseModel):
     draft_replicas: int = Field(1, ge=1)
     draft_cpus: float = Field(0.1, gt=0)
     draft_deadline_s: float = Field(0.05, gt=0)
+    lora_modules: dict[str, str] = Field(default_factory=dict)
+    max_lora_rank: int = Field(64, ge=1)
+    max_loras: int = Field(8, ge=1)
 
     @field_validator("dtype")
     @classmethod
@@ -169,6 +178,18 @@ class ClusterConfig(BaseModel):
     def _absolute_keys_file(cls, value: str | None) -> str | None:
         # Absolute: the ingress replica does not share the CLI's working directory.
         return None if value is None else str(Path(value).expanduser().absolute())
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _absolute_lora_paths(cls, value: dict[str, str]) -> dict[str, str]:
+        return {name: str(Path(path).expanduser().absolute()) for name, path in value.items()}
+
+    @model_validator(mode="after")
+    def _adapter_names_are_not_the_model(self) -> ClusterConfig:
+        taken = {self.model, self.served_model_name} & set(self.lora_modules)
+        if taken:
+            raise ValueError(f"adapter name {taken.pop()!r} is the served model's name")
+        return self
 
     @model_validator(mode="after")
     def _valid_speculation(self) -> ClusterConfig:
@@ -201,7 +222,8 @@ class ClusterConfig(BaseModel):
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             scheduling_policy=self.scheduling_policy,
             max_model_len=self.max_model_len, num_threads=self.threads_per_worker(),
-            speculative=self.speculative_config())
+            speculative=self.speculative_config(), lora_modules=self.lora_modules,
+            max_lora_rank=self.max_lora_rank, max_loras=self.max_loras)
 
     def speculative_config(self) -> SpeculativeConfig:
         """The workers' speculative decoding settings.

@@ -19,7 +19,7 @@ from cluster.config import INDEX_ACTOR_NAMESPACE, ClusterConfig
 from cluster.dashboard import Dashboard, dashboard_router
 from cluster.metrics import SCRAPE_TIMEOUT_S, build_registry, fetch_worker_stats
 from cluster.worker_identity import WorkerIdentity
-from contract.identity import CacheIdentity
+from contract.identity import AdapterRef, CacheIdentity
 from contract.request import GenerationChunk, GenerationRequest, InvalidRequestError
 from router.api.admission import RETRY_AFTER_S, Admission
 from router.api.app import build_openai_app
@@ -82,6 +82,11 @@ class NalarIngress:
     def identity(self) -> CacheIdentity:
         """The workers' cache identity, as last read."""
         return self.worker_identity.identity
+
+    @property
+    def adapters(self) -> dict[str, AdapterRef]:
+        """The LoRA adapters the workers hold, as last read."""
+        return self.worker_identity.adapters
 
     @property
     def max_model_len(self) -> int:

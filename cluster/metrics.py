@@ -236,7 +236,29 @@ def engine_families(workers: Iterable[dict[str, Any]]) -> Iterator[Metric]:
                 family.add_metric(_labels(stats), value)
         yield family
     yield from spec_families(workers)
+    yield from lora_families(workers)
     yield from histogram_families(workers)
+
+
+def lora_families(workers: list[dict[str, Any]]) -> Iterator[Metric]:
+    """vLLM's ``lora_requests_info`` (its labels: the adapters of running and waiting
+    requests, comma-separated, and the most held; the value is the scrape's Unix time) and
+    the adapters each worker holds."""
+    info = _family("lora_requests_info", "gauge",
+                   "LoRA adapters of running and waiting requests (value: Unix time).",
+                   LABELS + ["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+    loaded = _family("lora_adapters_loaded", "gauge", "LoRA adapters held by the worker.",
+                     LABELS)
+    now = time.time()
+    for stats in workers:
+        lora = stats.get("lora")
+        if not isinstance(lora, dict):
+            continue
+        labels = _labels(stats)
+        info.add_metric(labels + [str(lora["max_loras"]), ",".join(lora["running"]),
+                                  ",".join(lora["waiting"])], now)
+        loaded.add_metric(labels, lora["loaded"])
+    yield from (info, loaded)
 
 
 def spec_families(workers: list[dict[str, Any]]) -> Iterator[Metric]:

@@ -91,7 +91,7 @@ class NalarWorker:
             identity=self.identity, served_name=loaded.served_name,
             source_path=str(loaded.source_path), max_model_len=self.engine.max_model_len,
             vocab_size=self.engine.vocab_size, num_blocks=self.engine.pool.num_blocks,
-            startup_s=self.startup_s)
+            startup_s=self.startup_s, adapters=self.engine.adapters.refs())
 
     def record_routing_stats(self) -> dict:
         """This worker's :class:`~contract.load.RoutingStats`, every ``routing_stats_period_s``
@@ -117,7 +117,8 @@ class NalarWorker:
         top level are the remote draft client's counts (only when drafting remotely).
         ``histograms`` are the request-latency histograms by name, each as
         :meth:`workers.request_metrics.Histogram.snapshot` gives it; ``prompt_tokens`` and
-        ``generation_tokens`` count what requests' ``usage`` counts.
+        ``generation_tokens`` count what requests' ``usage`` counts. ``lora`` is the LoRA
+        adapters held and in use (``_lora_stats``).
         """
         pool = self.engine.pool
         scheduler = self.engine.scheduler
@@ -141,8 +142,19 @@ class NalarWorker:
             "running": len(scheduler.running),
             "waiting": len(scheduler.waiting),
             "spec": self._spec_stats(),
+            "lora": self._lora_stats(),
             **self._draft_stats(),
         }
+
+    def _lora_stats(self) -> dict:
+        """Adapters held, the limit, and those of running and waiting sequences (names)."""
+        scheduler = self.engine.scheduler
+
+        def names(seqs) -> list[str]:
+            return sorted({seq.adapter.name for seq in seqs if seq.adapter is not None})
+        return {"max_loras": self.engine.adapters.max_loras,
+                "loaded": len(self.engine.adapters.refs()),
+                "running": names(scheduler.running), "waiting": names(scheduler.waiting)}
 
     def _spec_stats(self) -> dict:
         """The engine's speculative totals (a snapshot: lists and dicts copied)."""

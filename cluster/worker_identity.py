@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 
 
 class WorkerIdentity:
-    """The workers' cache identity and context length, as the ingress last read them.
+    """The workers' cache identity, context length and adapters, as the ingress last read
+    them.
 
     Args:
         describe: asks one worker for its ``describe()``.
@@ -85,10 +86,11 @@ class WorkerIdentity:
     def _apply(self, description: WorkerDescription) -> None:
         self.identity = description.identity
         self.max_model_len = description.max_model_len
+        self.adapters = description.adapters
 
     def _rehashed(self, request: GenerationRequest) -> GenerationRequest:
         digests = request.prompt_digests
         if digests is None or digests.model_key == self.identity.model_key:
             return request
         return dataclasses.replace(request, prompt_digests=prompt_digests(
-            self.identity, request.namespace, request.token_ids))
+            self.identity, request.namespace, request.token_ids, request.adapter))

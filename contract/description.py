@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from contract.identity import CacheIdentity
+from contract.identity import AdapterRef, CacheIdentity
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,7 @@ class WorkerDescription:
         vocab_size: token ids a prompt may use.
         num_blocks: KV blocks in its pool.
         startup_s: seconds its start took (model load, KV allocation).
+        adapters: the LoRA adapters it holds, by name.
     """
 
     worker_id: str
@@ -33,3 +34,4 @@ class WorkerDescription:
     vocab_size: int
     num_blocks: int
     startup_s: float
+    adapters: dict[str, AdapterRef] = field(default_factory=dict)

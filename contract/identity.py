@@ -30,8 +30,10 @@ class AdapterRef:
 
     Attributes:
         adapter_id: the name requests use to select it.
-        weights_digest: hex sha256 of the adapter's weight content; two adapters with one name
-            but different weights never share KV.
+        weights_digest: hex sha256 of the adapter's weight content and of the config that
+            changes what it computes (``workers.lora.adapter``). Block digests chain from it,
+            never from the name: one name reloaded with other weights gets other digests, and
+            two names of one content share KV, as they compute the same.
     """
 
     adapter_id: str
@@ -64,14 +66,16 @@ class CacheIdentity:
         numerics: tag of what else changes KV values: device type, attention implementation,
             and the versions of the libraries whose kernels compute them.
         block_size: tokens per KV block.
-        adapter: the adapter applied, or ``None`` for the base model.
         namespace: the access scope (tenant and cache salt).
+
+    The adapter a request runs under is not part of it: one worker serves the base model and
+    many adapters, so the adapter enters each request's root (:meth:`root_for`) next to its
+    namespace.
     """
 
     model_digest: str
     numerics: str
     block_size: int
-    adapter: AdapterRef | None = None
     namespace: CacheNamespace = CacheNamespace()
 
     def with_namespace(self, namespace: CacheNamespace) -> CacheIdentity:
@@ -83,19 +87,20 @@ class CacheIdentity:
         """Hex digest of the identity without its namespace (computed once per instance).
 
         Workers whose blocks could ever be interchangeable share a model key; the digest index
-        groups entries by it. Tenants are not part of it: their separation lives in the chained
-        block digests themselves (see :meth:`root_for`).
+        groups entries by it. Tenants and adapters are not part of it: their separation lives
+        in the chained block digests themselves (see :meth:`root_for`).
         """
-        adapter = self.adapter or AdapterRef("", "")
-        fields = ("model", self.model_digest, self.numerics, str(self.block_size),
-                  adapter.adapter_id, adapter.weights_digest)
+        fields = ("model", self.model_digest, self.numerics, str(self.block_size))
         return _hash_fields(fields).hex()
 
-    def root_for(self, namespace: CacheNamespace) -> bytes:
-        """The 32-byte digest block 0's digest chains from, for a request in ``namespace``."""
+    def root_for(self, namespace: CacheNamespace, adapter: AdapterRef | None = None) -> bytes:
+        """The 32-byte digest block 0's digest chains from, for a request in ``namespace``
+        running under ``adapter`` (None: the base model). Each field is typed and
+        length-prefixed, so no adapter digest, tenant or salt can imitate another's."""
         salt = namespace.cache_salt
-        fields = ("root", self.model_key, "tenant", namespace.tenant,
-                  "salt", "" if salt is None else "1" + salt)
+        fields = ("root", self.model_key,
+                  "adapter", "" if adapter is None else "1" + adapter.weights_digest,
+                  "tenant", namespace.tenant, "salt", "" if salt is None else "1" + salt)
         return _hash_fields(fields)
 
     @property
@@ -186,7 +191,8 @@ def tenant_from_api_key(api_key: str | None, secret: bytes) -> str:
 
 
 def prompt_digests(identity: CacheIdentity, namespace: CacheNamespace,
-                   token_ids: Sequence[int]) -> PromptDigests:
-    """The block digests of a prompt of ``namespace`` under ``identity``'s model."""
-    root = identity.root_for(namespace)
+                   token_ids: Sequence[int], adapter: AdapterRef | None = None) -> PromptDigests:
+    """The block digests of a prompt of ``namespace`` under ``identity``'s model and
+    ``adapter`` (None: the base model)."""
+    root = identity.root_for(namespace, adapter)
     return PromptDigests(identity.model_key, block_digests(root, token_ids, identity.block_size))

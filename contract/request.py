@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from contract.identity import CacheNamespace, PromptDigests
+from contract.identity import AdapterRef, CacheNamespace, PromptDigests
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -171,6 +171,9 @@ class GenerationRequest:
             in the index, and the worker uses them once :meth:`PromptDigests.verified
             <contract.identity.PromptDigests.verified>` against its own identity (else it
             hashes the prompt itself). None when not computed.
+        adapter: the LoRA adapter to run under, by name and content digest (the worker
+            refuses the request when the adapter it holds under that name has another
+            digest); None for the base model.
     """
 
     request_id: str
@@ -178,6 +181,7 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     namespace: CacheNamespace = field(default_factory=CacheNamespace)
     prompt_digests: PromptDigests | None = None
+    adapter: AdapterRef | None = None
 
 
 @dataclass

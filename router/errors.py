@@ -119,8 +119,9 @@ def from_backend_exception(exc: Exception, request_id: str,
     """Maps an exception raised by the serving backend to the answer the client gets.
 
     ``InvalidRequestError`` (the engine refused the request) is the client's fault: 400 with its
-    ``param`` and ``code``. ``OverloadedError`` is 503/429 with ``Retry-After``. Anything else
-    is logged with its traceback and answered 500 without internal details.
+    ``param`` and ``code`` (404 for ``model_not_found``: an adapter the worker does not hold).
+    ``OverloadedError`` is 503/429 with ``Retry-After``. Anything else is logged with its
+    traceback and answered 500 without internal details.
 
     The error is first taken out of the wrappers it may arrive in (:func:`typed_error`), so
     its kind decides the answer however many layers it crossed.
@@ -130,7 +131,8 @@ def from_backend_exception(exc: Exception, request_id: str,
         exc.headers = {**(headers or {}), **exc.headers}
         return exc
     if isinstance(exc, InvalidRequestError):
-        return APIError(400, str(exc), param=exc.param, code=exc.code, headers=headers)
+        status = 404 if exc.code == "model_not_found" else 400
+        return APIError(status, str(exc), param=exc.param, code=exc.code, headers=headers)
     if isinstance(exc, OverloadedError):
         return overloaded(exc, headers)
     logger.error("request %s failed in the backend", request_id, exc_info=exc)

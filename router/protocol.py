@@ -608,12 +608,14 @@ class CompletionResponse(BaseModel):
 
 
 class ModelCard(BaseModel):
-    """One entry of ``GET /v1/models``."""
+    """One entry of ``GET /v1/models``: the base model, or a LoRA adapter on it (``parent``
+    names the base model, as vLLM lists adapters)."""
 
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "nalar-serve"
+    parent: str | None = None
     max_model_len: int
 
 

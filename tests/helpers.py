@@ -137,3 +137,45 @@ def private_redis_server() -> Iterator[PrivateRedis]:
     server.start()
     yield server
     server.kill()
+
+
+CLUSTER_LORA_ADAPTERS = {"lora-a": 1, "lora-b": 2}
+"""The LoRA adapters the shared test cluster loads at start, by name: their seeds
+(:func:`write_lora_adapter`)."""
+
+SMOLLM2_PROJECTIONS = {"self_attn.q_proj": (576, 576), "self_attn.k_proj": (576, 192),
+                       "self_attn.v_proj": (576, 192), "self_attn.o_proj": (576, 576),
+                       "mlp.gate_proj": (576, 1536), "mlp.up_proj": (576, 1536),
+                       "mlp.down_proj": (1536, 576)}
+"""SmolLM2-135M's projections, ``(in_features, out_features)``; it has 30 layers."""
+
+
+def write_lora_adapter(directory, seed: int, rank: int = 8, alpha: float = 16.0,
+                       projections: dict[str, tuple[int, int]] = SMOLLM2_PROJECTIONS,
+                       num_layers: int = 30, std: float = 0.05):
+    """A LoRA adapter in PEFT's layout (``adapter_config.json``, ``adapter_model.safetensors``)
+    with seeded normal A and B (B non-zero, so it changes the output), written without peft
+    so cluster tests need no second copy of the base model; returns ``directory``."""
+    import json
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(num_layers):
+        for path, (in_features, out_features) in projections.items():
+            prefix = f"base_model.model.model.layers.{layer}.{path}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(
+                rank, in_features, generator=generator) * std
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(
+                out_features, rank, generator=generator) * std
+    save_file(tensors, directory / "adapter_model.safetensors")
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "use_rslora": False,
+              "target_modules": sorted({path.rsplit(".", 1)[1] for path in projections}),
+              "bias": "none", "task_type": "CAUSAL_LM"}
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    return directory

@@ -43,6 +43,10 @@ class EngineConfig:
             it only for reproducible tests.
         speculative: speculative decoding (off by default in the engine; ``nalar serve``
             turns on ``ngram``).
+        lora_modules: LoRA adapters to load at start, name → PEFT adapter directory
+            (``workers.lora``); requests select one by name.
+        max_lora_rank: largest adapter rank accepted.
+        max_loras: most adapters held at once.
     """
 
     model: str = "embedded"
@@ -61,3 +65,6 @@ class EngineConfig:
     num_threads: int | None = None
     seed: int | None = None
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    max_lora_rank: int = 64
+    max_loras: int = 8

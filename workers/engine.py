@@ -30,6 +30,8 @@ from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
 from workers.kv_budget import kv_cache_budget
 from workers.kv_cache import PagedKVCache
+from workers.lora.adapter import BaseShapes
+from workers.lora.registry import AdapterRegistry
 from workers.model_loader import LoadedModel, load_model, numerics_tag
 from workers.model_runner import ModelRunner
 from workers.model_support import check_supported
@@ -130,7 +132,15 @@ class LLMEngine:
         # Refuse, naming them, features the paged runner would silently drop; before the
         # runner fuses the model's weights.
         check_supported(model_config, self.max_model_len, self.loaded.model)
+        self.adapters = AdapterRegistry(BaseShapes.of(self.loaded.model), self.loaded.dtype,
+                                        self.loaded.device, config.max_lora_rank,
+                                        config.max_loras)
         self.runner = ModelRunner(self.loaded.model, kv_cache)
+        if config.lora_modules and self.runner.implementation != "compact":
+            raise ValueError(f"LoRA adapters need a Llama-style model; "
+                             f"{type(self.loaded.model).__name__} runs on transformers' modules")
+        for name, path in config.lora_modules.items():
+            self.adapters.load(name, path)
         self.identity = CacheIdentity(self.loaded.model_digest,
                                       numerics_tag(self.loaded.device, self.runner.kernels),
                                       config.block_size)
@@ -164,9 +174,11 @@ class LLMEngine:
 
         Raises:
             InvalidRequestError: empty prompt, a prompt or ``logit_bias`` token id outside the
-                vocabulary, invalid sampling values, or a prompt or prompt + max_tokens over
-                ``max_model_len`` (code ``context_length_exceeded``).
+                vocabulary, invalid sampling values, a prompt or prompt + max_tokens over
+                ``max_model_len`` (code ``context_length_exceeded``), or an adapter not held
+                with the digest the request names (code ``model_not_found``).
         """
+        self.adapters.resolve(request.adapter)
         prompt = request.token_ids
         if not prompt:
             raise InvalidRequestError("the prompt is empty", "prompt")
@@ -195,13 +207,15 @@ class LLMEngine:
         """
         if request.request_id in self._choices:
             raise InvalidRequestError(f"request id {request.request_id!r} is in use", "id")
-        root = self.identity.root_for(request.namespace)
+        adapter = self.adapters.resolve(request.adapter)
+        root = self.identity.root_for(request.namespace, request.adapter)
         digests = request.prompt_digests
         prompt_digests = (digests.digests if digests is not None and digests.verified(
             root, request.token_ids, self.config.block_size) else [])
         choices = []
         for index in range(request.sampling.n):
-            seq = Sequence(request, root, self.config.block_size, index, prompt_digests)
+            seq = Sequence(request, root, self.config.block_size, index, prompt_digests,
+                           adapter)
             self.request_metrics.arrived(seq, arrived_at)
             if not request.sampling.ignore_eos:
                 seq.stop_token_ids |= self.eos_token_ids

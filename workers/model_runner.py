@@ -22,6 +22,7 @@ from workers.attention.kernel_choice import (
 from workers.attention.metadata import AttentionMetadata, build_metadata
 from workers.attention.transformers_adapter import ATTN_IMPLEMENTATION
 from workers.kv_cache import PagedKVCache
+from workers.lora.batch import LoraBatch
 from workers.models import compact_model_for
 from workers.models.linear import linear_kernel, stored_kernel
 from workers.scheduler import ScheduledBatch
@@ -101,12 +102,13 @@ class ModelRunner:
             ``[sum(num_logits), vocab_size]`` float32 logits, sequence by sequence, in row
             order.
         """
-        input_ids, positions, logit_rows = [], [], []
+        input_ids, positions, logit_rows, adapter_spans = [], [], [], []
         for seq, num_new, wanted in zip(batch.seqs, batch.num_new_tokens, num_logits,
                                         strict=True):
             start = seq.num_computed_tokens
             tokens = seq.token_ids[start:start + num_new]
             tokens += seq.spec_token_ids[:num_new - len(tokens)]
+            adapter_spans.append((seq.adapter, len(input_ids), len(input_ids) + num_new))
             input_ids.extend(tokens)
             positions.extend(range(start, start + num_new))
             logit_rows.extend(range(len(input_ids) - wanted, len(input_ids)))
@@ -120,8 +122,9 @@ class ModelRunner:
         sample_index = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         ids = torch.tensor(input_ids, device=self.device)
         pos = torch.tensor(positions, device=self.device)
+        lora = LoraBatch.of(adapter_spans, self.device)
         if self._compact is not None:
-            return self._compact(ids, pos, metadata, sample_index)
+            return self._compact(ids, pos, metadata, sample_index, lora)
         return self._transformers_forward(ids, pos, metadata, sample_index)
 
     def _transformers_forward(self, ids: torch.Tensor, positions: torch.Tensor,

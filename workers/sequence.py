@@ -8,6 +8,7 @@ import torch
 
 from contract.identity import block_digest
 from contract.request import FinishReason, GenerationRequest, SpecUsage
+from workers.lora.adapter import LoraAdapter
 
 
 class SequenceStatus(enum.Enum):
@@ -25,7 +26,9 @@ class Sequence:
 
     Attributes:
         request: the request as received.
-        root_digest: the identity root its block digests chain from (model + namespace).
+        root_digest: the identity root its block digests chain from (model, adapter,
+            namespace).
+        adapter: the LoRA adapter its rows run under, None for the base model.
         num_cached_tokens: prompt tokens reused from the prefix cache at first admission;
             re-admission after preemption never changes it, so hits are counted once.
         generator: per-request RNG when the request is seeded, so the output does not depend
@@ -46,8 +49,10 @@ class Sequence:
     """
 
     def __init__(self, request: GenerationRequest, root_digest: bytes, block_size: int,
-                 choice_index: int = 0, prompt_digests: list[bytes] | None = None):
+                 choice_index: int = 0, prompt_digests: list[bytes] | None = None,
+                 adapter: LoraAdapter | None = None):
         self.request = request
+        self.adapter = adapter
         self.choice_index = choice_index
         self.request_id = (request.request_id if request.sampling.n == 1
                            else f"{request.request_id}#{choice_index}")

@@ -48,7 +48,7 @@ from router.api.disconnect import (
     unless_disconnected,
 )
 from router.api.formats import ChatFormat, CompletionFormat, Format
-from router.api.jobs import Job, JobBuilder, check_model
+from router.api.jobs import Job, JobBuilder, resolve_model
 from router.api.stream import collect, next_chunk, sse_events
 from router.api.token_strings import TokenStrings
 from router.errors import APIError, from_backend_exception, install_error_handlers
@@ -100,14 +100,15 @@ def build_openai_app(backend: ServingBackend, admission: Admission | None = None
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        """The served model."""
-        return ModelList(data=[ingress.model_card()])
+        """The served model, then each LoRA adapter on it (``parent``: the served model)."""
+        names = [backend.served_model_name, *sorted(backend.adapters)]
+        return ModelList(data=[ingress.model_card(name) for name in names])
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> ModelCard:
-        """One model by id; 404 ``model_not_found`` for any other."""
-        check_model(model, backend.served_model_name)
-        return ingress.model_card()
+        """One model or adapter by id; 404 ``model_not_found`` for any other."""
+        resolve_model(model, backend.served_model_name, backend.adapters)
+        return ingress.model_card(model)
 
     @app.get("/health", response_model=None)
     async def health() -> Response:
@@ -149,9 +150,10 @@ class _Ingress:
         """Token texts and bytes for logprobs (the tokenizer may load after the app)."""
         return TokenStrings(self.backend.tokenizer, self._tokenizer_lock)
 
-    def model_card(self) -> ModelCard:
-        """The served model, as ``/v1/models`` lists it."""
-        return ModelCard(id=self.backend.served_model_name, created=self.created,
+    def model_card(self, name: str) -> ModelCard:
+        """The served model or one of its adapters, as ``/v1/models`` lists it."""
+        base = self.backend.served_model_name
+        return ModelCard(id=name, created=self.created, parent=None if name == base else base,
                          max_model_len=self.backend.max_model_len)
 
     async def ready(self) -> bool:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
 
-from contract.identity import CacheIdentity
+from contract.identity import AdapterRef, CacheIdentity
 from contract.request import GenerationChunk, GenerationRequest
 
 WORKER_HEADER = "x-nalar-worker"
@@ -23,6 +23,8 @@ class ServingBackend(Protocol):
             each prompt under it once (:func:`contract.identity.prompt_digests`).
         namespace_secret: the key of :func:`~contract.identity.tenant_from_api_key`.
         tokenizer: the workers' transformers tokenizer, chat template included.
+        adapters: the LoRA adapters the workers hold, by the ``model`` name that selects
+            each (``contract.identity.AdapterRef``: name and content digest).
     """
 
     served_model_name: str
@@ -30,6 +32,7 @@ class ServingBackend(Protocol):
     identity: CacheIdentity
     namespace_secret: bytes
     tokenizer: Any
+    adapters: Mapping[str, AdapterRef]
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Streams the request's chunks (an async generator).

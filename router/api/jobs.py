@@ -12,12 +12,18 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import anyio
 
-from contract.identity import CacheNamespace, PromptDigests, prompt_digests, tenant_from_api_key
+from contract.identity import (
+    AdapterRef,
+    CacheNamespace,
+    PromptDigests,
+    prompt_digests,
+    tenant_from_api_key,
+)
 from contract.request import GenerationRequest
 from router.api.auth import bearer_key
 from router.api.backend import ServingBackend
@@ -37,7 +43,7 @@ class Job:
         request: what the worker generates.
         response_id: the answer's ``id``: the request's own, or ``<prefix>-<request_id>``
             when the client set vLLM's ``request_id``.
-        model: the served model name the answer reports.
+        model: the model name the answer reports: the served model's, or the adapter's.
         stream: answer as SSE events.
         include_usage: stream a final usage-only event (``stream_options.include_usage``).
         continuous_usage: put the usage so far on every event
@@ -54,15 +60,24 @@ class Job:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def check_model(model: str | None, served_model_name: str) -> None:
-    """Raises 404 ``model_not_found`` unless ``model`` is the served model.
+def resolve_model(model: str | None, served_model_name: str,
+                  adapters: Mapping[str, AdapterRef]) -> AdapterRef | None:
+    """The adapter ``model`` names: None for the served base model, else the LoRA adapter
+    loaded under that name (by name and content digest).
 
-    A missing ``model`` means the served one (as vLLM allows): a one-model server has no
-    other reading of it.
+    A missing ``model`` means the base model (as vLLM allows).
+
+    Raises:
+        APIError: 404 ``model_not_found`` for any other name.
     """
-    if model is not None and model != served_model_name:
+    if model is None or model == served_model_name:
+        return None
+    adapter = adapters.get(model)
+    if adapter is None:
+        names = ", ".join(repr(name) for name in [served_model_name, *sorted(adapters)])
         raise APIError(404, f"The model '{model}' does not exist; this server serves "
-                       f"'{served_model_name}'", param="model", code="model_not_found")
+                       f"{names}", param="model", code="model_not_found")
+    return adapter
 
 
 class JobBuilder:
@@ -121,7 +136,8 @@ class JobBuilder:
                    max_tokens: int | None, max_param: str, authorization: str | None,
                    id_prefix: str) -> Job:
         """Checks what needs no tokens first (cheap refusals), then tokenizes and hashes."""
-        check_model(body.model, self.backend.served_model_name)
+        adapter = resolve_model(body.model, self.backend.served_model_name,
+                                self.backend.adapters)
         check_stream_options(body)
         if body.stop_token_ids:
             checked_ids(body.stop_token_ids, self.vocab_size, "stop_token_ids")
@@ -135,26 +151,27 @@ class JobBuilder:
         )
         token_ids, digests = await anyio.to_thread.run_sync(
             self._tokens_and_digests, tokenize, body.truncate_prompt_tokens, namespace,
-            prompt_param)
+            adapter, prompt_param)
         sampling = fit_context(sampling, len(token_ids), self.backend.max_model_len,
                                max_tokens is not None, prompt_param, max_param)
         # A client's ``request_id`` names the answer (vLLM's format) but not the worker's
         # request: two clients may send the same one, and the id cancels the request.
         request = GenerationRequest(f"{id_prefix}-{uuid.uuid4().hex}", token_ids, sampling,
-                                    namespace, digests)
+                                    namespace, digests, adapter)
         response_id = f"{id_prefix}-{body.request_id}" if body.request_id else request.request_id
         # The tenant is a keyed hash; a prefix of it is enough to correlate logs.
         logger.debug("request %s (answer id %s): tenant %s, %d prompt tokens, %d digests",
                      request.request_id, response_id, namespace.tenant[:12], len(token_ids),
                      len(digests.digests))
         options = body.stream_options
-        return Job(request, response_id, self.backend.served_model_name, bool(body.stream),
+        model = self.backend.served_model_name if adapter is None else adapter.adapter_id
+        return Job(request, response_id, model, bool(body.stream),
                    include_usage=options is not None and options.final_usage(),
                    continuous_usage=options is not None and options.usage_on_every_event())
 
     def _tokens_and_digests(self, tokenize: Callable[[], list[int]], keep_last: int | None,
-                            namespace: CacheNamespace, prompt_param: str,
-                            ) -> tuple[list[int], PromptDigests]:
+                            namespace: CacheNamespace, adapter: AdapterRef | None,
+                            prompt_param: str) -> tuple[list[int], PromptDigests]:
         """Runs in a worker thread: tokenization and hashing are CPU work the event loop
         should not wait on. ``keep_last`` (``truncate_prompt_tokens``) keeps only the prompt's
         last tokens, as vLLM truncates: from the left.
@@ -171,7 +188,7 @@ class JobBuilder:
                                       prompt_param) from exc
         if keep_last is not None:
             token_ids = token_ids[-keep_last:]
-        return token_ids, prompt_digests(self.backend.identity, namespace, token_ids)
+        return token_ids, prompt_digests(self.backend.identity, namespace, token_ids, adapter)
 
 
 def check_stream_options(body: ChatCompletionRequest | CompletionRequest) -> None:

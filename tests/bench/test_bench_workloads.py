@@ -120,3 +120,31 @@ def test_poisson_inter_arrival_times():
     assert list(itertools.islice(poisson_gaps(math.inf, seed=0), 3)) == [0.0, 0.0, 0.0]
     with pytest.raises(ValueError):
         next(poisson_gaps(0.0, seed=0))
+
+
+def test_lora_adapters_uniform_and_zipf_per_session():
+    from collections import Counter
+
+    from bench.adapters import AdapterMix, with_adapters
+
+    names = ["a", "b", "c", "d"]
+    config = WorkloadConfig(name="multi-turn", turns=3, input_tokens=8, output_tokens=4, seed=1)
+    for distribution, weights in (("uniform", [1, 1, 1, 1]),
+                                  ("zipf", [1, 1 / 2, 1 / 3, 1 / 4])):
+        stream = with_adapters(sessions(config), AdapterMix(names, distribution, seed=5))
+        counts = Counter()
+        for session in itertools.islice(stream, 4000):
+            first = session.next_request(None)
+            second = session.next_request(RequestRecord(label=first.label, start_s=0.0,
+                                                        output_text="ok"))
+            assert second is not None and second.model == first.model  # one per session
+            counts[first.model] += 1
+        expected = [4000 * w / sum(weights) for w in weights]
+        for name, share in zip(names, expected, strict=True):
+            assert abs(counts[name] - share) < 4 * math.sqrt(share), (distribution, counts)
+    again = with_adapters(sessions(config), AdapterMix(names, "zipf", seed=5))
+    assert [s.next_request(None).model for s in itertools.islice(again, 20)] == [
+        s.next_request(None).model for s in itertools.islice(
+            with_adapters(sessions(config), AdapterMix(names, "zipf", seed=5)), 20)]
+    with pytest.raises(ValueError, match="unknown --lora-distribution"):
+        AdapterMix(names, "pareto")

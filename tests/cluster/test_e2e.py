@@ -150,7 +150,9 @@ async def test_models_and_health(cluster):
     async with httpx.AsyncClient(base_url=cluster.base_url) as client:
         models = (await client.get("/v1/models")).json()
         health = await client.get("/health")
-    assert [m["id"] for m in models["data"]] == ["SmolLM2-135M-Instruct"]
+    base = "SmolLM2-135M-Instruct"
+    assert [(m["id"], m["parent"]) for m in models["data"]] == [
+        (base, None), ("lora-a", base), ("lora-b", base)]
     assert health.status_code == 200
 
 

@@ -77,6 +77,20 @@ def test_vllm_names_with_worker_and_model_labels():
     assert not any(name.startswith("nalar_") for name, _ in samples)
 
 
+def test_lora_requests_info_has_vllms_labels_and_adapters_loaded_counts():
+    stats = {**worker_stats("w1"), "lora": {"max_loras": 8, "loaded": 3,
+                                            "running": ["a", "b"], "waiting": ["c"]}}
+    before = time.time()
+    samples = parse(generate_latest(build_registry(
+        lambda: WorkerScrape([stats, worker_stats("w2")], 0, 0.0))).decode())
+    info = value(samples, "nalar:lora_requests_info", worker="w1", max_lora="8",
+                 running_lora_adapters="a,b", waiting_lora_adapters="c")
+    assert before <= info <= time.time()  # vLLM's value: when it was read
+    assert value(samples, "nalar:lora_adapters_loaded", worker="w1") == 3
+    assert not [key for key in samples if dict(key[1]).get("worker") == "w2"
+                and key[0].startswith("nalar:lora")]  # a worker without LoRA stats: none
+
+
 def test_histograms_are_cumulative_with_inf_sum_and_count():
     registry = build_registry(lambda: WorkerScrape([worker_stats("w1")], 0, 0.0))
     text = generate_latest(registry).decode()

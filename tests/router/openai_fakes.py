@@ -14,7 +14,13 @@ from typing import Any
 import httpx
 from transformers import AutoTokenizer
 
-from contract.identity import CacheIdentity, CacheNamespace, block_digests, tenant_from_api_key
+from contract.identity import (
+    AdapterRef,
+    CacheIdentity,
+    CacheNamespace,
+    block_digests,
+    tenant_from_api_key,
+)
 from contract.request import GenerationChunk, GenerationRequest
 
 MODEL = "smollm2-135m-instruct"
@@ -57,6 +63,7 @@ class FakeBackend:
 
     def __init__(self, tokenizer: Any, script: Script = hello_world):
         self.tokenizer = tokenizer
+        self.adapters: dict[str, AdapterRef] = {}
         self.script = script
         self.ready: bool | Exception = True
         self.requests: list[GenerationRequest] = []

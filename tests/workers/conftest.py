@@ -8,13 +8,12 @@ and restores whatever was set before (engines built earlier keep working).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from tiny_models import build_tiny_qwen2, reference_attention
 
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
@@ -22,39 +21,6 @@ from workers.kv_cache import PagedKVCache
 from workers.model_loader import LoadedModel, load_model, load_tokenizer, model_digest
 
 BLOCK_SIZE = 16
-TINY_SEED = 0
-
-
-@contextlib.contextmanager
-def reference_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Run ``model`` with plain transformers SDPA attention, then restore its implementation."""
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("sdpa")
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(previous)
-
-
-def build_tiny_qwen2(dtype: torch.dtype = torch.float32) -> Qwen2ForCausalLM:
-    """A 2-layer Qwen2 (GQA, qkv bias) with seeded random weights; same seed, same weights.
-
-    ``initializer_range`` 0.2 keeps greedy logits away from near-ties, and the q/k/v biases
-    (zero after init) are drawn too, so the bias path really contributes.
-    """
-    config = Qwen2Config(
-        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        initializer_range=0.2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-        pad_token_id=2)
-    torch.manual_seed(TINY_SEED)
-    model = Qwen2ForCausalLM(config)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0.0, 0.2)
-    model.set_attn_implementation("sdpa")
-    return model.to(dtype).eval()
 
 
 @pytest.fixture(scope="session")
@@ -78,7 +44,7 @@ def tiny_qwen(smollm_tokenizer) -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
-def fresh_tiny_qwen() -> Callable[..., Qwen2ForCausalLM]:
+def fresh_tiny_qwen() -> Callable[..., torch.nn.Module]:
     """Builds a new tiny Qwen2 (same seed, same weights) for a test that changes it."""
     return build_tiny_qwen2
 

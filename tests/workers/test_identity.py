@@ -75,12 +75,39 @@ def test_root_digest_changes_with_every_identity_field():
         identity(model_digest="cd" * 32),
         identity(numerics="cuda:H100|attn=nalar_paged"),
         identity(block_size=BLOCK * 2),
-        identity(adapter=AdapterRef("lora-a", "11" * 32)),
-        identity(adapter=AdapterRef("lora-a", "22" * 32)),  # same name, other weights
         identity(namespace=CacheNamespace("tenant-b")),
         identity(namespace=CacheNamespace(ANONYMOUS_TENANT, "salt")),
     ]
-    roots = [base.root_digest] + [v.root_digest for v in variants]
+    adapters = [AdapterRef("lora-a", "11" * 32),
+                AdapterRef("lora-a", "22" * 32)]  # same name, other weights
+    roots = ([base.root_digest] + [v.root_digest for v in variants]
+             + [base.root_for(CacheNamespace(), adapter) for adapter in adapters])
+    assert len(set(roots)) == len(roots)
+
+
+def test_an_adapter_enters_the_root_by_content_never_by_name():
+    base = identity()
+    namespace = CacheNamespace("tenant-a")
+    same_content = {base.root_for(namespace, AdapterRef(name, "11" * 32))
+                    for name in ("lora-a", "renamed", "")}
+    assert len(same_content) == 1
+    assert base.root_for(namespace, AdapterRef("lora-a", "11" * 32)) != base.root_for(namespace)
+    assert base.model_key == identity().model_key  # one worker serves every adapter
+
+
+def test_adapter_tenant_and_salt_fields_cannot_imitate_each_other():
+    base = identity()
+    digest = "ab" * 32
+    roots = [
+        base.root_for(CacheNamespace("t", "s"), AdapterRef("x", digest)),
+        base.root_for(CacheNamespace("t", "s"), None),
+        base.root_for(CacheNamespace("t", "s"), AdapterRef("x", "")),
+        base.root_for(CacheNamespace(digest + "t", "s"), None),
+        base.root_for(CacheNamespace("1" + digest + "t", "s"), None),
+        base.root_for(CacheNamespace("t", digest + "s"), None),
+        base.root_for(CacheNamespace("t", None), AdapterRef("x", digest + "s")),
+        base.root_for(CacheNamespace("", "s"), AdapterRef("x", digest + "t")),
+    ]
     assert len(set(roots)) == len(roots)
 
 
@@ -122,11 +149,10 @@ def test_model_key_excludes_the_namespace_but_root_digest_includes_it():
         base.model_digest, base.numerics, base.block_size)
 
 
-def test_model_key_covers_weights_numerics_block_size_and_adapter():
+def test_model_key_covers_weights_numerics_and_block_size():
     keys = {identity().model_key, identity(model_digest="00" * 32).model_key,
-            identity(numerics="other").model_key, identity(block_size=32).model_key,
-            identity(adapter=AdapterRef("a", "11" * 32)).model_key}
-    assert len(keys) == 5
+            identity(numerics="other").model_key, identity(block_size=32).model_key}
+    assert len(keys) == 4
     assert identity().model_key == identity().model_key  # deterministic
 
 

@@ -17,6 +17,7 @@ from transformers import PreTrainedModel
 
 from workers.attention.metadata import AttentionMetadata
 from workers.attention.paged import paged_attention
+from workers.lora.batch import LoraBatch
 from workers.models.gated import GatedActivation
 from workers.models.linear import Linear, StoredLinear
 from workers.models.norm import NATIVE_NORM, RMSNorm, norm_kernel
@@ -69,15 +70,22 @@ class _Layer:
         self.down_proj = Linear.of(mlp.down_proj)
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 metadata: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self._attention(self.input_norm(hidden), cos, sin, metadata)
-        return hidden + self._mlp(self.post_attention_norm(hidden))
+                 metadata: AttentionMetadata, lora: LoraBatch | None) -> torch.Tensor:
+        hidden = hidden + self._attention(self.input_norm(hidden), cos, sin, metadata, lora)
+        return hidden + self._mlp(self.post_attention_norm(hidden), lora)
+
+    def _project(self, linear: Linear | StoredLinear, x: torch.Tensor, lora: LoraBatch | None,
+                 projection: str) -> torch.Tensor:
+        out = linear(x)
+        if lora is not None:
+            lora.add(out, x, self.index, projection)
+        return out
 
     def _attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   metadata: AttentionMetadata) -> torch.Tensor:
+                   metadata: AttentionMetadata, lora: LoraBatch | None) -> torch.Tensor:
         rows = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split(
+        q, k, v = self._project(self.qkv_proj, x, lora, "qkv").split(
             [q_size, kv_size, kv_size], dim=-1)
         q = q.view(rows, self.num_heads, self.head_dim)
         k = k.view(rows, self.num_kv_heads, self.head_dim)
@@ -86,10 +94,11 @@ class _Layer:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         out = paged_attention(self.index, q, k, v, metadata, self.scale)
-        return self.o_proj(out.view(rows, q_size))
+        return self._project(self.o_proj, out.view(rows, q_size), lora, "o")
 
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def _mlp(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
+        gated = self.act(self._project(self.gate_up_proj, x, lora, "gate_up"))
+        return self._project(self.down_proj, gated, lora, "down")
 
 
 def _embedding(embed: nn.Embedding):
@@ -121,7 +130,8 @@ class LlamaStyleDecoder:
         self.layers = [_Layer(layer, i, native) for i, layer in enumerate(inner.layers)]
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 metadata: AttentionMetadata, sample_index: torch.Tensor) -> torch.Tensor:
+                 metadata: AttentionMetadata, sample_index: torch.Tensor,
+                 lora: LoraBatch | None = None) -> torch.Tensor:
         """Compute the KV of every row and the logits of the rows in ``sample_index``.
 
         Args:
@@ -129,6 +139,7 @@ class LlamaStyleDecoder:
             positions: ``[T]`` their positions in their sequences.
             metadata: where each row's KV goes and what it attends to.
             sample_index: ``[S]`` rows whose next-token logits are wanted.
+            lora: the LoRA adapters of the step's rows (None: every row is the base model's).
 
         Returns:
             ``[S, vocab_size]`` float32 logits.
@@ -137,6 +148,6 @@ class LlamaStyleDecoder:
         cos, sin = self.rotary(hidden, positions.unsqueeze(0))
         cos, sin = cos[0], sin[0]  # [T, head_dim]
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, metadata)
+            hidden = layer(hidden, cos, sin, metadata, lora)
         # The final norm is per row: normalising only the sampled rows gives the same values.
         return self.lm_head(self.norm(hidden[sample_index])).float()

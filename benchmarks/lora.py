@@ -1,0 +1,160 @@
+"""What LoRA adapters cost: 16 concurrent requests spread over adapters against the same
+requests on the base model, on one ``nalar serve``, the two alternating round by round.
+
+Adapters are made by peft (``get_peft_model`` on the embedded SmolLM2-135M, seeded,
+``init_lora_weights=False`` so ``lora_B`` is non-zero) on every projection, rank ``--rank``,
+and cached under ``--adapter-dir``. Each adapter's load (read, check, digest, fuse: what a
+worker does at start) is timed in this process. The server runs the defaults (the embedded
+Q4_1 weights as stored) plus ``--lora-modules`` for all of them; ``nalar bench`` sends random
+256-token chat prompts, 128 output tokens, greedy, EOS ignored, first with ``model`` the base
+model, then spread uniformly over the adapters (``--lora-adapters``), the order flipping each
+round, the same seed for both within a round.
+
+Goal (issue 19): the adapter rounds reach at least 0.85× the base rounds' output tokens/s.
+
+    .venv/bin/python benchmarks/lora.py [--adapters 4] [--rank 16] [--rounds 2] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+try:
+    from benchmarks import common
+    from benchmarks.llama_server import Server, checkout_env, free_port, nalar_executable
+except ImportError:  # run as a script: benchmarks/ is on sys.path, the repo root is not
+    import common
+    from llama_server import Server, checkout_env, free_port, nalar_executable
+
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LOAD = {"full": "--workload random --input-tokens 256 --output-tokens 128 "
+                "--max-concurrency 16 --num-requests 32 --warmup 4",
+        "quick": "--workload random --input-tokens 64 --output-tokens 16 "
+                 "--max-concurrency 4 --num-requests 8 --warmup 1"}
+METRICS = {"output_tok_s": "output_throughput", "ttft_p50_ms": "median_ttft_ms",
+           "tpot_p50_ms": "median_tpot_ms", "itl_p99_ms": "p99_itl_ms"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--adapters", type=int, default=4, help="adapters to spread over")
+    parser.add_argument("--rank", type=int, default=16, help="each adapter's rank")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--adapter-dir", default=str(common.OUT_DIR / "lora_adapters"))
+    parser.add_argument("--nalar-args", default="", help="more flags for nalar serve")
+    parser.add_argument("--start-timeout", type=float, default=300.0)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    parser.add_argument("--out", default=str(common.OUT_DIR / "lora.json"))
+    return parser.parse_args(argv)
+
+
+def make_adapters(directory: Path, count: int, rank: int) -> list[Path]:
+    """``count`` peft adapters on SmolLM2-135M (made once, then reused from ``directory``)."""
+    from peft import LoraConfig, get_peft_model
+
+    from workers.model_loader import load_model
+
+    paths = [directory / f"r{rank}-{seed}" for seed in range(count)]
+    for seed, path in enumerate(paths):
+        if (path / "adapter_model.safetensors").exists():
+            continue
+        common.log(f"making adapter {path.name}")
+        base = load_model("embedded", dtype="float32", device="cpu").model
+        torch.manual_seed(seed)
+        config = LoraConfig(r=rank, lora_alpha=rank, target_modules=ALL_PROJECTIONS,
+                            init_lora_weights=False)
+        get_peft_model(base, config).save_pretrained(path)
+    return paths
+
+
+def load_times(paths: list[Path]) -> list[dict[str, Any]]:
+    """Seconds each adapter's load takes in this process (as a worker loads it), and its size."""
+    from workers.lora.adapter import BaseShapes, load_adapter
+    from workers.model_loader import load_model
+
+    loaded = load_model("embedded", dtype="auto", device="cpu")
+    shapes = BaseShapes.of(loaded.model)
+    times = []
+    for path in paths:
+        started = time.perf_counter()
+        adapter = load_adapter(path.name, path, shapes, loaded.dtype, 64)
+        times.append({"adapter": path.name, "load_s": time.perf_counter() - started,
+                      "bytes": adapter.nbytes, "rank": adapter.rank})
+    return times
+
+
+def bench(server: Server, label: str, lora: list[str], seed: int, quick: bool,
+          out: Path) -> dict[str, Any]:
+    """One ``nalar bench`` run: the base model (``lora`` empty) or spread over ``lora``."""
+    command = [nalar_executable(), "bench", "--base-url", server.url, "--output-json", str(out),
+               "--no-progress", "--ignore-eos", "--temperature", "0", "--seed", str(seed),
+               *shlex.split(LOAD["quick" if quick else "full"])]
+    if lora:
+        command += ["--lora-adapters", ",".join(lora)]
+    run = subprocess.run(command, capture_output=True, text=True, env=checkout_env(),
+                         cwd=common.REPO_ROOT)
+    if run.returncode != 0:
+        raise RuntimeError(f"nalar bench failed: {shlex.join(command)}\n{run.stderr[-2000:]}")
+    report = json.loads(out.read_text())
+    figures = {name: report[key] for name, key in METRICS.items()}
+    common.log(f"{label}: {figures['output_tok_s']:.1f} tok/s, TTFT p50 "
+               f"{figures['ttft_p50_ms']:.0f} ms, ITL p99 {figures['itl_p99_ms']:.0f} ms")
+    return {"command": shlex.join(command), "completed": report["completed"],
+            "failed": report["failed"], **figures}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    paths = make_adapters(Path(args.adapter_dir), args.adapters, args.rank)
+    loads = load_times(paths)
+    names = [path.name for path in paths]
+    out = Path(args.out)
+    runs = out.with_name(out.stem + "_runs")
+    runs.mkdir(parents=True, exist_ok=True)
+    ray_tmp = Path(tempfile.mkdtemp(prefix="nalar-lora-", dir="/tmp"))
+    port = free_port()
+    modules = [f"{path.name}={path}" for path in paths]
+    server = Server("ours", [nalar_executable(), "serve", "--port", str(port), "--lora-modules",
+                             *modules, *shlex.split(args.nalar_args)],
+                    port, "/v1/models", runs / "server.log",
+                    env=checkout_env(RAY_TMPDIR=str(ray_tmp)), ray_tmp=ray_tmp)
+    rounds = []
+    try:
+        startup_s = server.start(args.start_timeout)
+        for index in range(args.rounds):
+            order = ["base", "adapters"] if index % 2 == 0 else ["adapters", "base"]
+            entry: dict[str, Any] = {"round": index + 1, "order": order}
+            for kind in order:
+                entry[kind] = bench(server, f"round {index + 1} {kind}",
+                                    names if kind == "adapters" else [], 1000 + index,
+                                    args.quick, runs / f"round{index + 1}-{kind}.json")
+            entry["ratio"] = {m: common.ratio(entry["adapters"][m], entry["base"][m])
+                              for m in METRICS}
+            rounds.append(entry)
+    finally:
+        server.stop()
+    ratios = [r["ratio"]["output_tok_s"] for r in rounds]
+    goals = [common.goal("adapters_over_base_output_tok_s", min(ratios), 0.85)]
+    common.log_goals(goals)
+    result = {"benchmark": "lora", "machine": common.machine_info(), "argv": sys.argv,
+              "quick": args.quick, "adapters": loads, "server": shlex.join(server.command),
+              "startup_s": startup_s, "load": LOAD["quick" if args.quick else "full"],
+              "rounds": rounds, "goals": goals}
+    common.write_json(result, out)
+    return result
+
+
+if __name__ == "__main__":
+    main()

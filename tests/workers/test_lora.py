@@ -1,0 +1,315 @@
+"""LoRA adapters in the engine: fp32 greedy ids equal transformers + peft ``generate`` with the
+same adapter, a step mixing base rows and three adapters equals each run alone, chunked,
+cached and speculative paths equal cold, KV never crosses adapters, and malformed adapters are
+refused with the reason.
+
+Adapters are made by peft at test time from fixed seeds with ``init_lora_weights=False``, so
+``lora_B`` is non-zero and each adapter really changes the output (asserted).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import greedy, output_ids, random_prompt
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file, save_file
+from test_speculative import OracleProposer
+from tiny_models import build_tiny_qwen2, reference_attention
+
+from contract.identity import AdapterRef, CacheNamespace
+from contract.request import InvalidRequestError
+from workers.lora.adapter import AdapterError, BaseShapes, load_adapter
+from workers.model_loader import load_model
+from workers.speculative.config import SpeculativeConfig
+
+NEW_TOKENS = 12
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TINY_ADAPTERS = {
+    # every projection, plain alpha / r
+    "all": dict(seed=1, r=4, lora_alpha=8, target_modules=ALL_PROJECTIONS),
+    # attention only, rsLoRA (alpha / sqrt(r))
+    "attn-rs": dict(seed=2, r=8, lora_alpha=4, target_modules=["q_proj", "v_proj", "o_proj"],
+                    use_rslora=True),
+    # MLP only, a per-module rank and alpha (rank_pattern, alpha_pattern)
+    "mlp-pattern": dict(seed=3, r=2, lora_alpha=2, target_modules=["gate_proj", "down_proj"],
+                        rank_pattern={"down_proj": 6}, alpha_pattern={"gate_proj": 5}),
+}
+
+
+def make_peft_adapter(base: torch.nn.Module, directory: Path, seed: int,
+                      **config) -> PeftModel:
+    """peft's LoRA on ``base`` (modified in place) with seeded non-zero A and B, saved to
+    ``directory``; returns the peft model (the reference)."""
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(base, LoraConfig(init_lora_weights=False, **config))
+    peft_model.save_pretrained(directory)
+    return peft_model.eval()
+
+
+def peft_greedy(model: torch.nn.Module, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy continuations of ``model`` (a peft model or a plain one), EOS ignored."""
+    outputs = []
+    inner = model.get_base_model() if isinstance(model, PeftModel) else model
+    with reference_attention(inner), torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                 do_sample=False, pad_token_id=0)
+            outputs.append(out[0, len(prompt):].tolist())
+    return outputs
+
+
+@dataclasses.dataclass
+class TinyCase:
+    paths: dict[str, Path]
+    prompts: list[list[int]]
+    references: dict[str | None, list[list[int]]]  # adapter name (None: base) -> outputs
+
+
+@pytest.fixture(scope="module")
+def tiny_case(tmp_path_factory) -> TinyCase:
+    root = tmp_path_factory.mktemp("tiny-adapters")
+    prompts = [random_prompt(40 + i, n) for i, n in enumerate((21, 35, 50))]
+    references = {None: peft_greedy(build_tiny_qwen2(), prompts)}
+    paths = {}
+    for name, spec in TINY_ADAPTERS.items():
+        spec = dict(spec)
+        paths[name] = root / name
+        peft_model = make_peft_adapter(build_tiny_qwen2(), paths[name], spec.pop("seed"), **spec)
+        references[name] = peft_greedy(peft_model, prompts)
+    return TinyCase(paths, prompts, references)
+
+
+def adapter_request(engine, request_id: str, prompt: list[int], name: str | None, **kwargs):
+    request = greedy(request_id, prompt, NEW_TOKENS, ignore_eos=True, **kwargs)
+    if name is not None:
+        request.adapter = engine.adapters.refs()[name]
+    return request
+
+
+def tiny_engine(make_engine, fresh_tiny_qwen, smollm_tokenizer, case: TinyCase, **overrides):
+    from workers.model_loader import LoadedModel, model_digest
+
+    model = fresh_tiny_qwen()
+    loaded = LoadedModel(model, smollm_tokenizer, model_digest(model), "tiny-qwen2",
+                         Path("tiny-qwen2"))
+    modules = {name: str(path) for name, path in case.paths.items()}
+    return make_engine(loaded, num_blocks=96, lora_modules=modules, **overrides)
+
+
+def test_each_adapter_changes_the_output(tiny_case):
+    base = tiny_case.references[None]
+    for name in TINY_ADAPTERS:
+        assert tiny_case.references[name] != base, name
+
+
+def test_greedy_through_each_adapter_alone_equals_peft(tiny_case, make_engine, fresh_tiny_qwen,
+                                                       smollm_tokenizer):
+    engine = tiny_engine(make_engine, fresh_tiny_qwen, smollm_tokenizer, tiny_case)
+    for name in [None, *TINY_ADAPTERS]:
+        for i, prompt in enumerate(tiny_case.prompts):
+            request_id = f"{name}-{i}"
+            chunks = engine.generate([adapter_request(engine, request_id, prompt, name)])
+            assert output_ids(chunks[request_id]) == tiny_case.references[name][i], request_id
+    assert set(engine.counters.batch_sizes) == {1}
+    assert engine.pool.num_in_use == 0
+
+
+def test_step_mixing_base_rows_and_three_adapters_equals_each_alone(
+        tiny_case, make_engine, fresh_tiny_qwen, smollm_tokenizer):
+    engine = tiny_engine(make_engine, fresh_tiny_qwen, smollm_tokenizer, tiny_case)
+    names = [None, *TINY_ADAPTERS]
+    requests = [adapter_request(engine, f"{name}-{i}", prompt, name)
+                for i, prompt in enumerate(tiny_case.prompts) for name in names]
+    results = engine.generate(requests)
+    for request in requests:
+        name, index = request.request_id.rsplit("-", 1)
+        name = None if name == "None" else name
+        assert output_ids(results[request.request_id]) == tiny_case.references[name][int(index)]
+    # really mixed: all twelve sequences decoded in one step
+    assert max(engine.counters.batch_sizes) == len(requests)
+
+
+def test_chunked_cached_and_speculative_paths_equal_cold(tiny_case, make_engine,
+                                                         fresh_tiny_qwen, smollm_tokenizer):
+    name, prompt = "all", tiny_case.prompts[2]
+    cold = tiny_case.references[name][2]
+    # drafts are the true continuation with every third one wrong: accepted and rejected
+    proposer = OracleProposer({tuple(prompt): cold}, wrong=(2,))
+    engine = tiny_engine(make_engine, fresh_tiny_qwen, smollm_tokenizer, tiny_case,
+                         max_num_batched_tokens=16,  # the prompt prefills in chunks
+                         speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3,
+                                                       adaptive=False), proposer=proposer)
+    for attempt in ("cold", "warm"):
+        chunks = engine.generate([adapter_request(engine, attempt, prompt, name)])[attempt]
+        assert output_ids(chunks) == cold, attempt
+    assert chunks[-1].cached_tokens == (len(prompt) - 1) // 16 * 16 > 0
+    spec = engine.counters.spec
+    assert 0 < spec.accepted_tokens < spec.proposed_tokens
+    assert engine.pool.num_in_use == 0
+
+
+def test_kv_is_never_reused_across_adapters_or_with_the_base_model(
+        tiny_case, make_engine, fresh_tiny_qwen, smollm_tokenizer, tmp_path):
+    # the same content under a second name computes the same, so it may share KV
+    twin = tmp_path / "twin"
+    twin.mkdir()
+    for file in tiny_case.paths["all"].iterdir():
+        (twin / file.name).write_bytes(file.read_bytes())
+    case = dataclasses.replace(tiny_case, paths={**tiny_case.paths, "twin": twin})
+    engine = tiny_engine(make_engine, fresh_tiny_qwen, smollm_tokenizer, case)
+    prompt = tiny_case.prompts[2]
+    full = (len(prompt) - 1) // 16 * 16
+
+    def cached(request_id: str, name: str | None) -> int:
+        chunks = engine.generate([adapter_request(engine, request_id, prompt, name)])
+        return chunks[request_id][-1].cached_tokens
+
+    assert cached("base", None) == 0
+    assert cached("all", "all") == 0  # not the base model's blocks
+    assert cached("attn", "attn-rs") == 0  # nor another adapter's
+    assert cached("all-again", "all") == full
+    assert cached("twin", "twin") == full  # same content and config: same computation
+    assert cached("base-again", None) == full
+    assert engine.adapters.refs()["twin"].weights_digest == engine.adapters.refs()[
+        "all"].weights_digest
+
+
+def test_a_request_naming_other_content_than_the_loaded_adapter_is_refused(
+        tiny_case, make_engine, fresh_tiny_qwen, smollm_tokenizer):
+    engine = tiny_engine(make_engine, fresh_tiny_qwen, smollm_tokenizer, tiny_case)
+    request = adapter_request(engine, "stale", tiny_case.prompts[0], "all")
+    request.adapter = AdapterRef("all", "00" * 32)  # hashed for weights since replaced
+    with pytest.raises(InvalidRequestError) as refused:
+        engine.add_request(request)
+    assert refused.value.code == "model_not_found"
+    request.adapter = AdapterRef("missing", "00" * 32)
+    with pytest.raises(InvalidRequestError, match="'missing' does not exist"):
+        engine.add_request(request)
+    assert engine.pool.num_in_use == 0 and not engine.has_work()
+
+
+def test_prompt_digests_differ_per_adapter_content_not_per_name(tiny_case, make_engine,
+                                                                fresh_tiny_qwen,
+                                                                smollm_tokenizer):
+    engine = tiny_engine(make_engine, fresh_tiny_qwen, smollm_tokenizer, tiny_case)
+    refs = engine.adapters.refs()
+    namespace = CacheNamespace()
+    roots = {engine.identity.root_for(namespace, ref) for ref in refs.values()}
+    roots.add(engine.identity.root_for(namespace))
+    assert len(roots) == len(refs) + 1
+    renamed = AdapterRef("another-name", refs["all"].weights_digest)
+    assert engine.identity.root_for(namespace, renamed) == engine.identity.root_for(
+        namespace, refs["all"])
+
+
+# --- the adapter files --------------------------------------------------------------------
+
+@pytest.fixture
+def adapter_dir(tiny_case, tmp_path) -> Path:
+    """A writable copy of the ``all`` adapter."""
+    directory = tmp_path / "copy"
+    directory.mkdir()
+    for file in tiny_case.paths["all"].iterdir():
+        (directory / file.name).write_bytes(file.read_bytes())
+    return directory
+
+
+def tiny_shapes() -> BaseShapes:
+    return BaseShapes.of(build_tiny_qwen2())
+
+
+def load(directory: Path, max_rank: int = 64):
+    return load_adapter("x", directory, tiny_shapes(), torch.float32, max_rank)
+
+
+def edit_config(directory: Path, **changes) -> None:
+    path = directory / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def test_digest_covers_content_and_config_not_the_path(adapter_dir, tiny_case):
+    digest = load(adapter_dir).digest
+    assert digest == load(tiny_case.paths["all"]).digest
+    edit_config(adapter_dir, lora_alpha=9)
+    assert load(adapter_dir).digest != digest
+    edit_config(adapter_dir, lora_alpha=8)
+    assert load(adapter_dir).digest == digest
+    weights = adapter_dir / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    name = next(iter(tensors))
+    tensors[name][0, 0] = torch.nextafter(tensors[name][0, 0], torch.tensor(1.0))  # one ulp
+    save_file(tensors, weights)
+    assert load(adapter_dir).digest != digest
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(use_dora=True), "DoRA"),
+    (dict(bias="all"), "trained biases"),
+    (dict(modules_to_save=["lm_head"]), "modules_to_save"),
+    (dict(r=5), "rank 4 in adapter_model.safetensors, 5 in adapter_config.json"),
+    (dict(lora_alpha="many"), "malformed adapter_config.json"),
+])
+def test_unsupported_or_inconsistent_configs_are_refused(adapter_dir, change, reason):
+    edit_config(adapter_dir, **change)
+    with pytest.raises(AdapterError, match=reason):
+        load(adapter_dir)
+
+
+def test_rank_over_the_limit_is_refused(adapter_dir):
+    with pytest.raises(AdapterError, match="rank 4 exceeds --max-lora-rank 2"):
+        load(adapter_dir, max_rank=2)
+
+
+def test_shapes_of_another_model_are_refused(adapter_dir):
+    other = BaseShapes(2, {**tiny_shapes().modules, "q_proj": (64, 32)})
+    with pytest.raises(AdapterError, match=r"do not fit the base model's 64 -> 32"):
+        load_adapter("x", adapter_dir, other, torch.float32, 64)
+    with pytest.raises(AdapterError, match="the base model has 1 layers"):
+        load_adapter("x", adapter_dir, BaseShapes(1, tiny_shapes().modules), torch.float32, 64)
+
+
+def test_missing_files_foreign_tensors_and_half_pairs_are_refused(adapter_dir):
+    weights = adapter_dir / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    save_file({**tensors, "base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)},
+              weights)
+    with pytest.raises(AdapterError, match="lm_head.* is not a LoRA weight"):
+        load(adapter_dir)
+    half = {k: v for k, v in tensors.items()
+            if k != "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"}
+    save_file(half, weights)
+    with pytest.raises(AdapterError, match="q_proj has lora_A without its other half"):
+        load(adapter_dir)
+    weights.write_bytes(b"not safetensors")
+    with pytest.raises(AdapterError, match="malformed adapter_model.safetensors"):
+        load(adapter_dir)
+    weights.unlink()
+    with pytest.raises(AdapterError, match="no adapter_model.safetensors"):
+        load(adapter_dir)
+
+
+# --- SmolLM2 ------------------------------------------------------------------------------
+
+def test_smollm_greedy_through_an_adapter_equals_peft(smollm, make_engine, tmp_path):
+    prompts = [smollm.tokenizer.encode(text) for text in (
+        "The history of the printing press begins in the fifteenth century, when",
+        "Photosynthesis is the process by which green plants use sunlight to")]
+    fresh = load_model("embedded", dtype="float32", device="cpu").model
+    base_references = peft_greedy(fresh, prompts)
+    peft_model = make_peft_adapter(fresh, tmp_path / "smol", seed=7, r=8, lora_alpha=2,
+                                   target_modules=ALL_PROJECTIONS)
+    references = peft_greedy(peft_model, prompts)
+    assert references != base_references
+    engine = make_engine(smollm, num_blocks=32, lora_modules={"smol": str(tmp_path / "smol")})
+    requests = [adapter_request(engine, f"r{i}", p, "smol") for i, p in enumerate(prompts)]
+    requests.append(adapter_request(engine, "base", prompts[0], None))
+    results = engine.generate(requests)
+    assert [output_ids(results[f"r{i}"]) for i in range(len(prompts))] == references
+    assert output_ids(results["base"]) == base_references[0]
