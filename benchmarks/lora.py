@@ -88,7 +88,7 @@ def load_times(paths: list[Path]) -> list[dict[str, Any]]:
     times = []
     for path in paths:
         started = time.perf_counter()
-        adapter = load_adapter(path.name, path, shapes, loaded.dtype, 64)
+        adapter = load_adapter(path.name, path, shapes, 64, loaded.dtype)
         times.append({"adapter": path.name, "load_s": time.perf_counter() - started,
                       "bytes": adapter.nbytes, "rank": adapter.rank})
     return times

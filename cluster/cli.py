@@ -99,7 +99,15 @@ def _lora_flags(serve_cmd) -> None:
     lora.add_argument("--max-lora-rank", type=int, default=None,
                       help="largest adapter rank accepted (default 64)")
     lora.add_argument("--max-loras", type=int, default=None,
-                      help="most adapters a worker holds (default 8)")
+                      help="most adapters a worker holds (default 8); the least recently "
+                           "used idle one is evicted for another and read again when needed")
+    lora.add_argument("--lora-dir", action="append", default=None, dest="lora_dirs",
+                      metavar="DIR",
+                      help="POST /v1/load_lora_adapter may read adapters under DIR "
+                           "(repeatable); no other path is opened")
+    lora.add_argument("--admin-api-key", default=None, metavar="KEY",
+                      help="the key of /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                           "(default: $NALAR_ADMIN_API_KEY; without one they answer 403)")
 
 
 def _auth_flags(serve_cmd) -> None:

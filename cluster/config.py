@@ -98,7 +98,10 @@ class ClusterConfig(BaseModel):
     LoRA (``workers.lora``): ``lora_modules`` maps a ``model`` name to a PEFT adapter
     directory every worker loads at start (absolute paths: the workers do not share the CLI's
     working directory); ``max_lora_rank`` is the largest rank accepted, ``max_loras`` the most
-    adapters a worker holds.
+    adapters a worker holds (the least recently used idle one is evicted for another, and read
+    again when a request needs it). ``admin_api_key`` (default ``$NALAR_ADMIN_API_KEY``) turns
+    on ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` for that key only; they
+    read adapters only from under ``lora_dirs``.
 
     Raises:
         pydantic.ValidationError: a field out of range, ``ngram_min > ngram_max``, workers
@@ -156,6 +159,10 @@ class ClusterConfig(BaseModel):
     lora_modules: dict[str, str] = Field(default_factory=dict)
     max_lora_rank: int = Field(64, ge=1)
     max_loras: int = Field(8, ge=1)
+    lora_dirs: list[str] = Field(default_factory=list)
+    admin_api_key: SecretStr | None = Field(
+        default_factory=lambda: SecretStr(os.environ["NALAR_ADMIN_API_KEY"])
+        if os.environ.get("NALAR_ADMIN_API_KEY") else None)
 
     @field_validator("dtype")
     @classmethod
@@ -183,6 +190,11 @@ class ClusterConfig(BaseModel):
     @classmethod
     def _absolute_lora_paths(cls, value: dict[str, str]) -> dict[str, str]:
         return {name: str(Path(path).expanduser().absolute()) for name, path in value.items()}
+
+    @field_validator("lora_dirs")
+    @classmethod
+    def _absolute_lora_dirs(cls, value: list[str]) -> list[str]:
+        return [str(Path(path).expanduser().absolute()) for path in value]
 
     @model_validator(mode="after")
     def _adapter_names_are_not_the_model(self) -> ClusterConfig:
@@ -223,7 +235,8 @@ class ClusterConfig(BaseModel):
             scheduling_policy=self.scheduling_policy,
             max_model_len=self.max_model_len, num_threads=self.threads_per_worker(),
             speculative=self.speculative_config(), lora_modules=self.lora_modules,
-            max_lora_rank=self.max_lora_rank, max_loras=self.max_loras)
+            max_lora_rank=self.max_lora_rank, max_loras=self.max_loras,
+            lora_dirs=self.lora_dirs)
 
     def speculative_config(self) -> SpeculativeConfig:
         """The workers' speculative decoding settings.

@@ -15,6 +15,7 @@ from ray.exceptions import RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
+from cluster.adapters import AdapterCatalog
 from cluster.config import INDEX_ACTOR_NAMESPACE, ClusterConfig
 from cluster.dashboard import Dashboard, dashboard_router
 from cluster.metrics import SCRAPE_TIMEOUT_S, build_registry, fetch_worker_stats
@@ -23,7 +24,7 @@ from contract.identity import AdapterRef, CacheIdentity
 from contract.request import GenerationChunk, GenerationRequest, InvalidRequestError
 from router.api.admission import RETRY_AFTER_S, Admission
 from router.api.app import build_openai_app
-from router.api.auth import ApiKeys
+from router.api.auth import AdminKey, ApiKeys
 from router.errors import OverloadedError, typed_error
 from router.index import make_index
 from router.routing.replica_keys import REPLICA_MODEL_KEYS
@@ -65,6 +66,9 @@ class NalarIngress:
         # The keys file is read here, in the ingress process (a Secret volume on Kubernetes).
         self.api_keys = ApiKeys([key.get_secret_value() for key in config.api_keys],
                                 config.api_keys_file)
+        admin = config.admin_api_key
+        self.admin_key = AdminKey(admin.get_secret_value() if admin is not None else None)
+        self.adapter_catalog = AdapterCatalog(workers, description.adapters)
         self.admission = Admission(config.max_pending_tokens(), config.max_queue_delay_s)
         source = Path(description.source_path)
         # Same machine: read the worker's converted copy; elsewhere, resolve the source again.
@@ -85,8 +89,16 @@ class NalarIngress:
 
     @property
     def adapters(self) -> dict[str, AdapterRef]:
-        """The LoRA adapters the workers hold, as last read."""
-        return self.worker_identity.adapters
+        """The LoRA adapters requests may select (``cluster.adapters``)."""
+        return self.adapter_catalog.adapters
+
+    async def load_adapter(self, name: str, path: str) -> AdapterRef:
+        """``ServingBackend.load_adapter``: on every worker replica."""
+        return await self.adapter_catalog.load(name, path)
+
+    async def unload_adapter(self, name: str) -> None:
+        """``ServingBackend.unload_adapter``: on every worker replica."""
+        await self.adapter_catalog.unload(name)
 
     @property
     def max_model_len(self) -> int:

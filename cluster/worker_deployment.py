@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -13,11 +14,14 @@ from ray.serve.handle import DeploymentHandle
 from cluster.config import INDEX_ACTOR_NAMESPACE, ClusterConfig
 from cluster.event_publisher import EventPublisher
 from contract.description import WorkerDescription
+from contract.identity import AdapterRef
 from contract.load import ReplicaMetadata, RoutingStats
 from contract.request import GenerationChunk, GenerationRequest
+from router.errors import OverloadedError
 from router.index import make_index
 from workers.async_engine import AsyncEngine
 from workers.engine import LLMEngine
+from workers.lora.registry import AdapterSlotsFull
 from workers.speculative.remote import RemoteProposer
 
 log = logging.getLogger(__name__)
@@ -67,6 +71,7 @@ class NalarWorker:
         raises InvalidRequestError instead) and names the worker before any token is ready.
         A dead engine raises ``EngineDeadError`` before that chunk.
         """
+        await self._ensure_adapter(request)
         chunks = self.async_engine.submit(request)
         try:
             yield GenerationChunk(request.request_id, [], "", None, len(request.token_ids), 0,
@@ -76,6 +81,44 @@ class NalarWorker:
                 yield chunk
         finally:
             chunks.close()  # a cancelled or abandoned stream aborts its request
+
+    async def _ensure_adapter(self, request: GenerationRequest) -> None:
+        """Read the request's adapter first if this replica does not hold it (evicted, or
+        loaded on other replicas only), in a thread: the engine keeps stepping meanwhile.
+
+        Raises:
+            OverloadedError: every adapter slot is in use (503, retry).
+            InvalidRequestError: the adapter cannot be read or changed on disk (404).
+        """
+        if request.adapter is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.adapters.ensure, request.adapter)
+        except AdapterSlotsFull as exc:
+            raise OverloadedError(str(exc), retry_after_s=1.0) from exc
+
+    async def load_lora_adapter(self, name: str, path: str) -> AdapterRef:
+        """Read an adapter from ``path`` (under ``--lora-dir``) and hold it as ``name``, in a
+        thread (the engine keeps stepping); returns its :class:`AdapterRef`.
+
+        Raises:
+            AdapterError: the path is not allowed, the adapter does not fit or is malformed, or
+                another adapter is loaded under ``name``.
+            OverloadedError: every adapter slot is in use.
+        """
+        try:
+            adapter = await asyncio.to_thread(self.engine.adapters.load, name, path, True)
+        except AdapterSlotsFull as exc:
+            raise OverloadedError(str(exc), retry_after_s=1.0) from exc
+        return adapter.ref
+
+    def unload_lora_adapter(self, name: str) -> bool:
+        """Forget adapter ``name`` (requests running under it finish); False if unknown."""
+        try:
+            self.engine.adapters.unload(name)
+        except KeyError:
+            return False
+        return True
 
     def check_health(self) -> None:
         """Ray Serve's periodic health probe: raises when the engine loop is dead, so Serve
@@ -152,8 +195,10 @@ class NalarWorker:
 
         def names(seqs) -> list[str]:
             return sorted({seq.adapter.name for seq in seqs if seq.adapter is not None})
-        return {"max_loras": self.engine.adapters.max_loras,
-                "loaded": len(self.engine.adapters.refs()),
+        adapters = self.engine.adapters
+        return {"max_loras": adapters.max_loras, "loaded": len(adapters.held()),
+                "known": len(adapters.refs()), "loads": adapters.loads,
+                "load_seconds": adapters.load_s, "evictions": adapters.evictions,
                 "running": names(scheduler.running), "waiting": names(scheduler.waiting)}
 
     def _spec_stats(self) -> dict:

@@ -24,8 +24,7 @@ log = logging.getLogger(__name__)
 
 
 class WorkerIdentity:
-    """The workers' cache identity, context length and adapters, as the ingress last read
-    them.
+    """The workers' cache identity and context length, as the ingress last read them.
 
     Args:
         describe: asks one worker for its ``describe()``.
@@ -86,7 +85,6 @@ class WorkerIdentity:
     def _apply(self, description: WorkerDescription) -> None:
         self.identity = description.identity
         self.max_model_len = description.max_model_len
-        self.adapters = description.adapters
 
     def _rehashed(self, request: GenerationRequest) -> GenerationRequest:
         digests = request.prompt_digests

@@ -34,10 +34,13 @@ class AdapterRef:
             changes what it computes (``workers.lora.adapter``). Block digests chain from it,
             never from the name: one name reloaded with other weights gets other digests, and
             two names of one content share KV, as they compute the same.
+        source: the directory a worker that does not hold it reads it from (empty: none);
+            not part of the identity.
     """
 
     adapter_id: str
     weights_digest: str
+    source: str = ""
 
 
 @dataclass(frozen=True)

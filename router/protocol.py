@@ -624,3 +624,19 @@ class ModelList(BaseModel):
 
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoadLoRAAdapterRequest(_StrictModel):
+    """Body of ``POST /v1/load_lora_adapter`` (vLLM's): serve the PEFT adapter directory
+    ``lora_path`` (under a ``--lora-dir``) as the model ``lora_name``."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(_StrictModel):
+    """Body of ``POST /v1/unload_lora_adapter`` (vLLM's; ``lora_int_id`` is accepted and
+    ignored: adapters are named, not numbered, here)."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None

@@ -139,6 +139,10 @@ def private_redis_server() -> Iterator[PrivateRedis]:
     server.kill()
 
 
+CLUSTER_ADMIN_KEY = "nalar-test-admin"
+"""The shared test cluster's ``--admin-api-key``; ``--lora-dir`` is its config's
+``lora_dirs[0]``."""
+
 CLUSTER_LORA_ADAPTERS = {"lora-a": 1, "lora-b": 2}
 """The LoRA adapters the shared test cluster loads at start, by name: their seeds
 (:func:`write_lora_adapter`)."""

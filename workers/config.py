@@ -46,7 +46,10 @@ class EngineConfig:
         lora_modules: LoRA adapters to load at start, name → PEFT adapter directory
             (``workers.lora``); requests select one by name.
         max_lora_rank: largest adapter rank accepted.
-        max_loras: most adapters held at once.
+        max_loras: most adapters held at once; more are read again from their directory when
+            a request needs them (``workers.lora.registry``).
+        lora_dirs: directories adapters loaded at run time (through the API, or named by a
+            request's source) may be read from; empty allows none.
     """
 
     model: str = "embedded"
@@ -68,3 +71,4 @@ class EngineConfig:
     lora_modules: dict[str, str] = field(default_factory=dict)
     max_lora_rank: int = 64
     max_loras: int = 8
+    lora_dirs: list[str] = field(default_factory=list)

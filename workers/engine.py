@@ -134,13 +134,12 @@ class LLMEngine:
         check_supported(model_config, self.max_model_len, self.loaded.model)
         self.adapters = AdapterRegistry(BaseShapes.of(self.loaded.model), self.loaded.dtype,
                                         self.loaded.device, config.max_lora_rank,
-                                        config.max_loras)
+                                        config.max_loras, config.lora_dirs,
+                                        self.adapters_in_use)
         self.runner = ModelRunner(self.loaded.model, kv_cache)
         if config.lora_modules and self.runner.implementation != "compact":
             raise ValueError(f"LoRA adapters need a Llama-style model; "
                              f"{type(self.loaded.model).__name__} runs on transformers' modules")
-        for name, path in config.lora_modules.items():
-            self.adapters.load(name, path)
         self.identity = CacheIdentity(self.loaded.model_digest,
                                       numerics_tag(self.loaded.device, self.runner.kernels),
                                       config.block_size)
@@ -162,6 +161,14 @@ class LLMEngine:
             self._generator.seed()  # OS entropy: unseeded requests differ across workers
         else:
             self._generator.manual_seed(config.seed)
+        for name, path in config.lora_modules.items():
+            self.adapters.load(name, path)
+
+    def adapters_in_use(self) -> set[str]:
+        """Names of the adapters some sequence (running, waiting or preempted) is using; safe
+        to call off the engine thread (it reads a copy of the sequence table)."""
+        seqs = self._seqs.copy()
+        return {seq.adapter.name for seq in seqs.values() if seq.adapter is not None}
 
     @property
     def proposer(self) -> Proposer | None:
@@ -188,7 +195,9 @@ class LLMEngine:
         request.sampling.check_context(len(prompt), self.max_model_len)
 
     def add_request(self, request: GenerationRequest, arrived_at: float | None = None) -> None:
-        """:meth:`validate` then :meth:`admit` (raises as they do)."""
+        """Read the request's adapter if it is not held (``AdapterRegistry.ensure``), then
+        :meth:`validate` and :meth:`admit` (raises as they do)."""
+        self.adapters.ensure(request.adapter)
         self.validate(request)
         self.admit(request, arrived_at)
 

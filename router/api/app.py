@@ -34,7 +34,7 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Receive
 
@@ -51,8 +51,15 @@ from router.api.formats import ChatFormat, CompletionFormat, Format
 from router.api.jobs import Job, JobBuilder, resolve_model
 from router.api.stream import collect, next_chunk, sse_events
 from router.api.token_strings import TokenStrings
-from router.errors import APIError, from_backend_exception, install_error_handlers
-from router.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from router.errors import APIError, from_backend_exception, install_error_handlers, invalid_request
+from router.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    ModelCard,
+    ModelList,
+    UnloadLoRAAdapterRequest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +73,13 @@ def build_openai_app(backend: ServingBackend, admission: Admission | None = None
     ``admission`` bounds the work in flight and drains on a clean stop (default: no bound).
 
     Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-    ``GET /v1/models/{model}``, ``GET /health``, ``GET /metrics`` (Prometheus text of the
-    backend's ``metrics_registry``, a ``prometheus_client.CollectorRegistry``; 404 for a
-    backend without one). When the backend's ``api_keys`` (:class:`~router.api.auth.ApiKeys`)
-    requires keys, every route but ``/health``, ``/metrics`` and ``/dashboard`` answers 401 to
-    a request without an accepted key (:mod:`router.api.auth`).
+    ``GET /v1/models/{model}``, ``POST /v1/load_lora_adapter`` and
+    ``POST /v1/unload_lora_adapter`` (the admin key's only), ``GET /health``,
+    ``GET /metrics`` (Prometheus text of the backend's ``metrics_registry``, a
+    ``prometheus_client.CollectorRegistry``; 404 for a backend without one). When the
+    backend's ``api_keys`` (:class:`~router.api.auth.ApiKeys`) requires keys, every route but
+    ``/health``, ``/metrics``, ``/dashboard`` and the admin routes answers 401 to a request
+    without an accepted key (:mod:`router.api.auth`).
     """
     # FastAPI's strict Content-Type check stays on: a JSON body needs ``application/json``,
     # so a web page cannot make a browser drive a local, key-less server without a CORS
@@ -109,6 +118,24 @@ def build_openai_app(backend: ServingBackend, admission: Admission | None = None
         """One model or adapter by id; 404 ``model_not_found`` for any other."""
         resolve_model(model, backend.served_model_name, backend.adapters)
         return ingress.model_card(model)
+
+    @app.post("/v1/load_lora_adapter", response_model=None)
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> Response:
+        """Serve a PEFT adapter directory as a new model (vLLM's route; admin key only)."""
+        backend.admin_key.authorize(request.headers.get("authorization"))
+        if body.lora_name == backend.served_model_name:
+            raise invalid_request("lora_name is the base model's name", "lora_name")
+        await backend.load_adapter(body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added "
+                                 "successfully.")
+
+    @app.post("/v1/unload_lora_adapter", response_model=None)
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> Response:
+        """Stop serving an adapter; requests running under it finish (admin key only)."""
+        backend.admin_key.authorize(request.headers.get("authorization"))
+        await backend.unload_adapter(body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed "
+                                 "successfully.")
 
     @app.get("/health", response_model=None)
     async def health() -> Response:

@@ -32,6 +32,10 @@ from router.errors import APIError
 
 logger = logging.getLogger(__name__)
 
+ADMIN_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+"""Paths that take the operator's admin key (:class:`AdminKey`), checked by their routes,
+never a tenant's key."""
+
 PUBLIC_PATHS = ("/health", "/metrics", "/dashboard")
 """Paths (and their sub-paths) served without a key: probes and scrapers (a kubelet, Prometheus)
 carry no key, and they reveal load figures, not prompts or answers. Keep them on a private
@@ -178,6 +182,39 @@ class ApiKeys:
         log("API keys file %s: %d keys", self._path, len(keys))
 
 
+class AdminKey:
+    """The operator's key for the :data:`ADMIN_PATHS` (``--admin-api-key``), held as its
+    SHA-256 digest and compared in constant time.
+
+    Args:
+        key: the admin key; None turns the admin routes off.
+    """
+
+    def __init__(self, key: str | None):
+        self._digest = _digest(key) if key else None
+
+    def authorize(self, authorization: str | None) -> None:
+        """Returns when ``authorization`` carries the admin key.
+
+        Raises:
+            APIError: 403 ``forbidden`` when no admin key is configured or the key is another
+                (a tenant's); 401 ``invalid_api_key`` without a key.
+        """
+        if self._digest is None:
+            raise _forbidden("loading and unloading adapters is off: start nalar serve with "
+                             "--admin-api-key")
+        key = bearer_key(authorization)
+        if key is None:
+            raise _unauthorized("this route needs the admin key: 'Authorization: Bearer "
+                                "<admin key>'")
+        if not hmac.compare_digest(_digest(key), self._digest):
+            raise _forbidden("only the admin key may load or unload adapters")
+
+
+def _forbidden(message: str) -> APIError:
+    return APIError(403, message, code="forbidden", error_type="permission_error")
+
+
 def _signature(status: os.stat_result) -> tuple[int, int, int]:
     # The inode too: a Kubernetes Secret volume swaps in a new file by renaming a symlink.
     return status.st_mtime_ns, status.st_size, status.st_ino
@@ -214,7 +251,7 @@ class ApiKeyGuard:
         keys = self.keys() if scope["type"] == "http" else None
         if keys is not None:
             path = scope["path"].removeprefix(scope.get("root_path", ""))
-            if not is_public(path):
+            if not is_public(path) and path not in ADMIN_PATHS:
                 try:
                     keys.authenticate(Headers(scope=scope).get("authorization"))
                 except APIError as refusal:

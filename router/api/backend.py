@@ -7,6 +7,7 @@ from typing import Any, Protocol
 
 from contract.identity import AdapterRef, CacheIdentity
 from contract.request import GenerationChunk, GenerationRequest
+from router.api.auth import AdminKey
 
 WORKER_HEADER = "x-nalar-worker"
 """Response header naming the worker replica that served the request."""
@@ -25,6 +26,7 @@ class ServingBackend(Protocol):
         tokenizer: the workers' transformers tokenizer, chat template included.
         adapters: the LoRA adapters the workers hold, by the ``model`` name that selects
             each (``contract.identity.AdapterRef``: name and content digest).
+        admin_key: the key of the adapter routes (``router.api.auth.AdminKey``).
     """
 
     served_model_name: str
@@ -33,6 +35,7 @@ class ServingBackend(Protocol):
     namespace_secret: bytes
     tokenizer: Any
     adapters: Mapping[str, AdapterRef]
+    admin_key: AdminKey
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Streams the request's chunks (an async generator).
@@ -43,6 +46,24 @@ class ServingBackend(Protocol):
         :class:`~contract.request.InvalidRequestError` (→ 400) or
         :class:`~router.errors.OverloadedError` (→ 503/429 with ``Retry-After``); anything else
         is a 500.
+        """
+        ...
+
+    async def load_adapter(self, name: str, path: str) -> AdapterRef:
+        """Load the adapter at ``path`` as ``name`` on every worker; once it returns, requests
+        may select ``name``. Nothing changes when it raises.
+
+        Raises:
+            APIError: 400 naming the reason (path not allowed, malformed adapter, name taken),
+                503 when a worker has no free adapter slot.
+        """
+        ...
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving ``name`` (requests running under it finish).
+
+        Raises:
+            APIError: 404 ``model_not_found`` for a name not loaded.
         """
         ...
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-from helpers import CLUSTER_LORA_ADAPTERS, free_port, write_lora_adapter
+from helpers import CLUSTER_ADMIN_KEY, CLUSTER_LORA_ADAPTERS, free_port, write_lora_adapter
 
 from cluster.config import ClusterConfig
 from router.index.redis_index import delete_key_prefix
@@ -32,10 +32,12 @@ def cluster(ray_session, redis_url: str, tmp_path_factory) -> Iterator[ClusterUn
     adapters = tmp_path_factory.mktemp("adapters")
     lora_modules = {name: str(write_lora_adapter(adapters / name, seed))
                     for name, seed in CLUSTER_LORA_ADAPTERS.items()}
+    runtime = tmp_path_factory.mktemp("runtime-adapters")  # what the admin key may load
     config = ClusterConfig(num_workers=2, redis_url=redis_url, key_prefix=prefix,
                            port=free_port(), dtype="float32", quantization="none", kv_cache_mib=128,
                            worker_threads=1, routing_stats_period_s=0.2, worker_ttl_s=10,
-                           lora_modules=lora_modules)
+                           lora_modules=lora_modules, lora_dirs=[str(runtime)],
+                           admin_api_key=CLUSTER_ADMIN_KEY)
     start_cluster(config)
     yield ClusterUnderTest(config, f"http://127.0.0.1:{config.port}")
     serve.delete(APP_NAME)

@@ -4,9 +4,11 @@ model or another adapter, in the workers, the index or the router."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import openai
 import pytest
-from helpers import CLUSTER_LORA_ADAPTERS
+from helpers import CLUSTER_ADMIN_KEY, CLUSTER_LORA_ADAPTERS, write_lora_adapter
 
 SYSTEM = " ".join(f"Rule {i}: answer briefly and cite rule {i}." for i in range(1, 40))
 
@@ -54,3 +56,28 @@ def test_an_unknown_adapter_is_a_404_model_not_found(client):
     with pytest.raises(openai.NotFoundError) as refused:
         ask(client, "lora-z")
     assert refused.value.body["code"] == "model_not_found"
+
+
+def test_the_admin_key_loads_an_adapter_every_worker_serves_then_unloads_it(cluster, client):
+    import httpx
+
+    directory = write_lora_adapter(Path(cluster.config.lora_dirs[0]) / "runtime", seed=9)
+    admin = {"Authorization": f"Bearer {CLUSTER_ADMIN_KEY}"}
+    with httpx.Client(base_url=cluster.base_url, timeout=120) as http:
+        outside = http.post("/v1/load_lora_adapter", headers=admin, json={
+            "lora_name": "sneaky", "lora_path": str(directory.parent.parent)})
+        assert outside.status_code == 400 and outside.json()["error"]["param"] == "lora_path"
+        assert "outside the allowed" in outside.json()["error"]["message"]
+        loaded = http.post("/v1/load_lora_adapter", headers=admin, json={
+            "lora_name": "runtime", "lora_path": str(directory)})
+        assert loaded.status_code == 200, loaded.text
+        answers = [ask(client, "runtime", f"Count to {n}.") for n in range(4)]
+        assert {a.model for a in answers} == {"runtime"}
+        stats = http.get("/metrics").text
+        assert "nalar:lora_adapters_loaded" in stats
+        unloaded = http.post("/v1/unload_lora_adapter", headers=admin,
+                             json={"lora_name": "runtime"})
+        assert unloaded.status_code == 200, unloaded.text
+    with pytest.raises(openai.NotFoundError):
+        ask(client, "runtime")
+    assert "sneaky" not in {m.id for m in client.models.list()}

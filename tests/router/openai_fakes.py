@@ -22,6 +22,8 @@ from contract.identity import (
     tenant_from_api_key,
 )
 from contract.request import GenerationChunk, GenerationRequest
+from router.api.auth import AdminKey
+from router.errors import APIError
 
 MODEL = "smollm2-135m-instruct"
 MAX_MODEL_LEN = 128
@@ -64,6 +66,7 @@ class FakeBackend:
     def __init__(self, tokenizer: Any, script: Script = hello_world):
         self.tokenizer = tokenizer
         self.adapters: dict[str, AdapterRef] = {}
+        self.admin_key = AdminKey(None)
         self.script = script
         self.ready: bool | Exception = True
         self.requests: list[GenerationRequest] = []
@@ -90,6 +93,16 @@ class FakeBackend:
         finally:
             # What a worker would do on close: cancel and free the request's blocks.
             self.closed.append(request.request_id)
+
+    async def load_adapter(self, name: str, path: str) -> AdapterRef:
+        """Loads nothing: records ``name`` with a digest of its path."""
+        self.adapters[name] = AdapterRef(name, f"{abs(hash(path)):064x}"[:64], path)
+        return self.adapters[name]
+
+    async def unload_adapter(self, name: str) -> None:
+        if self.adapters.pop(name, None) is None:
+            raise APIError(404, f"The lora adapter '{name}' is not loaded", param="lora_name",
+                           code="model_not_found")
 
     async def is_ready(self) -> bool:
         if isinstance(self.ready, Exception):

@@ -73,3 +73,65 @@ async def test_a_worker_refusing_a_reloaded_adapter_is_a_404(client, backend):
     backend.script = lambda request: [InvalidRequestError(
         "The adapter 'sql' was reloaded with other weights; retry", "model", "model_not_found")]
     assert_error(await complete(client, "sql"), 404, "model", "model_not_found")
+
+
+# --- loading and unloading at run time: the admin key only --------------------------------
+
+ADMIN = "admin-secret"
+TENANT = "tenant-key"
+
+
+@pytest.fixture
+def admin_backend(backend):
+    from router.api.auth import AdminKey, ApiKeys
+
+    backend.admin_key = AdminKey(ADMIN)
+    backend.api_keys = ApiKeys([TENANT])
+    return backend
+
+
+async def post_admin(client, path: str, body: dict, key: str | None):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return await client.post(path, json=body, headers=headers)
+
+
+async def test_only_the_admin_key_loads_and_unloads(client, admin_backend):
+    body = {"lora_name": "new", "lora_path": "/adapters/new"}
+    assert_error(await post_admin(client, "/v1/load_lora_adapter", body, TENANT), 403, None,
+                 "forbidden", "permission_error")
+    assert_error(await post_admin(client, "/v1/load_lora_adapter", body, None), 401, None,
+                 "invalid_api_key")
+    assert "new" not in admin_backend.adapters
+    loaded = await post_admin(client, "/v1/load_lora_adapter", body, ADMIN)
+    assert loaded.status_code == 200, loaded.text
+    assert loaded.text == "Success: LoRA adapter 'new' added successfully."
+    listed = (await client.get("/v1/models", headers={"Authorization": f"Bearer {TENANT}"}))
+    assert "new" in [m["id"] for m in listed.json()["data"]]
+    # the admin key is not a tenant key: it serves no completions
+    assert (await post_admin(client, "/v1/completions", {"prompt": "hi"}, ADMIN)
+            ).status_code == 401
+    unload = {"lora_name": "new"}
+    assert_error(await post_admin(client, "/v1/unload_lora_adapter", unload, TENANT), 403,
+                 None, "forbidden", "permission_error")
+    assert (await post_admin(client, "/v1/unload_lora_adapter", unload, ADMIN)
+            ).status_code == 200
+    assert_error(await post_admin(client, "/v1/unload_lora_adapter", unload, ADMIN), 404,
+                 "lora_name", "model_not_found")
+
+
+async def test_without_an_admin_key_the_routes_are_off(client, backend):
+    body = {"lora_name": "new", "lora_path": "/adapters/new"}
+    error = assert_error(await post_admin(client, "/v1/load_lora_adapter", body, "anything"),
+                         403, None, "forbidden", "permission_error")
+    assert "--admin-api-key" in error["message"]
+
+
+async def test_malformed_load_bodies_are_400s(client, admin_backend):
+    for body, param in (({"lora_name": "x"}, "lora_path"),
+                        ({"lora_name": "", "lora_path": "/a"}, "lora_name"),
+                        ({"lora_name": MODEL, "lora_path": "/a"}, "lora_name"),
+                        ({"lora_name": "x", "lora_path": "/a", "extra": 1}, "extra")):
+        response = await post_admin(client, "/v1/load_lora_adapter", body, ADMIN)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param
+    assert admin_backend.adapters.keys() == {"sql", "chat"}

@@ -226,7 +226,7 @@ def tiny_shapes() -> BaseShapes:
 
 
 def load(directory: Path, max_rank: int = 64):
-    return load_adapter("x", directory, tiny_shapes(), torch.float32, max_rank)
+    return load_adapter("x", directory, tiny_shapes(), max_rank)
 
 
 def edit_config(directory: Path, **changes) -> None:
@@ -270,9 +270,9 @@ def test_rank_over_the_limit_is_refused(adapter_dir):
 def test_shapes_of_another_model_are_refused(adapter_dir):
     other = BaseShapes(2, {**tiny_shapes().modules, "q_proj": (64, 32)})
     with pytest.raises(AdapterError, match=r"do not fit the base model's 64 -> 32"):
-        load_adapter("x", adapter_dir, other, torch.float32, 64)
+        load_adapter("x", adapter_dir, other, 64)
     with pytest.raises(AdapterError, match="the base model has 1 layers"):
-        load_adapter("x", adapter_dir, BaseShapes(1, tiny_shapes().modules), torch.float32, 64)
+        load_adapter("x", adapter_dir, BaseShapes(1, tiny_shapes().modules), 64)
 
 
 def test_missing_files_foreign_tensors_and_half_pairs_are_refused(adapter_dir):
@@ -313,3 +313,100 @@ def test_smollm_greedy_through_an_adapter_equals_peft(smollm, make_engine, tmp_p
     results = engine.generate(requests)
     assert [output_ids(results[f"r{i}"]) for i in range(len(prompts))] == references
     assert output_ids(results["base"]) == base_references[0]
+
+
+# --- loading at run time: allowed directories, LRU slots, reading again from the source ----
+
+def test_runtime_paths_must_stay_under_the_allowed_directories(tiny_case, tmp_path):
+    from workers.lora.paths import checked_adapter_dir
+
+    allowed = tmp_path / "adapters"
+    inside = allowed / "all"
+    inside.mkdir(parents=True)
+    for file in tiny_case.paths["all"].iterdir():
+        (inside / file.name).write_bytes(file.read_bytes())
+    assert checked_adapter_dir(str(inside), [str(allowed)]) == inside.resolve()
+    escape = allowed / "escape"
+    escape.symlink_to(tiny_case.paths["all"])  # a symlink leading out
+    leaky = allowed / "leaky"
+    leaky.mkdir()
+    (leaky / "adapter_config.json").symlink_to(tiny_case.paths["all"] / "adapter_config.json")
+    refused = {
+        str(tiny_case.paths["all"]): "outside the allowed",
+        str(escape): "outside the allowed",
+        str(leaky): "outside the allowed",
+        f"{allowed}/../{inside.name}": "without '..'",
+        "all": "absolute path",
+    }
+    for path, reason in refused.items():
+        with pytest.raises(AdapterError, match=reason):
+            checked_adapter_dir(path, [str(allowed)])
+    with pytest.raises(AdapterError, match="--lora-dir"):
+        checked_adapter_dir(str(inside), [])
+
+
+
+def test_least_recently_used_idle_adapter_is_evicted_and_read_again(
+        tiny_case, make_engine, fresh_tiny_qwen, smollm_tokenizer):
+    engine = tiny_engine(make_engine, fresh_tiny_qwen, smollm_tokenizer, tiny_case,
+                         max_loras=2)
+    registry = engine.adapters
+    # three start-time adapters in two slots: the first was evicted for the third
+    assert registry.held() == ["attn-rs", "mlp-pattern"] and len(registry.refs()) == 3
+    assert (registry.loads, registry.evictions) == (3, 1)
+    prompt = tiny_case.prompts[0]
+    chunks = engine.generate([adapter_request(engine, "r", prompt, "all")])["r"]
+    assert output_ids(chunks) == tiny_case.references["all"][0]  # read again from its source
+    assert registry.held() == ["mlp-pattern", "all"] and registry.evictions == 2
+    engine.generate([adapter_request(engine, "s", prompt, "mlp-pattern")])
+    assert registry.held() == ["all", "mlp-pattern"]  # used: now most recent
+
+
+def test_a_busy_adapter_is_never_evicted(tiny_case, make_engine, fresh_tiny_qwen,
+                                         smollm_tokenizer):
+    from workers.lora.registry import AdapterSlotsFull
+
+    engine = tiny_engine(make_engine, fresh_tiny_qwen, smollm_tokenizer, tiny_case,
+                         max_loras=1)
+    assert engine.adapters.held() == ["mlp-pattern"]
+    engine.add_request(adapter_request(engine, "busy", tiny_case.prompts[0], "mlp-pattern"))
+    with pytest.raises(AdapterSlotsFull, match="in use"):
+        engine.adapters.ensure(engine.adapters.refs()["all"])
+    while engine.has_work():
+        engine.step()
+    engine.adapters.ensure(engine.adapters.refs()["all"])  # idle now: evicted for it
+    assert engine.adapters.held() == ["all"]
+
+
+def test_unloading_lets_running_requests_finish_and_refuses_new_ones(
+        tiny_case, make_engine, fresh_tiny_qwen, smollm_tokenizer):
+    engine = tiny_engine(make_engine, fresh_tiny_qwen, smollm_tokenizer, tiny_case)
+    stale = engine.adapters.refs()["all"]
+    engine.add_request(adapter_request(engine, "running", tiny_case.prompts[0], "all"))
+    chunks = engine.step()  # prefilled: its first token
+    engine.adapters.unload("all")
+    while engine.has_work():
+        chunks += engine.step()
+    assert output_ids(chunks) == tiny_case.references["all"][0]
+    late = adapter_request(engine, "late", tiny_case.prompts[1], None)
+    late.adapter = dataclasses.replace(stale, source="")
+    with pytest.raises(InvalidRequestError, match="does not exist"):
+        engine.add_request(late)
+    assert engine.pool.num_in_use == 0
+
+
+def test_a_source_changed_on_disk_or_outside_the_allowed_dirs_is_refused(
+        tiny_case, make_engine, fresh_tiny_qwen, smollm_tokenizer, adapter_dir):
+    engine = tiny_engine(make_engine, fresh_tiny_qwen, smollm_tokenizer, tiny_case,
+                         lora_dirs=[str(adapter_dir.parent)])
+    ref = engine.adapters.load("copy", str(adapter_dir), runtime=True).ref
+    engine.adapters.unload("copy")
+    edit_config(adapter_dir, lora_alpha=9)  # other content under the same path
+    with pytest.raises(InvalidRequestError, match="changed since it was loaded"):
+        engine.adapters.ensure(ref)
+    outside = dataclasses.replace(engine.adapters.refs()["all"], adapter_id="elsewhere")
+    with pytest.raises(InvalidRequestError, match="outside the allowed"):
+        engine.adapters.ensure(outside)
+    with pytest.raises(AdapterError, match="already loaded"):
+        engine.adapters.load("all", str(adapter_dir), runtime=True)
+    assert engine.adapters.held() == ["all", "attn-rs", "mlp-pattern"]

@@ -12,7 +12,7 @@ install (``python -m workers.kernels``), so a worker's start only loads it. Wher
 is found, or ``NALAR_NATIVE_KERNELS=0``, it is None and attention keeps the gather path.
 ``NALAR_DISABLE_KERNELS`` names kernels (comma-separated stems: ``paged_decode``,
 ``rms_norm``, ``rope``, ``silu_mul``, ``prefill_attention``,
-``weight_linear``) to leave out alone, to compare with
+``weight_linear``, ``lora_sgmv``) to leave out alone, to compare with
 the torch path.
 
 :func:`rms_norm` is the Llama family's RMSNorm in one call instead of eight torch ops, with
@@ -21,7 +21,8 @@ the same rounding points, :func:`rope` the rotary embedding in one call instead 
 bit-identical); without them the torch ops serve. :func:`prefill_attention` is bf16 prefill
 attention on AMX tiles or in AVX512-BF16, where the CPU has either; without it torch's flash
 kernel serves. :func:`weight_linear` is the small-batch linear layer over weights kept in their
-stored format (GGUF's Q8_0, Q4_0, Q4_1; per-channel int8; bf16; fp32).
+stored format (GGUF's Q8_0, Q4_0, Q4_1; per-channel int8; bf16; fp32). :func:`lora_sgmv` adds
+the LoRA deltas of a step's rows, every adapter's in one call per projection.
 """
 
 from __future__ import annotations
@@ -126,6 +127,17 @@ def prefill_attention() -> ModuleType | None:
     raises RuntimeError for other dtypes, shapes, or block ids outside the cache."""
     module = _build("prefill_attention")
     return module if module is not None and module.backend else None
+
+
+def lora_sgmv() -> ModuleType | None:
+    """The compiled LoRA delta extension, or None where it is disabled or cannot be built.
+    Its ``lora_delta(out, x, rows, offsets, a, bt)`` adds, for each adapter ``g``, ``(x[r] @
+    a[g].T) @ bt[g]`` to ``out[r]`` for the rows ``r`` in ``rows[offsets[g]:offsets[g+1]]``:
+    ``out`` ``[T, O]`` and ``x`` ``[T, I]`` both float32 or both bfloat16 (contiguous; ``out``
+    updated in place), ``rows`` int64, ``a[g]`` ``[R_g, I]`` and ``bt[g]`` ``[R_g, O]``
+    float32 (``R_g`` may be 0: nothing to add). It raises RuntimeError for other dtypes,
+    shapes, or a row outside ``x``."""
+    return _build("lora_sgmv")
 
 
 def weight_linear() -> ModuleType | None:

@@ -13,7 +13,7 @@ from workers import kernels
 BUILDS = (("paged decode attention", "paged_decode"), ("RMSNorm", "rms_norm"),
           ("RoPE", "rope"), ("SiLU and mul", "silu_mul"),
           ("prefill attention", "prefill_attention"),
-          ("weight-streaming linear", "weight_linear"))
+          ("weight-streaming linear", "weight_linear"), ("LoRA deltas", "lora_sgmv"))
 
 
 def _built(attribute: str) -> bool:

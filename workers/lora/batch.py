@@ -1,11 +1,11 @@
 """One step's rows grouped by adapter, and the low-rank deltas they add to the base matmuls.
 
 The base projection runs once over every row of the step; then each adapter present adds
-``((x_rows @ A.T) @ B.T) * scale`` to its own rows only (the segmented gather-matmul-scatter
-of Punica's SGMV and S-LoRA, here one pair of matmuls per adapter and projection). Base rows
-take no extra work. Each delta is computed as PEFT computes it (``lora_B(lora_A(x)) *
-scaling``, in the activation dtype), so a row's result does not depend on which other adapters
-share its step.
+``(x_rows @ A.T) @ (B * scaling).T`` to its own rows only: the segmented gather-matmul-scatter
+of Punica's SGMV and S-LoRA, in float32. With the native kernel (``workers.kernels.lora_sgmv``)
+that is one call per projection for every adapter of the step; without it, torch ops per
+adapter. Base rows take no extra work. A row's delta depends only on its own input and
+adapter, so its result does not depend on which other adapters share its step.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from workers import kernels
 from workers.lora.adapter import LoraAdapter
 
 
@@ -23,25 +23,33 @@ class LoraBatch:
     """The adapters of one step's rows.
 
     Attributes:
-        segments: per adapter present, the rows it applies to: a ``slice`` when they are
-            consecutive (indexing is then a view and the delta is added in place), else a
-            ``[n]`` int64 index tensor.
+        adapters: the adapters present, in the order of ``offsets``.
+        rows: ``[n]`` int64 the rows that have an adapter, grouped by adapter: adapter ``g``'s
+            are ``rows[offsets[g]:offsets[g + 1]]``.
+        offsets: ``len(adapters) + 1`` group boundaries in ``rows``.
     """
 
-    segments: list[tuple[LoraAdapter, slice | torch.Tensor]]
+    adapters: list[LoraAdapter]
+    rows: torch.Tensor
+    offsets: list[int]
 
     @classmethod
     def of(cls, spans: list[tuple[LoraAdapter | None, int, int]],
            device: torch.device) -> LoraBatch | None:
         """The batch of a step whose rows ``[start, end)`` belong to ``adapter`` (None: the
         base model), span by span; None when no row has an adapter."""
-        by_adapter: dict[str, tuple[LoraAdapter, list[tuple[int, int]]]] = {}
+        by_adapter: dict[str, tuple[LoraAdapter, list[int]]] = {}
         for adapter, start, end in spans:
-            if adapter is not None and end > start:
-                by_adapter.setdefault(adapter.digest, (adapter, []))[1].append((start, end))
+            if adapter is not None:
+                by_adapter.setdefault(adapter.digest, (adapter, []))[1].extend(range(start, end))
         if not by_adapter:
             return None
-        return cls([(adapter, _rows(ranges, device)) for adapter, ranges in by_adapter.values()])
+        adapters, offsets, rows = [], [0], []
+        for adapter, adapter_rows in by_adapter.values():
+            adapters.append(adapter)
+            rows.extend(adapter_rows)
+            offsets.append(len(rows))
+        return cls(adapters, torch.tensor(rows, dtype=torch.long, device=device), offsets)
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, projection: str) -> None:
         """Add each adapter's delta of ``projection`` in ``layer`` to its rows of ``out``.
@@ -52,24 +60,18 @@ class LoraBatch:
             layer: the decoder layer.
             projection: a key of ``workers.lora.adapter.FUSED_PROJECTIONS``.
         """
-        for adapter, rows in self.segments:
-            delta = adapter.deltas.get((layer, projection))
-            if delta is None:
-                continue
-            update = F.linear(F.linear(x[rows], delta.a), delta.b) * delta.scale
-            if isinstance(rows, slice):
-                out[rows] += update
-            else:
-                out.index_add_(0, rows, update)
-
-
-def _rows(ranges: list[tuple[int, int]], device: torch.device) -> slice | torch.Tensor:
-    merged = [list(ranges[0])]
-    for start, end in ranges[1:]:
-        if start == merged[-1][1]:
-            merged[-1][1] = end
-        else:
-            merged.append([start, end])
-    if len(merged) == 1:
-        return slice(*merged[0])
-    return torch.cat([torch.arange(start, end, device=device) for start, end in merged])
+        deltas = [adapter.deltas.get((layer, projection)) for adapter in self.adapters]
+        native = kernels.lora_sgmv()
+        if native is not None and out.device.type == "cpu":
+            weights = self.adapters[0].dtype
+            empty_a = x.new_empty((0, x.shape[1]), dtype=weights)
+            empty_bt = x.new_empty((0, out.shape[1]), dtype=weights)
+            native.lora_delta(out, x.contiguous(), self.rows, self.offsets,
+                              [empty_a if d is None else d.a for d in deltas],
+                              [empty_bt if d is None else d.bt for d in deltas])
+            return
+        for g, delta in enumerate(deltas):
+            if delta is not None:
+                rows = self.rows[self.offsets[g]:self.offsets[g + 1]]
+                update = (x[rows].float() @ delta.a.float().t()) @ delta.bt.float()
+                out.index_add_(0, rows, update.to(out.dtype))
