@@ -196,7 +196,8 @@ class NalarWorker:
         def names(seqs) -> list[str]:
             return sorted({seq.adapter.name for seq in seqs if seq.adapter is not None})
         adapters = self.engine.adapters
-        return {"max_loras": adapters.max_loras, "loaded": len(adapters.held()),
+        held = adapters.held()
+        return {"max_loras": adapters.max_loras, "loaded": len(held), "held": held,
                 "known": len(adapters.refs()), "loads": adapters.loads,
                 "load_seconds": adapters.load_s, "evictions": adapters.evictions,
                 "running": names(scheduler.running), "waiting": names(scheduler.waiting)}

@@ -100,6 +100,7 @@ class Dashboard:
             "requests": finished.get("count", 0),
             "prompt_tokens": stats.get("prompt_tokens", 0),
             "generation_tokens": stats.get("generation_tokens", 0),
+            "adapters": list((stats.get("lora") or {}).get("held", [])),
         }
 
     def _latency(self) -> dict[str, Any]:

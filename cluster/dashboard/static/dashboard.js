@@ -43,7 +43,8 @@ function renderWorkers(workers) {
     const row = el("tr", { "data-worker": w.worker });
     row.append(cell(w.worker, "worker-id"), cell(num(w.running)), cell(num(w.waiting)),
       meter(w.kv_usage), cell(pct(w.hit_ratio)), cell(num(w.tokens_per_s, 1)),
-      cell(pct(w.acceptance)), cell(num(w.requests), "requests"));
+      cell(pct(w.acceptance)), cell(num(w.requests), "requests"),
+      cell(w.adapters.length ? w.adapters.join(", ") : "none", "adapters"));
     return row;
   }));
   const total = workers.reduce((sum, w) => sum + w.requests, 0);
