@@ -41,11 +41,12 @@ class DraftProposer:
         self.proposer = _load_proposer(config, engine_config or EngineConfig())
         self._lock = threading.Lock()
 
-    def propose(self, items: list[tuple[str, list[int], int, int]]) -> list[list[int]]:
-        """Draft token ids for each ``(request_id, token_ids, num_prompt_tokens, k)``, in
-        order: at most ``k`` each, possibly none."""
-        requests = [ProposalRequest(rid, list(tokens), prompt, k)
-                    for rid, tokens, prompt, k in items]
+    def propose(self, items: list[tuple[str, list[int], int, int, str]]) -> list[list[int]]:
+        """Draft token ids for each ``(request_id, token_ids, num_prompt_tokens, k, scope)``
+        (``workers.speculative.remote.WireItem``), in order: at most ``k`` each, possibly
+        none."""
+        requests = [ProposalRequest(rid, list(tokens), prompt, k, scope)
+                    for rid, tokens, prompt, k, scope in items]
         with self._lock:
             drafts = self.proposer.propose(requests)
         return [[int(t) for t in tokens] for tokens in drafts]

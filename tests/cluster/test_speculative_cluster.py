@@ -25,11 +25,12 @@ from workers.speculative.remote import RemoteProposer
 APP = "nalar-draft-test"
 RECOVERY_S = 30.0
 
-# (request_id, token_ids, num_prompt_tokens, k): a copy to find, a longer one, none at all.
+# (request_id, token_ids, num_prompt_tokens, k, scope): a copy to find, a longer one (under
+# an adapter's scope; ngram looks only at the request's own tokens), none at all.
 ITEMS = [
-    ("copy", [7, 8, 9, 10, 11, 7, 8], 5, 3),
-    ("long", [1, 2, 3, 4, 5, 6, 1, 2, 3], 9, 2),
-    ("none", [40, 41, 42, 43], 4, 4),
+    ("copy", [7, 8, 9, 10, 11, 7, 8], 5, 3, ""),
+    ("long", [1, 2, 3, 4, 5, 6, 1, 2, 3], 9, 2, "adapter-digest"),
+    ("none", [40, 41, 42, 43], 4, 4, ""),
 ]
 EXPECTED = [[9, 10, 11], [4, 5], []]
 

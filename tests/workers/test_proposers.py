@@ -15,12 +15,12 @@ from workers.speculative.build import build_proposer
 from workers.speculative.config import SpeculativeConfig
 from workers.speculative.ngram import NgramProposer
 from workers.speculative.proposer import ProposalRequest
-from workers.speculative.suffix import SuffixProposer
+from workers.speculative.suffix import ScopedSuffixProposer, SuffixProposer
 
 
-def req(request_id: str, token_ids: list[int], k: int = 4) -> ProposalRequest:
+def req(request_id: str, token_ids: list[int], k: int = 4, scope: str = "") -> ProposalRequest:
     return ProposalRequest(request_id=request_id, token_ids=list(token_ids),
-                           num_prompt_tokens=len(token_ids), k=k)
+                           num_prompt_tokens=len(token_ids), k=k, scope=scope)
 
 
 # -- ngram ----------------------------------------------------------------------------------
@@ -284,7 +284,28 @@ def test_build_proposer():
     ngram = build_proposer(SpeculativeConfig(method="ngram", ngram_min=2, ngram_max=5))
     assert isinstance(ngram, NgramProposer)
     assert (ngram.ngram_min, ngram.ngram_max) == (2, 5)
-    assert isinstance(build_proposer(SpeculativeConfig(method="suffix")), SuffixProposer)
+    assert isinstance(build_proposer(SpeculativeConfig(method="suffix")), ScopedSuffixProposer)
     for method in ("off", "medusa"):
         with pytest.raises(ValueError):
             build_proposer(SpeculativeConfig(method=method))
+
+
+def test_scoped_suffix_keeps_each_adapter_scopes_text_apart():
+    """Text indexed under one adapter's scope never becomes drafts of another's requests or
+    the base model's, and each scope matches what a plain index of its own text proposes."""
+    proposer = ScopedSuffixProposer(min_match=2)
+    taught = [1, 2, 3, 4, 5, 6]
+    proposer.propose([req("a", taught, scope="adapter-a")])
+    proposer.finish(["a"])
+    asks = [req("same", [9, 1, 2, 3], scope="adapter-a"), req("other", [9, 1, 2, 3],
+                                                                 scope="adapter-b"),
+            req("base", [9, 1, 2, 3])]
+    assert proposer.propose(asks) == [[4, 5, 6], [], []]
+    alone = SuffixProposer(min_match=2)
+    alone.propose([req("a", taught)])
+    alone.finish(["a"])
+    assert proposer.propose([req("again", [9, 1, 2, 3], scope="adapter-a")]) == alone.propose(
+        [req("again", [9, 1, 2, 3])])
+    assert proposer.index("adapter-b").num_tokens == 4 and proposer.index("missing") is None
+    with pytest.raises(ValueError):
+        ScopedSuffixProposer(min_match=0)

@@ -64,7 +64,7 @@ class FakeHandle:
         self.finish = FakeMethod(lambda ids: (None, 0.0))
 
     def _propose(self, items):
-        drafts = [[tokens[-1]] * (k + 2) for _, tokens, _, k in items]  # over-long on purpose
+        drafts = [[tokens[-1]] * (k + 2) for _, tokens, _, k, _ in items]  # over-long on purpose
         if self.mode == "fail":
             return RuntimeError("replica died"), 0.0
         if self.mode == "garbage":
@@ -90,8 +90,8 @@ def test_one_batched_call_per_step_token_ids_only():
     assert proposer.propose(batch(3, k=2)) == [[10, 10], [11, 11], [12, 12]]
     assert proposer.propose(batch(2, k=1)) == [[10], [11]]
     assert len(handle.propose.calls) == proposer.calls == 2
-    assert handle.propose.calls[0] == [("r0", [1, 2, 10], 2, 2), ("r1", [1, 2, 11], 2, 2),
-                                       ("r2", [1, 2, 12], 2, 2)]
+    assert handle.propose.calls[0] == [("r0", [1, 2, 10], 2, 2, ""), ("r1", [1, 2, 11], 2, 2, ""),
+                                       ("r2", [1, 2, 12], 2, 2, "")]
     assert proposer.propose([]) == [] and proposer.calls == 2
 
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 from workers.speculative.config import SpeculativeConfig
 from workers.speculative.ngram import NgramProposer
 from workers.speculative.proposer import Proposer
-from workers.speculative.suffix import SuffixProposer
+from workers.speculative.suffix import ScopedSuffixProposer
 
 
 def build_proposer(config: SpeculativeConfig) -> Proposer:
     """The proposer for ``config.method``: ``ngram`` (with the config's n-gram bounds) or
-    ``suffix`` (default index settings).
+    ``suffix`` (default index settings, one index per adapter scope).
 
     Raises:
         ValueError: ``method`` is ``off`` (nothing to build), ``model`` (built with its draft
@@ -27,7 +27,7 @@ def build_proposer(config: SpeculativeConfig) -> Proposer:
     if config.method == "ngram":
         return NgramProposer(config.ngram_min, config.ngram_max)
     if config.method == "suffix":
-        return SuffixProposer()
+        return ScopedSuffixProposer()
     if config.method == "model":
         raise ValueError("the model proposer is built with its draft model "
                          "(DraftModelProposer.load, on a draft replica) and passed in")

@@ -62,8 +62,9 @@ class SpeculativeDecoding:
             for usage in (seq.spec, self.totals):
                 usage.k_decisions[k] = usage.k_decisions.get(k, 0) + 1
             if k > 0:
+                scope = seq.adapter.digest if seq.adapter is not None else ""
                 asks.append((seq, ProposalRequest(seq.request_id, seq.token_ids,
-                                                  seq.num_prompt_tokens, k)))
+                                                  seq.num_prompt_tokens, k, scope)))
         if not asks:
             return []
         proposals, elapsed = self._call([ask for _, ask in asks])

@@ -19,12 +19,16 @@ class ProposalRequest:
         token_ids: its committed tokens, prompt then output.
         num_prompt_tokens: length of the prompt within ``token_ids``.
         k: most draft tokens wanted (>= 1).
+        scope: whose text its drafts may come from: its LoRA adapter's content digest, empty
+            for the base model. A proposer that indexes other requests (``suffix``) keeps each
+            scope's apart, so one adapter's outputs never become another's drafts.
     """
 
     request_id: str
     token_ids: list[int]
     num_prompt_tokens: int
     k: int
+    scope: str = ""
 
 
 class Proposer(Protocol):

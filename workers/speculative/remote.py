@@ -20,8 +20,8 @@ from workers.speculative.proposer import ProposalRequest
 
 log = logging.getLogger(__name__)
 
-WireItem = tuple[str, list[int], int, int]
-"""One request on the wire: (request_id, token_ids, num_prompt_tokens, k)."""
+WireItem = tuple[str, list[int], int, int, str]
+"""One request on the wire: (request_id, token_ids, num_prompt_tokens, k, scope)."""
 
 BACKOFF_INITIAL_S = 0.5
 """Seconds without remote calls after the first late or failed call."""
@@ -36,8 +36,8 @@ dropped (a replica that died lost their state anyway)."""
 
 def to_wire(requests: list[ProposalRequest]) -> list[WireItem]:
     """The batch as plain tuples of ints and strings (what crosses to a draft replica)."""
-    return [(r.request_id, [int(t) for t in r.token_ids], int(r.num_prompt_tokens), int(r.k))
-            for r in requests]
+    return [(r.request_id, [int(t) for t in r.token_ids], int(r.num_prompt_tokens), int(r.k),
+             r.scope) for r in requests]
 
 
 def from_wire(reply: Any, requests: list[ProposalRequest]) -> list[list[int]]:

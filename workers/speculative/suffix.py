@@ -288,6 +288,55 @@ class SuffixProposer:
             self._truncate(seq, 0)
 
 
+class ScopedSuffixProposer:
+    """A :class:`SuffixProposer` per scope (``ProposalRequest.scope``: the adapter's content
+    digest, empty for the base model), so text generated under one LoRA adapter never becomes
+    the drafts of another's requests, nor the base model's. Each scope's index is bounded by
+    ``max_tokens`` on its own. Not thread-safe: call from one thread.
+
+    Args:
+        **index: :class:`SuffixProposer`'s arguments, for every scope's index.
+    """
+
+    name = "suffix"
+
+    def __init__(self, **index) -> None:
+        SuffixProposer(**index)  # arguments checked now, not at the first request
+        self._index = index
+        self._indexes: dict[str, SuffixProposer] = {}
+        self._scope_of: dict[str, str] = {}
+
+    def propose(self, requests: list[ProposalRequest]) -> list[list[int]]:
+        """Each request's drafts from its own scope's index (indexing it there first)."""
+        drafts: list[list[int]] = [[] for _ in requests]
+        by_scope: dict[str, list[int]] = {}
+        for position, request in enumerate(requests):
+            self._scope_of[request.request_id] = request.scope
+            by_scope.setdefault(request.scope, []).append(position)
+        for scope, positions in by_scope.items():
+            index = self._indexes.get(scope)
+            if index is None:
+                index = self._indexes[scope] = SuffixProposer(**self._index)
+            answers = index.propose([requests[p] for p in positions])
+            for position, answer in zip(positions, answers, strict=True):
+                drafts[position] = answer
+        return drafts
+
+    def finish(self, request_ids: list[str]) -> None:
+        """The requests ended: each scope's index keeps them as corpus."""
+        by_scope: dict[str, list[str]] = {}
+        for request_id in request_ids:
+            scope = self._scope_of.pop(request_id, None)
+            if scope is not None:
+                by_scope.setdefault(scope, []).append(request_id)
+        for scope, ids in by_scope.items():
+            self._indexes[scope].finish(ids)
+
+    def index(self, scope: str = "") -> SuffixProposer | None:
+        """The index of ``scope`` (None before its first request)."""
+        return self._indexes.get(scope)
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     """Length of the longest common prefix of two token lists."""
     n = min(len(a), len(b))
