@@ -10,6 +10,11 @@ Q4_1 weights as stored) plus ``--lora-modules`` for all of them; ``nalar bench``
 model, then spread uniformly over the adapters (``--lora-adapters``), the order flipping each
 round, the same seed for both within a round.
 
+A third kind of run, ``loading``, sends the base model's requests while this script loads an
+adapter over HTTP (``POST /v1/load_lora_adapter`` with the admin key, every
+``LOAD_PERIOD_S``, each one unloaded again after), timing each load end to end: what a load
+costs the requests being served (their ITL) and how long it takes through every replica.
+
 Goal (issue 19): the adapter rounds reach at least 0.85× the base rounds' output tokens/s.
 
     .venv/bin/python benchmarks/lora.py [--adapters 4] [--rank 16] [--rounds 2] [--quick]
@@ -28,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 
 try:
@@ -44,6 +50,10 @@ LOAD = {"full": "--workload random --input-tokens 256 --output-tokens 128 "
                  "--max-concurrency 4 --num-requests 8 --warmup 1"}
 METRICS = {"output_tok_s": "output_throughput", "ttft_p50_ms": "median_ttft_ms",
            "tpot_p50_ms": "median_tpot_ms", "itl_p99_ms": "p99_itl_ms"}
+KINDS = ("base", "adapters", "loading")
+ADMIN_KEY = "lora-benchmark-admin"
+LOAD_PERIOD_S = 2.0
+"""Seconds between two adapter loads during a ``loading`` run."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -94,24 +104,50 @@ def load_times(paths: list[Path]) -> list[dict[str, Any]]:
     return times
 
 
-def bench(server: Server, label: str, lora: list[str], seed: int, quick: bool,
-          out: Path) -> dict[str, Any]:
-    """One ``nalar bench`` run: the base model (``lora`` empty) or spread over ``lora``."""
+def bench(server: Server, label: str, lora: list[str], seed: int, quick: bool, out: Path,
+          load_paths: list[Path] | None = None) -> dict[str, Any]:
+    """One ``nalar bench`` run: the base model (``lora`` empty) or spread over ``lora``; with
+    ``load_paths``, those adapters are loaded and unloaded over HTTP meanwhile, in turn."""
     command = [nalar_executable(), "bench", "--base-url", server.url, "--output-json", str(out),
                "--no-progress", "--ignore-eos", "--temperature", "0", "--seed", str(seed),
                *shlex.split(LOAD["quick" if quick else "full"])]
     if lora:
         command += ["--lora-adapters", ",".join(lora)]
-    run = subprocess.run(command, capture_output=True, text=True, env=checkout_env(),
-                         cwd=common.REPO_ROOT)
-    if run.returncode != 0:
-        raise RuntimeError(f"nalar bench failed: {shlex.join(command)}\n{run.stderr[-2000:]}")
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=checkout_env(), cwd=common.REPO_ROOT)
+    load_s = load_while(server, process, load_paths) if load_paths else []
+    _, stderr = process.communicate()
+    if process.returncode != 0:
+        raise RuntimeError(f"nalar bench failed: {shlex.join(command)}\n{stderr[-2000:]}")
     report = json.loads(out.read_text())
     figures = {name: report[key] for name, key in METRICS.items()}
     common.log(f"{label}: {figures['output_tok_s']:.1f} tok/s, TTFT p50 "
-               f"{figures['ttft_p50_ms']:.0f} ms, ITL p99 {figures['itl_p99_ms']:.0f} ms")
-    return {"command": shlex.join(command), "completed": report["completed"],
-            "failed": report["failed"], **figures}
+               f"{figures['ttft_p50_ms']:.0f} ms, ITL p99 {figures['itl_p99_ms']:.0f} ms"
+               + (f", {len(load_s)} loads" if load_paths else ""))
+    entry = {"command": shlex.join(command), "completed": report["completed"],
+             "failed": report["failed"], **figures}
+    if load_paths:
+        entry["adapter_load_s"] = load_s
+    return entry
+
+
+def load_while(server: Server, process: subprocess.Popen, paths: list[Path]) -> list[float]:
+    """Load (then unload) one of ``paths`` every ``LOAD_PERIOD_S`` until ``process`` ends;
+    returns each load's seconds, request to answer (every replica has read it)."""
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    seconds = []
+    with httpx.Client(base_url=server.url, headers=headers, timeout=120) as client:
+        while process.poll() is None:
+            time.sleep(LOAD_PERIOD_S)
+            path = paths[len(seconds) % len(paths)]
+            name = f"loaded-{len(seconds)}"
+            started = time.perf_counter()
+            answer = client.post("/v1/load_lora_adapter",
+                                 json={"lora_name": name, "lora_path": str(path)})
+            answer.raise_for_status()
+            seconds.append(time.perf_counter() - started)
+            client.post("/v1/unload_lora_adapter", json={"lora_name": name}).raise_for_status()
+    return seconds
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -127,21 +163,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     port = free_port()
     modules = [f"{path.name}={path}" for path in paths]
     server = Server("ours", [nalar_executable(), "serve", "--port", str(port), "--lora-modules",
-                             *modules, *shlex.split(args.nalar_args)],
+                             *modules, "--lora-dir", str(Path(args.adapter_dir).absolute()),
+                             "--admin-api-key", ADMIN_KEY, *shlex.split(args.nalar_args)],
                     port, "/v1/models", runs / "server.log",
                     env=checkout_env(RAY_TMPDIR=str(ray_tmp)), ray_tmp=ray_tmp)
     rounds = []
     try:
         startup_s = server.start(args.start_timeout)
         for index in range(args.rounds):
-            order = ["base", "adapters"] if index % 2 == 0 else ["adapters", "base"]
+            order = list(KINDS[index % 3:] + KINDS[:index % 3])  # each kind leads in turn
             entry: dict[str, Any] = {"round": index + 1, "order": order}
             for kind in order:
                 entry[kind] = bench(server, f"round {index + 1} {kind}",
                                     names if kind == "adapters" else [], 1000 + index,
-                                    args.quick, runs / f"round{index + 1}-{kind}.json")
+                                    args.quick, runs / f"round{index + 1}-{kind}.json",
+                                    paths if kind == "loading" else None)
             entry["ratio"] = {m: common.ratio(entry["adapters"][m], entry["base"][m])
                               for m in METRICS}
+            entry["loading_ratio"] = {m: common.ratio(entry["loading"][m], entry["base"][m])
+                                      for m in METRICS}
             rounds.append(entry)
     finally:
         server.stop()
