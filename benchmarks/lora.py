@@ -6,9 +6,10 @@ Adapters are made by peft (``get_peft_model`` on the embedded SmolLM2-135M, seed
 and cached under ``--adapter-dir``. Each adapter's load (read, check, digest, fuse: what a
 worker does at start) is timed in this process. The server runs the defaults (the embedded
 Q4_1 weights as stored) plus ``--lora-modules`` for all of them; ``nalar bench`` sends random
-256-token chat prompts, 128 output tokens, greedy, EOS ignored, first with ``model`` the base
-model, then spread uniformly over the adapters (``--lora-adapters``), the order flipping each
-round, the same seed for both within a round.
+256-token chat prompts, 128 output tokens, greedy, EOS ignored, with ``model`` the base model
+and spread uniformly over the adapters (``--lora-adapters``), the kinds' order turning each
+round. Base and adapter runs of a round send the same prompts: their block digests differ (the
+adapter is in every digest), so neither reuses the other's prefix cache.
 
 A third kind of run, ``loading``, sends the base model's requests while this script loads an
 adapter over HTTP (``POST /v1/load_lora_adapter`` with the admin key, every
@@ -174,8 +175,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             order = list(KINDS[index % 3:] + KINDS[:index % 3])  # each kind leads in turn
             entry: dict[str, Any] = {"round": index + 1, "order": order}
             for kind in order:
+                # base and loading both run the base model: other prompts (another seed), or
+                # the second would hit the first's prefix cache
+                seed = 1000 + index + (500 if kind == "loading" else 0)
                 entry[kind] = bench(server, f"round {index + 1} {kind}",
-                                    names if kind == "adapters" else [], 1000 + index,
+                                    names if kind == "adapters" else [], seed,
                                     args.quick, runs / f"round{index + 1}-{kind}.json",
                                     paths if kind == "loading" else None)
             entry["ratio"] = {m: common.ratio(entry["adapters"][m], entry["base"][m])
