@@ -132,14 +132,14 @@ class LLMEngine:
         # Refuse, naming them, features the paged runner would silently drop; before the
         # runner fuses the model's weights.
         check_supported(model_config, self.max_model_len, self.loaded.model)
+        self.runner = ModelRunner(self.loaded.model, kv_cache)
+        refusal = (None if self.runner.implementation == "compact" else
+                   f"LoRA adapters need a Llama-style model; "
+                   f"{type(self.loaded.model).__name__} runs on transformers' modules")
         self.adapters = AdapterRegistry(BaseShapes.of(self.loaded.model), self.loaded.dtype,
                                         self.loaded.device, config.max_lora_rank,
                                         config.max_loras, config.lora_dirs,
-                                        self.adapters_in_use)
-        self.runner = ModelRunner(self.loaded.model, kv_cache)
-        if config.lora_modules and self.runner.implementation != "compact":
-            raise ValueError(f"LoRA adapters need a Llama-style model; "
-                             f"{type(self.loaded.model).__name__} runs on transformers' modules")
+                                        self.adapters_in_use, refusal)
         self.identity = CacheIdentity(self.loaded.model_digest,
                                       numerics_tag(self.loaded.device, self.runner.kernels),
                                       config.block_size)

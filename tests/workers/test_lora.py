@@ -410,3 +410,25 @@ def test_a_source_changed_on_disk_or_outside_the_allowed_dirs_is_refused(
     with pytest.raises(AdapterError, match="already loaded"):
         engine.adapters.load("all", str(adapter_dir), runtime=True)
     assert engine.adapters.held() == ["all", "attn-rs", "mlp-pattern"]
+
+
+def test_a_model_on_transformers_modules_refuses_adapters(tiny_case, make_engine,
+                                                          smollm_tokenizer):
+    """Phi-3 runs on transformers' own modules, which apply no deltas: an adapter there would
+    be served as the base model under the adapter's digests, so every load is refused."""
+    from test_architectures import build_phi3
+
+    from workers.model_loader import LoadedModel, model_digest
+
+    model = build_phi3()
+    loaded = LoadedModel(model, smollm_tokenizer, model_digest(model), "tiny-phi3",
+                         Path("tiny-phi3"))
+    engine = make_engine(loaded, num_blocks=32)
+    assert engine.runner.implementation == "transformers"
+    with pytest.raises(AdapterError, match="need a Llama-style model; Phi3ForCausalLM"):
+        engine.adapters.load("all", str(tiny_case.paths["all"]))
+    with pytest.raises(AdapterError, match="need a Llama-style model"):
+        make_engine(loaded, num_blocks=32, lora_modules={"all": str(tiny_case.paths["all"])})
+    ref = AdapterRef("all", "00" * 32, str(tiny_case.paths["all"]))
+    with pytest.raises(InvalidRequestError, match="need a Llama-style model"):
+        engine.adapters.ensure(ref)

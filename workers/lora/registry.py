@@ -45,6 +45,8 @@ class AdapterRegistry:
         max_loras: most adapters held at once (``--max-loras``).
         lora_dirs: the directories adapters loaded at run time may be read from.
         in_use: the names of the adapters some sequence is using now (never evicted).
+        refusal: why this engine cannot apply adapters (its model runs on transformers'
+            modules), or None: every load is refused with it.
 
     Attributes:
         loads, evictions: adapters read and evicted since start.
@@ -54,7 +56,7 @@ class AdapterRegistry:
     def __init__(self, shapes: BaseShapes, dtype: torch.dtype, device: torch.device,
                  max_rank: int,
                  max_loras: int, lora_dirs: list[str] | None = None,
-                 in_use: Callable[[], set[str]] = set):
+                 in_use: Callable[[], set[str]] = set, refusal: str | None = None):
         self.shapes = shapes
         self.weight_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         self.device = device
@@ -62,6 +64,7 @@ class AdapterRegistry:
         self.max_loras = max_loras
         self.lora_dirs = list(lora_dirs or [])
         self._in_use = in_use
+        self._refusal = refusal
         self._adapters: OrderedDict[str, LoraAdapter] = OrderedDict()
         self._known: dict[str, AdapterRef] = {}
         self._lock = threading.Lock()  # loads run off the engine thread
@@ -77,8 +80,9 @@ class AdapterRegistry:
                 ``--lora-modules`` may be anywhere.
 
         Raises:
-            AdapterError: the path is not allowed, the adapter is malformed or does not fit
-                (``load_adapter``), or another adapter is known under ``name``.
+            AdapterError: this engine cannot apply adapters, the path is not allowed, the
+                adapter is malformed or does not fit (``load_adapter``), or another adapter is
+                known under ``name``.
             AdapterSlotsFull: no slot can be freed.
         """
         adapter = self._read(name, path, runtime)
@@ -168,6 +172,8 @@ class AdapterRegistry:
             return dict(self._known)
 
     def _read(self, name: str, path: str | Path, runtime: bool) -> LoraAdapter:
+        if self._refusal is not None:
+            raise AdapterError(self._refusal)
         directory = checked_adapter_dir(str(path), self.lora_dirs) if runtime else Path(path)
         started = time.perf_counter()
         adapter = load_adapter(name, directory, self.shapes, self.max_rank, self.weight_dtype,
