@@ -27,6 +27,32 @@ from workers.speculative.remote import RemoteProposer
 log = logging.getLogger(__name__)
 
 
+class TokenRate:
+    """Tokens this worker computes per second while it computes: an exponentially weighted
+    mean of the rate between two readings of its token counter, over readings in which the
+    counter moved (an idle worker keeps its last rate). 0 until the first such reading.
+
+    Args:
+        weight: the newest rate's share of the mean, in (0, 1].
+    """
+
+    def __init__(self, weight: float = 0.3):
+        self.weight = weight
+        self.rate = 0.0
+        self._last: tuple[int, float] | None = None
+
+    def update(self, tokens: int, now: float) -> float:
+        """The rate after a reading of ``tokens`` computed in all at ``now`` (seconds)."""
+        if self._last is not None:
+            last_tokens, last_time = self._last
+            if tokens > last_tokens and now > last_time:
+                rate = (tokens - last_tokens) / (now - last_time)
+                self.rate = rate if not self.rate else (
+                    self.weight * rate + (1 - self.weight) * self.rate)
+        self._last = (tokens, now)
+        return self.rate
+
+
 def replica_worker_id() -> str:
     """The id the router knows this replica by (Ray Serve gives a replacement a new one)."""
     return serve.get_replica_context().replica_id.unique_id
@@ -59,6 +85,7 @@ class NalarWorker:
                                         self.engine.pool.cached_digests,
                                         config.worker_ttl_s / 3)
         self.async_engine = AsyncEngine(self.engine, self.publisher.submit_threadsafe)
+        self._token_rate = TokenRate()
         self.startup_s = time.perf_counter() - started
         log.info("worker %s ready in %.1f s: %d KV blocks of %d tokens, dtype %s", self.worker_id,
                  self.startup_s, self.engine.pool.num_blocks, config.block_size,
@@ -141,10 +168,15 @@ class NalarWorker:
         (as the dict Serve carries)."""
         scheduler = self.engine.scheduler
         per_request = self.engine.load_by_request()
+        counters = self.engine.counters
+        rate = self._token_rate.update(counters.prefill_tokens + counters.decode_tokens,
+                                       time.monotonic())
+        adapters = self.engine.adapters
         return RoutingStats(queued_tokens=sum(per_request.values()), requests=per_request,
                             running=len(scheduler.running), waiting=len(scheduler.waiting),
                             time=time.time(), model_key=self.identity.model_key,
-                            worker_id=self.worker_id).to_wire()
+                            worker_id=self.worker_id, adapters=adapters.held_digests(),
+                            adapter_read_tokens=round(adapters.mean_read_s() * rate)).to_wire()
 
     def record_replica_metadata(self) -> dict:
         """Static facts the router reads once (:class:`~contract.load.ReplicaMetadata`): the

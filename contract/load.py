@@ -45,6 +45,9 @@ class RoutingStats:
             can drop its own count of requests this report already includes; None when unknown.
         model_key: ``CacheIdentity.model_key`` (hex) the worker publishes its digests under.
         worker_id: the replica's id.
+        adapters: content digests of the LoRA adapters it holds (None: not reported).
+        adapter_read_tokens: what reading an adapter it does not hold costs there, in tokens
+            of work: its measured mean read time times its measured tokens per second.
     """
 
     queued_tokens: int = 0
@@ -54,6 +57,8 @@ class RoutingStats:
     time: float | None = None
     model_key: str | None = None
     worker_id: str | None = None
+    adapters: list[str] | None = None
+    adapter_read_tokens: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         """The report as a plain dict, keyed by this class's field names."""
@@ -72,7 +77,9 @@ class RoutingStats:
                    waiting=_count(stats.get("waiting")),
                    time=_seconds(stats.get("time")),
                    model_key=_key(stats.get("model_key")),
-                   worker_id=_key(stats.get("worker_id")))
+                   worker_id=_key(stats.get("worker_id")),
+                   adapters=_keys(stats.get("adapters")),
+                   adapter_read_tokens=_count(stats.get("adapter_read_tokens")))
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,12 @@ def _seconds(value: Any) -> float | None:
 
 def _key(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
+
+
+def _keys(values: Any) -> list[str] | None:
+    if not isinstance(values, (list, tuple)):
+        return None
+    return [value for value in values if _key(value)]
 
 
 def _request_tokens(requests: Any) -> dict[str, int] | None:

@@ -6,6 +6,8 @@ in tokens:
     score(replica) = prompt tokens the replica would still prefill
                      (uncached, at least 1: the last token is always recomputed for its logits)
                    + tokens of work already queued or running there
+                   + for a LoRA request, reading its adapter where the replica does not hold
+                     it (the replica's measured read time at its measured tokens per second)
 
 The cached part comes from the digest index (which replicas hold the longest leading chain of the
 prompt's block digests); the load part from each replica's periodic routing stats plus the work
@@ -60,12 +62,15 @@ class ReplicaView:
         load_tokens: tokens of work queued or running there (reported plus sent since).
         other_prefixes: distinct prompt prefixes other than this one that this router
             recently sent there (``SentPrefixes.other_prefixes``).
+        adapter_tokens: what reading the request's LoRA adapter costs there, in tokens of work
+            (0 where it is held, or the request has none).
     """
 
     worker_id: str
     cached_blocks: int | None
     load_tokens: int
     other_prefixes: int = 0
+    adapter_tokens: int = 0
 
 
 class RoutingPolicy(ABC):
@@ -165,9 +170,10 @@ class PrefixPolicy(RoutingPolicy):
         self.block_size = block_size
 
     def score(self, view: ReplicaView, prompt_len: int) -> int:
-        """Tokens of work ahead of this request's first output token on that replica."""
+        """Tokens of work ahead of this request's first output token on that replica: its
+        prefill there, the load there, and reading its adapter where it is not held."""
         prefill = uncached_tokens(prompt_len, view.cached_blocks or 0, self.block_size)
-        return prefill + view.load_tokens
+        return prefill + view.load_tokens + view.adapter_tokens
 
     def _rank(self, views: Sequence[ReplicaView], prompt_len: int) -> list[str]:
         if any(view.cached_blocks is None for view in views):

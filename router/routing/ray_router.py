@@ -221,7 +221,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         plan = routing_input(pending_request)
         lookup = await self._look_up(plan, by_id)
         recorded = self._recorded_blocks(plan, lookup, by_id, now)
-        views = [self._view(wid, plan, lookup, recorded, loads[wid], now) for wid in by_id]
+        views = [self._view(wid, plan, lookup, recorded, loads[wid], now,
+                            _adapter_tokens(replica, plan)) for wid, replica in by_id.items()]
         ranked = self._policy.choose(views, plan.prompt_len if plan else 0)
         key = _request_key(pending_request)
         self._record_sent(key, ranked[0], plan, lookup, now, recorded)
@@ -229,7 +230,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         return [by_id[wid] for wid in ranked]
 
     def _view(self, worker_id: str, plan: RoutingInput | None, lookup: Lookup,
-              recorded: Mapping[str, int] | None, load_tokens: int, now: float) -> ReplicaView:
+              recorded: Mapping[str, int] | None, load_tokens: int, now: float,
+              adapter_tokens: int = 0) -> ReplicaView:
         """What the policy sees of one candidate. Its credited blocks are at least those of a
         request in flight there: they are pinned or being computed, and the index hears of
         them only once they are."""
@@ -242,7 +244,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         # A prompt under one block leaves nothing cached: where it goes is a matter of load.
         other = (self._sent_prefixes.other_prefixes(worker_id, plan.digests, now)
                  if plan.digests else 0)
-        return ReplicaView(worker_id, credited, load_tokens, other)
+        return ReplicaView(worker_id, credited, load_tokens, other, adapter_tokens)
 
     async def _look_up(self, plan: RoutingInput | None, candidates: Mapping[str, Any]) -> Lookup:
         """The index's answer for this request, as far as the policy wants one.
@@ -472,3 +474,14 @@ class PrefixAwareRequestRouter(RequestRouter):
                 self._lookup.forget_in_background(model_key, worker_id)
         except Exception:
             logger.exception("Could not forget dead replica %s.", replica_id)
+
+
+def _adapter_tokens(replica: Any, plan: RoutingInput | None) -> int:
+    """What reading the request's adapter costs on ``replica``, in tokens of work: 0 for a base
+    request, an adapter the replica reports holding, or a replica that reports nothing."""
+    if plan is None or plan.adapter_digest is None:
+        return 0
+    stats = RoutingStats.from_wire(getattr(replica, "routing_stats", None))
+    if stats.adapters is None or plan.adapter_digest in stats.adapters:
+        return 0
+    return stats.adapter_read_tokens

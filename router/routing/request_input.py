@@ -28,12 +28,14 @@ class RoutingInput:
         decode_tokens: output tokens the request may produce: ``sampling.max_tokens`` times
             ``sampling.n`` (the choices decode separately).
         request_id: the request's id, as the worker lists it in its routing stats.
+        adapter_digest: the content digest of its LoRA adapter (None: the base model).
     """
 
     prompt_len: int
     digests: list[bytes]
     decode_tokens: int
     request_id: str | None = None
+    adapter_digest: str | None = None
 
     def work_tokens(self, cached_blocks: int, block_size: int) -> int:
         """Tokens of work (:func:`contract.load.work_tokens`) the request adds to a worker
@@ -71,8 +73,10 @@ def routing_input(pending_request: Any) -> RoutingInput | None:
     if not all(isinstance(d, bytes) and len(d) == DIGEST_SIZE for d in digests):
         return None
     request_id = getattr(request, "request_id", None)
+    adapter = getattr(getattr(request, "adapter", None), "weights_digest", None)
     return RoutingInput(len(token_ids), list(digests), _decode_tokens(request),
-                        request_id if isinstance(request_id, str) else None)
+                        request_id if isinstance(request_id, str) else None,
+                        adapter if isinstance(adapter, str) and adapter else None)
 
 
 def _decode_tokens(request: Any) -> int:

@@ -726,3 +726,51 @@ def test_replica_update_publishes_the_redeployed_keys(monkeypatch):
     router.update_replicas([FakeReplica("new", metadata={"model_key": "v2"})])
     assert REPLICA_MODEL_KEYS.keys(("nalar", "worker")) == {"v2"}
     assert router._worker_model_keys == {"new": "v2"}
+
+
+# ---- LoRA adapters: residency costed in tokens ------------------------------------------------
+
+
+async def test_an_adapter_request_goes_where_its_adapter_is_held_unless_load_outweighs_it():
+    """The read costs the replica's reported tokens; held there costs nothing. Equal loads:
+    the holder wins. A load gap larger than the read: the read is worth it."""
+    from contract.identity import AdapterRef
+
+    adapter = AdapterRef("sql", "ab" * 32, "/adapters/sql")
+
+    def replicas(holder_load: int, other_load: int) -> list[FakeReplica]:
+        return [FakeReplica("holder", {"queued_tokens": holder_load, "adapters": ["ab" * 32],
+                                       "adapter_read_tokens": 40}),
+                FakeReplica("other", {"queued_tokens": other_load, "adapters": [],
+                                      "adapter_read_tokens": 40})]
+
+    def request(salt: str) -> GenerationRequest:
+        req = gen_request(64, salt=salt)
+        req.adapter = adapter
+        return req
+
+    for seed in range(4):  # a fresh router each time: no work of its own sent anywhere yet
+        router = make_router(FakeIndex(), seed=seed)
+        assert await route(router, replicas(100, 100), pending(request(f"a{seed}"))) == "holder"
+    router = make_router(FakeIndex())
+    assert await route(router, replicas(100, 100), pending(request("b"))) == "holder"
+    # what it sent there (64 + 16 tokens) now outweighs the read (40): the next goes elsewhere
+    assert await route(router, replicas(100, 100), pending(request("c"))) == "other"
+    router = make_router(FakeIndex())
+    assert await route(router, replicas(1000, 100), pending(request("b"))) == "other"
+    base = gen_request(64, salt="c")  # no adapter: residency plays no part
+    chosen = Counter()
+    for i in range(6):
+        router = make_router(FakeIndex(), seed=i)
+        chosen[await route(router, replicas(100, 100), pending(base))] += 1
+    assert set(chosen) == {"holder", "other"}
+
+
+def test_token_rate_follows_busy_readings_and_keeps_it_when_idle():
+    from cluster.worker_deployment import TokenRate
+
+    rate = TokenRate(weight=0.5)
+    assert rate.update(0, 0.0) == 0.0
+    assert rate.update(200, 1.0) == 200.0
+    assert rate.update(600, 2.0) == 300.0  # (400 + 200) / 2
+    assert rate.update(600, 5.0) == 300.0  # idle: the last rate stands

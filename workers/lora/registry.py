@@ -165,6 +165,16 @@ class AdapterRegistry:
         with self._lock:
             return list(self._adapters)
 
+    def held_digests(self) -> list[str]:
+        """Content digests of the adapters held now."""
+        with self._lock:
+            return [adapter.digest for adapter in self._adapters.values()]
+
+    def mean_read_s(self) -> float:
+        """Mean seconds an adapter read took here (0 before the first)."""
+        with self._lock:
+            return self.load_s / self.loads if self.loads else 0.0
+
     def refs(self) -> dict[str, AdapterRef]:
         """Name → :class:`AdapterRef` of every adapter known: held, or evicted and read again
         from its source when a request needs it."""
