@@ -75,6 +75,7 @@ def test_killed_replica_means_no_drafts_then_recovery(draft_handle):
     actor = ray.get_actor(f"SERVE_REPLICA::{APP}#{DRAFT_DEPLOYMENT}#{replica}",
                           namespace="serve")
     ray.kill(actor, no_restart=True)
+    _wait_until_dead(actor)  # ray.kill returns before the actor is gone
 
     empty_steps, slowest_s, recovered = 0, 0.0, False
     stop = time.monotonic() + RECOVERY_S
@@ -94,6 +95,17 @@ def test_killed_replica_means_no_drafts_then_recovery(draft_handle):
     assert recovered, f"no drafts {RECOVERY_S} s after the kill"
     new_replica = draft_handle.describe.remote().result(timeout_s=30)["replica_id"]
     assert new_replica != replica
+
+
+def _wait_until_dead(actor, timeout_s: float = 10.0) -> None:
+    """Returns once a call to ``actor`` fails (or after ``timeout_s``)."""
+    stop = time.monotonic() + timeout_s
+    while time.monotonic() < stop:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=1.0)
+        except Exception:  # noqa: BLE001 - any failure means the actor is gone
+            return
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
