@@ -150,14 +150,14 @@ ENGINE_METRICS: tuple[Series, ...] = (
            "Remote draft calls that missed their deadline (no drafts that step)."),
     Series("spec_decode_draft_failures", "counter", at("draft_failures"),
            "Remote draft calls that failed (no drafts that step)."),
+    Series("spec_decode_draft_skipped", "counter", at("draft_skipped"),
+           "Draft batches given no drafts without a call while backing off from the replicas."),
     Series("lora_adapter_loads", "counter", at("lora", "loads"),
            "LoRA adapters read (start, run-time loads, and reads again after an eviction)."),
     Series("lora_adapter_load_seconds", "counter", at("lora", "load_seconds"),
            "Seconds spent reading LoRA adapters."),
     Series("lora_adapter_evictions", "counter", at("lora", "evictions"),
            "LoRA adapters evicted from a full set of slots (least recently used, idle)."),
-    Series("spec_decode_draft_skipped", "counter", at("draft_skipped"),
-           "Draft batches given no drafts without a call while backing off from the replicas."),
 )
 
 HISTOGRAM_DOCS = {

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from workers import kernels
-from workers.lora.adapter import LoraAdapter
+from workers.lora.adapter import LoraAdapter, LoraDelta
 
 
 @dataclass(frozen=True)
@@ -61,14 +61,17 @@ class LoraBatch:
             projection: a key of ``workers.lora.adapter.FUSED_PROJECTIONS``.
         """
         deltas = [adapter.deltas.get((layer, projection)) for adapter in self.adapters]
+        if all(delta is None for delta in deltas):
+            return
         native = kernels.lora_sgmv()
         if native is not None and out.device.type == "cpu":
-            weights = self.adapters[0].dtype
-            empty_a = x.new_empty((0, x.shape[1]), dtype=weights)
-            empty_bt = x.new_empty((0, out.shape[1]), dtype=weights)
+            if any(delta is None for delta in deltas):  # rank 0: the kernel skips that group
+                weights = self.adapters[0].dtype
+                empty = (x.new_empty((0, x.shape[1]), dtype=weights),
+                         x.new_empty((0, out.shape[1]), dtype=weights))
+                deltas = [delta or LoraDelta(*empty) for delta in deltas]
             native.lora_delta(out, x.contiguous(), self.rows, self.offsets,
-                              [empty_a if d is None else d.a for d in deltas],
-                              [empty_bt if d is None else d.bt for d in deltas])
+                              [delta.a for delta in deltas], [delta.bt for delta in deltas])
             return
         for g, delta in enumerate(deltas):
             if delta is not None:
