@@ -99,8 +99,12 @@ def _lora_flags(serve_cmd) -> None:
     lora.add_argument("--max-lora-rank", type=int, default=None,
                       help="largest adapter rank accepted (default 64)")
     lora.add_argument("--max-loras", type=int, default=None,
-                      help="most adapters a worker holds (default 8); the least recently "
-                           "used idle one is evicted for another and read again when needed")
+                      help="most adapters resident on a worker, batched in its steps "
+                           "(default 8); the least recently used idle one makes room")
+    lora.add_argument("--max-cpu-loras", type=int, default=None,
+                      help="most adapters a worker holds counting those in host memory "
+                           "(default: --max-loras, no host tier); others are read again "
+                           "from disk when needed")
     lora.add_argument("--lora-dir", action="append", default=None, dest="lora_dirs",
                       metavar="DIR",
                       help="POST /v1/load_lora_adapter may read adapters under DIR "

@@ -98,10 +98,12 @@ class ClusterConfig(BaseModel):
     LoRA (``workers.lora``): ``lora_modules`` maps a ``model`` name to a PEFT adapter
     directory every worker loads at start (absolute paths: the workers do not share the CLI's
     working directory); ``max_lora_rank`` is the largest rank accepted, ``max_loras`` the most
-    adapters a worker holds (the least recently used idle one is evicted for another, and read
-    again when a request needs it). ``admin_api_key`` (default ``$NALAR_ADMIN_API_KEY``) turns
-    on ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` for that key only; they
-    read adapters only from under ``lora_dirs``.
+    adapters resident on a worker (the least recently used idle one makes room for another),
+    ``max_cpu_loras`` the most it holds counting those moved to host memory (None:
+    ``max_loras``); one held nowhere is read again from its directory when a request needs it.
+    ``admin_api_key`` (default ``$NALAR_ADMIN_API_KEY``) turns on ``POST /v1/load_lora_adapter``
+    and ``/v1/unload_lora_adapter`` for that key only; they read adapters only from under
+    ``lora_dirs``.
 
     Raises:
         pydantic.ValidationError: a field out of range, ``ngram_min > ngram_max``, workers
@@ -159,6 +161,7 @@ class ClusterConfig(BaseModel):
     lora_modules: dict[str, str] = Field(default_factory=dict)
     max_lora_rank: int = Field(64, ge=1)
     max_loras: int = Field(8, ge=1)
+    max_cpu_loras: int | None = Field(None, ge=1)
     lora_dirs: list[str] = Field(default_factory=list)
     admin_api_key: SecretStr | None = Field(
         default_factory=lambda: SecretStr(os.environ["NALAR_ADMIN_API_KEY"])
@@ -204,6 +207,13 @@ class ClusterConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _host_tier_holds_the_resident(self) -> ClusterConfig:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"--max-cpu-loras {self.max_cpu_loras} is below --max-loras "
+                             f"{self.max_loras}: it counts the resident adapters too")
+        return self
+
+    @model_validator(mode="after")
     def _valid_speculation(self) -> ClusterConfig:
         self.speculative_config()
         return self
@@ -236,7 +246,7 @@ class ClusterConfig(BaseModel):
             max_model_len=self.max_model_len, num_threads=self.threads_per_worker(),
             speculative=self.speculative_config(), lora_modules=self.lora_modules,
             max_lora_rank=self.max_lora_rank, max_loras=self.max_loras,
-            lora_dirs=self.lora_dirs)
+            max_cpu_loras=self.max_cpu_loras, lora_dirs=self.lora_dirs)
 
     def speculative_config(self) -> SpeculativeConfig:
         """The workers' speculative decoding settings.

@@ -156,8 +156,15 @@ ENGINE_METRICS: tuple[Series, ...] = (
            "LoRA adapters read (start, run-time loads, and reads again after an eviction)."),
     Series("lora_adapter_load_seconds", "counter", at("lora", "load_seconds"),
            "Seconds spent reading LoRA adapters."),
+    Series("lora_adapter_swaps", "counter", at("lora", "swaps"),
+           "LoRA adapters moved back from the host tier to a resident slot."),
+    Series("lora_adapter_swap_seconds", "counter", at("lora", "swap_seconds"),
+           "Seconds spent moving LoRA adapters back from the host tier."),
     Series("lora_adapter_evictions", "counter", at("lora", "evictions"),
-           "LoRA adapters evicted from a full set of slots (least recently used, idle)."),
+           "LoRA adapters evicted from a full set of resident slots (least recently used, "
+           "idle): to the host tier, or dropped without one."),
+    Series("lora_adapter_host_evictions", "counter", at("lora", "host_evictions"),
+           "LoRA adapters dropped from a full host tier (read from disk when next needed)."),
 )
 
 HISTOGRAM_DOCS = {
@@ -253,8 +260,10 @@ def lora_families(workers: list[dict[str, Any]]) -> Iterator[Metric]:
     info = _family("lora_requests_info", "gauge",
                    "LoRA adapters of running and waiting requests (value: Unix time).",
                    LABELS + ["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
-    loaded = _family("lora_adapters_loaded", "gauge", "LoRA adapters held by the worker.",
-                     LABELS)
+    loaded = _family("lora_adapters_loaded", "gauge",
+                     "LoRA adapters held by the worker, per tier: resident (batched in its "
+                     "steps) or host (in host memory, moved back when a request needs it).",
+                     LABELS + ["tier"])
     now = time.time()
     for stats in workers:
         lora = stats.get("lora")
@@ -263,7 +272,8 @@ def lora_families(workers: list[dict[str, Any]]) -> Iterator[Metric]:
         labels = _labels(stats)
         info.add_metric(labels + [str(lora["max_loras"]), ",".join(lora["running"]),
                                   ",".join(lora["waiting"])], now)
-        loaded.add_metric(labels, lora["loaded"])
+        loaded.add_metric(labels + ["resident"], lora["loaded"])
+        loaded.add_metric(labels + ["host"], len(lora.get("hosted", ())))
     yield from (info, loaded)
 
 

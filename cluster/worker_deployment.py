@@ -24,6 +24,11 @@ from workers.engine import LLMEngine
 from workers.lora.registry import AdapterSlotsFull
 from workers.speculative.remote import RemoteProposer
 
+# A request whose adapter finds every resident slot in use waits for one, polling this often
+# (a slot frees when a sequence finishes: a step or more), and gets a 503 after this long.
+ADAPTER_SLOT_POLL_S = 0.02
+ADAPTER_SLOT_WAIT_S = 30.0
+
 log = logging.getLogger(__name__)
 
 
@@ -99,7 +104,11 @@ class NalarWorker:
         A dead engine raises ``EngineDeadError`` before that chunk.
         """
         await self._ensure_adapter(request)
-        chunks = self.async_engine.submit(request)
+        try:
+            chunks = self.async_engine.submit(request)
+        except BaseException:
+            self.engine.adapters.release(request.adapter)  # never reaches the engine's admit
+            raise
         try:
             yield GenerationChunk(request.request_id, [], "", None, len(request.token_ids), 0,
                                   0, self.worker_id)
@@ -110,19 +119,33 @@ class NalarWorker:
             chunks.close()  # a cancelled or abandoned stream aborts its request
 
     async def _ensure_adapter(self, request: GenerationRequest) -> None:
-        """Read the request's adapter first if this replica does not hold it (evicted, or
-        loaded on other replicas only), in a thread: the engine keeps stepping meanwhile.
+        """Make the request's adapter resident (``AdapterRegistry.ensure``) in a thread, so
+        the engine keeps stepping meanwhile: moved back from the host tier, or read if this
+        replica does not hold it (evicted, or loaded on other replicas only). While every
+        resident slot is in use the request waits, as vLLM's scheduler keeps it waiting, up to
+        ``ADAPTER_SLOT_WAIT_S``.
 
         Raises:
-            OverloadedError: every adapter slot is in use (503, retry).
+            OverloadedError: every adapter slot stayed in use that long (503, retry).
             InvalidRequestError: the adapter cannot be read or changed on disk (404).
         """
         if request.adapter is None:
             return
-        try:
-            await asyncio.to_thread(self.engine.adapters.ensure, request.adapter)
-        except AdapterSlotsFull as exc:
-            raise OverloadedError(str(exc), retry_after_s=1.0) from exc
+        adapters, ref = self.engine.adapters, request.adapter
+        deadline = time.monotonic() + ADAPTER_SLOT_WAIT_S
+        while True:
+            ensured = asyncio.ensure_future(asyncio.to_thread(adapters.ensure, ref))
+            try:
+                await asyncio.shield(ensured)
+                return
+            except AdapterSlotsFull as exc:
+                if time.monotonic() >= deadline:
+                    raise OverloadedError(str(exc), retry_after_s=1.0) from exc
+            except asyncio.CancelledError:  # the client left: end a reservation made anyway
+                ensured.add_done_callback(lambda done: done.cancelled() or done.exception()
+                                          or adapters.release(ref))
+                raise
+            await asyncio.sleep(ADAPTER_SLOT_POLL_S)
 
     async def load_lora_adapter(self, name: str, path: str) -> AdapterRef:
         """Read an adapter from ``path`` (under ``--lora-dir``) and hold it as ``name``, in a
@@ -176,7 +199,9 @@ class NalarWorker:
                             running=len(scheduler.running), waiting=len(scheduler.waiting),
                             time=time.time(), model_key=self.identity.model_key,
                             worker_id=self.worker_id, adapters=adapters.held_digests(),
-                            adapter_read_tokens=round(adapters.mean_read_s() * rate)).to_wire()
+                            host_adapters=adapters.held_digests("host"),
+                            adapter_read_tokens=round(adapters.mean_read_s() * rate),
+                            adapter_swap_tokens=round(adapters.mean_swap_s() * rate)).to_wire()
 
     def record_replica_metadata(self) -> dict:
         """Static facts the router reads once (:class:`~contract.load.ReplicaMetadata`): the
@@ -222,7 +247,8 @@ class NalarWorker:
         }
 
     def _lora_stats(self) -> dict:
-        """Adapters held, the limit, and those of running and waiting sequences (names)."""
+        """Adapters held per tier, the limit, and those of running and waiting sequences
+        (names)."""
         scheduler = self.engine.scheduler
 
         def names(seqs) -> list[str]:
@@ -230,8 +256,10 @@ class NalarWorker:
         adapters = self.engine.adapters
         held = adapters.held()
         return {"max_loras": adapters.max_loras, "loaded": len(held), "held": held,
-                "known": len(adapters.refs()), "loads": adapters.loads,
-                "load_seconds": adapters.load_s, "evictions": adapters.evictions,
+                "hosted": adapters.hosted(), "known": len(adapters.refs()),
+                "loads": adapters.loads, "load_seconds": adapters.load_s,
+                "swaps": adapters.swaps, "swap_seconds": adapters.swap_s,
+                "evictions": adapters.evictions, "host_evictions": adapters.host_evictions,
                 "running": names(scheduler.running), "waiting": names(scheduler.waiting)}
 
     def _spec_stats(self) -> dict:

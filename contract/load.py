@@ -45,9 +45,11 @@ class RoutingStats:
             can drop its own count of requests this report already includes; None when unknown.
         model_key: ``CacheIdentity.model_key`` (hex) the worker publishes its digests under.
         worker_id: the replica's id.
-        adapters: content digests of the LoRA adapters it holds (None: not reported).
+        adapters: content digests of the LoRA adapters resident there (None: not reported).
+        host_adapters: content digests of those in its host tier.
         adapter_read_tokens: what reading an adapter it does not hold costs there, in tokens
             of work: its measured mean read time times its measured tokens per second.
+        adapter_swap_tokens: the same for moving one back from its host tier.
     """
 
     queued_tokens: int = 0
@@ -58,7 +60,9 @@ class RoutingStats:
     model_key: str | None = None
     worker_id: str | None = None
     adapters: list[str] | None = None
+    host_adapters: list[str] | None = None
     adapter_read_tokens: int = 0
+    adapter_swap_tokens: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         """The report as a plain dict, keyed by this class's field names."""
@@ -79,7 +83,9 @@ class RoutingStats:
                    model_key=_key(stats.get("model_key")),
                    worker_id=_key(stats.get("worker_id")),
                    adapters=_keys(stats.get("adapters")),
-                   adapter_read_tokens=_count(stats.get("adapter_read_tokens")))
+                   host_adapters=_keys(stats.get("host_adapters")),
+                   adapter_read_tokens=_count(stats.get("adapter_read_tokens")),
+                   adapter_swap_tokens=_count(stats.get("adapter_swap_tokens")))
 
 
 @dataclass(frozen=True)

@@ -46,8 +46,11 @@ class EngineConfig:
         lora_modules: LoRA adapters to load at start, name → PEFT adapter directory
             (``workers.lora``); requests select one by name.
         max_lora_rank: largest adapter rank accepted.
-        max_loras: most adapters held at once; more are read again from their directory when
-            a request needs them (``workers.lora.registry``).
+        max_loras: most adapters resident at once, where steps use them
+            (``workers.lora.registry``).
+        max_cpu_loras: most adapters held counting the host tier; None: ``max_loras`` (no
+            host tier). Adapters held nowhere are read again from their directory when a
+            request needs them.
         lora_dirs: directories adapters loaded at run time (through the API, or named by a
             request's source) may be read from; empty allows none.
     """
@@ -71,4 +74,5 @@ class EngineConfig:
     lora_modules: dict[str, str] = field(default_factory=dict)
     max_lora_rank: int = 64
     max_loras: int = 8
+    max_cpu_loras: int | None = None
     lora_dirs: list[str] = field(default_factory=list)

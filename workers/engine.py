@@ -139,7 +139,7 @@ class LLMEngine:
         self.adapters = AdapterRegistry(BaseShapes.of(self.loaded.model), self.loaded.dtype,
                                         self.loaded.device, config.max_lora_rank,
                                         config.max_loras, config.lora_dirs,
-                                        self.adapters_in_use, refusal)
+                                        self.adapters_in_use, refusal, config.max_cpu_loras)
         self.identity = CacheIdentity(self.loaded.model_digest,
                                       numerics_tag(self.loaded.device, self.runner.kernels),
                                       config.block_size)
@@ -195,10 +195,14 @@ class LLMEngine:
         request.sampling.check_context(len(prompt), self.max_model_len)
 
     def add_request(self, request: GenerationRequest, arrived_at: float | None = None) -> None:
-        """Read the request's adapter if it is not held (``AdapterRegistry.ensure``), then
+        """Make the request's adapter resident (``AdapterRegistry.ensure``), then
         :meth:`validate` and :meth:`admit` (raises as they do)."""
         self.adapters.ensure(request.adapter)
-        self.validate(request)
+        try:
+            self.validate(request)
+        except Exception:
+            self.adapters.release(request.adapter)
+            raise
         self.admit(request, arrived_at)
 
     def admit(self, request: GenerationRequest, arrived_at: float | None = None) -> None:
@@ -211,9 +215,18 @@ class LLMEngine:
         The prompt's block digests are the ingress's when they verify against this engine's
         identity (``PromptDigests.verified``), else hashed here.
 
+        Ends the adapter reservation ``AdapterRegistry.ensure`` made for it, admitted or not:
+        from here its sequences keep the adapter in use.
+
         Raises:
             InvalidRequestError: the request id is in use.
         """
+        try:
+            self._admit(request, arrived_at)
+        finally:
+            self.adapters.release(request.adapter)
+
+    def _admit(self, request: GenerationRequest, arrived_at: float | None) -> None:
         if request.request_id in self._choices:
             raise InvalidRequestError(f"request id {request.request_id!r} is in use", "id")
         adapter = self.adapters.resolve(request.adapter)

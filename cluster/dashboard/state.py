@@ -101,6 +101,7 @@ class Dashboard:
             "prompt_tokens": stats.get("prompt_tokens", 0),
             "generation_tokens": stats.get("generation_tokens", 0),
             "adapters": list((stats.get("lora") or {}).get("held", [])),
+            "hosted_adapters": list((stats.get("lora") or {}).get("hosted", [])),
         }
 
     def _latency(self) -> dict[str, Any]:

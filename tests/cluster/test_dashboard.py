@@ -87,7 +87,7 @@ def worker(worker_id: str, generated: int, finished: int) -> dict:
             "blocks_in_use": 20, "prefix_query_tokens": 400, "prefix_hit_tokens": 300,
             "generation_tokens": generated, "prompt_tokens": 500,
             "spec": {"proposed_tokens": 50, "accepted_tokens": 20},
-            "lora": {"held": ["sql", "chat"]} if worker_id == "w1" else {},
+            "lora": {"held": ["sql", "chat"], "hosted": ["qa"]} if worker_id == "w1" else {},
             "histograms": {E2E: e2e.snapshot()}}
 
 
@@ -119,8 +119,8 @@ async def test_data_document_from_known_sources():
     assert w1 == {"worker": "w1", "running": 2, "waiting": 1, "kv_usage": 0.25,
                   "hit_ratio": 0.75, "tokens_per_s": 0.0, "acceptance": 0.4, "requests": 3,
                   "prompt_tokens": 500, "generation_tokens": 100,
-                  "adapters": ["sql", "chat"]}
-    assert w2["adapters"] == []
+                  "adapters": ["sql", "chat"], "hosted_adapters": ["qa"]}
+    assert w2["adapters"] == w2["hosted_adapters"] == []
     assert first["workers"][1]["tokens_per_s"] is None and w2["tokens_per_s"] == 15.0
     assert w2["requests"] == 2
     assert first["scrape"] == {"answered": 2, "skipped": 1}

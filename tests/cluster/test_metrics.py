@@ -78,7 +78,7 @@ def test_vllm_names_with_worker_and_model_labels():
 
 
 def test_lora_requests_info_has_vllms_labels_and_adapters_loaded_counts():
-    stats = {**worker_stats("w1"), "lora": {"max_loras": 8, "loaded": 3,
+    stats = {**worker_stats("w1"), "lora": {"max_loras": 8, "loaded": 3, "hosted": ["d", "e"],
                                             "running": ["a", "b"], "waiting": ["c"]}}
     before = time.time()
     samples = parse(generate_latest(build_registry(
@@ -86,7 +86,8 @@ def test_lora_requests_info_has_vllms_labels_and_adapters_loaded_counts():
     info = value(samples, "nalar:lora_requests_info", worker="w1", max_lora="8",
                  running_lora_adapters="a,b", waiting_lora_adapters="c")
     assert before <= info <= time.time()  # vLLM's value: when it was read
-    assert value(samples, "nalar:lora_adapters_loaded", worker="w1") == 3
+    assert value(samples, "nalar:lora_adapters_loaded", worker="w1", tier="resident") == 3
+    assert value(samples, "nalar:lora_adapters_loaded", worker="w1", tier="host") == 2
     assert not [key for key in samples if dict(key[1]).get("worker") == "w2"
                 and key[0].startswith("nalar:lora")]  # a worker without LoRA stats: none
 

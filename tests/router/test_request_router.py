@@ -766,6 +766,36 @@ async def test_an_adapter_request_goes_where_its_adapter_is_held_unless_load_out
     assert set(chosen) == {"holder", "other"}
 
 
+async def test_an_adapter_in_a_host_tier_costs_its_swap_not_its_read():
+    """Three tiers, three costs: resident nothing, host its swap, elsewhere its read. With
+    equal loads the host-tier replica beats the one that must read from disk."""
+    from contract.identity import AdapterRef
+
+    digest = "ab" * 32
+
+    def replica(name: str, load: int, resident=(), hosted=()) -> FakeReplica:
+        return FakeReplica(name, {"queued_tokens": load, "adapters": list(resident),
+                                  "host_adapters": list(hosted), "adapter_read_tokens": 400,
+                                  "adapter_swap_tokens": 5})
+
+    request = gen_request(64, salt="h")
+    request.adapter = AdapterRef("sql", digest, "/adapters/sql")
+    for seed in range(4):
+        router = make_router(FakeIndex(), seed=seed)
+        chosen = await route(router, [replica("disk", 100), replica("host", 100, hosted=[digest])],
+                             pending(request))
+        assert chosen == "host"
+        router = make_router(FakeIndex(), seed=seed)
+        # a host-tier replica 200 tokens busier still costs less than a disk read (400)
+        chosen = await route(router, [replica("disk", 100), replica("host", 300, hosted=[digest])],
+                             pending(request))
+        assert chosen == "host"
+        router = make_router(FakeIndex(), seed=seed)
+        chosen = await route(router, [replica("resident", 104, resident=[digest]),
+                                      replica("host", 100, hosted=[digest])], pending(request))
+        assert chosen == "resident"
+
+
 def test_token_rate_follows_busy_readings_and_keeps_it_when_idle():
     from cluster.worker_deployment import TokenRate
 

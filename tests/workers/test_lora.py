@@ -155,6 +155,35 @@ def test_chunked_cached_and_speculative_paths_equal_cold(tiny_case, make_engine,
     assert engine.pool.num_in_use == 0
 
 
+def test_a_base_draft_model_proposes_and_the_adapter_verifies(tiny_case, make_engine,
+                                                              fresh_tiny_qwen, smollm_tokenizer):
+    """The ``model`` proposer drafts with the base model; verification runs the request's own
+    adapter, so greedy output is the adapter's (peft's), with drafts both accepted and
+    rejected, base and adapter rows in the same steps."""
+    from workers.config import EngineConfig
+    from workers.model_loader import LoadedModel, model_digest
+    from workers.speculative.draft_model import DraftModelProposer
+
+    base = fresh_tiny_qwen()
+    draft = LoadedModel(base, smollm_tokenizer, model_digest(base), "tiny-qwen2",
+                        Path("tiny-qwen2"))
+    proposer = DraftModelProposer.for_target(
+        draft, draft, EngineConfig(dtype="float32", device="cpu", kv_cache_bytes=1 << 20))
+    spec = SpeculativeConfig(method="model", draft_model="tiny-qwen2", num_speculative_tokens=3,
+                             adaptive=False)
+    engine = tiny_engine(make_engine, fresh_tiny_qwen, smollm_tokenizer, tiny_case,
+                         speculative=spec, proposer=proposer)
+    names = ["all", None, "attn-rs"]
+    requests = [adapter_request(engine, f"r{i}", tiny_case.prompts[i], name)
+                for i, name in enumerate(names)]
+    chunks = engine.generate(requests)
+    for i, name in enumerate(names):
+        assert output_ids(chunks[f"r{i}"]) == tiny_case.references[name][i], name
+    counters = engine.counters.spec
+    assert 0 < counters.accepted_tokens < counters.proposed_tokens
+    assert engine.pool.num_in_use == 0 and proposer.engine.pool.num_in_use == 0
+
+
 def test_kv_is_never_reused_across_adapters_or_with_the_base_model(
         tiny_case, make_engine, fresh_tiny_qwen, smollm_tokenizer, tmp_path):
     # the same content under a second name computes the same, so it may share KV
@@ -376,6 +405,57 @@ def test_a_busy_adapter_is_never_evicted(tiny_case, make_engine, fresh_tiny_qwen
         engine.step()
     engine.adapters.ensure(engine.adapters.refs()["all"])  # idle now: evicted for it
     assert engine.adapters.held() == ["all"]
+
+
+def test_an_evicted_adapter_waits_in_the_host_tier_and_comes_back_without_a_read(
+        tiny_case, make_engine, fresh_tiny_qwen, smollm_tokenizer):
+    """One resident slot, two places in all: eviction moves the least recently used idle
+    adapter to the host tier and drops the tier's own oldest; a request for a hosted adapter
+    moves it back (a swap, no disk read) and its output is unchanged."""
+    engine = tiny_engine(make_engine, fresh_tiny_qwen, smollm_tokenizer, tiny_case,
+                         max_loras=1, max_cpu_loras=2)
+    registry = engine.adapters
+    assert (registry.held(), registry.hosted()) == (["mlp-pattern"], ["attn-rs"])
+    assert (registry.loads, registry.evictions, registry.host_evictions) == (3, 2, 1)
+    prompt = tiny_case.prompts[1]
+    chunks = engine.generate([adapter_request(engine, "r", prompt, "attn-rs")])["r"]
+    assert output_ids(chunks) == tiny_case.references["attn-rs"][1]
+    assert (registry.held(), registry.hosted()) == (["attn-rs"], ["mlp-pattern"])
+    assert (registry.loads, registry.swaps) == (3, 1)
+    assert registry.held_digests("host") == [registry.refs()["mlp-pattern"].weights_digest]
+    chunks = engine.generate([adapter_request(engine, "s", prompt, "all")])["s"]
+    assert output_ids(chunks) == tiny_case.references["all"][1]  # read from disk again
+    assert (registry.held(), registry.hosted()) == (["all"], ["attn-rs"])
+    assert (registry.loads, registry.host_evictions) == (4, 2)
+    registry.unload("attn-rs")
+    assert registry.hosted() == [] and engine.pool.num_in_use == 0
+
+
+def test_an_ensured_adapter_is_reserved_until_its_request_is_admitted(
+        tiny_case, make_engine, fresh_tiny_qwen, smollm_tokenizer):
+    """Between making a request's adapter resident (off the engine thread) and admitting the
+    request, a read for another request must not evict it: it would be refused as unknown."""
+    from workers.lora.registry import AdapterSlotsFull
+
+    engine = tiny_engine(make_engine, fresh_tiny_qwen, smollm_tokenizer, tiny_case,
+                         max_loras=1)
+    registry = engine.adapters
+    first = adapter_request(engine, "first", tiny_case.prompts[0], "mlp-pattern")
+    registry.ensure(first.adapter)  # resident already: now reserved for "first"
+    with pytest.raises(AdapterSlotsFull):
+        registry.ensure(registry.refs()["all"])
+    engine.validate(first)
+    engine.admit(first)  # its sequence holds the adapter from here; the reservation ends
+    while engine.has_work():
+        engine.step()
+    registry.ensure(registry.refs()["all"])
+    assert registry.held() == ["all"]
+    refused = adapter_request(engine, "refused", [10**9], "all")  # outside the vocabulary
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        engine.add_request(refused)  # a refusal ends its reservation too ...
+    registry.release(registry.refs()["all"])  # ... and so does this, for the ensure above
+    registry.ensure(registry.refs()["mlp-pattern"])
+    assert registry.held() == ["mlp-pattern"]
 
 
 def test_unloading_lets_running_requests_finish_and_refuses_new_ones(

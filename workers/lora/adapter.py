@@ -25,6 +25,7 @@ takes the adapter by this digest, never by its name (``contract.identity``).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -143,6 +144,21 @@ class LoraAdapter:
     def ref(self) -> AdapterRef:
         """How requests and the cache identity name it, and where it is read from."""
         return AdapterRef(self.name, self.digest, str(self.path))
+
+    def to(self, device: torch.device) -> LoraAdapter:
+        """This adapter held on ``device`` (itself when it is there already): the move between
+        the resident slots and the host tier (``workers.lora.registry``)."""
+        if next(iter(self.deltas.values())).a.device == device:
+            return self
+        pin = device.type == "cpu" and torch.cuda.is_available()  # pinned: async copies back
+        deltas = {key: LoraDelta(*(_moved(t, device, pin) for t in (delta.a, delta.bt)))
+                  for key, delta in self.deltas.items()}
+        return dataclasses.replace(self, deltas=deltas)
+
+
+def _moved(tensor: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
+    moved = tensor.to(device)
+    return moved.pin_memory() if pin else moved
 
 
 def load_adapter(name: str, path: str | Path, shapes: BaseShapes, max_rank: int,

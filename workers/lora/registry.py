@@ -1,13 +1,21 @@
 """The adapters one engine holds, least recently used first, and how a request's adapter gets
 there.
 
-At most ``max_loras`` adapters are held. A request names its adapter by name, content digest
-and source directory (:class:`~contract.identity.AdapterRef`): one held under that name with
-that digest serves it at once; one not held (evicted, or never loaded on this replica: a
-replacement, or a load that reached other replicas only) is read from its source first, and
-served only when the digest read equals the one the request was hashed for. Making room evicts
-the least recently used adapter that no sequence is using; when every held adapter is in use,
-the load fails with :class:`AdapterSlotsFull`.
+Two tiers, as vLLM's ``--max-loras`` and ``--max-cpu-loras``: at most ``max_loras`` adapters
+are resident (on the model's device, where steps use them), and up to ``max_cpu_loras`` in all
+counting those in host memory. A request names its adapter by name, content digest and source
+directory (:class:`~contract.identity.AdapterRef`): one resident under that name with that
+digest serves it at once; one in the host tier is moved back (a copy on a GPU, nothing on a
+CPU, whose working memory is host memory); one held nowhere (evicted, or never loaded on this
+replica: a replacement, or a load that reached other replicas only) is read from its source,
+and served only when the digest read equals the one the request was hashed for.
+
+Making room moves the least recently used resident adapter that no sequence is using, or
+about to use, to the host tier, whose own least recently used adapter is dropped when it is
+full. When every resident adapter is in use, :class:`AdapterSlotsFull`. "About to use": an
+adapter :meth:`AdapterRegistry.ensure` made resident for a request stays reserved until the
+engine admits or refuses that request (:meth:`AdapterRegistry.release`), so a concurrent read
+for another request cannot evict it in between.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,34 +50,41 @@ class AdapterRegistry:
             float32 (``workers.lora.adapter``).
         device: the model's device.
         max_rank: ``--max-lora-rank``.
-        max_loras: most adapters held at once (``--max-loras``).
+        max_loras: most adapters resident at once (``--max-loras``).
+        max_cpu_loras: most adapters held in both tiers (``--max-cpu-loras``; None or less
+            than ``max_loras``: ``max_loras``, no host tier).
         lora_dirs: the directories adapters loaded at run time may be read from.
         in_use: the names of the adapters some sequence is using now (never evicted).
         refusal: why this engine cannot apply adapters (its model runs on transformers'
             modules), or None: every load is refused with it.
 
     Attributes:
-        loads, evictions: adapters read and evicted since start.
-        load_s: seconds spent reading adapters since start.
+        loads, load_s: adapter reads from disk since start, and the seconds they took.
+        swaps, swap_s: moves from the host tier back to resident, and their seconds.
+        evictions: resident adapters evicted (to the host tier, or dropped without one).
+        host_evictions: adapters dropped from the host tier.
     """
 
     def __init__(self, shapes: BaseShapes, dtype: torch.dtype, device: torch.device,
-                 max_rank: int,
-                 max_loras: int, lora_dirs: list[str] | None = None,
-                 in_use: Callable[[], set[str]] = set, refusal: str | None = None):
+                 max_rank: int, max_loras: int, lora_dirs: list[str] | None = None,
+                 in_use: Callable[[], set[str]] = set, refusal: str | None = None,
+                 max_cpu_loras: int | None = None):
         self.shapes = shapes
         self.weight_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         self.device = device
         self.max_rank = max_rank
         self.max_loras = max_loras
+        self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
         self.lora_dirs = list(lora_dirs or [])
         self._in_use = in_use
         self._refusal = refusal
-        self._adapters: OrderedDict[str, LoraAdapter] = OrderedDict()
+        self._adapters: OrderedDict[str, LoraAdapter] = OrderedDict()  # resident
+        self._host: OrderedDict[str, LoraAdapter] = OrderedDict()
         self._known: dict[str, AdapterRef] = {}
+        self._reserved: Counter[str] = Counter()
         self._lock = threading.Lock()  # loads run off the engine thread
-        self.loads = self.evictions = 0
-        self.load_s = 0.0
+        self.loads = self.swaps = self.evictions = self.host_evictions = 0
+        self.load_s = self.swap_s = 0.0
 
     def load(self, name: str, path: str | Path, runtime: bool = False) -> LoraAdapter:
         """Read the adapter at ``path`` and hold it as ``name``.
@@ -104,23 +119,24 @@ class AdapterRegistry:
         """
         with self._lock:
             self._adapters.pop(name, None)
+            self._host.pop(name, None)
             return self._known.pop(name)
 
     def ensure(self, ref: AdapterRef | None) -> None:
-        """Hold the adapter ``ref`` names, reading it from ``ref.source`` when it is not held
-        (blocking: call it off the engine thread). A source the operator gave (a known
-        adapter's, evicted since) is read as given; any other must lie under ``lora_dirs``.
+        """Make the adapter ``ref`` names resident and reserve it for one request until
+        :meth:`release`: moved back from the host tier, or read from ``ref.source`` (blocking:
+        call it off the engine thread). A source the operator gave (a known adapter's, evicted
+        since) is read as given; any other must lie under ``lora_dirs``.
 
         Raises:
             InvalidRequestError: ``model_not_found``: the source cannot be read, is not
                 allowed, or holds other content than ``ref``'s digest (it changed on disk).
-            AdapterSlotsFull: it must be read and no slot can be freed.
+            AdapterSlotsFull: no resident slot can be freed.
         """
         if ref is None or not ref.source:
             return
         with self._lock:
-            held = self._adapters.get(ref.adapter_id)
-            if held is not None and held.digest == ref.weights_digest:
+            if self._reserve_held(ref):
                 return
             trusted = self._known.get(ref.adapter_id) == ref
         try:
@@ -135,6 +151,41 @@ class AdapterRegistry:
         with self._lock:
             self._hold(adapter)
             self._known.setdefault(ref.adapter_id, adapter.ref)
+            self._reserved[ref.adapter_id] += 1
+
+    def release(self, ref: AdapterRef | None) -> None:
+        """End the reservation :meth:`ensure` made for one request: the engine has admitted it
+        (its sequences now keep the adapter in use) or refused it."""
+        if ref is None:
+            return
+        with self._lock:
+            if self._reserved[ref.adapter_id] > 0:
+                self._reserved[ref.adapter_id] -= 1
+            if self._reserved[ref.adapter_id] == 0:
+                del self._reserved[ref.adapter_id]
+
+    def _reserve_held(self, ref: AdapterRef) -> bool:
+        """Reserve ``ref``'s adapter if it is resident, or in the host tier (moved back);
+        False when it must be read (lock held)."""
+        name = ref.adapter_id
+        held = self._adapters.get(name)
+        if held is None or held.digest != ref.weights_digest:
+            hosted = self._host.get(name)
+            if hosted is None or hosted.digest != ref.weights_digest:
+                return False
+            self._host.pop(name)
+            try:
+                self._make_room()
+            except AdapterSlotsFull:
+                self._host[name] = hosted
+                raise
+            started = time.perf_counter()
+            self._adapters[name] = hosted.to(self.device)
+            self.swaps += 1
+            self.swap_s += time.perf_counter() - started
+        self._adapters.move_to_end(name)
+        self._reserved[name] += 1
+        return True
 
     def resolve(self, ref: AdapterRef | None) -> LoraAdapter | None:
         """The held adapter a request names (None for the base model), now the most recently
@@ -165,15 +216,27 @@ class AdapterRegistry:
         with self._lock:
             return list(self._adapters)
 
-    def held_digests(self) -> list[str]:
-        """Content digests of the adapters held now."""
+    def hosted(self) -> list[str]:
+        """Names of the adapters in the host tier now, least recently used first."""
         with self._lock:
-            return [adapter.digest for adapter in self._adapters.values()]
+            return list(self._host)
+
+    def held_digests(self, tier: str = "resident") -> list[str]:
+        """Content digests of the adapters held now in ``tier``: ``resident`` or ``host``."""
+        with self._lock:
+            adapters = self._adapters if tier == "resident" else self._host
+            return [adapter.digest for adapter in adapters.values()]
 
     def mean_read_s(self) -> float:
-        """Mean seconds an adapter read took here (0 before the first)."""
+        """Mean seconds an adapter read from disk took here (0 before the first)."""
         with self._lock:
             return self.load_s / self.loads if self.loads else 0.0
+
+    def mean_swap_s(self) -> float:
+        """Mean seconds moving an adapter back from the host tier took here (0 before the
+        first)."""
+        with self._lock:
+            return self.swap_s / self.swaps if self.swaps else 0.0
 
     def refs(self) -> dict[str, AdapterRef]:
         """Name → :class:`AdapterRef` of every adapter known: held, or evicted and read again
@@ -198,20 +261,33 @@ class AdapterRegistry:
         return adapter
 
     def _hold(self, adapter: LoraAdapter) -> None:
-        """Hold ``adapter``, most recently used, replacing one of its name (lock held)."""
+        """Hold ``adapter`` resident, most recently used, replacing one of its name in either
+        tier (lock held)."""
+        self._host.pop(adapter.name, None)
         if adapter.name not in self._adapters:
             self._make_room()
         self._adapters[adapter.name] = adapter
         self._adapters.move_to_end(adapter.name)
 
     def _make_room(self) -> None:
-        """Evict least recently used idle adapters until one more fits (lock held)."""
-        busy = self._in_use()
+        """Free a resident slot, and a place in the two tiers, for one more (lock held)."""
+        busy = self._in_use() | set(self._reserved)
         while len(self._adapters) >= self.max_loras:
             idle = next((name for name in self._adapters if name not in busy), None)
             if idle is None:
                 raise AdapterSlotsFull(f"all {self.max_loras} adapter slots (--max-loras) are "
                                        "in use by running requests")
-            evicted = self._adapters.pop(idle)
-            self.evictions += 1
-            log.info("LoRA adapter %s evicted (least recently used)", evicted.name)
+            self._demote(self._adapters.pop(idle))
+        while self._host and len(self._adapters) + len(self._host) >= self.max_cpu_loras:
+            dropped, _ = self._host.popitem(last=False)
+            self.host_evictions += 1
+            log.info("LoRA adapter %s dropped from the host tier", dropped)
+
+    def _demote(self, adapter: LoraAdapter) -> None:
+        """Move an evicted resident adapter to the host tier, or drop it without one."""
+        self.evictions += 1
+        if self.max_cpu_loras > self.max_loras:
+            self._host[adapter.name] = adapter.to(torch.device("cpu"))
+            log.info("LoRA adapter %s moved to the host tier", adapter.name)
+        else:
+            log.info("LoRA adapter %s evicted (least recently used)", adapter.name)

@@ -37,6 +37,12 @@ function meter(fraction) {
   return td;
 }
 
+function adapterList(w) {
+  const hosted = w.hosted_adapters.map((name) => `${name} (host)`);
+  const all = w.adapters.concat(hosted);
+  return all.length ? all.join(", ") : "none";
+}
+
 function renderWorkers(workers) {
   const body = document.querySelector("#workers tbody");
   body.replaceChildren(...workers.map((w) => {
@@ -44,7 +50,7 @@ function renderWorkers(workers) {
     row.append(cell(w.worker, "worker-id"), cell(num(w.running)), cell(num(w.waiting)),
       meter(w.kv_usage), cell(pct(w.hit_ratio)), cell(num(w.tokens_per_s, 1)),
       cell(pct(w.acceptance)), cell(num(w.requests), "requests"),
-      cell(w.adapters.length ? w.adapters.join(", ") : "none", "adapters"));
+      cell(adapterList(w), "adapters"));
     return row;
   }));
   const total = workers.reduce((sum, w) => sum + w.requests, 0);
