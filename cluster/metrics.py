@@ -160,6 +160,8 @@ ENGINE_METRICS: tuple[Series, ...] = (
            "LoRA adapters moved back from the host tier to a resident slot."),
     Series("lora_adapter_swap_seconds", "counter", at("lora", "swap_seconds"),
            "Seconds spent moving LoRA adapters back from the host tier."),
+    Series("lora_requests", "counter", at("lora", "requests"),
+           "Requests for a LoRA adapter (counted as the worker makes their adapter resident)."),
     Series("lora_adapter_evictions", "counter", at("lora", "evictions"),
            "LoRA adapters evicted from a full set of resident slots (least recently used, "
            "idle): to the host tier, or dropped without one."),
@@ -255,8 +257,8 @@ def engine_families(workers: Iterable[dict[str, Any]]) -> Iterator[Metric]:
 
 def lora_families(workers: list[dict[str, Any]]) -> Iterator[Metric]:
     """vLLM's ``lora_requests_info`` (its labels: the adapters of running and waiting
-    requests, comma-separated, and the most held; the value is the scrape's Unix time) and
-    the adapters each worker holds."""
+    requests, comma-separated, and the most held; the value is the scrape's Unix time), the
+    adapters each worker holds per tier, and where its adapter requests found their adapter."""
     info = _family("lora_requests_info", "gauge",
                    "LoRA adapters of running and waiting requests (value: Unix time).",
                    LABELS + ["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
@@ -264,6 +266,10 @@ def lora_families(workers: list[dict[str, Any]]) -> Iterator[Metric]:
                      "LoRA adapters held by the worker, per tier: resident (batched in its "
                      "steps) or host (in host memory, moved back when a request needs it).",
                      LABELS + ["tier"])
+    found = _family("lora_requests_by_adapter_source", "counter",
+                    "LoRA requests by where their adapter was: resident, host (moved back from "
+                    "the host tier), read (waited for a read from disk), slot (waited for a "
+                    "free resident slot).", LABELS + ["source"])
     now = time.time()
     for stats in workers:
         lora = stats.get("lora")
@@ -274,7 +280,9 @@ def lora_families(workers: list[dict[str, Any]]) -> Iterator[Metric]:
                                   ",".join(lora["waiting"])], now)
         loaded.add_metric(labels + ["resident"], lora["loaded"])
         loaded.add_metric(labels + ["host"], len(lora.get("hosted", ())))
-    yield from (info, loaded)
+        for source, count in lora.get("waits", {}).items():
+            found.add_metric(labels + [source], count)
+    yield from (info, loaded, found)
 
 
 def spec_families(workers: list[dict[str, Any]]) -> Iterator[Metric]:

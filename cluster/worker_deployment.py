@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 
 import ray
@@ -91,6 +92,10 @@ class NalarWorker:
                                         config.worker_ttl_s / 3)
         self.async_engine = AsyncEngine(self.engine, self.publisher.submit_threadsafe)
         self._token_rate = TokenRate()
+        # adapter requests, and how each found its adapter: resident, host (moved back), read
+        # (from disk), slot (waited for a free one)
+        self.adapter_requests = 0
+        self.adapter_waits = Counter({"resident": 0, "host": 0, "read": 0, "slot": 0})
         self.startup_s = time.perf_counter() - started
         log.info("worker %s ready in %.1f s: %d KV blocks of %d tokens, dtype %s", self.worker_id,
                  self.startup_s, self.engine.pool.num_blocks, config.block_size,
@@ -133,12 +138,16 @@ class NalarWorker:
             return
         adapters, ref = self.engine.adapters, request.adapter
         deadline = time.monotonic() + ADAPTER_SLOT_WAIT_S
+        self.adapter_requests += 1
+        waited = False
         while True:
             ensured = asyncio.ensure_future(asyncio.to_thread(adapters.ensure, ref))
             try:
-                await asyncio.shield(ensured)
+                how = await asyncio.shield(ensured)
+                self.adapter_waits[how if not waited else "slot"] += 1
                 return
             except AdapterSlotsFull as exc:
+                waited = True
                 if time.monotonic() >= deadline:
                     raise OverloadedError(str(exc), retry_after_s=1.0) from exc
             except asyncio.CancelledError:  # the client left: end a reservation made anyway
@@ -260,6 +269,7 @@ class NalarWorker:
                 "loads": adapters.loads, "load_seconds": adapters.load_s,
                 "swaps": adapters.swaps, "swap_seconds": adapters.swap_s,
                 "evictions": adapters.evictions, "host_evictions": adapters.host_evictions,
+                "requests": self.adapter_requests, "waits": dict(self.adapter_waits),
                 "running": names(scheduler.running), "waiting": names(scheduler.waiting)}
 
     def _spec_stats(self) -> dict:

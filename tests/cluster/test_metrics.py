@@ -78,8 +78,9 @@ def test_vllm_names_with_worker_and_model_labels():
 
 
 def test_lora_requests_info_has_vllms_labels_and_adapters_loaded_counts():
-    stats = {**worker_stats("w1"), "lora": {"max_loras": 8, "loaded": 3, "hosted": ["d", "e"],
-                                            "running": ["a", "b"], "waiting": ["c"]}}
+    stats = {**worker_stats("w1"), "lora": {
+        "max_loras": 8, "loaded": 3, "hosted": ["d", "e"], "running": ["a", "b"],
+        "waiting": ["c"], "waits": {"resident": 40, "host": 3, "read": 2, "slot": 1}}}
     before = time.time()
     samples = parse(generate_latest(build_registry(
         lambda: WorkerScrape([stats, worker_stats("w2")], 0, 0.0))).decode())
@@ -88,6 +89,10 @@ def test_lora_requests_info_has_vllms_labels_and_adapters_loaded_counts():
     assert before <= info <= time.time()  # vLLM's value: when it was read
     assert value(samples, "nalar:lora_adapters_loaded", worker="w1", tier="resident") == 3
     assert value(samples, "nalar:lora_adapters_loaded", worker="w1", tier="host") == 2
+    assert value(samples, "nalar:lora_requests_by_adapter_source_total", worker="w1",
+                 source="read") == 2
+    assert value(samples, "nalar:lora_requests_by_adapter_source_total", worker="w1",
+                 source="resident") == 40
     assert not [key for key in samples if dict(key[1]).get("worker") == "w2"
                 and key[0].startswith("nalar:lora")]  # a worker without LoRA stats: none
 

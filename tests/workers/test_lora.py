@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -456,6 +457,35 @@ def test_an_ensured_adapter_is_reserved_until_its_request_is_admitted(
     registry.release(registry.refs()["all"])  # ... and so does this, for the ensure above
     registry.ensure(registry.refs()["mlp-pattern"])
     assert registry.held() == ["mlp-pattern"]
+
+
+def test_concurrent_requests_for_an_evicted_adapter_read_it_once(
+        tiny_case, make_engine, fresh_tiny_qwen, smollm_tokenizer, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from workers.lora import registry as registry_module
+
+    engine = tiny_engine(make_engine, fresh_tiny_qwen, smollm_tokenizer, tiny_case,
+                         max_loras=2)
+    registry = engine.adapters
+    ref = registry.refs()["all"]  # evicted at start: two slots, three adapters
+    slow_load = registry_module.load_adapter
+
+    def load_adapter(*args, **kwargs):
+        time.sleep(0.2)  # long enough for every caller to arrive during the read
+        return slow_load(*args, **kwargs)
+
+    monkeypatch.setattr(registry_module, "load_adapter", load_adapter)
+    loads = registry.loads
+    with ThreadPoolExecutor(4) as pool:
+        found = list(pool.map(registry.ensure, [ref] * 4))
+    assert found == ["read"] * 4 and registry.loads == loads + 1
+    assert registry.ensure(ref) == "resident"
+    for _ in range(5):
+        registry.release(ref)
+    registry.ensure(registry.refs()["attn-rs"])  # nothing stays reserved: "all" is idle
+    registry.ensure(registry.refs()["mlp-pattern"])
+    assert registry.held() == ["attn-rs", "mlp-pattern"]
 
 
 def test_unloading_lets_running_requests_finish_and_refuses_new_ones(

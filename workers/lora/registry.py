@@ -82,6 +82,7 @@ class AdapterRegistry:
         self._host: OrderedDict[str, LoraAdapter] = OrderedDict()
         self._known: dict[str, AdapterRef] = {}
         self._reserved: Counter[str] = Counter()
+        self._reads: dict[str, threading.Lock] = {}  # one read per adapter name at a time
         self._lock = threading.Lock()  # loads run off the engine thread
         self.loads = self.swaps = self.evictions = self.host_evictions = 0
         self.load_s = self.swap_s = 0.0
@@ -122,11 +123,16 @@ class AdapterRegistry:
             self._host.pop(name, None)
             return self._known.pop(name)
 
-    def ensure(self, ref: AdapterRef | None) -> None:
+    def ensure(self, ref: AdapterRef | None) -> str:
         """Make the adapter ``ref`` names resident and reserve it for one request until
         :meth:`release`: moved back from the host tier, or read from ``ref.source`` (blocking:
         call it off the engine thread). A source the operator gave (a known adapter's, evicted
-        since) is read as given; any other must lie under ``lora_dirs``.
+        since) is read as given; any other must lie under ``lora_dirs``. Concurrent requests
+        for one adapter read it once: the others wait for that read.
+
+        Returns:
+            how: ``resident`` (or no adapter: nothing to do), ``host`` (moved back) or
+            ``read`` (from disk, or waited for another request's read).
 
         Raises:
             InvalidRequestError: ``model_not_found``: the source cannot be read, is not
@@ -134,10 +140,22 @@ class AdapterRegistry:
             AdapterSlotsFull: no resident slot can be freed.
         """
         if ref is None or not ref.source:
-            return
+            return "resident"
         with self._lock:
+            held = self._adapters.get(ref.adapter_id)
+            if held is not None and held.digest == ref.weights_digest:
+                self._reserve_held(ref)
+                return "resident"
+            reading = self._reads.setdefault(ref.adapter_id, threading.Lock())
+        with reading:
+            return self._ensure_read(ref)
+
+    def _ensure_read(self, ref: AdapterRef) -> str:
+        """:meth:`ensure` for an adapter not resident, one request per name at a time."""
+        with self._lock:
+            hosted = ref.adapter_id in self._host
             if self._reserve_held(ref):
-                return
+                return "host" if hosted else "read"
             trusted = self._known.get(ref.adapter_id) == ref
         try:
             adapter = self._read(ref.adapter_id, ref.source, runtime=not trusted)
@@ -152,6 +170,7 @@ class AdapterRegistry:
             self._hold(adapter)
             self._known.setdefault(ref.adapter_id, adapter.ref)
             self._reserved[ref.adapter_id] += 1
+        return "read"
 
     def release(self, ref: AdapterRef | None) -> None:
         """End the reservation :meth:`ensure` made for one request: the engine has admitted it
