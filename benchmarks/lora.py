@@ -18,7 +18,17 @@ costs the requests being served (their ITL) and how long it takes through every 
 
 Goal (issue 19): the adapter rounds reach at least 0.85× the base rounds' output tokens/s.
 
+``--balance`` measures instead where adapter requests go: ``--adapters`` (8) spread zipf over
+the server's workers (2 by default), each holding fewer resident (``--max-loras``, 4) than
+there are adapters, plus whatever ``--nalar-args`` adds (``--max-cpu-loras 8`` for a host
+tier). A warm-up run, then a measured one with other prompts; from ``/metrics`` before and
+after it, per worker: the tokens computed (prefill and decode) and where its adapter requests
+found their adapter. Goals: fewer than 5% of requests wait on an adapter (a read from disk or
+a free slot; a move back from the host tier is counted apart), and the busiest worker computes
+at most 1.3× the least busy one's tokens.
+
     .venv/bin/python benchmarks/lora.py [--adapters 4] [--rank 16] [--rounds 2] [--quick]
+    .venv/bin/python benchmarks/lora.py --balance --adapters 8 [--max-loras 4]
 """
 
 from __future__ import annotations
@@ -48,7 +58,9 @@ ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 LOAD = {"full": "--workload random --input-tokens 256 --output-tokens 128 "
                 "--max-concurrency 16 --num-requests 32 --warmup 4",
         "quick": "--workload random --input-tokens 64 --output-tokens 16 "
-                 "--max-concurrency 4 --num-requests 8 --warmup 1"}
+                 "--max-concurrency 4 --num-requests 8 --warmup 1",
+        "balance": "--workload random --input-tokens 256 --output-tokens 128 "
+                   "--max-concurrency 16 --num-requests 96 --warmup 0"}
 METRICS = {"output_tok_s": "output_throughput", "ttft_p50_ms": "median_ttft_ms",
            "tpot_p50_ms": "median_tpot_ms", "itl_p99_ms": "p99_itl_ms"}
 KINDS = ("base", "adapters", "loading")
@@ -66,6 +78,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--nalar-args", default="", help="more flags for nalar serve")
     parser.add_argument("--start-timeout", type=float, default=300.0)
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    parser.add_argument("--balance", action="store_true",
+                        help="measure routing instead: zipf over the adapters, 2 workers")
+    parser.add_argument("--max-loras", type=int, default=4,
+                        help="--balance: adapters resident per worker")
     parser.add_argument("--out", default=str(common.OUT_DIR / "lora.json"))
     return parser.parse_args(argv)
 
@@ -105,15 +121,16 @@ def load_times(paths: list[Path]) -> list[dict[str, Any]]:
     return times
 
 
-def bench(server: Server, label: str, lora: list[str], seed: int, quick: bool, out: Path,
-          load_paths: list[Path] | None = None) -> dict[str, Any]:
-    """One ``nalar bench`` run: the base model (``lora`` empty) or spread over ``lora``; with
-    ``load_paths``, those adapters are loaded and unloaded over HTTP meanwhile, in turn."""
+def bench(server: Server, label: str, lora: list[str], seed: int, load: str, out: Path,
+          load_paths: list[Path] | None = None, distribution: str = "uniform") -> dict[str, Any]:
+    """One ``nalar bench`` run of ``LOAD[load]``: the base model (``lora`` empty) or spread
+    over ``lora`` by ``distribution``; with ``load_paths``, those adapters are loaded and
+    unloaded over HTTP meanwhile, in turn."""
     command = [nalar_executable(), "bench", "--base-url", server.url, "--output-json", str(out),
                "--no-progress", "--ignore-eos", "--temperature", "0", "--seed", str(seed),
-               *shlex.split(LOAD["quick" if quick else "full"])]
+               *shlex.split(LOAD[load])]
     if lora:
-        command += ["--lora-adapters", ",".join(lora)]
+        command += ["--lora-adapters", ",".join(lora), "--lora-distribution", distribution]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, env=checkout_env(), cwd=common.REPO_ROOT)
     load_s = load_while(server, process, load_paths) if load_paths else []
@@ -151,6 +168,64 @@ def load_while(server: Server, process: subprocess.Popen, paths: list[Path]) -> 
     return seconds
 
 
+def worker_counters(url: str) -> dict[str, dict[str, float]]:
+    """Per worker, from ``/metrics``: tokens computed (prefill and decode), adapter requests,
+    and those requests by where they found their adapter (``source_*``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = {"nalar:computed_prefill_tokens_total": "work",
+              "nalar:computed_decode_tokens_total": "work",
+              "nalar:lora_requests_total": "requests"}
+    workers: dict[str, dict[str, float]] = {}
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = wanted.get(sample.name)
+            if sample.name == "nalar:lora_requests_by_adapter_source_total":
+                key = f"source_{sample.labels['source']}"
+            if key is not None:
+                counts = workers.setdefault(sample.labels["worker"], {})
+                counts[key] = counts.get(key, 0.0) + sample.value
+    return workers
+
+
+def balance_report(before: dict, after: dict) -> dict[str, Any]:
+    """What the measured run did, per worker and in all: the differences of
+    :func:`worker_counters` across it."""
+    per_worker = {worker: {key: value - before.get(worker, {}).get(key, 0.0)
+                           for key, value in counts.items()} for worker, counts in after.items()}
+    work = [counts.get("work", 0.0) for counts in per_worker.values()]
+    requests = sum(counts.get("requests", 0.0) for counts in per_worker.values())
+
+    def total(source: str) -> float:
+        return sum(counts.get(f"source_{source}", 0.0) for counts in per_worker.values())
+    waited = total("read") + total("slot")
+    return {"per_worker": per_worker, "adapter_requests": requests,
+            "by_source": {s: total(s) for s in ("resident", "host", "read", "slot")},
+            "waited_share": waited / requests if requests else None,
+            "work_busiest_over_least": max(work) / min(work) if work and min(work) else None}
+
+
+def balance(args: argparse.Namespace, paths: list[Path], server: Server,
+            runs: Path) -> dict[str, Any]:
+    """The ``--balance`` runs (module docstring) on a started ``server``."""
+    names = [path.name for path in paths]
+    warm = bench(server, "warm-up", names, 2000, "balance", runs / "warmup.json",
+                 distribution="zipf")
+    before = worker_counters(server.url)
+    measured = bench(server, "measured", names, 2001, "balance", runs / "measured.json",
+                     distribution="zipf")
+    report = balance_report(before, worker_counters(server.url))
+    common.log(f"waited on an adapter: {report['waited_share']}, sources "
+               f"{report['by_source']}, busiest/least busy work "
+               f"{report['work_busiest_over_least']}")
+    goals = [common.goal("requests_waiting_on_an_adapter_share", report["waited_share"], 0.05,
+                         at_least=False),
+             common.goal("busiest_over_least_busy_worker_work",
+                         report["work_busiest_over_least"], 1.3, at_least=False)]
+    return {"warmup": warm, "measured": measured, **report, "goals": goals}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -163,11 +238,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ray_tmp = Path(tempfile.mkdtemp(prefix="nalar-lora-", dir="/tmp"))
     port = free_port()
     modules = [f"{path.name}={path}" for path in paths]
+    slots = ["--max-loras", str(args.max_loras)] if args.balance else []
     server = Server("ours", [nalar_executable(), "serve", "--port", str(port), "--lora-modules",
                              *modules, "--lora-dir", str(Path(args.adapter_dir).absolute()),
-                             "--admin-api-key", ADMIN_KEY, *shlex.split(args.nalar_args)],
+                             "--admin-api-key", ADMIN_KEY, *slots,
+                             *shlex.split(args.nalar_args)],
                     port, "/v1/models", runs / "server.log",
                     env=checkout_env(RAY_TMPDIR=str(ray_tmp)), ray_tmp=ray_tmp)
+    if args.balance:
+        try:
+            startup_s = server.start(args.start_timeout)
+            result = balance(args, paths, server, runs)
+        finally:
+            server.stop()
+        common.log_goals(result["goals"])
+        result = {"benchmark": "lora_balance", "machine": common.machine_info(),
+                  "argv": sys.argv, "adapters": loads, "server": shlex.join(server.command),
+                  "startup_s": startup_s, "load": LOAD["balance"], **result}
+        common.write_json(result, out)
+        return result
     rounds = []
     try:
         startup_s = server.start(args.start_timeout)
@@ -180,7 +269,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 seed = 1000 + index + (500 if kind == "loading" else 0)
                 entry[kind] = bench(server, f"round {index + 1} {kind}",
                                     names if kind == "adapters" else [], seed,
-                                    args.quick, runs / f"round{index + 1}-{kind}.json",
+                                    "quick" if args.quick else "full",
+                                    runs / f"round{index + 1}-{kind}.json",
                                     paths if kind == "loading" else None)
             entry["ratio"] = {m: common.ratio(entry["adapters"][m], entry["base"][m])
                               for m in METRICS}

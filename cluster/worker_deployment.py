@@ -210,7 +210,9 @@ class NalarWorker:
                             worker_id=self.worker_id, adapters=adapters.held_digests(),
                             host_adapters=adapters.held_digests("host"),
                             adapter_read_tokens=round(adapters.mean_read_s() * rate),
-                            adapter_swap_tokens=round(adapters.mean_swap_s() * rate)).to_wire()
+                            adapter_swap_tokens=round(adapters.mean_swap_s() * rate),
+                            adapter_slot_wait_tokens=self.engine.adapter_slot_wait_tokens(),
+                            ).to_wire()
 
     def record_replica_metadata(self) -> dict:
         """Static facts the router reads once (:class:`~contract.load.ReplicaMetadata`): the

@@ -50,6 +50,8 @@ class RoutingStats:
         adapter_read_tokens: what reading an adapter it does not hold costs there, in tokens
             of work: its measured mean read time times its measured tokens per second.
         adapter_swap_tokens: the same for moving one back from its host tier.
+        adapter_slot_wait_tokens: what waiting for a free resident slot costs there, in
+            tokens of work (0 while one is free; ``LLMEngine.adapter_slot_wait_tokens``).
     """
 
     queued_tokens: int = 0
@@ -63,6 +65,7 @@ class RoutingStats:
     host_adapters: list[str] | None = None
     adapter_read_tokens: int = 0
     adapter_swap_tokens: int = 0
+    adapter_slot_wait_tokens: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         """The report as a plain dict, keyed by this class's field names."""
@@ -85,7 +88,8 @@ class RoutingStats:
                    adapters=_keys(stats.get("adapters")),
                    host_adapters=_keys(stats.get("host_adapters")),
                    adapter_read_tokens=_count(stats.get("adapter_read_tokens")),
-                   adapter_swap_tokens=_count(stats.get("adapter_swap_tokens")))
+                   adapter_swap_tokens=_count(stats.get("adapter_swap_tokens")),
+                   adapter_slot_wait_tokens=_count(stats.get("adapter_slot_wait_tokens")))
 
 
 @dataclass(frozen=True)

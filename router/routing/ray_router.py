@@ -479,12 +479,13 @@ class PrefixAwareRequestRouter(RequestRouter):
 def _adapter_tokens(replica: Any, plan: RoutingInput | None) -> int:
     """What making the request's adapter resident costs on ``replica``, in tokens of work: 0
     for a base request, an adapter the replica reports resident, or a replica that reports
-    nothing; its measured swap cost for one in its host tier, else its measured read cost."""
+    nothing; else its measured swap cost for one in its host tier or its measured read cost,
+    plus the wait for a free slot when every one is in use."""
     if plan is None or plan.adapter_digest is None:
         return 0
     stats = RoutingStats.from_wire(getattr(replica, "routing_stats", None))
     if stats.adapters is None or plan.adapter_digest in stats.adapters:
         return 0
-    if plan.adapter_digest in (stats.host_adapters or ()):
-        return stats.adapter_swap_tokens
-    return stats.adapter_read_tokens
+    hosted = plan.adapter_digest in (stats.host_adapters or ())
+    move = stats.adapter_swap_tokens if hosted else stats.adapter_read_tokens
+    return move + stats.adapter_slot_wait_tokens

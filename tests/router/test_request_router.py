@@ -773,10 +773,11 @@ async def test_an_adapter_in_a_host_tier_costs_its_swap_not_its_read():
 
     digest = "ab" * 32
 
-    def replica(name: str, load: int, resident=(), hosted=()) -> FakeReplica:
+    def replica(name: str, load: int, resident=(), hosted=(), slot_wait=0) -> FakeReplica:
         return FakeReplica(name, {"queued_tokens": load, "adapters": list(resident),
                                   "host_adapters": list(hosted), "adapter_read_tokens": 400,
-                                  "adapter_swap_tokens": 5})
+                                  "adapter_swap_tokens": 5,
+                                  "adapter_slot_wait_tokens": slot_wait})
 
     request = gen_request(64, salt="h")
     request.adapter = AdapterRef("sql", digest, "/adapters/sql")
@@ -794,6 +795,12 @@ async def test_an_adapter_in_a_host_tier_costs_its_swap_not_its_read():
         chosen = await route(router, [replica("resident", 104, resident=[digest]),
                                       replica("host", 100, hosted=[digest])], pending(request))
         assert chosen == "resident"
+        router = make_router(FakeIndex(), seed=seed)
+        # every slot of the host-tier replica is busy: waiting for one outweighs the read
+        chosen = await route(router, [replica("disk", 100),
+                                      replica("host", 100, hosted=[digest], slot_wait=600)],
+                             pending(request))
+        assert chosen == "disk"
 
 
 def test_token_rate_follows_busy_readings_and_keeps_it_when_idle():

@@ -459,6 +459,25 @@ def test_an_ensured_adapter_is_reserved_until_its_request_is_admitted(
     assert registry.held() == ["mlp-pattern"]
 
 
+@pytest.mark.parametrize("max_loras", [1, 2])
+def test_slot_wait_is_the_work_until_the_first_busy_adapter_frees(
+        tiny_case, make_engine, fresh_tiny_qwen, smollm_tokenizer, max_loras):
+    """With every slot busy, a new adapter waits until the busy adapter whose last sequence
+    ends first is free; the running sequences share those steps. A free slot: no wait."""
+    engine = tiny_engine(make_engine, fresh_tiny_qwen, smollm_tokenizer, tiny_case,
+                         max_loras=max_loras)
+    name = engine.adapters.held()[-1]
+    for i in range(2):
+        engine.add_request(adapter_request(engine, f"r{i}", tiny_case.prompts[i], name))
+    engine.add_request(adapter_request(engine, "base", tiny_case.prompts[2], None))
+    engine.step()  # prefills all three: each has its first token, not yet in the KV cache
+    expected = (1 + NEW_TOKENS - 1) * 3 if max_loras == 1 else 0
+    assert engine.adapter_slot_wait_tokens() == expected
+    while engine.has_work():
+        engine.step()
+    assert engine.adapter_slot_wait_tokens() == 0
+
+
 def test_concurrent_requests_for_an_evicted_adapter_read_it_once(
         tiny_case, make_engine, fresh_tiny_qwen, smollm_tokenizer, monkeypatch):
     from concurrent.futures import ThreadPoolExecutor

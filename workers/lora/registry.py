@@ -235,6 +235,13 @@ class AdapterRegistry:
         with self._lock:
             return list(self._adapters)
 
+    def free_slots(self, busy: set[str]) -> int:
+        """Resident slots a read could use now: empty, or holding an adapter neither in
+        ``busy`` (names some sequence uses) nor reserved."""
+        with self._lock:
+            taken = {name for name in self._adapters if name in busy or name in self._reserved}
+            return self.max_loras - len(taken)
+
     def hosted(self) -> list[str]:
         """Names of the adapters in the host tier now, least recently used first."""
         with self._lock:
