@@ -212,7 +212,7 @@ class NalarWorker:
                             adapter_read_tokens=round(adapters.mean_read_s() * rate),
                             adapter_swap_tokens=round(adapters.mean_swap_s() * rate),
                             adapter_slot_wait_tokens=self.engine.adapter_slot_wait_tokens(),
-                            ).to_wire()
+                            adapter_slots=adapters.max_loras).to_wire()
 
     def record_replica_metadata(self) -> dict:
         """Static facts the router reads once (:class:`~contract.load.ReplicaMetadata`): the

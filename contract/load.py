@@ -52,6 +52,7 @@ class RoutingStats:
         adapter_swap_tokens: the same for moving one back from its host tier.
         adapter_slot_wait_tokens: what waiting for a free resident slot costs there, in
             tokens of work (0 while one is free; ``LLMEngine.adapter_slot_wait_tokens``).
+        adapter_slots: its resident adapter slots (``--max-loras``; 0: not reported).
     """
 
     queued_tokens: int = 0
@@ -66,6 +67,7 @@ class RoutingStats:
     adapter_read_tokens: int = 0
     adapter_swap_tokens: int = 0
     adapter_slot_wait_tokens: int = 0
+    adapter_slots: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         """The report as a plain dict, keyed by this class's field names."""
@@ -89,7 +91,8 @@ class RoutingStats:
                    host_adapters=_keys(stats.get("host_adapters")),
                    adapter_read_tokens=_count(stats.get("adapter_read_tokens")),
                    adapter_swap_tokens=_count(stats.get("adapter_swap_tokens")),
-                   adapter_slot_wait_tokens=_count(stats.get("adapter_slot_wait_tokens")))
+                   adapter_slot_wait_tokens=_count(stats.get("adapter_slot_wait_tokens")),
+                   adapter_slots=_count(stats.get("adapter_slots")))
 
 
 @dataclass(frozen=True)

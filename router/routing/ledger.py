@@ -130,6 +130,20 @@ class SentLedger:
         return sum(entry.tokens for entry in entries
                    if not _counted_by_snapshot(entry, snapshot_at, listed))
 
+    def adapters_in_flight(self, worker_id: str,
+                           listed: Mapping[str, int] | None = None) -> dict[str, int]:
+        """The LoRA adapters of the requests in flight on ``worker_id``: content digest → the
+        most work one of them has left, in tokens (the worker's snapshot breakdown,
+        ``listed``, where it lists the request; else the work it was sent with). Fresher than
+        the worker's report of the adapters it holds: a request sent since is counted."""
+        left: dict[str, int] = {}
+        for entry in self._by_worker.get(worker_id, {}).values():
+            digest = entry.plan.adapter_digest if entry.plan is not None else None
+            if digest is not None:
+                tokens = (listed or {}).get(entry.plan.request_id, entry.tokens)
+                left[digest] = max(left.get(digest, 0), tokens)
+        return left
+
     def expire(self, now: float) -> None:
         """Drops entries older than ``max_age_s`` seconds at time ``now``."""
         horizon = now - self.max_age_s

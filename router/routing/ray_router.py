@@ -222,12 +222,37 @@ class PrefixAwareRequestRouter(RequestRouter):
         lookup = await self._look_up(plan, by_id)
         recorded = self._recorded_blocks(plan, lookup, by_id, now)
         views = [self._view(wid, plan, lookup, recorded, loads[wid], now,
-                            _adapter_tokens(replica, plan)) for wid, replica in by_id.items()]
+                            self._adapter_tokens(wid, replica, plan))
+                 for wid, replica in by_id.items()]
         ranked = self._policy.choose(views, plan.prompt_len if plan else 0)
         key = _request_key(pending_request)
         self._record_sent(key, ranked[0], plan, lookup, now, recorded)
         self._watch(key, pending_request)
         return [by_id[wid] for wid in ranked]
+
+    def _adapter_tokens(self, worker_id: str, replica: Any, plan: RoutingInput | None) -> int:
+        """What making the request's adapter resident costs on ``replica``, in tokens of work.
+
+        0 for a base request, a replica that reports nothing, and an adapter resident there:
+        reported so, or in use by a request this router has in flight there. Else its measured
+        swap cost for one in its host tier or its measured read cost, plus the wait for a free
+        slot when every one is busy: as the worker reported it, or, when this router's own
+        requests in flight there already use as many adapters as it has slots (fresher than
+        its report), until the first of them frees while its running sequences share steps.
+        """
+        if plan is None or plan.adapter_digest is None:
+            return 0
+        stats = RoutingStats.from_wire(getattr(replica, "routing_stats", None))
+        in_flight = self._ledger.adapters_in_flight(worker_id, stats.requests)
+        if (stats.adapters is None or plan.adapter_digest in stats.adapters
+                or plan.adapter_digest in in_flight):
+            return 0
+        hosted = plan.adapter_digest in (stats.host_adapters or ())
+        move = stats.adapter_swap_tokens if hosted else stats.adapter_read_tokens
+        wait = stats.adapter_slot_wait_tokens
+        if stats.adapter_slots and len(in_flight) >= stats.adapter_slots:
+            wait = max(wait, min(in_flight.values()) * max(1, stats.running))
+        return move + wait
 
     def _view(self, worker_id: str, plan: RoutingInput | None, lookup: Lookup,
               recorded: Mapping[str, int] | None, load_tokens: int, now: float,
@@ -474,18 +499,3 @@ class PrefixAwareRequestRouter(RequestRouter):
                 self._lookup.forget_in_background(model_key, worker_id)
         except Exception:
             logger.exception("Could not forget dead replica %s.", replica_id)
-
-
-def _adapter_tokens(replica: Any, plan: RoutingInput | None) -> int:
-    """What making the request's adapter resident costs on ``replica``, in tokens of work: 0
-    for a base request, an adapter the replica reports resident, or a replica that reports
-    nothing; else its measured swap cost for one in its host tier or its measured read cost,
-    plus the wait for a free slot when every one is in use."""
-    if plan is None or plan.adapter_digest is None:
-        return 0
-    stats = RoutingStats.from_wire(getattr(replica, "routing_stats", None))
-    if stats.adapters is None or plan.adapter_digest in stats.adapters:
-        return 0
-    hosted = plan.adapter_digest in (stats.host_adapters or ())
-    move = stats.adapter_swap_tokens if hosted else stats.adapter_read_tokens
-    return move + stats.adapter_slot_wait_tokens

@@ -803,6 +803,33 @@ async def test_an_adapter_in_a_host_tier_costs_its_swap_not_its_read():
         assert chosen == "disk"
 
 
+async def test_adapters_this_router_has_in_flight_fill_a_replicas_slots():
+    """The router's own requests in flight are fresher than a replica's report: once they
+    use as many adapters as it has slots, another adapter there must wait for one."""
+    from contract.identity import AdapterRef
+
+    def replica(name: str, load: int) -> FakeReplica:
+        return FakeReplica(name, {"queued_tokens": load, "adapters": [], "adapter_slots": 1,
+                                  "adapter_read_tokens": 400, "running": 1})
+
+    def request(salt: str, digest: str) -> GenerationRequest:
+        req = gen_request(64, salt=salt)
+        req.adapter = AdapterRef(salt, digest, f"/adapters/{salt}")
+        return req
+
+    for seed in range(4):
+        router = make_router(FakeIndex(), seed=seed)
+        assert await route(router, [replica("a", 100), replica("b", 1000)],
+                           pending(request("x", "ab" * 32))) == "a"
+        # "a": 100 + 80 in flight + read 400 + a slot wait of x's 80 tokens left = 660;
+        # "b": 250 + read 400 = 650 (without the slot wait "a" would cost 580)
+        assert await route(router, [replica("a", 100), replica("b", 250)],
+                           pending(request("y", "cd" * 32))) == "b"
+        # x again: in flight on "a", so resident there
+        assert await route(router, [replica("a", 100), replica("b", 250)],
+                           pending(request("x2", "ab" * 32))) == "a"
+
+
 def test_token_rate_follows_busy_readings_and_keeps_it_when_idle():
     from cluster.worker_deployment import TokenRate
 
