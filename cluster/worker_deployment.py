@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from collections.abc import AsyncIterator
 
 import ray
@@ -22,13 +21,9 @@ from router.errors import OverloadedError
 from router.index import make_index
 from workers.async_engine import AsyncEngine
 from workers.engine import LLMEngine
+from workers.lora.admission import AdapterAdmission
 from workers.lora.registry import AdapterSlotsFull
 from workers.speculative.remote import RemoteProposer
-
-# A request whose adapter finds every resident slot in use waits for one, polling this often
-# (a slot frees when a sequence finishes: a step or more), and gets a 503 after this long.
-ADAPTER_SLOT_POLL_S = 0.02
-ADAPTER_SLOT_WAIT_S = 30.0
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +87,7 @@ class NalarWorker:
                                         config.worker_ttl_s / 3)
         self.async_engine = AsyncEngine(self.engine, self.publisher.submit_threadsafe)
         self._token_rate = TokenRate()
-        # adapter requests, and how each found its adapter: resident, host (moved back), read
-        # (from disk), slot (waited for a free one)
-        self.adapter_requests = 0
-        self.adapter_waits = Counter({"resident": 0, "host": 0, "read": 0, "slot": 0})
+        self.adapter_admission = AdapterAdmission(self.engine.adapters)
         self.startup_s = time.perf_counter() - started
         log.info("worker %s ready in %.1f s: %d KV blocks of %d tokens, dtype %s", self.worker_id,
                  self.startup_s, self.engine.pool.num_blocks, config.block_size,
@@ -124,37 +116,19 @@ class NalarWorker:
             chunks.close()  # a cancelled or abandoned stream aborts its request
 
     async def _ensure_adapter(self, request: GenerationRequest) -> None:
-        """Make the request's adapter resident (``AdapterRegistry.ensure``) in a thread, so
-        the engine keeps stepping meanwhile: moved back from the host tier, or read if this
-        replica does not hold it (evicted, or loaded on other replicas only). While every
-        resident slot is in use the request waits, as vLLM's scheduler keeps it waiting, up to
-        ``ADAPTER_SLOT_WAIT_S``.
+        """Make the request's adapter resident (:class:`AdapterAdmission`): moved back from
+        the host tier, or read if this replica does not hold it (evicted, or loaded on other
+        replicas only), in a thread while the engine keeps stepping; while every slot is in
+        use, the request waits for one.
 
         Raises:
-            OverloadedError: every adapter slot stayed in use that long (503, retry).
+            OverloadedError: every adapter slot stayed in use (503, retry).
             InvalidRequestError: the adapter cannot be read or changed on disk (404).
         """
-        if request.adapter is None:
-            return
-        adapters, ref = self.engine.adapters, request.adapter
-        deadline = time.monotonic() + ADAPTER_SLOT_WAIT_S
-        self.adapter_requests += 1
-        waited = False
-        while True:
-            ensured = asyncio.ensure_future(asyncio.to_thread(adapters.ensure, ref))
-            try:
-                how = await asyncio.shield(ensured)
-                self.adapter_waits[how if not waited else "slot"] += 1
-                return
-            except AdapterSlotsFull as exc:
-                waited = True
-                if time.monotonic() >= deadline:
-                    raise OverloadedError(str(exc), retry_after_s=1.0) from exc
-            except asyncio.CancelledError:  # the client left: end a reservation made anyway
-                ensured.add_done_callback(lambda done: done.cancelled() or done.exception()
-                                          or adapters.release(ref))
-                raise
-            await asyncio.sleep(ADAPTER_SLOT_POLL_S)
+        try:
+            await self.adapter_admission.ensure(request.adapter)
+        except AdapterSlotsFull as exc:
+            raise OverloadedError(str(exc), retry_after_s=1.0) from exc
 
     async def load_lora_adapter(self, name: str, path: str) -> AdapterRef:
         """Read an adapter from ``path`` (under ``--lora-dir``) and hold it as ``name``, in a
@@ -204,6 +178,8 @@ class NalarWorker:
         rate = self._token_rate.update(counters.prefill_tokens + counters.decode_tokens,
                                        time.monotonic())
         adapters = self.engine.adapters
+        busy, estimate = self.engine.adapter_slots_busy()
+        mean_wait_s = self.adapter_admission.mean_slot_wait_s()
         return RoutingStats(queued_tokens=sum(per_request.values()), requests=per_request,
                             running=len(scheduler.running), waiting=len(scheduler.waiting),
                             time=time.time(), model_key=self.identity.model_key,
@@ -211,8 +187,9 @@ class NalarWorker:
                             host_adapters=adapters.held_digests("host"),
                             adapter_read_tokens=round(adapters.mean_read_s() * rate),
                             adapter_swap_tokens=round(adapters.mean_swap_s() * rate),
-                            adapter_slot_wait_tokens=self.engine.adapter_slot_wait_tokens(),
-                            adapter_slots=adapters.max_loras).to_wire()
+                            adapter_slots=adapters.max_loras, adapter_slots_busy=busy,
+                            adapter_slot_wait_tokens=max(estimate, round(mean_wait_s * rate)),
+                            ).to_wire()
 
     def record_replica_metadata(self) -> dict:
         """Static facts the router reads once (:class:`~contract.load.ReplicaMetadata`): the
@@ -271,7 +248,8 @@ class NalarWorker:
                 "loads": adapters.loads, "load_seconds": adapters.load_s,
                 "swaps": adapters.swaps, "swap_seconds": adapters.swap_s,
                 "evictions": adapters.evictions, "host_evictions": adapters.host_evictions,
-                "requests": self.adapter_requests, "waits": dict(self.adapter_waits),
+                "requests": self.adapter_admission.requests,
+                "waits": dict(self.adapter_admission.by_source),
                 "running": names(scheduler.running), "waiting": names(scheduler.waiting)}
 
     def _spec_stats(self) -> dict:

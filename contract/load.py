@@ -50,9 +50,11 @@ class RoutingStats:
         adapter_read_tokens: what reading an adapter it does not hold costs there, in tokens
             of work: its measured mean read time times its measured tokens per second.
         adapter_swap_tokens: the same for moving one back from its host tier.
-        adapter_slot_wait_tokens: what waiting for a free resident slot costs there, in
-            tokens of work (0 while one is free; ``LLMEngine.adapter_slot_wait_tokens``).
         adapter_slots: its resident adapter slots (``--max-loras``; 0: not reported).
+        adapter_slots_busy: those holding an adapter some request is using.
+        adapter_slot_wait_tokens: what waiting for a free slot costs there once none is free,
+            in tokens of work: the larger of its estimate (``LLMEngine.adapter_slots_busy``)
+            and its measured mean wait times its measured tokens per second.
     """
 
     queued_tokens: int = 0
@@ -66,8 +68,9 @@ class RoutingStats:
     host_adapters: list[str] | None = None
     adapter_read_tokens: int = 0
     adapter_swap_tokens: int = 0
-    adapter_slot_wait_tokens: int = 0
     adapter_slots: int = 0
+    adapter_slots_busy: int = 0
+    adapter_slot_wait_tokens: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         """The report as a plain dict, keyed by this class's field names."""
@@ -91,8 +94,9 @@ class RoutingStats:
                    host_adapters=_keys(stats.get("host_adapters")),
                    adapter_read_tokens=_count(stats.get("adapter_read_tokens")),
                    adapter_swap_tokens=_count(stats.get("adapter_swap_tokens")),
-                   adapter_slot_wait_tokens=_count(stats.get("adapter_slot_wait_tokens")),
-                   adapter_slots=_count(stats.get("adapter_slots")))
+                   adapter_slots=_count(stats.get("adapter_slots")),
+                   adapter_slots_busy=_count(stats.get("adapter_slots_busy")),
+                   adapter_slot_wait_tokens=_count(stats.get("adapter_slot_wait_tokens")))
 
 
 @dataclass(frozen=True)

@@ -170,21 +170,20 @@ class LLMEngine:
         seqs = self._seqs.copy()
         return {seq.adapter.name for seq in seqs.values() if seq.adapter is not None}
 
-    def adapter_slot_wait_tokens(self) -> int:
-        """What a request for an adapter not resident here would wait for a slot, in tokens
-        of work (the router's unit): 0 while a slot is free or held by an idle adapter; else
-        until the busy adapter whose last sequence ends first is free. Running sequences share
-        steps, so meanwhile each computes about as many tokens as that one has left. Safe to
-        call off the engine thread (it reads a copy of the sequence table)."""
+    def adapter_slots_busy(self) -> tuple[int, int]:
+        """Resident adapter slots in use, and what a request for another adapter would wait
+        for one once none is free, in tokens of work (the router's unit): until the busy
+        adapter whose last sequence ends first is free, while the running sequences share
+        steps, so each computes about as many tokens as that one has left (0 when none is
+        busy). Safe to call off the engine thread (it reads a copy of the sequence table)."""
         left: dict[str, int] = {}
         for seq in self._seqs.copy().values():
             if seq.adapter is not None:
                 work = work_tokens(seq.num_uncomputed_tokens,
                                    seq.sampling.max_tokens - seq.num_output_tokens)
                 left[seq.adapter.name] = max(left.get(seq.adapter.name, 0), work)
-        if self.adapters.free_slots(set(left)) > 0:
-            return 0
-        return min(left.values(), default=0) * max(1, len(self.scheduler.running))
+        busy = self.adapters.max_loras - self.adapters.free_slots(set(left))
+        return busy, min(left.values(), default=0) * max(1, len(self.scheduler.running))
 
     @property
     def proposer(self) -> Proposer | None:

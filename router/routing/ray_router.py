@@ -236,9 +236,10 @@ class PrefixAwareRequestRouter(RequestRouter):
         0 for a base request, a replica that reports nothing, and an adapter resident there:
         reported so, or in use by a request this router has in flight there. Else its measured
         swap cost for one in its host tier or its measured read cost, plus the wait for a free
-        slot when every one is busy: as the worker reported it, or, when this router's own
-        requests in flight there already use as many adapters as it has slots (fresher than
-        its report), until the first of them frees while its running sequences share steps.
+        slot when every one is busy: by the replica's report, or by this router's own requests
+        in flight there (fresher), once they use as many adapters as it has slots. The wait is
+        the larger of the replica's reported cost and the work until the first of this
+        router's adapters there frees, while its running sequences share steps.
         """
         if plan is None or plan.adapter_digest is None:
             return 0
@@ -249,8 +250,11 @@ class PrefixAwareRequestRouter(RequestRouter):
             return 0
         hosted = plan.adapter_digest in (stats.host_adapters or ())
         move = stats.adapter_swap_tokens if hosted else stats.adapter_read_tokens
+        busy = max(stats.adapter_slots_busy, len(in_flight))
+        if not stats.adapter_slots or busy < stats.adapter_slots:
+            return move
         wait = stats.adapter_slot_wait_tokens
-        if stats.adapter_slots and len(in_flight) >= stats.adapter_slots:
+        if in_flight:
             wait = max(wait, min(in_flight.values()) * max(1, stats.running))
         return move + wait
 

@@ -776,8 +776,9 @@ async def test_an_adapter_in_a_host_tier_costs_its_swap_not_its_read():
     def replica(name: str, load: int, resident=(), hosted=(), slot_wait=0) -> FakeReplica:
         return FakeReplica(name, {"queued_tokens": load, "adapters": list(resident),
                                   "host_adapters": list(hosted), "adapter_read_tokens": 400,
-                                  "adapter_swap_tokens": 5,
-                                  "adapter_slot_wait_tokens": slot_wait})
+                                  "adapter_swap_tokens": 5, "adapter_slots": 2,
+                                  "adapter_slots_busy": 2 if slot_wait else 1,
+                                  "adapter_slot_wait_tokens": slot_wait or 900})
 
     request = gen_request(64, salt="h")
     request.adapter = AdapterRef("sql", digest, "/adapters/sql")
@@ -797,6 +798,7 @@ async def test_an_adapter_in_a_host_tier_costs_its_swap_not_its_read():
         assert chosen == "resident"
         router = make_router(FakeIndex(), seed=seed)
         # every slot of the host-tier replica is busy: waiting for one outweighs the read
+        # (with one free, its reported wait of 900 tokens plays no part above)
         chosen = await route(router, [replica("disk", 100),
                                       replica("host", 100, hosted=[digest], slot_wait=600)],
                              pending(request))

@@ -195,7 +195,8 @@ def test_routing_stats_round_trip_their_wire_form():
     stats = RoutingStats(queued_tokens=40, requests={"r1": 30, "r2": 10}, running=1, waiting=1,
                          time=12.5, model_key="ab" * 32, worker_id="w1",
                          adapters=["cd" * 32], host_adapters=["ef" * 32],
-                         adapter_read_tokens=12, adapter_swap_tokens=2)
+                         adapter_read_tokens=12, adapter_swap_tokens=2, adapter_slots=4,
+                         adapter_slots_busy=3, adapter_slot_wait_tokens=90)
     assert RoutingStats.from_wire(stats.to_wire()) == stats
     malformed = RoutingStats.from_wire({"adapters": "cd", "adapter_read_tokens": -3})
     assert (malformed.adapters, malformed.adapter_read_tokens) == (None, 0)

@@ -462,20 +462,58 @@ def test_an_ensured_adapter_is_reserved_until_its_request_is_admitted(
 @pytest.mark.parametrize("max_loras", [1, 2])
 def test_slot_wait_is_the_work_until_the_first_busy_adapter_frees(
         tiny_case, make_engine, fresh_tiny_qwen, smollm_tokenizer, max_loras):
-    """With every slot busy, a new adapter waits until the busy adapter whose last sequence
-    ends first is free; the running sequences share those steps. A free slot: no wait."""
+    """A new adapter waits until the busy adapter whose last sequence ends first is free; the
+    running sequences (base ones too) share those steps. Slots busy: those some sequence
+    uses."""
     engine = tiny_engine(make_engine, fresh_tiny_qwen, smollm_tokenizer, tiny_case,
                          max_loras=max_loras)
     name = engine.adapters.held()[-1]
+    assert engine.adapter_slots_busy() == (0, 0)
     for i in range(2):
         engine.add_request(adapter_request(engine, f"r{i}", tiny_case.prompts[i], name))
     engine.add_request(adapter_request(engine, "base", tiny_case.prompts[2], None))
     engine.step()  # prefills all three: each has its first token, not yet in the KV cache
-    expected = (1 + NEW_TOKENS - 1) * 3 if max_loras == 1 else 0
-    assert engine.adapter_slot_wait_tokens() == expected
+    assert engine.adapter_slots_busy() == (1, (1 + NEW_TOKENS - 1) * 3)
     while engine.has_work():
         engine.step()
-    assert engine.adapter_slot_wait_tokens() == 0
+    assert engine.adapter_slots_busy() == (0, 0)
+
+
+async def test_a_request_waits_for_a_free_slot_then_counts_its_wait(
+        tiny_case, make_engine, fresh_tiny_qwen, smollm_tokenizer):
+    """Every slot busy: the request waits (the engine keeps stepping) until one frees, and is
+    counted with its wait; one that outwaits ``wait_s`` is refused; a cancelled one leaves no
+    reservation behind."""
+    import asyncio
+
+    from workers.lora.admission import AdapterAdmission
+    from workers.lora.registry import AdapterSlotsFull
+
+    engine = tiny_engine(make_engine, fresh_tiny_qwen, smollm_tokenizer, tiny_case,
+                         max_loras=1)
+    registry = engine.adapters
+    admission = AdapterAdmission(registry, wait_s=5.0, poll_s=0.01)
+    busy = registry.refs()["mlp-pattern"]
+    assert await admission.ensure(busy) == "resident"  # reserved: the one slot is busy
+    waiting = asyncio.ensure_future(admission.ensure(registry.refs()["all"]))
+    await asyncio.sleep(0.2)
+    assert not waiting.done()
+    registry.release(busy)
+    assert await waiting == "slot" and registry.held() == ["all"]
+    assert admission.mean_slot_wait_s() >= 0.2
+    assert (admission.requests, dict(admission.by_source)) == (
+        2, {"resident": 1, "host": 0, "read": 0, "slot": 1})
+    admission.wait_s = 0.1
+    with pytest.raises(AdapterSlotsFull):
+        await admission.ensure(busy)  # "all" is still reserved
+    admission.wait_s = 5.0
+    cancelled = asyncio.ensure_future(admission.ensure(busy))
+    await asyncio.sleep(0.05)
+    cancelled.cancel()
+    registry.release(registry.refs()["all"])
+    await asyncio.sleep(0.1)
+    assert await admission.ensure(busy) == "read"  # "all" was evicted: nothing held it
+    assert await admission.ensure(None) is None
 
 
 def test_concurrent_requests_for_an_evicted_adapter_read_it_once(
