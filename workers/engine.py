@@ -182,7 +182,7 @@ class LLMEngine:
                 work = work_tokens(seq.num_uncomputed_tokens,
                                    seq.sampling.max_tokens - seq.num_output_tokens)
                 left[seq.adapter.name] = max(left.get(seq.adapter.name, 0), work)
-        busy = self.adapters.max_loras - self.adapters.free_slots(set(left))
+        busy = self.adapters.max_loras - self.adapters.free_slots()
         return busy, min(left.values(), default=0) * max(1, len(self.scheduler.running))
 
     @property

@@ -233,30 +233,37 @@ class PrefixAwareRequestRouter(RequestRouter):
     def _adapter_tokens(self, worker_id: str, replica: Any, plan: RoutingInput | None) -> int:
         """What making the request's adapter resident costs on ``replica``, in tokens of work.
 
-        0 for a base request, a replica that reports nothing, and an adapter resident there:
-        reported so, or in use by a request this router has in flight there. Else its measured
-        swap cost for one in its host tier or its measured read cost, plus the wait for a free
-        slot when every one is busy: by the replica's report, or by this router's own requests
-        in flight there (fresher), once they use as many adapters as it has slots. The wait is
-        the larger of the replica's reported cost and the work until the first of this
-        router's adapters there frees, while its running sequences share steps.
+        0 for a base request, a replica that reports nothing, and an adapter in use there by a
+        request this router has in flight. Else, for an adapter not resident, its measured
+        swap cost from the host tier or its measured read cost; plus, for any adapter not in
+        use there, its share of the slots: the wait for a free slot when every one is busy,
+        else that wait times the fraction of slots busy (taking one brings other adapters'
+        requests closer to a wait). Busy: by the replica's report, or by this router's own
+        requests in flight there (fresher). The wait is the larger of the replica's reported
+        cost and the work until the first of this router's adapters there frees, while its
+        running sequences share steps.
         """
         if plan is None or plan.adapter_digest is None:
             return 0
         stats = RoutingStats.from_wire(getattr(replica, "routing_stats", None))
         in_flight = self._ledger.adapters_in_flight(worker_id, stats.requests)
-        if (stats.adapters is None or plan.adapter_digest in stats.adapters
-                or plan.adapter_digest in in_flight):
+        if stats.adapters is None or plan.adapter_digest in in_flight:
             return 0
-        hosted = plan.adapter_digest in (stats.host_adapters or ())
-        move = stats.adapter_swap_tokens if hosted else stats.adapter_read_tokens
-        busy = max(stats.adapter_slots_busy, len(in_flight))
-        if not stats.adapter_slots or busy < stats.adapter_slots:
+        move = 0
+        if plan.adapter_digest not in stats.adapters:
+            hosted = plan.adapter_digest in (stats.host_adapters or ())
+            move = stats.adapter_swap_tokens if hosted else stats.adapter_read_tokens
+        if not stats.adapter_slots:
             return move
+        busy = max(stats.adapter_slots_busy, len(in_flight))
         wait = stats.adapter_slot_wait_tokens
         if in_flight:
             wait = max(wait, min(in_flight.values()) * max(1, stats.running))
-        return move + wait
+        if busy >= stats.adapter_slots:
+            return move + wait
+        # Taking a free slot brings the next request for another adapter closer to a wait:
+        # the fuller the slots, the more it costs, so an adapter gathers where it is in use.
+        return move + wait * busy // stats.adapter_slots
 
     def _view(self, worker_id: str, plan: RoutingInput | None, lookup: Lookup,
               recorded: Mapping[str, int] | None, load_tokens: int, now: float,

@@ -766,43 +766,39 @@ async def test_an_adapter_request_goes_where_its_adapter_is_held_unless_load_out
     assert set(chosen) == {"holder", "other"}
 
 
-async def test_an_adapter_in_a_host_tier_costs_its_swap_not_its_read():
-    """Three tiers, three costs: resident nothing, host its swap, elsewhere its read. With
-    equal loads the host-tier replica beats the one that must read from disk."""
+async def test_an_adapter_costs_its_tier_and_its_share_of_the_slots():
+    """Three tiers, three costs: resident nothing, host its swap, elsewhere its read. An
+    adapter not in use there also takes a slot: the replica's slot wait when every slot is
+    busy, else that wait times the fraction busy."""
     from contract.identity import AdapterRef
 
     digest = "ab" * 32
 
-    def replica(name: str, load: int, resident=(), hosted=(), slot_wait=0) -> FakeReplica:
+    def replica(name: str, load: int, resident=(), hosted=(), busy=0) -> FakeReplica:
         return FakeReplica(name, {"queued_tokens": load, "adapters": list(resident),
                                   "host_adapters": list(hosted), "adapter_read_tokens": 400,
                                   "adapter_swap_tokens": 5, "adapter_slots": 2,
-                                  "adapter_slots_busy": 2 if slot_wait else 1,
-                                  "adapter_slot_wait_tokens": slot_wait or 900})
+                                  "adapter_slots_busy": busy, "adapter_slot_wait_tokens": 600})
+
+    async def choose(seed: int, *replicas: FakeReplica) -> str:
+        return await route(make_router(FakeIndex(), seed=seed), list(replicas), pending(request))
 
     request = gen_request(64, salt="h")
     request.adapter = AdapterRef("sql", digest, "/adapters/sql")
     for seed in range(4):
-        router = make_router(FakeIndex(), seed=seed)
-        chosen = await route(router, [replica("disk", 100), replica("host", 100, hosted=[digest])],
-                             pending(request))
-        assert chosen == "host"
-        router = make_router(FakeIndex(), seed=seed)
-        # a host-tier replica 200 tokens busier still costs less than a disk read (400)
-        chosen = await route(router, [replica("disk", 100), replica("host", 300, hosted=[digest])],
-                             pending(request))
-        assert chosen == "host"
-        router = make_router(FakeIndex(), seed=seed)
-        chosen = await route(router, [replica("resident", 104, resident=[digest]),
-                                      replica("host", 100, hosted=[digest])], pending(request))
-        assert chosen == "resident"
-        router = make_router(FakeIndex(), seed=seed)
-        # every slot of the host-tier replica is busy: waiting for one outweighs the read
-        # (with one free, its reported wait of 900 tokens plays no part above)
-        chosen = await route(router, [replica("disk", 100),
-                                      replica("host", 100, hosted=[digest], slot_wait=600)],
-                             pending(request))
-        assert chosen == "disk"
+        # 105 against 500; then 305: a host-tier replica 200 tokens busier beats a read
+        assert await choose(seed, replica("disk", 100), replica("host", 100, hosted=[digest]))\
+            == "host"
+        assert await choose(seed, replica("disk", 100), replica("host", 300, hosted=[digest]))\
+            == "host"
+        assert await choose(seed, replica("resident", 104, resident=[digest]),
+                            replica("host", 100, hosted=[digest])) == "resident"
+        # every slot of the host-tier replica busy: 100 + 5 + 600 against 100 + 400
+        assert await choose(seed, replica("disk", 100),
+                            replica("host", 100, hosted=[digest], busy=2)) == "disk"
+        # half its slots busy: 100 + 5 + 300 against 350 + 5 (without the share: 105)
+        assert await choose(seed, replica("half", 100, hosted=[digest], busy=1),
+                            replica("idle", 350, hosted=[digest])) == "idle"
 
 
 async def test_adapters_this_router_has_in_flight_fill_a_replicas_slots():

@@ -495,11 +495,13 @@ async def test_a_request_waits_for_a_free_slot_then_counts_its_wait(
     admission = AdapterAdmission(registry, wait_s=5.0, poll_s=0.01)
     busy = registry.refs()["mlp-pattern"]
     assert await admission.ensure(busy) == "resident"  # reserved: the one slot is busy
+    loads = registry.loads
     waiting = asyncio.ensure_future(admission.ensure(registry.refs()["all"]))
     await asyncio.sleep(0.2)
     assert not waiting.done()
     registry.release(busy)
     assert await waiting == "slot" and registry.held() == ["all"]
+    assert registry.loads == loads + 1  # read once a slot was free, not at every try
     assert admission.mean_slot_wait_s() >= 0.2
     assert (admission.requests, dict(admission.by_source)) == (
         2, {"resident": 1, "host": 0, "read": 0, "slot": 1})

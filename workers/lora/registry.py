@@ -156,6 +156,8 @@ class AdapterRegistry:
             hosted = ref.adapter_id in self._host
             if self._reserve_held(ref):
                 return "host" if hosted else "read"
+            if not self._free():
+                raise AdapterSlotsFull(self._full_message())  # before a read it could not use
             trusted = self._known.get(ref.adapter_id) == ref
         try:
             adapter = self._read(ref.adapter_id, ref.source, runtime=not trusted)
@@ -235,12 +237,11 @@ class AdapterRegistry:
         with self._lock:
             return list(self._adapters)
 
-    def free_slots(self, busy: set[str]) -> int:
-        """Resident slots a read could use now: empty, or holding an adapter neither in
-        ``busy`` (names some sequence uses) nor reserved."""
+    def free_slots(self) -> int:
+        """Resident slots another adapter could take now: empty, or holding an adapter no
+        sequence uses and none is reserved for."""
         with self._lock:
-            taken = {name for name in self._adapters if name in busy or name in self._reserved}
-            return self.max_loras - len(taken)
+            return self._free()
 
     def hosted(self) -> list[str]:
         """Names of the adapters in the host tier now, least recently used first."""
@@ -297,17 +298,27 @@ class AdapterRegistry:
 
     def _make_room(self) -> None:
         """Free a resident slot, and a place in the two tiers, for one more (lock held)."""
-        busy = self._in_use() | set(self._reserved)
         while len(self._adapters) >= self.max_loras:
-            idle = next((name for name in self._adapters if name not in busy), None)
-            if idle is None:
-                raise AdapterSlotsFull(f"all {self.max_loras} adapter slots (--max-loras) are "
-                                       "in use by running requests")
-            self._demote(self._adapters.pop(idle))
+            idle = self._idle()
+            if not idle:
+                raise AdapterSlotsFull(self._full_message())
+            self._demote(self._adapters.pop(idle[0]))
         while self._host and len(self._adapters) + len(self._host) >= self.max_cpu_loras:
             dropped, _ = self._host.popitem(last=False)
             self.host_evictions += 1
             log.info("LoRA adapter %s dropped from the host tier", dropped)
+
+    def _free(self) -> int:
+        return self.max_loras - len(self._adapters) + len(self._idle())
+
+    def _idle(self) -> list[str]:
+        """Resident adapters no sequence uses and none is reserved for, least recently used
+        first (lock held)."""
+        busy = self._in_use() | set(self._reserved)
+        return [name for name in self._adapters if name not in busy]
+
+    def _full_message(self) -> str:
+        return f"all {self.max_loras} adapter slots (--max-loras) are in use by running requests"
 
     def _demote(self, adapter: LoraAdapter) -> None:
         """Move an evicted resident adapter to the host tier, or drop it without one."""
