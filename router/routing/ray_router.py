@@ -237,8 +237,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         request this router has in flight. Else, for an adapter not resident, its measured
         swap cost from the host tier or its measured read cost; plus, for any adapter not in
         use there, its share of the slots: the wait for a free slot when every one is busy,
-        else that wait times the fraction of slots busy (taking one brings other adapters'
-        requests closer to a wait). Busy: by the replica's report, or by this router's own
+        else that wait times the fraction of slots busy once it takes one (bringing other
+        adapters' requests closer to a wait). Busy: by the replica's report, or by this router's own
         requests in flight there (fresher). The wait is the larger of the replica's reported
         cost and the work until the first of this router's adapters there frees, while its
         running sequences share steps.
@@ -261,9 +261,9 @@ class PrefixAwareRequestRouter(RequestRouter):
             wait = max(wait, min(in_flight.values()) * max(1, stats.running))
         if busy >= stats.adapter_slots:
             return move + wait
-        # Taking a free slot brings the next request for another adapter closer to a wait:
-        # the fuller the slots, the more it costs, so an adapter gathers where it is in use.
-        return move + wait * busy // stats.adapter_slots
+        # Taking a free slot brings the next request for another adapter closer to a wait
+        # (the last one: to a certain wait), so an adapter gathers where it is in use.
+        return move + wait * (busy + 1) // stats.adapter_slots
 
     def _view(self, worker_id: str, plan: RoutingInput | None, lookup: Lookup,
               recorded: Mapping[str, int] | None, load_tokens: int, now: float,

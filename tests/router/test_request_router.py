@@ -769,7 +769,7 @@ async def test_an_adapter_request_goes_where_its_adapter_is_held_unless_load_out
 async def test_an_adapter_costs_its_tier_and_its_share_of_the_slots():
     """Three tiers, three costs: resident nothing, host its swap, elsewhere its read. An
     adapter not in use there also takes a slot: the replica's slot wait when every slot is
-    busy, else that wait times the fraction busy."""
+    busy, else that wait times the fraction busy once it takes one."""
     from contract.identity import AdapterRef
 
     digest = "ab" * 32
@@ -777,7 +777,7 @@ async def test_an_adapter_costs_its_tier_and_its_share_of_the_slots():
     def replica(name: str, load: int, resident=(), hosted=(), busy=0) -> FakeReplica:
         return FakeReplica(name, {"queued_tokens": load, "adapters": list(resident),
                                   "host_adapters": list(hosted), "adapter_read_tokens": 400,
-                                  "adapter_swap_tokens": 5, "adapter_slots": 2,
+                                  "adapter_swap_tokens": 5, "adapter_slots": 4,
                                   "adapter_slots_busy": busy, "adapter_slot_wait_tokens": 600})
 
     async def choose(seed: int, *replicas: FakeReplica) -> str:
@@ -786,18 +786,18 @@ async def test_an_adapter_costs_its_tier_and_its_share_of_the_slots():
     request = gen_request(64, salt="h")
     request.adapter = AdapterRef("sql", digest, "/adapters/sql")
     for seed in range(4):
-        # 105 against 500; then 305: a host-tier replica 200 tokens busier beats a read
+        # each takes one of four slots (+150): 255 against 650; then 455, 200 tokens busier
         assert await choose(seed, replica("disk", 100), replica("host", 100, hosted=[digest]))\
             == "host"
         assert await choose(seed, replica("disk", 100), replica("host", 300, hosted=[digest]))\
             == "host"
         assert await choose(seed, replica("resident", 104, resident=[digest]),
                             replica("host", 100, hosted=[digest])) == "resident"
-        # every slot of the host-tier replica busy: 100 + 5 + 600 against 100 + 400
-        assert await choose(seed, replica("disk", 100),
-                            replica("host", 100, hosted=[digest], busy=2)) == "disk"
-        # half its slots busy: 100 + 5 + 300 against 350 + 5 (without the share: 105)
-        assert await choose(seed, replica("half", 100, hosted=[digest], busy=1),
+        # every slot busy: 100 + 5 + 600 against 350 + 5 + 150 (without the slots: 105)
+        assert await choose(seed, replica("full", 100, hosted=[digest], busy=4),
+                            replica("idle", 350, hosted=[digest])) == "idle"
+        # two of four busy, three once it takes one: 100 + 5 + 450 against 505
+        assert await choose(seed, replica("half", 100, hosted=[digest], busy=2),
                             replica("idle", 350, hosted=[digest])) == "idle"
 
 
