@@ -35,13 +35,36 @@ class AdapterCatalog:
     Args:
         workers: a ``DeploymentHandle`` to the worker deployment (anything with the same
             ``broadcast(method, *args).results(timeout_s=..., return_exceptions=True)``).
-        adapters: those the workers loaded at start (``--lora-modules``).
+        adapters: those the workers loaded at start (``--lora-modules``); :meth:`recover`
+            adds those loaded at run time.
     """
 
     def __init__(self, workers: Any, adapters: dict[str, AdapterRef]):
         self._workers = workers
         self.adapters = dict(adapters)
         self._lock = asyncio.Lock()  # one load or unload at a time
+
+    async def recover(self) -> None:
+        """Add the adapters the worker replicas hold beyond those given: loaded at run time
+        before this ingress started (a restarted ingress). A name is added when every replica
+        that knows it agrees on its content; one known with different content (a load or
+        unload interrupted midway) is left out, with a warning. A replica that does not answer
+        is skipped."""
+        known: dict[str, set[AdapterRef]] = {}
+        for answer in await self._broadcast("lora_adapters"):
+            if isinstance(answer, dict):
+                for name, ref in answer.items():
+                    known.setdefault(name, set()).add(ref)
+        async with self._lock:
+            for name, refs in known.items():
+                if name in self.adapters:
+                    continue
+                if len(refs) > 1:
+                    log.warning("LoRA adapter %s left out: the replicas hold different "
+                                "content under that name; unload and load it again", name)
+                    continue
+                self.adapters[name] = refs.pop()
+                log.info("LoRA adapter %s recovered from the worker replicas", name)
 
     async def load(self, name: str, path: str) -> AdapterRef:
         """Load ``path`` as ``name`` on every replica.

@@ -69,6 +69,7 @@ class NalarIngress:
         admin = config.admin_api_key
         self.admin_key = AdminKey(admin.get_secret_value() if admin is not None else None)
         self.adapter_catalog = AdapterCatalog(workers, description.adapters)
+        await self.adapter_catalog.recover()
         self.admission = Admission(config.max_pending_tokens(), config.max_queue_delay_s)
         source = Path(description.source_path)
         # Same machine: read the worker's converted copy; elsewhere, resolve the source again.

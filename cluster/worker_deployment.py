@@ -145,6 +145,11 @@ class NalarWorker:
             raise OverloadedError(str(exc), retry_after_s=1.0) from exc
         return adapter.ref
 
+    def lora_adapters(self) -> dict[str, AdapterRef]:
+        """Every adapter this replica knows (``AdapterRegistry.refs``): what a restarted
+        ingress recovers (``cluster.adapters.AdapterCatalog.recover``)."""
+        return self.engine.adapters.refs()
+
     def unload_lora_adapter(self, name: str) -> bool:
         """Forget adapter ``name`` (requests running under it finish); False if unknown."""
         try:

@@ -58,6 +58,20 @@ def test_an_unknown_adapter_is_a_404_model_not_found(client):
     assert refused.value.body["code"] == "model_not_found"
 
 
+def recovered_by_a_new_ingress() -> dict:
+    """What a restarted ingress's catalog would hold: recovered from the real replicas."""
+    import asyncio
+
+    from ray import serve
+
+    from cluster.adapters import AdapterCatalog
+    from cluster.app import APP_NAME, WORKER_DEPLOYMENT
+
+    catalog = AdapterCatalog(serve.get_deployment_handle(WORKER_DEPLOYMENT, APP_NAME), {})
+    asyncio.run(catalog.recover())
+    return catalog.adapters
+
+
 def test_the_admin_key_loads_an_adapter_every_worker_serves_then_unloads_it(cluster, client):
     import httpx
 
@@ -75,6 +89,9 @@ def test_the_admin_key_loads_an_adapter_every_worker_serves_then_unloads_it(clus
         assert {a.model for a in answers} == {"runtime"}
         stats = http.get("/metrics").text
         assert "nalar:lora_adapters_loaded" in stats
+        recovered = recovered_by_a_new_ingress()
+        assert set(recovered) == set(CLUSTER_LORA_ADAPTERS) | {"runtime"}
+        assert recovered["runtime"].source == str(directory)
         unloaded = http.post("/v1/unload_lora_adapter", headers=admin,
                              json={"lora_name": "runtime"})
         assert unloaded.status_code == 200, unloaded.text
