@@ -23,6 +23,7 @@ from benchmarks import (  # noqa: E402
     gpu_first_start,
     interference,
     kernel_choices,
+    lora,
     memory_growth,
     prefill,
     spec_paper_check,
@@ -348,3 +349,18 @@ def test_gpu_first_start_checks_on_the_cpu(tmp_path):
     assert concurrent["output_tokens"] == 4 * 8 and concurrent["output_tokens_per_s"] > 0
     assert concurrent["ttft"]["count"] == 4
     assert "token_ids" not in json.dumps(result)
+
+
+def test_lora_balance_report_takes_the_measured_runs_differences():
+    before = {"w1": {"work": 1000.0, "requests": 10.0, "source_resident": 8.0,
+                     "source_read": 2.0},
+              "w2": {"work": 500.0, "requests": 5.0, "source_resident": 5.0}}
+    after = {"w1": {"work": 3000.0, "requests": 30.0, "source_resident": 25.0,
+                    "source_read": 3.0, "source_slot": 2.0},
+             "w2": {"work": 3000.0, "requests": 25.0, "source_resident": 20.0,
+                    "source_host": 5.0}}
+    report = lora.balance_report(before, after)
+    assert report["adapter_requests"] == 40
+    assert report["by_source"] == {"resident": 32, "host": 5, "read": 1, "slot": 2}
+    assert report["waited_share"] == 3 / 40  # a read or a slot wait; a swap is not a wait
+    assert report["work_busiest_over_least"] == 2500 / 2000
