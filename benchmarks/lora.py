@@ -175,7 +175,8 @@ def worker_counters(url: str) -> dict[str, dict[str, float]]:
 
     wanted = {"nalar:computed_prefill_tokens_total": "work",
               "nalar:computed_decode_tokens_total": "work",
-              "nalar:lora_requests_total": "requests"}
+              "nalar:lora_requests_total": "requests",
+              "nalar:lora_slot_wait_seconds_total": "slot_wait_s"}
     workers: dict[str, dict[str, float]] = {}
     text = httpx.get(f"{url}/metrics", timeout=30).text
     for family in text_string_to_metric_families(text):
@@ -200,8 +201,10 @@ def balance_report(before: dict, after: dict) -> dict[str, Any]:
     def total(source: str) -> float:
         return sum(counts.get(f"source_{source}", 0.0) for counts in per_worker.values())
     waited = total("read") + total("slot")
+    slot_wait_s = sum(counts.get("slot_wait_s", 0.0) for counts in per_worker.values())
     return {"per_worker": per_worker, "adapter_requests": requests,
             "by_source": {s: total(s) for s in ("resident", "host", "read", "slot")},
+            "mean_slot_wait_s": slot_wait_s / total("slot") if total("slot") else None,
             "waited_share": waited / requests if requests else None,
             "work_busiest_over_least": max(work) / min(work) if work and min(work) else None}
 
@@ -217,7 +220,8 @@ def balance(args: argparse.Namespace, paths: list[Path], server: Server,
                      distribution="zipf")
     report = balance_report(before, worker_counters(server.url))
     common.log(f"waited on an adapter: {report['waited_share']}, sources "
-               f"{report['by_source']}, busiest/least busy work "
+               f"{report['by_source']}, mean slot wait {report['mean_slot_wait_s']} s, "
+               f"busiest/least busy work "
                f"{report['work_busiest_over_least']}")
     goals = [common.goal("requests_waiting_on_an_adapter_share", report["waited_share"], 0.05,
                          at_least=False),

@@ -162,6 +162,8 @@ ENGINE_METRICS: tuple[Series, ...] = (
            "Seconds spent moving LoRA adapters back from the host tier."),
     Series("lora_requests", "counter", at("lora", "requests"),
            "Requests for a LoRA adapter (counted as the worker makes their adapter resident)."),
+    Series("lora_slot_wait_seconds", "counter", at("lora", "slot_wait_seconds"),
+           "Seconds LoRA requests waited for a free resident slot, in all."),
     Series("lora_adapter_evictions", "counter", at("lora", "evictions"),
            "LoRA adapters evicted from a full set of resident slots (least recently used, "
            "idle): to the host tier, or dropped without one."),

@@ -255,6 +255,7 @@ class NalarWorker:
                 "evictions": adapters.evictions, "host_evictions": adapters.host_evictions,
                 "requests": self.adapter_admission.requests,
                 "waits": dict(self.adapter_admission.by_source),
+                "slot_wait_seconds": self.adapter_admission.slot_wait_s,
                 "running": names(scheduler.running), "waiting": names(scheduler.waiting)}
 
     def _spec_stats(self) -> dict:

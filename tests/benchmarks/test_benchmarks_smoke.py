@@ -356,7 +356,7 @@ def test_lora_balance_report_takes_the_measured_runs_differences():
                      "source_read": 2.0},
               "w2": {"work": 500.0, "requests": 5.0, "source_resident": 5.0}}
     after = {"w1": {"work": 3000.0, "requests": 30.0, "source_resident": 25.0,
-                    "source_read": 3.0, "source_slot": 2.0},
+                    "source_read": 3.0, "source_slot": 2.0, "slot_wait_s": 0.5},
              "w2": {"work": 3000.0, "requests": 25.0, "source_resident": 20.0,
                     "source_host": 5.0}}
     report = lora.balance_report(before, after)
@@ -364,3 +364,4 @@ def test_lora_balance_report_takes_the_measured_runs_differences():
     assert report["by_source"] == {"resident": 32, "host": 5, "read": 1, "slot": 2}
     assert report["waited_share"] == 3 / 40  # a read or a slot wait; a swap is not a wait
     assert report["work_busiest_over_least"] == 2500 / 2000
+    assert report["mean_slot_wait_s"] == 0.25
