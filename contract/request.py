@@ -34,6 +34,25 @@ class InvalidRequestError(ValueError):
         self.code = code
 
 
+StructuredKind = Literal["json", "regex", "choice", "grammar"]
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the output: what OpenAI's ``response_format`` and vLLM's
+    ``structured_outputs`` (and the older ``guided_*`` fields) ask for.
+
+    Attributes:
+        kind: ``json`` (``spec``: a JSON Schema, as JSON text; ``{"type": "object"}`` for
+            ``json_object``), ``regex``, ``choice`` (``spec``: a JSON list of strings) or
+            ``grammar`` (``spec``: a Lark grammar, llguidance's format).
+        spec: the constraint's text.
+    """
+
+    kind: StructuredKind
+    spec: str
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token (the semantics of vLLM's ``SamplingParams``).
@@ -70,6 +89,8 @@ class SamplingParams:
             is returned along with this many most likely alternatives (0..20). They are of the
             raw model distribution, before penalties, bias, temperature and filtering (vLLM's
             default, ``raw_logprobs``).
+        structured: a constraint the output must follow (:class:`StructuredOutput`): tokens
+            it forbids are masked out before everything else; None for free text.
     """
 
     temperature: float = 1.0
@@ -88,6 +109,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:

@@ -59,16 +59,12 @@ _COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 
 # Both endpoints: OpenAI's ``response_format`` and vLLM's extensions that would change the
 # output if ignored.
+# The output constraints (``response_format``, ``structured_outputs``, ``guided_json`` ...) are
+# served: ``router.api.structured``.
 _GENERATION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "response_format": ({"type": "text"},),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
-    "guided_decoding_backend": (),
+    "guided_decoding_backend": ("auto", "guidance", "llguidance"),
     "guided_whitespace_pattern": (),
     "structural_tag": (),
-    "structured_outputs": (),
     "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,),
     "prompt_logprobs": (),
@@ -85,8 +81,6 @@ _GENERATION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 
 # Why a refused parameter is refused, where its name does not say it.
 _WHY_UNSUPPORTED: dict[str, str] = {
-    "response_format": "structured output is not implemented, so the text would not follow "
-                       "the format",
     "tools": "tool calling is not implemented",
     "echo": "the prompt is not echoed",
     "include_stop_str_in_output": "the matched stop string is never returned",
@@ -100,10 +94,9 @@ _WHY_UNSUPPORTED: dict[str, str] = {
     "documents": "documents are not passed to the chat template",
     "add_special_tokens": "special tokens are added as the endpoint's default only",
 }
-for _name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-              "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag",
-              "structured_outputs"):
-    _WHY_UNSUPPORTED[_name] = "guided decoding is not implemented"
+_WHY_UNSUPPORTED["guided_decoding_backend"] = "constraints run on llguidance only"
+_WHY_UNSUPPORTED["guided_whitespace_pattern"] = "the JSON whitespace pattern is llguidance's"
+_WHY_UNSUPPORTED["structural_tag"] = "structural tags are not implemented"
 
 # Message fields a text-only chat without tools cannot honour.
 _MESSAGE_UNSUPPORTED: dict[str, tuple[Any, ...]] = {

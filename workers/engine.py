@@ -5,6 +5,7 @@ Synchronous core; ``workers.async_engine`` runs it in a thread and streams its o
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import Counter
@@ -43,6 +44,7 @@ from workers.sequence import Sequence
 from workers.speculative.build import build_proposer
 from workers.speculative.decoding import SpeculativeDecoding
 from workers.speculative.proposer import Proposer
+from workers.structured.grammar import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +187,12 @@ class LLMEngine:
         busy = self.adapters.max_loras - self.adapters.free_slots()
         return busy, min(left.values(), default=0) * max(1, len(self.scheduler.running))
 
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Structured-output constraints compiled for this model's tokenizer (built at the
+        first constrained request: it reads the whole vocabulary)."""
+        return GrammarCompiler(self.tokenizer, self.vocab_size)
+
     @property
     def proposer(self) -> Proposer | None:
         """The draft proposer, or None when speculative decoding is off."""
@@ -207,6 +215,8 @@ class LLMEngine:
         self._check_token_ids(prompt, "prompt")
         self._check_token_ids(request.sampling.logit_bias, "logit_bias")
         request.sampling.validate()
+        if request.sampling.structured is not None:
+            self.grammars.compile(request.sampling.structured)
         request.sampling.check_context(len(prompt), self.max_model_len)
 
     def add_request(self, request: GenerationRequest, arrived_at: float | None = None) -> None:
@@ -253,6 +263,8 @@ class LLMEngine:
         for index in range(request.sampling.n):
             seq = Sequence(request, root, self.config.block_size, index, prompt_digests,
                            adapter)
+            if request.sampling.structured is not None:
+                seq.grammar = self.grammars.matcher(request.sampling.structured)
             self.request_metrics.arrived(seq, arrived_at)
             if not request.sampling.ignore_eos:
                 seq.stop_token_ids |= self.eos_token_ids
@@ -302,7 +314,10 @@ class LLMEngine:
         sequences that got drafts."""
         if self.speculation is None:
             return []
-        decodes = [seq for seq in self.scheduler.running if seq.num_uncomputed_tokens == 1]
+        # A constrained sequence does not speculate: its matcher must not run ahead of the
+        # committed tokens, and drafts are not yet cut at the constraint.
+        decodes = [seq for seq in self.scheduler.running
+                   if seq.num_uncomputed_tokens == 1 and seq.grammar is None]
         return self.speculation.propose(decodes, self.max_model_len)
 
     def _run_batch(self, batch: ScheduledBatch) -> list[GenerationChunk]:
@@ -336,7 +351,8 @@ class LLMEngine:
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         return SamplingRow(seq.sampling, seq.token_ids, seq.num_prompt_tokens,
-                           seq.stop_token_ids, seq.generator)
+                           seq.stop_token_ids, seq.generator,
+                           seq.grammar.allowed() if seq.grammar is not None else None)
 
     def _verify(self, seq: Sequence, logits: torch.Tensor, step_s: float) -> GenerationChunk:
         """Commits what verification of ``seq``'s drafts accepts, then retires the rest: the
@@ -421,8 +437,10 @@ class LLMEngine:
                     and seq.num_output_tokens > sampling.min_tokens):
                 seq.finish("stop")
                 break
+            if seq.grammar is not None:
+                seq.grammar.consume(token.token_id)
             texts.append(detokenizer.add(token.token_id))
-            if detokenizer.stopped:
+            if detokenizer.stopped or (seq.grammar is not None and seq.grammar.is_stopped):
                 seq.finish("stop")
             elif (seq.num_output_tokens >= sampling.max_tokens
                   or seq.num_tokens >= self.max_model_len):

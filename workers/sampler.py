@@ -3,9 +3,10 @@
 Per step, for the rows that sample a token (vLLM v1's order):
 
 1. raw log-probabilities, for rows that asked for logprobs (before anything below);
-2. ``min_tokens`` masking of EOS / stop token ids, and ``logit_bias``;
-3. repetition (prompt + output), presence and frequency (output) penalties;
-4. greedy rows: argmax. Sampled rows: temperature, then ``min_p``, ``top_k`` and ``top_p``
+2. a structured-output constraint's mask (``workers.structured``): forbidden tokens to -inf;
+3. ``min_tokens`` masking of EOS / stop token ids, and ``logit_bias``;
+4. repetition (prompt + output), presence and frequency (output) penalties;
+5. greedy rows: argmax. Sampled rows: temperature, then ``min_p``, ``top_k`` and ``top_p``
    (nucleus, Holtzman et al. 2019), then one draw.
 
 The draw is an exponential race (equivalent to the Gumbel-max trick): with independent
@@ -41,6 +42,8 @@ class SamplingRow:
         stop_token_ids: ids that end generation (EOS included unless ``ignore_eos``); they
             are masked while the output is shorter than ``params.min_tokens``.
         generator: the request's own RNG (seeded requests), or None for the engine's.
+        allowed: ``[V]`` bool, the tokens a structured-output constraint admits next; None
+            for free text.
     """
 
     params: SamplingParams
@@ -48,6 +51,7 @@ class SamplingRow:
     num_prompt_tokens: int = 0
     stop_token_ids: frozenset[int] = frozenset()
     generator: torch.Generator | None = None
+    allowed: torch.Tensor | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -89,7 +93,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
 
 
 def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Logits after ``min_tokens`` masking, ``logit_bias`` and the penalties.
+    """Logits after a constraint's mask, ``min_tokens`` masking, ``logit_bias`` and the
+    penalties.
 
     Returns ``logits`` itself when no row asks for any of them, else a processed copy.
     """
@@ -125,10 +130,11 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
 
 
 def needs_processing(row: SamplingRow) -> bool:
-    """Whether the row asks for a logits processor (min_tokens, logit_bias, a penalty)."""
+    """Whether the row asks for a logits processor (a constraint's mask, min_tokens,
+    logit_bias, a penalty)."""
     p = row.params
-    return bool(p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty
-                or p.frequency_penalty
+    return bool(row.allowed is not None or p.logit_bias or p.repetition_penalty != 1.0
+                or p.presence_penalty or p.frequency_penalty
                 or (row.num_output_tokens < p.min_tokens and row.stop_token_ids))
 
 
@@ -136,6 +142,8 @@ def _process_row(logits: torch.Tensor, row: SamplingRow) -> None:
     """Applies ``row``'s processors to its ``[V]`` logits in place."""
     p = row.params
     vocab = logits.shape[0]
+    if row.allowed is not None:
+        logits[~row.allowed] = float("-inf")
     if row.num_output_tokens < p.min_tokens and row.stop_token_ids:
         logits[[t for t in row.stop_token_ids if t < vocab]] = float("-inf")
     if p.logit_bias:

@@ -9,6 +9,7 @@ import torch
 from contract.identity import block_digest
 from contract.request import FinishReason, GenerationRequest, SpecUsage
 from workers.lora.adapter import LoraAdapter
+from workers.structured.grammar import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -53,6 +54,7 @@ class Sequence:
                  adapter: LoraAdapter | None = None):
         self.request = request
         self.adapter = adapter
+        self.grammar: GrammarMatcher | None = None  # a structured-output constraint's state
         self.choice_index = choice_index
         self.request_id = (request.request_id if request.sampling.n == 1
                            else f"{request.request_id}#{choice_index}")

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 from contract.request import InvalidRequestError, SamplingParams
+from router.api.structured import structured_output
 from router.errors import invalid_request
 from router.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -52,6 +53,7 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens:
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=bool(body.ignore_eos),
         logprobs=body.logprobs_count(),
+        structured=structured_output(body),
     )
     # Chat asks for alternatives with ``top_logprobs``; completions with ``logprobs``.
     chat = isinstance(body, ChatCompletionRequest)

@@ -5,6 +5,7 @@ naming the field. Through the real app with the scripted fake backend of ``opena
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import pytest
@@ -184,19 +185,59 @@ async def test_vllm_sampling_extensions_reach_the_worker(client, backend):
         20, 0.05, 1.1, 2, True, 8, [2], 3)
 
 
+# -- output constraints: every spelling reaches the worker as one StructuredOutput ------------
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+CONSTRAINTS = [
+    (CHAT, {"response_format": {"type": "json_object"}}, ("json", '{"type": "object"}')),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": SCHEMA, "strict": True}}}, ("json", json.dumps(SCHEMA))),
+    (COMPLETIONS, {"response_format": {"type": "json_object"}}, ("json", '{"type": "object"}')),
+    (CHAT, {"structured_outputs": {"json": SCHEMA}}, ("json", json.dumps(SCHEMA))),
+    (CHAT, {"structured_outputs": {"regex": "[0-9]+"}}, ("regex", "[0-9]+")),
+    (CHAT, {"structured_outputs": {"choice": ["yes", "no"]}}, ("choice", '["yes", "no"]')),
+    (CHAT, {"structured_outputs": {"grammar": "start: \"a\""}}, ("grammar", 'start: "a"')),
+    (CHAT, {"guided_json": json.dumps(SCHEMA)}, ("json", json.dumps(SCHEMA))),
+    (CHAT, {"guided_regex": "[0-9]+", "guided_decoding_backend": "auto"}, ("regex", "[0-9]+")),
+    (COMPLETIONS, {"guided_choice": ["yes", "no"]}, ("choice", '["yes", "no"]')),
+    (CHAT, {"response_format": {"type": "text"}}, None),
+]
+
+
+@pytest.mark.parametrize(("path", "fields", "expected"), CONSTRAINTS,
+                         ids=[f"{p.rsplit('/', 1)[-1]}-{i}" for i, (p, _, _)
+                              in enumerate(CONSTRAINTS)])
+async def test_output_constraints_reach_the_worker(client, backend, path, fields, expected):
+    response = await client.post(path, json={**BASE[path], **fields})
+    assert response.status_code == 200, response.text
+    structured = backend.requests[0].sampling.structured
+    assert (None if structured is None else (structured.kind, structured.spec)) == expected
+
+
+MALFORMED = [
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
+    ({"structured_outputs": {"json": SCHEMA, "regex": "a"}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_json": SCHEMA, "guided_regex": "a"}, "guided_regex"),
+    ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param"), MALFORMED,
+                         ids=[f"malformed-{i}" for i in range(len(MALFORMED))])
+async def test_a_malformed_constraint_is_a_400_naming_its_field(client, fields, param):
+    response = await client.post(CHAT, json={**BASE[CHAT], **fields})
+    assert_error(response, 400, param, "invalid_value")
+
+
 # -- refused: they would change the output -------------------------------------------------------
 
 REFUSED = [
-    (CHAT, "response_format", {"type": "json_object"}),
-    (CHAT, "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-    (COMPLETIONS, "response_format", {"type": "json_object"}),
     (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]),
-    (CHAT, "guided_json", {"type": "object"}),
-    (CHAT, "guided_regex", "[0-9]+"),
-    (COMPLETIONS, "guided_choice", ["yes", "no"]),
-    (COMPLETIONS, "guided_grammar", "root ::= 'a'"),
     (CHAT, "structural_tag", "{}"),
-    (CHAT, "structured_outputs", {"json": {}}),
     (CHAT, "guided_decoding_backend", "xgrammar"),
     (CHAT, "include_stop_str_in_output", True),
     (COMPLETIONS, "include_stop_str_in_output", True),

@@ -1,0 +1,2 @@
+"""Structured output: constrained decoding of JSON Schema, regex, choice and Lark grammar
+constraints (``workers.structured.grammar``)."""

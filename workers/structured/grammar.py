@@ -1,0 +1,124 @@
+"""Constrained decoding on llguidance: a request's :class:`StructuredOutput` compiled once per
+constraint, and a matcher per sequence that masks the tokens the constraint forbids.
+
+llguidance was chosen by measurement against xgrammar and outlines-core
+(``benchmarks/grammar_engines.py``; docs/design-decisions.md, "Structured output"). Its compile
+is lazy: the grammar text is checked up front and the token-level work happens as masks are
+asked for, so a new schema never stalls a step.
+
+The matcher advances only over committed tokens. With EOS allowed only where the constraint
+may end, a sequence that stops on EOS (or because the constraint admits nothing more) holds a
+complete match; one cut at ``max_tokens`` holds a prefix of one.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+
+from contract.request import InvalidRequestError, StructuredOutput
+
+MAX_CACHED_GRAMMARS = 256
+"""Compiled constraints kept per engine, least recently used dropped first."""
+
+
+class GrammarCompiler:
+    """Compiles :class:`StructuredOutput` constraints for one tokenizer, cached.
+
+    Args:
+        tokenizer: the model's Hugging Face tokenizer.
+        vocab_size: the model's vocabulary (logit rows), in tokens; at least the tokenizer's.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self.vocab_size = vocab_size
+        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        self._grammars: OrderedDict[StructuredOutput, str] = OrderedDict()
+        self._lock = threading.Lock()  # requests are validated off the engine thread
+
+    def compile(self, structured: StructuredOutput) -> str:
+        """The llguidance grammar of ``structured``, checked (cached per constraint).
+
+        Raises:
+            InvalidRequestError: the constraint is malformed or uses what llguidance does not
+                support; the message is llguidance's, naming the place.
+        """
+        with self._lock:
+            grammar = self._grammars.get(structured)
+            if grammar is not None:
+                self._grammars.move_to_end(structured)
+                return grammar
+        grammar = _grammar_text(structured)
+        error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
+        if error:
+            raise InvalidRequestError(f"invalid {structured.kind} constraint: {error}",
+                                      _PARAMS[structured.kind])
+        with self._lock:
+            self._grammars[structured] = grammar
+            while len(self._grammars) > MAX_CACHED_GRAMMARS:
+                self._grammars.popitem(last=False)
+        return grammar
+
+    def matcher(self, structured: StructuredOutput) -> GrammarMatcher:
+        """A fresh matcher for one sequence (raises as :meth:`compile`)."""
+        return GrammarMatcher(llguidance.LLMatcher(self._tokenizer, self.compile(structured)),
+                              self.vocab_size)
+
+
+class GrammarMatcher:
+    """Where one sequence stands in its constraint.
+
+    Args:
+        matcher: llguidance's matcher, at the start of the output.
+        vocab_size: the logit row's length, in tokens.
+    """
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
+        self._matcher = matcher
+        self._bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
+        self._shifts = torch.arange(32, dtype=torch.int32)
+        self._vocab_size = vocab_size
+
+    def allowed(self) -> torch.Tensor:
+        """``[V]`` bool: the tokens the constraint admits next (EOS only where it may end)."""
+        llguidance.torch.fill_next_token_bitmask(self._matcher, self._bitmask, 0)
+        bits = (self._bitmask[0].unsqueeze(1) >> self._shifts) & 1
+        return bits.flatten()[:self._vocab_size].bool()
+
+    def consume(self, token_id: int) -> None:
+        """Advance over a committed token.
+
+        Raises:
+            RuntimeError: the constraint rejects it (the sampler masked it: a defect).
+        """
+        if not self._matcher.consume_token(token_id):
+            raise RuntimeError(f"the constraint rejected token {token_id}: "
+                               f"{self._matcher.get_error()}")
+
+    @property
+    def is_stopped(self) -> bool:
+        """The constraint admits nothing more: the output is complete."""
+        return self._matcher.is_stopped()
+
+
+_PARAMS = {"json": "response_format", "regex": "structured_outputs",
+           "choice": "structured_outputs", "grammar": "structured_outputs"}
+
+
+def _grammar_text(structured: StructuredOutput) -> str:
+    """llguidance's grammar for one constraint (unchecked)."""
+    if structured.kind == "json":
+        return llguidance.LLMatcher.grammar_from_json_schema(structured.spec)
+    if structured.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(structured.spec)
+    if structured.kind == "choice":
+        choices = json.loads(structured.spec)
+        return llguidance.LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(json.dumps(choice) for choice in choices))
+    return llguidance.LLMatcher.grammar_from_lark(structured.spec)
