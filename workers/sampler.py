@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from contract.request import SamplingParams, TokenLogprob
+from workers import kernels
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -42,8 +43,8 @@ class SamplingRow:
         stop_token_ids: ids that end generation (EOS included unless ``ignore_eos``); they
             are masked while the output is shorter than ``params.min_tokens``.
         generator: the request's own RNG (seeded requests), or None for the engine's.
-        allowed: ``[V]`` bool, the tokens a structured-output constraint admits next; None
-            for free text.
+        allowed: ``[ceil(V / 32)]`` int32, the tokens a structured-output constraint admits
+            next, packed (bit ``t % 32`` of word ``t // 32``); None for free text.
     """
 
     params: SamplingParams
@@ -102,6 +103,9 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     if not touched:
         return logits
     logits = logits.clone()
+    constrained = [i for i in touched if rows[i].allowed is not None]
+    if constrained:
+        _apply_token_masks(logits, constrained, [rows[i].allowed for i in constrained])
     for i in touched:
         _process_row(logits[i], rows[i])
     return logits
@@ -139,11 +143,10 @@ def needs_processing(row: SamplingRow) -> bool:
 
 
 def _process_row(logits: torch.Tensor, row: SamplingRow) -> None:
-    """Applies ``row``'s processors to its ``[V]`` logits in place."""
+    """Applies ``row``'s processors, but its constraint's mask (:func:`process_logits`), to its
+    ``[V]`` logits in place."""
     p = row.params
     vocab = logits.shape[0]
-    if row.allowed is not None:
-        logits[~row.allowed] = float("-inf")
     if row.num_output_tokens < p.min_tokens and row.stop_token_ids:
         logits[[t for t in row.stop_token_ids if t < vocab]] = float("-inf")
     if p.logit_bias:
@@ -159,6 +162,23 @@ def _process_row(logits: torch.Tensor, row: SamplingRow) -> None:
         output = torch.tensor(list(row.token_ids[row.num_prompt_tokens:]), device=logits.device)
         counts = torch.bincount(output, minlength=vocab)[:vocab].to(logits.dtype)
         logits -= counts * p.frequency_penalty + (counts > 0).to(logits.dtype) * p.presence_penalty
+
+
+def _apply_token_masks(logits: torch.Tensor, indices: list[int],
+                       masks: list[torch.Tensor]) -> None:
+    """-inf for every token the packed ``masks`` forbid in rows ``indices`` of ``logits``
+    ``[B, V]`` (contiguous), all rows in one call: the native kernel on the CPU, else an
+    unpack and a masked fill."""
+    stacked = torch.stack(masks)
+    native = kernels.token_bitmask()
+    if native is not None and logits.device.type == "cpu":
+        native.apply_token_bitmask(logits, torch.tensor(indices), stacked)
+        return
+    stacked = stacked.to(logits.device)
+    bits = (stacked.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32,
+                                                  device=logits.device)) & 1
+    allowed = bits.flatten(1)[:, :logits.shape[1]].bool()
+    logits[indices] = logits[indices].masked_fill(~allowed, float("-inf"))
 
 
 # -- filters (on temperature-scaled logits, in place) -----------------------------------------

@@ -120,3 +120,32 @@ def test_a_bad_constraint_is_refused_and_others_are_served(engine, smollm, spec,
     chunks = engine.generate([constrained("good", prompt, StructuredOutput(
         "choice", json.dumps(["hello", "bye"])))])
     assert text_of(chunks["good"]) in ("hello", "bye")
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 77])
+def test_native_token_masks_equal_the_torch_path(vocab, monkeypatch):
+    """The native kernel and the unpack-and-fill fallback forbid exactly the tokens whose bits
+    are clear, in the rows named only; words all set or all clear included."""
+    import torch
+
+    from workers import kernels, sampler
+
+    if kernels.token_bitmask() is None:
+        pytest.skip("the native kernels cannot be built here")
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=generator)
+    words = (vocab + 31) // 32
+    masks = [torch.randint(-2**31, 2**31 - 1, (words,), dtype=torch.int32, generator=generator)
+             for _ in range(3)]
+    masks[1][:2] = -1  # all allowed
+    masks[2][:2] = 0  # none allowed
+    native = logits.clone()
+    sampler._apply_token_masks(native, [0, 2, 4], masks)
+    monkeypatch.setattr(kernels, "token_bitmask", lambda: None)
+    fallback = logits.clone()
+    sampler._apply_token_masks(fallback, [0, 2, 4], masks)
+    assert torch.equal(native, fallback)
+    assert torch.equal(native[[1, 3]], logits[[1, 3]])
+    bit = (masks[0][0] >> 5) & 1
+    assert (native[0, 5] == float("-inf")) == (bit == 0)
+    assert torch.isinf(native[4, :64]).all() and torch.equal(native[2, :64], logits[2, :64])

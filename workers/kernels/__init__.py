@@ -12,7 +12,7 @@ install (``python -m workers.kernels``), so a worker's start only loads it. Wher
 is found, or ``NALAR_NATIVE_KERNELS=0``, it is None and attention keeps the gather path.
 ``NALAR_DISABLE_KERNELS`` names kernels (comma-separated stems: ``paged_decode``,
 ``rms_norm``, ``rope``, ``silu_mul``, ``prefill_attention``,
-``weight_linear``, ``lora_sgmv``) to leave out alone, to compare with
+``weight_linear``, ``lora_sgmv``, ``token_bitmask``) to leave out alone, to compare with
 the torch path.
 
 :func:`rms_norm` is the Llama family's RMSNorm in one call instead of eight torch ops, with
@@ -138,6 +138,16 @@ def lora_sgmv() -> ModuleType | None:
     float32 (``R_g`` may be 0: nothing to add). It raises RuntimeError for other dtypes,
     shapes, or a row outside ``x``."""
     return _build("lora_sgmv")
+
+
+def token_bitmask() -> ModuleType | None:
+    """The compiled token-mask extension, or None where it is disabled or cannot be built.
+    Its ``apply_token_bitmask(logits, rows, masks)`` sets to -inf, in place, every token of
+    ``logits[rows[c]]`` whose bit is clear in ``masks[c]``: ``logits`` ``[B, V]`` float32
+    contiguous, ``rows`` ``[C]`` int64, ``masks`` ``[C, W]`` int32 (``W * 32 >= V``, bit
+    ``t % 32`` of word ``t // 32``: llguidance's layout). It raises RuntimeError for other
+    dtypes or shapes, or a row outside ``logits``."""
+    return _build("token_bitmask")
 
 
 def weight_linear() -> ModuleType | None:

@@ -82,14 +82,13 @@ class GrammarMatcher:
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
         self._matcher = matcher
         self._bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
-        self._shifts = torch.arange(32, dtype=torch.int32)
-        self._vocab_size = vocab_size
 
     def allowed(self) -> torch.Tensor:
-        """``[V]`` bool: the tokens the constraint admits next (EOS only where it may end)."""
+        """``[ceil(V / 32)]`` int32: the tokens the constraint admits next (EOS only where it
+        may end), packed: bit ``t % 32`` of word ``t // 32``. The matcher's own buffer,
+        rewritten by the next call."""
         llguidance.torch.fill_next_token_bitmask(self._matcher, self._bitmask, 0)
-        bits = (self._bitmask[0].unsqueeze(1) >> self._shifts) & 1
-        return bits.flatten()[:self._vocab_size].bool()
+        return self._bitmask[0]
 
     def consume(self, token_id: int) -> None:
         """Advance over a committed token.
