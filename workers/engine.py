@@ -314,11 +314,12 @@ class LLMEngine:
         sequences that got drafts."""
         if self.speculation is None:
             return []
-        # A constrained sequence does not speculate: its matcher must not run ahead of the
-        # committed tokens, and drafts are not yet cut at the constraint.
-        decodes = [seq for seq in self.scheduler.running
-                   if seq.num_uncomputed_tokens == 1 and seq.grammar is None]
-        return self.speculation.propose(decodes, self.max_model_len)
+        decodes = [seq for seq in self.scheduler.running if seq.num_uncomputed_tokens == 1]
+        drafted = self.speculation.propose(decodes, self.max_model_len)
+        for seq in drafted:  # a draft is cut at its first token the constraint rejects
+            if seq.grammar is not None:
+                del seq.spec_token_ids[seq.grammar.valid_prefix(seq.spec_token_ids):]
+        return drafted
 
     def _run_batch(self, batch: ScheduledBatch) -> list[GenerationChunk]:
         num_logits = [1 + len(seq.spec_token_ids) if seq.spec_token_ids

@@ -83,8 +83,11 @@ class SpeculativeDecoding:
     def verify(self, seq: Sequence, logits: torch.Tensor, row: SamplingRow,
                generator: torch.Generator) -> list[SampledToken]:
         """The tokens ``seq``'s verification block commits: accepted drafts, then one
-        corrected or bonus token (``logits``: ``[len(drafts) + 1, V]``)."""
-        return verify_drafts(logits, seq.spec_token_ids, row, generator)
+        corrected or bonus token (``logits``: ``[len(drafts) + 1, V]``), under its
+        structured-output constraint's mask at every position when it has one."""
+        masks = (seq.grammar.masks_along(seq.spec_token_ids) if seq.grammar is not None
+                 else None)
+        return verify_drafts(logits, seq.spec_token_ids, row, generator, masks)
 
     def count(self, seq: Sequence, proposed: int, accepted: int, step_s: float) -> None:
         """One verification of ``proposed`` drafts of ``seq`` committed ``accepted`` of them

@@ -29,7 +29,8 @@ from workers.sampler import SampledToken, SamplingRow, needs_processing, sample
 
 
 def verify_drafts(logits: torch.Tensor, drafts: list[int], row: SamplingRow,
-                  default_generator: torch.Generator) -> list[SampledToken]:
+                  default_generator: torch.Generator,
+                  masks: list[torch.Tensor] | None = None) -> list[SampledToken]:
     """The tokens a verification block commits: accepted drafts, then one corrected or bonus
     token.
 
@@ -39,6 +40,9 @@ def verify_drafts(logits: torch.Tensor, drafts: list[int], row: SamplingRow,
         drafts: the proposed tokens.
         row: the sequence's sampling row; ``token_ids`` are its committed tokens.
         default_generator: the engine's RNG, for rows without their own.
+        masks: a structured-output constraint's packed mask at each position (``len(drafts)
+            + 1``; :meth:`GrammarMatcher.masks_along`), so each position samples from the
+            constrained target distribution; None for free text.
 
     Returns:
         ``a + 1`` tokens, where ``a`` is the number of accepted drafts (``0 <= a <=
@@ -50,7 +54,8 @@ def verify_drafts(logits: torch.Tensor, drafts: list[int], row: SamplingRow,
     history = list(row.token_ids)
     committed: list[SampledToken] = []
     for j in range(len(drafts) + 1):
-        position = replace(row, token_ids=history)
+        position = replace(row, token_ids=history,
+                           allowed=masks[j] if masks is not None else row.allowed)
         token = sample(logits[j:j + 1], [position], default_generator)[0]
         committed.append(token)
         if j == len(drafts) or token.token_id != drafts[j]:

@@ -6,9 +6,11 @@ llguidance was chosen by measurement against xgrammar and outlines-core
 is lazy: the grammar text is checked up front and the token-level work happens as masks are
 asked for, so a new schema never stalls a step.
 
-The matcher advances only over committed tokens. With EOS allowed only where the constraint
-may end, a sequence that stops on EOS (or because the constraint admits nothing more) holds a
-complete match; one cut at ``max_tokens`` holds a prefix of one.
+The matcher advances only over committed tokens: a draft is cut at its first token the
+constraint rejects, and verification reads each position's mask by stepping over the drafts
+and rolling back (``masks_along``). With EOS allowed only where the constraint may end, a
+sequence that stops on EOS (or because the constraint admits nothing more) holds a complete
+match; one cut at ``max_tokens`` holds a prefix of one.
 """
 
 from __future__ import annotations
@@ -99,6 +101,22 @@ class GrammarMatcher:
         if not self._matcher.consume_token(token_id):
             raise RuntimeError(f"the constraint rejected token {token_id}: "
                                f"{self._matcher.get_error()}")
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many leading ``tokens`` the constraint admits from here (nothing consumed):
+        where a draft is cut before verification."""
+        return self._matcher.validate_tokens(tokens)
+
+    def masks_along(self, tokens: list[int]) -> list[torch.Tensor]:
+        """The packed masks at each of the ``len(tokens) + 1`` positions of a verification
+        block: here, then after each of ``tokens`` (which the constraint must admit, see
+        :meth:`valid_prefix`). The matcher is rolled back to where it was."""
+        masks = [self.allowed().clone()]
+        for token in tokens:
+            self.consume(token)
+            masks.append(self.allowed().clone())
+        self._matcher.rollback(len(tokens))
+        return masks
 
     @property
     def is_stopped(self) -> bool:
