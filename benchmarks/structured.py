@@ -12,7 +12,14 @@ sampler; the per-mask time is reported apart.
 Goal (issue 20): constrained TPOT at most 1.10× unconstrained, taken as the median round's
 ratio (single rounds on a 2-core VM vary by ±20%; every round is in the JSON).
 
+``--speculation`` measures instead what ``ngram`` speculation gains on JSON output: the same
+``--concurrency`` requests under a natural schema (an order: an id pattern, a bounded array of
+objects, an enum), greedy, 256 tokens at most, on an engine with speculation and one without,
+rounds alternating. Decode tokens/s counts the output after each request's first token, over
+the steps after the first. The outputs must be equal token for token. Goal: at least 1.5×.
+
     .venv/bin/python benchmarks/structured.py [--rounds 3] [--threads 2]
+    .venv/bin/python benchmarks/structured.py --speculation [--concurrency 4]
 """
 
 from __future__ import annotations
@@ -34,6 +41,16 @@ except ImportError:  # run as a script: benchmarks/ is on sys.path, the repo roo
 SCHEMA = {"type": "object", "properties": {
     "items": {"type": "array", "items": {"type": "string"}, "minItems": 40}},
     "required": ["items"], "additionalProperties": False}
+ORDER = {"type": "object", "properties": {
+    "id": {"type": "string", "pattern": "^ORD-[0-9]{6}$"},
+    "items": {"type": "array", "minItems": 1, "maxItems": 4, "items": {
+        "type": "object", "properties": {
+            "sku": {"type": "string", "maxLength": 12},
+            "quantity": {"type": "integer", "minimum": 1},
+            "price": {"type": "number"}},
+        "required": ["sku", "quantity", "price"], "additionalProperties": False}},
+    "status": {"enum": ["pending", "paid", "shipped"]}},
+    "required": ["id", "items", "status"], "additionalProperties": False}
 TOPICS = ["fruits", "rivers", "cities", "colors", "tools", "birds", "planets", "metals",
           "games", "trees", "fish", "books", "songs", "cars", "flowers", "dances"]
 
@@ -43,16 +60,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--speculation", action="store_true",
+                        help="measure ngram speculation on JSON output instead")
+    parser.add_argument("--concurrency", type=int, default=4, help="--speculation's requests")
     parser.add_argument("--out", default=str(common.OUT_DIR / "structured.json"))
     return parser.parse_args(argv)
 
 
-def requests(tokenizer, constrained: bool, output_tokens: int, tag: str) -> list:
+def requests(tokenizer, constrained: bool, output_tokens: int, tag: str,
+             schema: dict = SCHEMA, count: int = len(TOPICS)) -> list:
     from contract.request import GenerationRequest, SamplingParams, StructuredOutput
 
-    structured = StructuredOutput("json", json.dumps(SCHEMA)) if constrained else None
+    structured = StructuredOutput("json", json.dumps(schema)) if constrained else None
     batch = []
-    for i, topic in enumerate(TOPICS):
+    for i, topic in enumerate(TOPICS[:count]):
         prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": f"List many {topic} as a JSON object."}],
             add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
@@ -80,6 +101,59 @@ def run(engine, batch: list) -> dict[str, Any]:
             "full_steps": len(full_steps), "output_tokens": sum(outputs.values())}
 
 
+def decode_rate(engine, batch: list) -> dict[str, Any]:
+    """Serve ``batch`` to the end; decode tokens/s after the first step, and the outputs."""
+    for request in batch:
+        engine.add_request(request)
+    outputs: dict[str, list[int]] = {r.request_id.split("-", 1)[1]: [] for r in batch}
+    decode_s, first = 0.0, True
+    while engine.has_work():
+        started = time.perf_counter()
+        chunks = engine.step()
+        if not first:
+            decode_s += time.perf_counter() - started
+        first = False
+        for chunk in chunks:
+            outputs[chunk.request_id.split("-", 1)[1]] += chunk.token_ids
+    decoded = sum(len(tokens) - 1 for tokens in outputs.values())
+    return {"decode_tok_s": decoded / decode_s, "output_tokens": decoded + len(outputs),
+            "outputs": outputs}
+
+
+def speculation(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``--speculation`` rounds (module docstring)."""
+    from workers.config import EngineConfig
+    from workers.engine import LLMEngine
+    from workers.speculative.config import SpeculativeConfig
+
+    def engine(spec: SpeculativeConfig) -> LLMEngine:
+        return LLMEngine(EngineConfig(quantization="gguf", num_threads=args.threads,
+                                      kv_cache_bytes=256 << 20, speculative=spec))
+
+    engines = {"plain": engine(SpeculativeConfig()),
+               "ngram": engine(SpeculativeConfig(method="ngram"))}
+    rounds = []
+    for index in range(args.rounds):
+        entry: dict[str, Any] = {"round": index + 1}
+        for kind in (("plain", "ngram") if index % 2 == 0 else ("ngram", "plain")):
+            engines[kind].reset_prefix_cache()
+            batch = requests(engines[kind].tokenizer, True, 256, f"{kind}{index}", ORDER,
+                             args.concurrency)
+            entry[kind] = decode_rate(engines[kind], batch)
+            common.log(f"round {index + 1} {kind}: {entry[kind]['decode_tok_s']:.1f} tok/s")
+        entry["equal_outputs"] = entry["plain"].pop("outputs") == entry["ngram"].pop("outputs")
+        entry["ratio"] = common.ratio(entry["ngram"]["decode_tok_s"],
+                                      entry["plain"]["decode_tok_s"])
+        rounds.append(entry)
+    spec = engines["ngram"].counters.spec
+    goals = [common.goal("ngram_over_plain_json_decode_tok_s_median_round",
+                         statistics.median(r["ratio"] for r in rounds), 1.5)]
+    common.log_goals(goals)
+    return {"benchmark": "structured_speculation", "concurrency": args.concurrency,
+            "schema": ORDER, "acceptance_rate": spec.accepted_tokens / spec.proposed_tokens,
+            "rounds": rounds, "goals": goals}
+
+
 def mask_us(engine, tokenizer) -> float:
     """Median microseconds of one constrained row's mask (compute and unpack) at the start."""
     from contract.request import StructuredOutput
@@ -96,6 +170,11 @@ def mask_us(engine, tokenizer) -> float:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.speculation:
+        result = {**speculation(args), "machine": common.machine_info(), "argv": sys.argv,
+                  "threads": args.threads}
+        common.write_json(result, args.out)
+        return result
     from workers.config import EngineConfig
     from workers.engine import LLMEngine
 
