@@ -6,8 +6,9 @@ in tokens:
     score(replica) = prompt tokens the replica would still prefill
                      (uncached, at least 1: the last token is always recomputed for its logits)
                    + tokens of work already queued or running there
-                   + for a LoRA request, reading its adapter where the replica does not hold
-                     it (the replica's measured read time at its measured tokens per second)
+                   + for a LoRA request, making its adapter resident there: a read or a swap
+                     where it is not, and its share of the replica's adapter slots, all from
+                     times the replica measured (``PrefixAwareRequestRouter._adapter_tokens``)
 
 The cached part comes from the digest index (which replicas hold the longest leading chain of the
 prompt's block digests); the load part from each replica's periodic routing stats plus the work
@@ -62,8 +63,8 @@ class ReplicaView:
         load_tokens: tokens of work queued or running there (reported plus sent since).
         other_prefixes: distinct prompt prefixes other than this one that this router
             recently sent there (``SentPrefixes.other_prefixes``).
-        adapter_tokens: what reading the request's LoRA adapter costs there, in tokens of work
-            (0 where it is held, or the request has none).
+        adapter_tokens: what making the request's LoRA adapter resident costs there, in
+            tokens of work (0 where a request in flight uses it, or the request has none).
     """
 
     worker_id: str
@@ -171,7 +172,7 @@ class PrefixPolicy(RoutingPolicy):
 
     def score(self, view: ReplicaView, prompt_len: int) -> int:
         """Tokens of work ahead of this request's first output token on that replica: its
-        prefill there, the load there, and reading its adapter where it is not held."""
+        prefill there, the load there, and making its adapter resident there."""
         prefill = uncached_tokens(prompt_len, view.cached_blocks or 0, self.block_size)
         return prefill + view.load_tokens + view.adapter_tokens
 
