@@ -47,10 +47,13 @@ class StructuredOutput:
             ``json_object``), ``regex``, ``choice`` (``spec``: a JSON list of strings) or
             ``grammar`` (``spec``: a Lark grammar, llguidance's format).
         spec: the constraint's text.
+        param: the request field it came from (``response_format``, ``tools`` ...), which
+            an error about it names; empty for the kind's usual field.
     """
 
     kind: StructuredKind
     spec: str
+    param: str = ""
 
 
 @dataclass

@@ -26,14 +26,13 @@ from pydantic import (
     ValidationInfo,
     field_validator,
     model_serializer,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
 # Neutral values of the parameters we accept but do not implement: any other non-null value is
 # refused by name. ``None`` (JSON null) always means "not given".
 _CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": ([],),
-    "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
     "audio": (),
@@ -81,7 +80,8 @@ _GENERATION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 
 # Why a refused parameter is refused, where its name does not say it.
 _WHY_UNSUPPORTED: dict[str, str] = {
-    "tools": "tool calling is not implemented",
+    "functions": "the deprecated functions API is not served; use tools",
+    "function_call": "the deprecated functions API is not served; use tool_choice",
     "echo": "the prompt is not echoed",
     "include_stop_str_in_output": "the matched stop string is never returned",
     "skip_special_tokens": "special tokens are always left out of the text",
@@ -98,17 +98,15 @@ _WHY_UNSUPPORTED["guided_decoding_backend"] = "constraints run on llguidance onl
 _WHY_UNSUPPORTED["guided_whitespace_pattern"] = "the JSON whitespace pattern is llguidance's"
 _WHY_UNSUPPORTED["structural_tag"] = "structural tags are not implemented"
 
-# Message fields a text-only chat without tools cannot honour.
+# Message fields a text-only chat cannot honour.
 _MESSAGE_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tool_calls": ([],),
-    "tool_call_id": (),
     "function_call": (),
     "audio": (),
     "refusal": (),
     "annotations": ([],),
 }
 
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 """Roles a chat message may have; ``developer`` is rendered as ``system`` (its OpenAI meaning)."""
 
 MAX_REQUEST_ID_CHARS = 256
@@ -171,20 +169,101 @@ class StreamOptions(_StrictModel):
         return bool(self.continuous_usage_stats) and self.final_usage()
 
 
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+"""A function name OpenAI accepts: letters, digits, underscores and dashes, at most 64."""
+
+
+class FunctionDefinition(_StrictModel):
+    """``tools[].function``: a function the model may call, its arguments a JSON Schema
+    object (``parameters``; absent means no arguments). ``strict`` is accepted: calls the
+    server constrains (``tool_choice`` ``required`` or named) always follow the schema."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, name: str) -> str:
+        if not TOOL_NAME.fullmatch(name):
+            raise PydanticCustomError(
+                "invalid_value", "a function name must be 1 to 64 letters, digits, '_' or "
+                "'-', got {name}", {"name": _quoted(name)})
+        return name
+
+
+class ToolDefinition(_StrictModel):
+    """One entry of ``tools``: ``{"type": "function", "function": {...}}``."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionCallText(_StrictModel):
+    """``function`` of a tool call in a request's assistant message; ``arguments`` is the
+    JSON text of an object, as the API returned it. ``parsed_arguments`` is accepted and
+    ignored: the SDK's ``parse()`` adds it, and clients send its message back as it is."""
+
+    name: str
+    arguments: str
+    parsed_arguments: Any = None
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, arguments: str) -> str:
+        try:
+            parsed = json.loads(arguments)
+        except json.JSONDecodeError as exc:
+            raise PydanticCustomError(
+                "invalid_value", "arguments must be the JSON text of an object ({error})",
+                {"error": str(exc)}) from None
+        if not isinstance(parsed, dict):
+            raise PydanticCustomError("invalid_value",
+                                      "arguments must be the JSON text of an object")
+        return arguments
+
+
+class MessageToolCall(_StrictModel):
+    """One of ``tool_calls`` in an assistant message of the conversation."""
+
+    id: str = Field(min_length=1)
+    type: Literal["function"]
+    function: FunctionCallText
+
+
+class NamedFunction(_StrictModel):
+    """``tool_choice.function``: the function the model must call."""
+
+    name: str
+
+
+class NamedToolChoice(_StrictModel):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_StrictModel):
     """One chat message; ``content`` is normalised to plain text by validation.
 
     Content may be a string or a list of ``{"type": "text", "text": ...}`` parts, which are
     joined with newlines (the model's chat template takes a string). Other part types (images,
     audio, files) are refused: this server serves text-only models.
+
+    Tool turns: an ``assistant`` message may carry ``tool_calls`` (its ``content`` then may be
+    null), and a ``tool`` message answers one of them by ``tool_call_id``. How they reach the
+    model is :mod:`router.api.tool_messages`'s business.
     """
 
     role: str
     # Validated even when absent, so a missing content is an error rather than None.
     content: Any = Field(default=None, validate_default=True)
     name: str | None = None
-    tool_calls: Any = None
-    tool_call_id: Any = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    parsed: Any = None  # the SDK's parse() result, sent back with the message; ignored
     function_call: Any = None
     audio: Any = None
     refusal: Any = None
@@ -193,11 +272,10 @@ class ChatMessage(_StrictModel):
     @field_validator("role")
     @classmethod
     def _known_role(cls, role: str) -> str:
-        if role in ("tool", "function"):
+        if role == "function":
             raise PydanticCustomError(
-                "unsupported_value", "messages with role '{role}' are not supported (no tools)",
-                {"role": role},
-            )
+                "unsupported_value", "messages with role 'function' (the deprecated functions "
+                "API) are not supported; use role 'tool'")
         if role not in CHAT_ROLES:
             raise PydanticCustomError(
                 "invalid_value", "role must be one of {roles}, got {role}",
@@ -207,13 +285,15 @@ class ChatMessage(_StrictModel):
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_content(cls, content: Any) -> str:
+    def _text_content(cls, content: Any, info: ValidationInfo) -> str | None:
+        if content is None:
+            if info.data.get("role") == "assistant":  # may carry tool_calls instead: below
+                return None
+            raise PydanticCustomError("missing_required_parameter", "content is required")
         if isinstance(content, str):
             return content
         if isinstance(content, list):
             return "\n".join(_text_of_part(part, index) for index, part in enumerate(content))
-        if content is None:
-            raise PydanticCustomError("missing_required_parameter", "content is required")
         raise PydanticCustomError(
             "invalid_type", "content must be a string or a list of text parts"
         )
@@ -223,11 +303,25 @@ class ChatMessage(_StrictModel):
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         return _refuse_unless_neutral(value, info.field_name, _MESSAGE_UNSUPPORTED[info.field_name])
 
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise PydanticCustomError("invalid_value",
+                                      "only assistant messages may carry tool_calls")
+        if (self.tool_call_id is None) != (self.role != "tool"):
+            raise PydanticCustomError(
+                "invalid_value", "a tool message needs tool_call_id, and only a tool message "
+                "may have one")
+        if self.content is None and not self.tool_calls:
+            raise PydanticCustomError("missing_required_parameter",
+                                      "an assistant message needs content or tool_calls")
+        return self
+
     def template_dict(self) -> dict[str, str]:
-        """The message as the chat template expects it; ``name`` is passed on for templates
-        that render it (many, SmolLM2's included, ignore it)."""
+        """A message without tool fields as the chat template expects it; ``name`` is passed
+        on for templates that render it (many, SmolLM2's included, ignore it)."""
         role = "system" if self.role == "developer" else self.role
-        message = {"role": role, "content": self.content}
+        message = {"role": role, "content": self.content or ""}
         if self.name is not None:
             message["name"] = self.name
         return message
@@ -366,8 +460,8 @@ class ChatCompletionRequest(_GenerationBody):
     chat_template_kwargs: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     prompt_cache_key: str | None = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -393,6 +487,16 @@ class ChatCompletionRequest(_GenerationBody):
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         return _refuse_unless_neutral(value, info.field_name, _CHAT_UNSUPPORTED[info.field_name])
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _known_tool_choice(cls, choice: Any) -> Any:
+        if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+            raise PydanticCustomError(
+                "invalid_value", "tool_choice must be 'none', 'auto', 'required' or "
+                '{{"type": "function", "function": {{"name": ...}}}}, got {choice}',
+                {"choice": _quoted(choice)})
+        return choice
 
     @field_validator("top_logprobs")
     @classmethod
@@ -521,11 +625,40 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class FunctionCall(BaseModel):
+    """``function`` of a tool call the model made: its name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """One of ``choices[].message.tool_calls``."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
-    """``choices[0].message`` of a chat completion."""
+    """``choices[0].message`` of a chat completion. ``content`` is null when the answer is
+    only tool calls; ``tool_calls`` is left out when there are none (as OpenAI does)."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        body = handler(self)
+        if body.get("tool_calls") is None:
+            body.pop("tool_calls", None)
+        return body
+
+
+FinishReason = Literal["stop", "length", "tool_calls"]
+"""Why a choice ended: a stop (EOS, stop string, the constraint complete), ``max_tokens``, or
+a stop after which the answer held tool calls."""
 
 
 class ChatChoice(BaseModel):
@@ -534,7 +667,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: FinishReason
 
 
 class ChatCompletionResponse(BaseModel):
@@ -548,11 +681,19 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class DeltaToolCall(ToolCall):
+    """One entry of ``delta.tool_calls``: a whole call in one delta; ``index`` orders the
+    calls of a choice."""
+
+    index: int
+
+
 class ChatDelta(BaseModel):
     """``choices[0].delta`` of a chat chunk; unset fields are left out of the JSON."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -566,7 +707,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
 
 
 class ChatCompletionChunk(BaseModel):

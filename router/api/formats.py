@@ -1,8 +1,11 @@
 """The OpenAI shapes of each endpoint's answers: ``chat.completion`` (and its chunks) and
-``text_completion``."""
+``text_completion``. A chat answer with tools is split into content and ``tool_calls`` here,
+by the request's call parser (:mod:`router.api.tool_formats`)."""
 
 from __future__ import annotations
 
+import json
+import uuid
 from typing import Protocol
 
 from pydantic import BaseModel
@@ -10,6 +13,7 @@ from pydantic import BaseModel
 from contract.request import TokenLogprob
 from router.api.jobs import Job
 from router.api.token_strings import TokenStringsFn
+from router.api.tool_formats import CallParser, ParsedCall
 from router.api.usage import Tally
 from router.protocol import (
     AssistantMessage,
@@ -23,6 +27,9 @@ from router.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
     TopLogprob,
     Usage,
 )
@@ -35,12 +42,15 @@ class Format(Protocol):
         """Events sent before any text."""
         ...
 
-    def text(self, index: int, text: str, logprobs: list[TokenLogprob] | None) -> BaseModel:
-        """An event carrying new text (and its tokens' logprobs) of choice ``index``."""
+    def text(self, index: int, text: str, logprobs: list[TokenLogprob] | None,
+             ) -> list[BaseModel]:
+        """Events carrying new text (and its tokens' logprobs) of choice ``index``; none
+        while text is held back (a tool call not yet complete)."""
         ...
 
-    def finish(self, index: int, reason: str) -> BaseModel:
-        """The event carrying the finish reason of choice ``index``."""
+    def finish(self, index: int, reason: str) -> list[BaseModel]:
+        """The events ending choice ``index``: what was held back, then the finish reason
+        (``stop`` becomes ``tool_calls`` when the choice made calls)."""
         ...
 
     def usage(self, usage: Usage) -> BaseModel:
@@ -58,6 +68,8 @@ class ChatFormat:
     def __init__(self, job: Job, token_strings: TokenStringsFn):
         self.job = job
         self.token_strings = token_strings
+        self._parsers: dict[int, CallParser] = {}  # per choice, with tools
+        self._calls_sent: dict[int, int] = {}  # per choice: tool calls streamed so far
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None,
                ) -> ChatCompletionChunk:
@@ -71,15 +83,33 @@ class ChatFormat:
                                                                       content=""))])
                 for i in range(self.job.request.sampling.n)]
 
-    def text(self, index: int, text: str, logprobs: list[TokenLogprob] | None) -> BaseModel:
-        """A content delta."""
-        return self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=text),
-                                            logprobs=self._logprobs(logprobs))])
+    def text(self, index: int, text: str, logprobs: list[TokenLogprob] | None,
+             ) -> list[BaseModel]:
+        """A content delta, and a delta per tool call completed by ``text``."""
+        parser = self._parser(index)
+        calls: list[ParsedCall] = []
+        if parser is not None:
+            text, calls = parser.feed(text)
+        events: list[BaseModel] = []
+        if text or logprobs:
+            events.append(self._chunk([ChatChunkChoice(
+                index=index, delta=ChatDelta(content=text or None),
+                logprobs=self._logprobs(logprobs))]))
+        return events + self._call_events(index, calls)
 
-    def finish(self, index: int, reason: str) -> BaseModel:
-        """An empty delta with the finish reason."""
-        return self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(),
-                                            finish_reason=reason)])
+    def finish(self, index: int, reason: str) -> list[BaseModel]:
+        """What the parser held back, then an empty delta with the finish reason."""
+        parser = self._parser(index)
+        events: list[BaseModel] = []
+        if parser is not None:
+            text, calls = parser.close()
+            if text:
+                events.append(self._chunk([ChatChunkChoice(index=index,
+                                                           delta=ChatDelta(content=text))]))
+            events += self._call_events(index, calls)
+            reason = _with_calls(reason, parser)
+        return events + [self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(),
+                                                      finish_reason=reason)])]
 
     def usage(self, usage: Usage) -> BaseModel:
         """The usage-only chunk."""
@@ -88,11 +118,46 @@ class ChatFormat:
     def response(self, tally: Tally) -> BaseModel:
         """The ``chat.completion`` object."""
         job = self.job
-        choices = [ChatChoice(index=index, message=AssistantMessage(content="".join(c.text)),
-                              logprobs=self._logprobs(c.logprobs), finish_reason=c.finish_reason)
+        choices = [ChatChoice(index=index, logprobs=self._logprobs(c.logprobs),
+                              **self._message("".join(c.text), c.finish_reason))
                    for index, c in tally.ordered()]
         return ChatCompletionResponse(id=job.response_id, created=job.created,
                                       model=job.model, choices=choices, usage=tally.usage())
+
+    def _message(self, text: str, reason: str) -> dict:
+        """A whole choice's message and finish reason: text, or content and tool calls."""
+        use = self.job.tool_use
+        parser = use.parser() if use else None
+        if parser is None:
+            return {"message": AssistantMessage(content=text), "finish_reason": reason}
+        content, calls = parser.feed(text)
+        rest, more = parser.close()
+        content, calls = content + rest, calls + more
+        message = AssistantMessage(content=content or (None if calls else ""),
+                                   tool_calls=[_tool_call(call) for call in calls] or None)
+        return {"message": message, "finish_reason": _with_calls(reason, parser)}
+
+    def _parser(self, index: int) -> CallParser | None:
+        use = self.job.tool_use
+        if use is None:
+            return None
+        if index not in self._parsers:
+            parser = use.parser()
+            if parser is None:
+                return None
+            self._parsers[index] = parser
+        return self._parsers[index]
+
+    def _call_events(self, index: int, calls: list[ParsedCall]) -> list[BaseModel]:
+        """One delta per call, numbered per choice from 0 (OpenAI's ``index``)."""
+        events: list[BaseModel] = []
+        for call in calls:
+            number = self._calls_sent.get(index, 0)
+            self._calls_sent[index] = number + 1
+            delta = DeltaToolCall(index=number, **_tool_call(call).model_dump())
+            events.append(self._chunk([ChatChunkChoice(
+                index=index, delta=ChatDelta(tool_calls=[delta]))]))
+        return events
 
     def _logprobs(self, entries: list[TokenLogprob] | None) -> ChatLogprobs | None:
         if self.job.request.sampling.logprobs is None:
@@ -124,14 +189,15 @@ class CompletionFormat:
         """Text completions open with text directly."""
         return []
 
-    def text(self, index: int, text: str, logprobs: list[TokenLogprob] | None) -> BaseModel:
+    def text(self, index: int, text: str, logprobs: list[TokenLogprob] | None,
+             ) -> list[BaseModel]:
         """A text chunk."""
-        return self._chunk([CompletionChoice(index=index, text=text,
-                                             logprobs=self._logprobs(index, logprobs))])
+        return [self._chunk([CompletionChoice(index=index, text=text,
+                                              logprobs=self._logprobs(index, logprobs))])]
 
-    def finish(self, index: int, reason: str) -> BaseModel:
+    def finish(self, index: int, reason: str) -> list[BaseModel]:
         """An empty text chunk with the finish reason."""
-        return self._chunk([CompletionChoice(index=index, text="", finish_reason=reason)])
+        return [self._chunk([CompletionChoice(index=index, text="", finish_reason=reason)])]
 
     def usage(self, usage: Usage) -> BaseModel:
         """The usage-only chunk."""
@@ -164,3 +230,16 @@ class CompletionFormat:
             offset += len(text)
         self._offsets[index] = offset
         return result
+
+
+def _tool_call(call: ParsedCall) -> ToolCall:
+    """A parsed call as OpenAI returns it: a fresh id, the arguments as JSON text."""
+    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
+                    function=FunctionCall(name=call.name, arguments=json.dumps(
+                        call.arguments, ensure_ascii=False)))
+
+
+def _with_calls(reason: str, parser: CallParser) -> str:
+    """``stop`` becomes ``tool_calls`` when the choice made calls (OpenAI's meaning); a
+    ``length`` stays: the answer was cut, whatever it held."""
+    return "tool_calls" if reason == "stop" and parser.calls_made else reason

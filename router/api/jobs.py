@@ -13,7 +13,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import anyio
 
@@ -29,6 +29,7 @@ from router.api.auth import bearer_key
 from router.api.backend import ServingBackend
 from router.api.prompts import chat_template_ids, check_template_kwargs, checked_ids
 from router.api.sampling import chat_max_tokens, fit_context, sampling_params
+from router.api.tools import ToolUse, template_conversation, tool_use
 from router.errors import APIError, invalid_request
 from router.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -49,6 +50,8 @@ class Job:
         continuous_usage: put the usage so far on every event
             (``stream_options.continuous_usage_stats``).
         created: Unix time in seconds, the answer's ``created``.
+        tool_use: what the request's tools ask (chat only), whose parser reads calls out of
+            the output; None without tools.
     """
 
     request: GenerationRequest
@@ -58,6 +61,7 @@ class Job:
     include_usage: bool
     continuous_usage: bool
     created: int = field(default_factory=lambda: int(time.time()))
+    tool_use: ToolUse | None = None
 
 
 def resolve_model(model: str | None, served_model_name: str,
@@ -94,7 +98,8 @@ class JobBuilder:
         return len(self.backend.tokenizer)
 
     async def chat_job(self, body: ChatCompletionRequest, authorization: str | None) -> Job:
-        """Validates a chat request and tokenizes it through the chat template.
+        """Validates a chat request and tokenizes it through the chat template, tools and
+        tool turns included (:mod:`router.api.tools`).
 
         Raises:
             APIError: 400 naming the parameter at fault, 401 for a malformed
@@ -108,12 +113,15 @@ class JobBuilder:
                                   "(the last message is continued, not answered)",
                                   "continue_final_message")
         check_template_kwargs(self.backend.tokenizer, body.chat_template_kwargs)
-        messages = [message.template_dict() for message in body.messages]
+        template = str(getattr(self.backend.tokenizer, "chat_template", None) or "")
+        tools = tool_use(body, template)
+        messages, tool_options = template_conversation(body, tools, template)
 
         def tokenize() -> list[int]:
-            return chat_template_ids(self.backend.tokenizer, messages, options)
+            return chat_template_ids(self.backend.tokenizer, messages,
+                                     {**options, **tool_options})
         return await self._job(body, tokenize, "messages", max_tokens, max_param,
-                               authorization, "chatcmpl")
+                               authorization, "chatcmpl", tools)
 
     async def completion_job(self, body: CompletionRequest, authorization: str | None) -> Job:
         """Validates a text-completion request and tokenizes its prompt.
@@ -134,7 +142,7 @@ class JobBuilder:
     async def _job(self, body: ChatCompletionRequest | CompletionRequest,
                    tokenize: Callable[[], list[int]], prompt_param: str,
                    max_tokens: int | None, max_param: str, authorization: str | None,
-                   id_prefix: str) -> Job:
+                   id_prefix: str, tools: ToolUse | None = None) -> Job:
         """Checks what needs no tokens first (cheap refusals), then tokenizes and hashes."""
         adapter = resolve_model(body.model, self.backend.served_model_name,
                                 self.backend.adapters)
@@ -143,6 +151,8 @@ class JobBuilder:
             checked_ids(body.stop_token_ids, self.vocab_size, "stop_token_ids")
         checked_ids(list(body.logit_bias_ids()), self.vocab_size, "logit_bias")
         sampling = sampling_params(body, max_tokens, max_param)
+        if tools is not None:
+            sampling = replace(sampling, structured=tools.constraint(sampling.structured))
         # The key has passed ``router.api.auth.ApiKeyGuard`` (accepted, or no keys required),
         # so a tenant scope only ever comes from an accepted key.
         namespace = CacheNamespace(
@@ -167,7 +177,8 @@ class JobBuilder:
         model = self.backend.served_model_name if adapter is None else adapter.adapter_id
         return Job(request, response_id, model, bool(body.stream),
                    include_usage=options is not None and options.final_usage(),
-                   continuous_usage=options is not None and options.usage_on_every_event())
+                   continuous_usage=options is not None and options.usage_on_every_event(),
+                   tool_use=tools)
 
     def _tokens_and_digests(self, tokenize: Callable[[], list[int]], keep_last: int | None,
                             namespace: CacheNamespace, adapter: AdapterRef | None,

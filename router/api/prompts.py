@@ -11,7 +11,7 @@ from jinja2 import TemplateError
 from router.errors import invalid_request
 
 
-def chat_template_ids(tokenizer: Any, messages: list[dict[str, str]],
+def chat_template_ids(tokenizer: Any, messages: list[dict[str, Any]],
                       options: dict[str, Any]) -> list[int]:
     """Token ids of the chat template applied to ``messages``.
 

@@ -81,10 +81,12 @@ async def sse_events(job: Job, fmt: Format, first: GenerationChunk,
         while True:
             tally.add(chunk)
             if chunk.text or chunk.logprobs:
-                yield sse(fmt.text(chunk.index, chunk.text, chunk.logprobs))
+                for event in fmt.text(chunk.index, chunk.text, chunk.logprobs):
+                    yield sse(event)
             if chunk.finish_reason is not None:
                 reason = finish_reason(chunk.finish_reason)
-                yield sse(fmt.finish(chunk.index, reason))
+                for event in fmt.finish(chunk.index, reason):
+                    yield sse(event)
                 if chunk.is_last:
                     break
             chunk = await next_chunk(chunks)

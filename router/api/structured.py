@@ -43,13 +43,13 @@ def _from_response_format(value: Any) -> StructuredOutput | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return StructuredOutput("json", ANY_JSON_OBJECT)
+        return StructuredOutput("json", ANY_JSON_OBJECT, "response_format")
     if kind == "json_schema":
         spec = value.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
             raise invalid_request("response_format.json_schema.schema must be a JSON Schema "
                                   "object", "response_format")
-        return StructuredOutput("json", json.dumps(spec["schema"]))
+        return StructuredOutput("json", json.dumps(spec["schema"]), "response_format")
     raise invalid_request("response_format.type must be 'text', 'json_object' or "
                           "'json_schema'", "response_format")
 
@@ -66,7 +66,7 @@ def _from_structured_outputs(value: Any) -> StructuredOutput | None:
         raise invalid_request("structured_outputs takes exactly one of json, regex, choice, "
                               "grammar, json_object", "structured_outputs")
     if given[0] == "json_object":
-        return StructuredOutput("json", ANY_JSON_OBJECT)
+        return StructuredOutput("json", ANY_JSON_OBJECT, "structured_outputs")
     return _constraint(given[0], value[given[0]], "structured_outputs")
 
 
@@ -82,12 +82,12 @@ def _constraint(kind: str, value: Any, param: str) -> StructuredOutput | None:
                                       param) from exc
         if not isinstance(value, dict):
             raise invalid_request(f"{param}: a JSON Schema must be an object", param)
-        return StructuredOutput("json", json.dumps(value))
+        return StructuredOutput("json", json.dumps(value), param)
     if kind == "choice":
         if (not isinstance(value, list) or not value
                 or not all(isinstance(choice, str) for choice in value)):
             raise invalid_request(f"{param}: choice must be a non-empty list of strings", param)
-        return StructuredOutput("choice", json.dumps(value))
+        return StructuredOutput("choice", json.dumps(value), param)
     if not isinstance(value, str) or not value:
         raise invalid_request(f"{param}: {kind} must be a non-empty string", param)
-    return StructuredOutput(kind, value)
+    return StructuredOutput(kind, value, param)

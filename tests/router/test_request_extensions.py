@@ -236,7 +236,7 @@ async def test_a_malformed_constraint_is_a_400_naming_its_field(client, fields, 
 # -- refused: they would change the output -------------------------------------------------------
 
 REFUSED = [
-    (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]),
+    (CHAT, "functions", [{"name": "f"}]),
     (CHAT, "structural_tag", "{}"),
     (CHAT, "guided_decoding_backend", "xgrammar"),
     (CHAT, "include_stop_str_in_output", True),

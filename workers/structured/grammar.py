@@ -41,7 +41,8 @@ class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int):
         self.vocab_size = vocab_size
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
-        self._grammars: OrderedDict[StructuredOutput, str] = OrderedDict()
+        # Keyed by (kind, spec): the same constraint from another field compiles once.
+        self._grammars: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._lock = threading.Lock()  # requests are validated off the engine thread
 
     def compile(self, structured: StructuredOutput) -> str:
@@ -51,18 +52,19 @@ class GrammarCompiler:
             InvalidRequestError: the constraint is malformed or uses what llguidance does not
                 support; the message is llguidance's, naming the place.
         """
+        key = (structured.kind, structured.spec)
         with self._lock:
-            grammar = self._grammars.get(structured)
+            grammar = self._grammars.get(key)
             if grammar is not None:
-                self._grammars.move_to_end(structured)
+                self._grammars.move_to_end(key)
                 return grammar
         grammar = _grammar_text(structured)
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
         if error:
             raise InvalidRequestError(f"invalid {structured.kind} constraint: {error}",
-                                      _PARAMS[structured.kind])
+                                      structured.param or _PARAMS[structured.kind])
         with self._lock:
-            self._grammars[structured] = grammar
+            self._grammars[key] = grammar
             while len(self._grammars) > MAX_CACHED_GRAMMARS:
                 self._grammars.popitem(last=False)
         return grammar

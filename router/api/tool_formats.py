@@ -1,0 +1,308 @@
+"""How a model family writes tool calls: the text a call is, the grammar that holds output to
+calls, and the streaming parser that reads calls back out of generated text.
+
+A format is picked from the model's chat template (:func:`tool_call_format`):
+
+* ``hermes``: the template renders ``tools`` and writes each call as
+  ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``; Qwen2, Qwen2.5, Qwen3 and
+  the Hermes fine-tunes (vLLM's ``hermes`` parser).
+* ``llama3_json``: the template renders ``tools`` and a call is the bare JSON object
+  ``{"name": ..., "parameters": {...}}``, several joined by ``; ``; Llama 3.1 to 3.3
+  (vLLM's ``llama3_json``).
+* ``smollm2``: the template has no tools at all (SmolLM2's, and any other such), so the
+  server writes them into the system message (:mod:`router.api.tool_messages`) in the format
+  SmolLM2-Instruct was tuned on: ``<tool_call>[{"name": ..., "arguments": {...}}]</tool_call>``,
+  one JSON list of calls.
+
+Parsers accept a call only when it is well-formed JSON naming one of the request's tools;
+anything else stays content, so a model that writes a malformed call returns text rather
+than a call the client cannot run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from router.protocol import ToolDefinition
+
+_NAMES_TOOLS = re.compile(r"\btools\b")
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    """A tool call read from the output: the function's name and its arguments."""
+
+    name: str
+    arguments: dict[str, Any]
+
+
+class CallParser(ABC):
+    """Splits one choice's streamed text into content and tool calls.
+
+    :meth:`feed` returns what can be said now; text that may still turn out to be part of a
+    call is held back until it is decided, and :meth:`close` settles the rest at the end.
+    """
+
+    def __init__(self, tool_names: frozenset[str]):
+        self.tool_names = tool_names
+        self.calls_made = 0
+
+    @abstractmethod
+    def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
+        """Content decided so far and calls completed so far, from ``text`` on."""
+
+    @abstractmethod
+    def close(self) -> tuple[str, list[ParsedCall]]:
+        """The held-back rest: content, and a call left open (e.g. by EOS before its end tag)
+        if it parses."""
+
+    def _calls(self, text: str, arguments_key: str) -> list[ParsedCall] | None:
+        """The calls ``text`` holds (one object or a list of them), or None if it holds
+        anything else."""
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        items = value if isinstance(value, list) else [value]
+        calls = [self._call(item, arguments_key) for item in items]
+        return None if not calls or None in calls else calls
+
+    def _call(self, item: Any, arguments_key: str) -> ParsedCall | None:
+        if not isinstance(item, dict) or item.get("name") not in self.tool_names:
+            return None
+        arguments = item.get(arguments_key, item.get("arguments", {}))
+        if isinstance(arguments, str):  # some models write the arguments as JSON text
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                return None
+        return ParsedCall(item["name"], arguments) if isinstance(arguments, dict) else None
+
+
+class TaggedCallParser(CallParser):
+    """Calls between a start and an end tag; text outside the tags is content."""
+
+    def __init__(self, tool_names: frozenset[str], start: str, end: str):
+        super().__init__(tool_names)
+        self.start, self.end = start, end
+        self._buffer = ""
+        self._in_call = False
+
+    def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
+        self._buffer += text
+        content: list[str] = []
+        calls: list[ParsedCall] = []
+        while True:
+            if not self._in_call:
+                at = self._buffer.find(self.start)
+                if at < 0:
+                    content.append(self._content(self._decided_content()))
+                    break
+                content.append(self._content(self._buffer[:at]))
+                self._buffer = self._buffer[at + len(self.start):]
+                self._in_call = True
+            else:
+                at = self._buffer.find(self.end)
+                if at < 0:
+                    break
+                body, self._buffer = self._buffer[:at], self._buffer[at + len(self.end):]
+                self._in_call = False
+                parsed = self._calls(body, "arguments")
+                if parsed is None:
+                    content.append(self.start + body + self.end)
+                else:
+                    calls.extend(parsed)
+                    self.calls_made += len(parsed)
+        return "".join(content), calls
+
+    def close(self) -> tuple[str, list[ParsedCall]]:
+        rest, self._buffer = self._buffer, ""
+        if self._in_call:
+            self._in_call = False
+            parsed = self._calls(rest, "arguments")
+            if parsed is not None:
+                self.calls_made += len(parsed)
+                return "", parsed
+            rest = self.start + rest
+        return self._content(rest), []
+
+    def _decided_content(self) -> str:
+        """The buffer's text that cannot be the start of a tag, taken out of the buffer."""
+        keep = _partial_tag(self._buffer, self.start)
+        if self.calls_made and not self._buffer.strip():
+            keep = len(self._buffer)  # whitespace between calls: dropped unless text follows
+        decided = self._buffer[:len(self._buffer) - keep]
+        self._buffer = self._buffer[len(decided):]
+        return decided
+
+    def _content(self, text: str) -> str:
+        """``text``, unless it is only whitespace after a call (between or after calls)."""
+        return "" if self.calls_made and not text.strip() else text
+
+
+class JsonCallParser(CallParser):
+    """Calls as bare JSON objects (``{"name": ..., "parameters": ...}``, several joined by
+    ``;``): an answer whose first non-blank character is ``{`` is held to its end and parsed;
+    any other answer is content."""
+
+    def __init__(self, tool_names: frozenset[str]):
+        super().__init__(tool_names)
+        self._buffer = ""
+        self._decided: bool | None = None  # None until the first non-blank character
+
+    def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
+        if self._decided is False:
+            return text, []
+        self._buffer += text
+        stripped = self._buffer.lstrip()
+        if not stripped:
+            return "", []
+        if self._decided is None:
+            self._decided = stripped.startswith("{")
+        if self._decided:
+            return "", []
+        text, self._buffer = self._buffer, ""
+        return text, []
+
+    def close(self) -> tuple[str, list[ParsedCall]]:
+        rest, self._buffer = self._buffer, ""
+        if not self._decided:
+            return rest, []
+        parsed = [self._calls(part, "parameters") for part in _json_objects(rest)]
+        if not parsed or None in parsed:
+            return rest, []
+        calls = [call for part in parsed for call in part]
+        self.calls_made += len(calls)
+        return "", calls
+
+
+class ToolCallFormat(ABC):
+    """One family's tool-call format."""
+
+    name: str
+    renders_tools_itself: bool
+    """Whether the model's chat template renders ``tools`` (else the server writes them)."""
+
+    @abstractmethod
+    def parser(self, tools: Sequence[ToolDefinition]) -> CallParser:
+        """A fresh parser for one choice, accepting calls to ``tools`` only."""
+
+    @abstractmethod
+    def grammar(self, tools: Sequence[ToolDefinition], parallel: bool) -> str:
+        """A Lark grammar (llguidance's dialect) whose sentences are calls to ``tools`` in
+        this format, their arguments following each tool's schema: one call, or one or more
+        when ``parallel``."""
+
+
+class HermesFormat(ToolCallFormat):
+    """``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``, one tag per call."""
+
+    name = "hermes"
+    renders_tools_itself = True
+
+    def parser(self, tools: Sequence[ToolDefinition]) -> CallParser:
+        return TaggedCallParser(_names(tools), "<tool_call>", "</tool_call>")
+
+    def grammar(self, tools: Sequence[ToolDefinition], parallel: bool) -> str:
+        more = ' ("\\n" block)*' if parallel else ""
+        return (f"start: block{more}\n"
+                'block: "<tool_call>\\n" call "\\n</tool_call>"\n'
+                f"call: %json {_call_schema(tools, 'arguments')}\n")
+
+
+class SmolLM2Format(ToolCallFormat):
+    """``<tool_call>[{"name": ..., "arguments": ...}, ...]</tool_call>``, written into the
+    system message by the server."""
+
+    name = "smollm2"
+    renders_tools_itself = False
+    start, end = "<tool_call>", "</tool_call>"
+
+    def parser(self, tools: Sequence[ToolDefinition]) -> CallParser:
+        return TaggedCallParser(_names(tools), self.start, self.end)
+
+    def grammar(self, tools: Sequence[ToolDefinition], parallel: bool) -> str:
+        more = ' (", " call)*' if parallel else ""
+        return (f'start: "{self.start}[" call{more} "]{self.end}"\n'
+                f"call: %json {_call_schema(tools, 'arguments')}\n")
+
+    def call_text(self, calls: Sequence[ParsedCall]) -> str:
+        """How an assistant's earlier calls are written back into the conversation: as the
+        model writes them."""
+        listed = [{"name": call.name, "arguments": call.arguments} for call in calls]
+        return f"{self.start}{json.dumps(listed, ensure_ascii=False)}{self.end}"
+
+
+class Llama3JsonFormat(ToolCallFormat):
+    """``{"name": ..., "parameters": ...}``, several joined by ``; ``."""
+
+    name = "llama3_json"
+    renders_tools_itself = True
+
+    def parser(self, tools: Sequence[ToolDefinition]) -> CallParser:
+        return JsonCallParser(_names(tools))
+
+    def grammar(self, tools: Sequence[ToolDefinition], parallel: bool) -> str:
+        more = ' ("; " call)*' if parallel else ""
+        return f"start: call{more}\ncall: %json {_call_schema(tools, 'parameters')}\n"
+
+
+HERMES, LLAMA3_JSON, SMOLLM2 = HermesFormat(), Llama3JsonFormat(), SmolLM2Format()
+
+
+def tool_call_format(chat_template: str) -> ToolCallFormat | None:
+    """The tool-call format of a model, from its chat template's source; None when the
+    template renders tools in a format no parser here reads (tools are then refused)."""
+    if not _NAMES_TOOLS.search(chat_template):
+        return SMOLLM2
+    if "<tool_call>" in chat_template:
+        return HERMES
+    if "<|python_tag|>" in chat_template or '"parameters": ' in chat_template:
+        return LLAMA3_JSON
+    return None
+
+
+def _names(tools: Sequence[ToolDefinition]) -> frozenset[str]:
+    return frozenset(tool.function.name for tool in tools)
+
+
+def _call_schema(tools: Sequence[ToolDefinition], arguments_key: str) -> str:
+    """The JSON Schema of one call to any of ``tools``, ``name`` first."""
+    options = [{"type": "object",
+                "properties": {"name": {"const": tool.function.name},
+                               arguments_key: tool.function.parameters or {"type": "object"}},
+                "required": ["name", arguments_key], "additionalProperties": False}
+               for tool in tools]
+    return json.dumps(options[0] if len(options) == 1 else {"anyOf": options})
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that is a proper start of ``tag``."""
+    for length in range(min(len(text), len(tag) - 1), 0, -1):
+        if text.endswith(tag[:length]):
+            return length
+    return 0
+
+
+def _json_objects(text: str) -> list[str]:
+    """The JSON texts of ``text`` split at top-level ``;`` (Llama's separator); a text that
+    does not split cleanly is returned whole (its parse then fails)."""
+    decoder = json.JSONDecoder()
+    parts, at = [], 0
+    while at < len(text):
+        while at < len(text) and text[at] in " \t\r\n;":
+            at += 1
+        if at == len(text):
+            break
+        try:
+            _, end = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return [text]
+        parts.append(text[at:end])
+        at = end
+    return parts
