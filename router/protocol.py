@@ -23,6 +23,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    ValidationError,
     ValidationInfo,
     field_validator,
     model_serializer,
@@ -183,6 +184,15 @@ class FunctionDefinition(_StrictModel):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
+        if parameters is not None and parameters.get("type", "object") != "object":
+            raise PydanticCustomError(
+                "invalid_value", "parameters must be a JSON Schema of an object (type "
+                "'object'): a function's arguments are named")
+        return parameters
+
     @field_validator("name")
     @classmethod
     def _valid_name(cls, name: str) -> str:
@@ -214,10 +224,10 @@ class FunctionCallText(_StrictModel):
     def _json_object(cls, arguments: str) -> str:
         try:
             parsed = json.loads(arguments)
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
             raise PydanticCustomError(
                 "invalid_value", "arguments must be the JSON text of an object ({error})",
-                {"error": str(exc)}) from None
+                {"error": str(exc) or type(exc).__name__}) from None
         if not isinstance(parsed, dict):
             raise PydanticCustomError("invalid_value",
                                       "arguments must be the JSON text of an object")
@@ -225,11 +235,13 @@ class FunctionCallText(_StrictModel):
 
 
 class MessageToolCall(_StrictModel):
-    """One of ``tool_calls`` in an assistant message of the conversation."""
+    """One of ``tool_calls`` in an assistant message of the conversation. ``index`` is
+    accepted and ignored: calls accumulated from a stream keep their delta's index."""
 
     id: str = Field(min_length=1)
     type: Literal["function"]
     function: FunctionCallText
+    index: int | None = None
 
 
 class NamedFunction(_StrictModel):
@@ -461,7 +473,7 @@ class ChatCompletionRequest(_GenerationBody):
     parallel_tool_calls: bool | None = None
     prompt_cache_key: str | None = None
     tools: list[ToolDefinition] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -488,15 +500,17 @@ class ChatCompletionRequest(_GenerationBody):
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         return _refuse_unless_neutral(value, info.field_name, _CHAT_UNSUPPORTED[info.field_name])
 
-    @field_validator("tool_choice", mode="before")
+    @field_validator("tool_choice")
     @classmethod
-    def _known_tool_choice(cls, choice: Any) -> Any:
-        if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+    def _known_tool_choice(cls, choice: Any) -> str | NamedToolChoice | None:
+        if choice is None or choice in ("none", "auto", "required"):
+            return choice
+        try:
+            return NamedToolChoice.model_validate(choice)
+        except ValidationError:
             raise PydanticCustomError(
                 "invalid_value", "tool_choice must be 'none', 'auto', 'required' or "
-                '{{"type": "function", "function": {{"name": ...}}}}, got {choice}',
-                {"choice": _quoted(choice)})
-        return choice
+                '{"type": "function", "function": {"name": <string>}}') from None
 
     @field_validator("top_logprobs")
     @classmethod

@@ -78,9 +78,12 @@ class ChatFormat:
                                    model=job.model, choices=choices, usage=usage)
 
     def opening(self) -> list[BaseModel]:
-        """The first delta of each choice announces the assistant's turn."""
+        """The first delta of each choice announces the assistant's turn: with empty content,
+        or none where the answer can only be tool calls (as OpenAI streams them)."""
+        use = self.job.tool_use
+        content = None if use and use.choice in ("required", "named") else ""
         return [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant",
-                                                                      content=""))])
+                                                                      content=content))])
                 for i in range(self.job.request.sampling.n)]
 
     def text(self, index: int, text: str, logprobs: list[TokenLogprob] | None,

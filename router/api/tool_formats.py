@@ -66,20 +66,21 @@ class CallParser(ABC):
         anything else."""
         try:
             value = json.loads(text)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             return None
         items = value if isinstance(value, list) else [value]
         calls = [self._call(item, arguments_key) for item in items]
         return None if not calls or None in calls else calls
 
     def _call(self, item: Any, arguments_key: str) -> ParsedCall | None:
-        if not isinstance(item, dict) or item.get("name") not in self.tool_names:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) \
+                or item["name"] not in self.tool_names:
             return None
         arguments = item.get(arguments_key, item.get("arguments", {}))
         if isinstance(arguments, str):  # some models write the arguments as JSON text
             try:
                 arguments = json.loads(arguments)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):
                 return None
         return ParsedCall(item["name"], arguments) if isinstance(arguments, dict) else None
 
@@ -271,14 +272,29 @@ def _names(tools: Sequence[ToolDefinition]) -> frozenset[str]:
     return frozenset(tool.function.name for tool in tools)
 
 
+_STANDARD_SPACING = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""llguidance's JSON layout for calls: ``json.dumps``'s, which is how a call is rendered back
+into the next turn, so the prefix cache holds the text the model wrote."""
+
+
 def _call_schema(tools: Sequence[ToolDefinition], arguments_key: str) -> str:
-    """The JSON Schema of one call to any of ``tools``, ``name`` first."""
+    """The JSON Schema of one call to any of ``tools``, ``name`` first, in standard spacing."""
     options = [{"type": "object",
                 "properties": {"name": {"const": tool.function.name},
-                               arguments_key: tool.function.parameters or {"type": "object"}},
+                               arguments_key: _arguments_schema(tool.function.parameters)},
                 "required": ["name", arguments_key], "additionalProperties": False}
                for tool in tools]
-    return json.dumps(options[0] if len(options) == 1 else {"anyOf": options})
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    return json.dumps({**schema, "x-guidance": _STANDARD_SPACING})
+
+
+def _arguments_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """A function's arguments: only the named ones unless the schema says otherwise
+    (``additionalProperties``), so a function without parameters gets ``{}``; JSON Schema's
+    own default would let the model invent arguments no function takes."""
+    schema = {"type": "object", **(parameters or {})}
+    schema.setdefault("additionalProperties", False)
+    return schema
 
 
 def _partial_tag(text: str, tag: str) -> int:

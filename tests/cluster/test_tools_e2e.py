@@ -84,6 +84,12 @@ def test_a_streamed_tool_call_accumulates_with_the_sdk_helper(client):
     [call] = choice.message.tool_calls
     assert call.function.name == "GetWeather"
     assert isinstance(call.function.parsed_arguments, GetWeather)
+    assert choice.message.content is None
+    # The helper's message goes back as it is (its calls keep their stream index).
+    final = client.chat.completions.create(
+        model=model_name(client), messages=[*QUESTION, choice.message, answer_to(call, "18 C")],
+        tools=[openai.pydantic_function_tool(GetWeather)], temperature=0, max_tokens=8)
+    assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
 def test_parse_with_a_pydantic_tool_then_send_its_message_back(client):

@@ -86,6 +86,8 @@ def test_text_around_tagged_calls_is_content_and_a_partial_tag_is_held_back(fmt)
     ('{"name": "rm_rf", "arguments": {}}', "a function not among the tools"),
     ('{"name": "add", "arguments": [1, 2]}', "arguments that are not an object"),
     ("[]", "no call"),
+    ('[{"name": ["add"], "arguments": {}}]', "a name that is no string"),
+    ("[" * 5000 + "]" * 5000, "JSON nested too deep to parse"),
 ])
 def test_a_malformed_tagged_call_stays_content(body, why):
     text = f"<tool_call>{body}</tool_call>"
@@ -142,6 +144,22 @@ def test_the_call_grammar_takes_well_formed_calls_only(fmt, tokenizer, llg_token
                         .replace('"city": "1"', '"city": 1'))
     assert not accepted(llg_tokenizer, tokenizer, parallel, written.replace('"a": 2', '"a": "2"'))
     assert not accepted(llg_tokenizer, tokenizer, parallel, written.replace("add", "sub"))
+    # Only json.dumps's spacing, the way a call is rendered back into the next turn.
+    assert not accepted(llg_tokenizer, tokenizer, parallel, written.replace('": ', '" : ', 1))
+    assert not accepted(llg_tokenizer, tokenizer, parallel, written.replace(", ", ",", 1))
+
+
+@pytest.mark.parametrize("parameters", [None, {}, {"type": "object", "properties": {}}])
+def test_a_function_without_parameters_is_called_with_no_arguments(
+        parameters, tokenizer, llg_tokenizer):
+    function = {"name": "ping"} if parameters is None else {"name": "ping",
+                                                             "parameters": parameters}
+    grammar = SMOLLM2.grammar([ToolDefinition.model_validate(
+        {"type": "function", "function": function})], False)
+    assert accepted(llg_tokenizer, tokenizer, grammar,
+                    '<tool_call>[{"name": "ping", "arguments": {}}]</tool_call>')
+    assert not accepted(llg_tokenizer, tokenizer, grammar,
+                        '<tool_call>[{"name": "ping", "arguments": {"x": 1}}]</tool_call>')
 
 
 # -- through the app -----------------------------------------------------------------------------
@@ -296,6 +314,25 @@ async def test_a_template_that_renders_tools_gets_them_in_openai_shape(long_back
     assert "<tool_response>get_weather: 18 C</tool_response>" in prompt
 
 
+async def test_messages_as_the_sdk_sends_them_back_are_accepted(client, long_backend):
+    """``parse()`` adds ``parsed`` and ``parsed_arguments``; calls accumulated from a stream
+    keep their ``index``."""
+    assistant = {**TURN_2[1], "parsed": None, "refusal": None, "tool_calls": [{
+        **TURN_2[1]["tool_calls"][0], "index": 0, "function": {
+            **TURN_2[1]["tool_calls"][0]["function"], "parsed_arguments": {"city": "Paris"}}}]}
+    response = await client.post(CHAT, json={"messages": [TURN_2[0], assistant, TURN_2[2]],
+                                             "tools": [WEATHER]})
+    assert response.status_code == 200, response.text
+
+
+async def test_a_stream_that_can_only_be_calls_opens_without_content(client, long_backend):
+    long_backend.script = scripted('<tool_call>[{"name": "add", "arguments": {"a": 2, "b": 3}}]'
+                                   "</tool_call>")
+    response = await client.post(CHAT, json={"messages": HELLO, "tools": [ADD], "stream": True,
+                                             "tool_choice": "required"})
+    assert sse_events(response)[0]["choices"][0]["delta"] == {"role": "assistant"}
+
+
 def with_tools(**fields: Any) -> dict[str, Any]:
     return {"messages": HELLO, "tools": [WEATHER], **fields}
 
@@ -303,6 +340,11 @@ def with_tools(**fields: Any) -> dict[str, Any]:
 @pytest.mark.parametrize("body, param", [
     (with_tools(tool_choice={"type": "function", "function": {"name": "add"}}), "tool_choice"),
     (with_tools(tool_choice="sometimes"), "tool_choice"),
+    (with_tools(tool_choice=1), "tool_choice"),
+    (with_tools(tool_choice={"type": "function", "name": "get_weather"}), "tool_choice"),
+    (with_tools(tool_choice={"type": "function", "function": {"name": 1}}), "tool_choice"),
+    (with_tools(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "string"}}}]), "tools[0].function.parameters"),
     ({"messages": HELLO, "tool_choice": "required"}, "tool_choice"),
     (with_tools(tools=[WEATHER, WEATHER]), "tools"),
     (with_tools(tools=[{"type": "function", "function": {"name": "get weather"}}]),
@@ -314,6 +356,10 @@ def with_tools(**fields: Any) -> dict[str, Any]:
      "messages[2].tool_call_id"),
     ({"messages": [TURN_2[0], {**TURN_2[1], "tool_calls": [{
         "id": "c", "type": "function", "function": {"name": "f", "arguments": "{city"}}]}]},
+     "messages[1].tool_calls[0].function.arguments"),
+    ({"messages": [TURN_2[0], {**TURN_2[1], "tool_calls": [{
+        "id": "c", "type": "function", "function": {
+            "name": "f", "arguments": '{"a": ' + "[" * 5000 + "]" * 5000 + "}"}}]}]},
      "messages[1].tool_calls[0].function.arguments"),
     ({"messages": [TURN_2[0], {"role": "user", "content": "x", "tool_call_id": "c"}]},
      "messages[1]"),
