@@ -183,3 +183,20 @@ def write_lora_adapter(directory, seed: int, rank: int = 8, alpha: float = 16.0,
               "bias": "none", "task_type": "CAUSAL_LM"}
     (directory / "adapter_config.json").write_text(json.dumps(config))
     return directory
+
+
+def serve(engine, request: GenerationRequest) -> tuple[list[int], int, int]:
+    """Run one request alone; returns (output ids, its cached_tokens, prompt tokens prefilled)."""
+    before = engine.counters.prefill_tokens
+    chunks = engine.generate([request])[request.request_id]
+    assert chunks[-1].finish_reason is not None
+    assert len({c.cached_tokens for c in chunks}) == 1
+    return output_ids(chunks), chunks[-1].cached_tokens, engine.counters.prefill_tokens - before
+
+
+def cold(engine, request: GenerationRequest) -> list[int]:
+    """The same request on an empty cache (the engine's cache is reset first)."""
+    engine.reset_prefix_cache()
+    out, cached, prefilled = serve(engine, request)
+    assert (cached, prefilled) == (0, len(request.token_ids))
+    return out

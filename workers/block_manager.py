@@ -1,13 +1,21 @@
 """Per-sequence block tables over the shared :class:`~workers.block_pool.BlockPool`.
 
-Finds a sequence's cached prefix, grows its table as tokens are scheduled, registers blocks
-once all their tokens are computed, and returns everything to the pool when it ends.
+Finds a sequence's cached prefix (in the working pool, then in the second tier), grows its
+table as tokens are scheduled, registers blocks once all their tokens are computed, and returns
+everything to the pool when it ends.
 """
 
 from __future__ import annotations
 
 from workers.block_pool import Block, BlockPool
+from workers.kv_tier import TierEntry
 from workers.sequence import Sequence
+
+RECOMPUTE_COST_SMOOTHING = 0.2
+"""Weight of the newest step in the moving average of prefill seconds per token."""
+
+Hit = Block | TierEntry
+"""One block of a cached prefix: in the working pool, or in the second tier."""
 
 
 class BlockManager:
@@ -20,40 +28,88 @@ class BlockManager:
     def __init__(self, pool: BlockPool):
         self.pool = pool
         self.block_size = pool.block_size
+        self.recompute_s_per_token: float | None = None
+        """Moving average of prefill seconds per token, measured by the engine; None until
+        measured."""
 
-    def cached_prefix(self, seq: Sequence) -> list[Block]:
-        """The longest run of leading full blocks of ``seq`` that the cache verifiably holds.
+    def cached_prefix(self, seq: Sequence) -> list[Hit]:
+        """The longest run of leading full blocks of ``seq`` that the cache verifiably holds:
+        working-pool blocks, then second-tier entries where loading one is measured to be
+        cheaper than computing it.
 
         The last token is never covered: a request whose whole prompt is cached still computes
         it to get logits.
         """
-        hits: list[Block] = []
+        hits: list[Hit] = []
+        tier = self.pool.tier if self._loading_pays() else None
         for index in range((seq.num_tokens - 1) // self.block_size):
-            block = self.pool.lookup(seq.digest(index), seq.block_tokens(index),
-                                     seq.parent_digest(index), hits[-1] if hits else None)
-            if block is None:
+            key = (seq.digest(index), seq.block_tokens(index), seq.parent_digest(index))
+            hit: Hit | None = None
+            if not hits or isinstance(hits[-1], Block):
+                hit = self.pool.lookup(*key, hits[-1] if hits else None)
+            if hit is None and tier is not None:
+                hit = tier.lookup(*key, seq.prefix_check(index))
+            if hit is None:
                 break
-            hits.append(block)
+            hits.append(hit)
         return hits
 
-    def can_admit(self, seq: Sequence, hits: list[Block], num_new_tokens: int) -> bool:
-        """Whether the pool can hold ``hits`` plus blocks for ``num_new_tokens`` more tokens."""
-        fresh = seq.blocks_needed(len(hits) * self.block_size + num_new_tokens) - len(hits)
-        taken_from_lru = sum(1 for block in hits if self.pool.is_evictable(block))
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """A step computed ``num_tokens`` prompt tokens in ``seconds`` (the recompute cost
+        a second-tier load is weighed against)."""
+        sample = seconds / num_tokens
+        last = self.recompute_s_per_token
+        self.recompute_s_per_token = sample if last is None else (
+            RECOMPUTE_COST_SMOOTHING * sample + (1 - RECOMPUTE_COST_SMOOTHING) * last)
+
+    def can_admit(self, seq: Sequence, hits: list[Hit], num_new_tokens: int) -> bool:
+        """Whether the pool can hold ``hits`` plus blocks for ``num_new_tokens`` more tokens
+        (a second-tier hit needs a fresh block to be loaded into)."""
+        in_pool = [hit for hit in hits if isinstance(hit, Block)]
+        fresh = seq.blocks_needed(len(hits) * self.block_size + num_new_tokens) - len(in_pool)
+        taken_from_lru = sum(1 for block in in_pool if self.pool.is_evictable(block))
         return fresh + taken_from_lru <= self.pool.num_available
 
-    def admit(self, seq: Sequence, hits: list[Block], num_new_tokens: int) -> None:
+    def admit(self, seq: Sequence, hits: list[Hit], num_new_tokens: int) -> None:
         """Give ``seq`` its cached prefix and room for its next ``num_new_tokens`` tokens.
 
-        Call :meth:`can_admit` first; the hits are referenced before any allocation, so
-        allocating cannot evict them.
+        Call :meth:`can_admit` first; working-pool hits are referenced before any allocation,
+        so allocating cannot evict them. Second-tier hits are loaded into fresh blocks and
+        registered; the prefix ends at the first that fails to load (its tokens are computed).
         """
-        for block in hits:
+        in_pool = [hit for hit in hits if isinstance(hit, Block)]
+        for block in in_pool:
             self.pool.acquire(block)
-        seq.block_table = [block.block_id for block in hits]
-        seq.num_computed_tokens = len(hits) * self.block_size
-        seq.num_registered_blocks = len(hits)
+        seq.block_table = [block.block_id for block in in_pool]
+        for index, entry in enumerate(hits[len(in_pool):], len(in_pool)):
+            if not self._load(seq, index, entry):
+                break
+        seq.num_tier_tokens = (len(seq.block_table) - len(in_pool)) * self.block_size
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        seq.num_registered_blocks = len(seq.block_table)
         self._grow(seq, seq.num_computed_tokens + num_new_tokens)
+
+    def _load(self, seq: Sequence, index: int, entry: TierEntry) -> bool:
+        """Loads block ``index`` of ``seq`` from the second tier into a fresh cached block."""
+        block = self.pool.allocate()
+        parent = self.pool.blocks[seq.block_table[-1]] if index else None
+        if not self.pool.tier.load(entry, block.block_id):
+            self.pool.forget_in_tier(entry.digest)
+        elif self.pool.register(block, entry.digest, entry.token_ids, entry.parent_digest,
+                                parent, entry.check):
+            seq.block_table.append(block.block_id)
+            return True
+        self.pool.release([block.block_id])
+        return False
+
+    def _loading_pays(self) -> bool:
+        """Whether a second-tier load is cheaper than computing the block, as measured
+        (optimistic until both are)."""
+        tier = self.pool.tier
+        if tier is None or not len(tier):
+            return False
+        load, recompute = tier.counters.load_s_per_block, self.recompute_s_per_token
+        return load is None or recompute is None or load < recompute * self.block_size
 
     def reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow ``seq``'s table to hold ``num_new_tokens`` more tokens; all or nothing."""
@@ -81,7 +137,8 @@ class BlockManager:
                 continue
             block = self.pool.blocks[seq.block_table[index]]
             if not self.pool.register(block, seq.digest(index), seq.block_tokens(index),
-                                      seq.parent_digest(index), parent):
+                                      seq.parent_digest(index), parent,
+                                      seq.prefix_check(index)):
                 # A digest collision: this block and every later one chain from a digest whose
                 # cached copy holds other tokens, so none may be found under it. Retried on
                 # the next commit, in case the colliding copy has been evicted meanwhile.

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from contract.kv_events import KVEvent
+from workers.kv_tier import DiskKVTier
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -55,6 +56,8 @@ class Block:
         copy_of: for a private block that duplicates a cached copy (the same prefix computed
             twice at once), that copy: blocks computed after this one extend it.
         generation: bumped whenever the block stops being a cached copy (see :class:`BlockRef`).
+        check: a cached copy's :func:`~workers.kv_tier.prefix_check`, which the second tier
+            keeps with the block when it is evicted; empty if none was given.
     """
 
     block_id: int
@@ -65,6 +68,7 @@ class Block:
     parent: BlockRef | None = None
     copy_of: BlockRef | None = None
     generation: int = 0
+    check: bytes = b""
 
     @property
     def ref(self) -> BlockRef:
@@ -88,6 +92,8 @@ class BlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._by_digest: dict[bytes, int] = {}
         self._events: list[KVEvent] = []
+        self.tier: DiskKVTier | None = None
+        """The second tier evicted blocks move to (set by the engine); None: they are lost."""
 
     @property
     def num_blocks(self) -> int:
@@ -153,6 +159,7 @@ class BlockPool:
         elif self._evictable:
             block_id, _ = self._evictable.popitem(last=False)
             block = self.blocks[block_id]
+            self._spill(block)
             self._uncache(block)
         else:
             raise NoFreeBlocksError("no free KV block")
@@ -183,7 +190,8 @@ class BlockPool:
         return self._cached_copy(block) is not None
 
     def register(self, block: Block, digest: bytes, token_ids: Sequence[int],
-                 parent_digest: bytes, parent: Block | None = None) -> bool:
+                 parent_digest: bytes, parent: Block | None = None, check: bytes = b"",
+                 ) -> bool:
         """Mark a full block of committed tokens reusable under ``digest``.
 
         If another block already holds this digest with the same tokens, parent digest and
@@ -199,6 +207,8 @@ class BlockPool:
             parent_digest: the digest its chain extends (the root digest for block 0).
             parent: the block before it in the sequence's table, whose KV it was computed
                 after; None for block 0.
+            check: the :func:`~workers.kv_tier.prefix_check` of its token prefix; without
+                one, the block is not kept by the second tier when evicted.
 
         Returns:
             False when the digest is held by a block with other tokens or another parent: a
@@ -227,7 +237,7 @@ class BlockPool:
                 block.copy_of = holder.ref
                 return True
             self._uncache(holder)  # unreachable: the copy it was computed after is gone
-        block.digest, block.token_ids = digest, tuple(token_ids)
+        block.digest, block.token_ids, block.check = digest, tuple(token_ids), check
         block.parent_digest, block.parent, block.copy_of = parent_digest, link, None
         self._by_digest[digest] = block.block_id
         self._emit("stored", digest)
@@ -244,12 +254,24 @@ class BlockPool:
         for block_id in self._by_digest.values():
             self._forget(self.blocks[block_id])
         self._by_digest.clear()
+        if self.tier is not None:
+            self.tier.clear()
         self._events.append(KVEvent("cleared"))
 
     def cached_digests(self) -> list[bytes]:
-        """Every digest the pool can currently serve a hit for (a copy; safe to read from
-        another thread, since copying a dict's keys does not release the GIL)."""
-        return list(self._by_digest)
+        """Every digest the pool, or its second tier, can currently serve a hit for (a copy;
+        safe to read from another thread, since copying a dict's keys does not release the
+        GIL)."""
+        held = list(self._by_digest)
+        if self.tier is not None:
+            held += [digest for digest in self.tier.digests() if digest not in self._by_digest]
+        return held
+
+    def forget_in_tier(self, digest: bytes) -> None:
+        """The second tier lost ``digest`` (dropped, or failed its check): the worker no longer
+        holds it unless the working pool does."""
+        if digest not in self._by_digest:
+            self._emit("removed", digest)
 
     def drain_events(self) -> list[KVEvent]:
         """Events since the last drain, consecutive ones of a kind merged, in order."""
@@ -280,7 +302,8 @@ class BlockPool:
             if block.block_id in evictable:
                 assert block.digest is not None, f"evictable block {block.block_id} has no digest"
             if block.digest is None:
-                assert (block.token_ids, block.parent_digest, block.parent) == ((), None, None), (
+                assert (block.token_ids, block.parent_digest, block.parent, block.check) == (
+                    (), None, None, b""), (
                     f"private block {block.block_id} keeps a cached copy's identity")
             else:
                 self._check_cached(block)
@@ -306,10 +329,21 @@ class BlockPool:
         """Whether ``ref`` still names a cached copy (None, block 0's parent, always does)."""
         return ref is None or self.blocks[ref.block_id].generation == ref.generation
 
+    def _spill(self, block: Block) -> None:
+        """Copy an evicted cached block into the second tier, if there is one."""
+        if self.tier is None or not block.check:
+            return
+        dropped = self.tier.save(block.block_id, block.digest, block.token_ids,
+                                 block.parent_digest, block.check)
+        if dropped is not None:
+            self.forget_in_tier(dropped)
+
     def _uncache(self, block: Block) -> None:
-        """Evict or replace a cached copy: it becomes private (free, if nobody holds it)."""
+        """Evict or replace a cached copy: it becomes private (free, if nobody holds it). The
+        worker still holds its digest if the second tier does: no event then."""
         del self._by_digest[block.digest]
-        self._emit("removed", block.digest)
+        if self.tier is None or block.digest not in self.tier:
+            self._emit("removed", block.digest)
         self._forget(block)
         if block.block_id in self._evictable:
             del self._evictable[block.block_id]
@@ -318,6 +352,7 @@ class BlockPool:
     @staticmethod
     def _forget(block: Block) -> None:
         block.digest, block.token_ids, block.parent_digest, block.parent = None, (), None, None
+        block.check = b""
         block.generation += 1
 
     def _emit(self, kind: str, digest: bytes) -> None:

@@ -25,6 +25,11 @@ class EngineConfig:
         kv_cache_bytes: memory budget for the KV tensors, in bytes; None sizes it
             automatically (``workers.kv_budget``): 512 MiB on a CPU, from the device's free
             memory on CUDA.
+        kv_tier_bytes: size of the second KV tier, in bytes: a file on local disk that blocks
+            evicted from the KV cache move to (``workers.kv_tier``); 0 (the default) turns it
+            off.
+        kv_tier_dir: where the second tier's file is made; None: the system's temporary
+            directory.
         gpu_memory_utilization: on CUDA with an automatic KV budget, the fraction of the
             device's total memory this worker may use in all (weights, KV cache, a step's
             activations), as vLLM's option of that name.
@@ -61,6 +66,8 @@ class EngineConfig:
     quantization: str = "none"
     block_size: int = 16
     kv_cache_bytes: int | None = None
+    kv_tier_bytes: int = 0
+    kv_tier_dir: str | None = None
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048

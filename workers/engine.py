@@ -31,6 +31,7 @@ from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
 from workers.kv_budget import kv_cache_budget
 from workers.kv_cache import PagedKVCache
+from workers.kv_tier import DiskKVTier
 from workers.lora.adapter import BaseShapes
 from workers.lora.registry import AdapterRegistry
 from workers.model_loader import LoadedModel, load_model, numerics_tag
@@ -117,6 +118,7 @@ class LLMEngine:
                                             config.block_size, self.loaded.dtype,
                                             self.loaded.device)
         self.pool = BlockPool(kv_cache.num_blocks, config.block_size)
+        self.pool.tier = _second_tier(config, kv_cache)
         self.block_manager = BlockManager(self.pool)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens,
@@ -328,7 +330,9 @@ class LLMEngine:
         started = time.perf_counter()
         logits = self.runner.execute(batch, num_logits)
         elapsed = time.perf_counter() - started
-        self._count(batch)
+        prompt_tokens = self._count(batch)
+        if prompt_tokens >= batch.num_tokens // 2 and prompt_tokens >= self.config.block_size:
+            self.block_manager.observe_prefill(batch.num_tokens, elapsed)
         if self.speculation and all(n == 1 or seq.spec_token_ids for seq, n in _pairs(batch)):
             self.speculation.observe_step(batch.num_tokens, elapsed)
         for seq, num_new in _pairs(batch):
@@ -493,14 +497,18 @@ class LLMEngine:
                 f"{param}: token id {bad} is outside the vocabulary [0, {self.vocab_size})",
                 param)
 
-    def _count(self, batch: ScheduledBatch) -> None:
+    def _count(self, batch: ScheduledBatch) -> int:
+        """Counts the step; returns its prompt tokens."""
         self.counters.steps += 1
         self.counters.batch_sizes[len(batch.seqs)] += 1
+        prompt_tokens = 0
         for seq, num_new in _pairs(batch):
             start = seq.num_computed_tokens
             prompt_part = max(0, min(start + num_new, seq.num_prompt_tokens) - start)
-            self.counters.prefill_tokens += prompt_part
+            prompt_tokens += prompt_part
             self.counters.decode_tokens += num_new - prompt_part
+        self.counters.prefill_tokens += prompt_tokens
+        return prompt_tokens
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -508,6 +516,20 @@ class LLMEngine:
             value = getattr(source, "eos_token_id", None)
             ids.update(value if isinstance(value, list) else [] if value is None else [value])
         return ids
+
+
+def _second_tier(config: EngineConfig, kv_cache: PagedKVCache) -> DiskKVTier | None:
+    """The second KV tier ``config`` asks for; None when off, or when its file cannot be made
+    (a read-only or full disk: the worker serves without it, and says so)."""
+    num_blocks = config.kv_tier_bytes // kv_cache.block_bytes
+    if num_blocks < 1:
+        return None
+    try:
+        return DiskKVTier(kv_cache, num_blocks, config.kv_tier_dir)
+    except OSError as exc:
+        log.warning("no second KV tier: its %d-byte file in %s could not be made (%s)",
+                    config.kv_tier_bytes, config.kv_tier_dir or "the temporary directory", exc)
+        return None
 
 
 def _pairs(batch: ScheduledBatch):

@@ -33,6 +33,12 @@ class PagedKVCache:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block takes across all layers, keys and values."""
+        return 2 * len(self.keys) * self.keys[0][:, :self.block_size].numel() * \
+            self.keys[0].element_size()
+
     def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor,
               value: torch.Tensor) -> None:
         """Store new tokens' KV: ``key``/``value`` are ``[T, kv_heads, head_dim]``, ``slots``

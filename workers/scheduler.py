@@ -60,11 +60,13 @@ class SchedulerCounters:
     Attributes:
         prefix_query_tokens: prompt tokens looked up in the prefix cache (once per request).
         prefix_hit_tokens: of those, tokens reused (once per request, at first admission).
+        tier_hit_tokens: of those, tokens loaded from the second KV tier.
         preemptions: sequences preempted for lack of blocks.
     """
 
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
+    tier_hit_tokens: int = 0
     preemptions: int = 0
 
 
@@ -280,6 +282,7 @@ class Scheduler:
         seq.num_cached_tokens = seq.num_computed_tokens
         self.counters.prefix_query_tokens += seq.num_prompt_tokens
         self.counters.prefix_hit_tokens += seq.num_cached_tokens
+        self.counters.tier_hit_tokens += seq.num_tier_tokens
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         if batch.scheduled(seq):

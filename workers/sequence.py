@@ -8,6 +8,7 @@ import torch
 
 from contract.identity import block_digest
 from contract.request import FinishReason, GenerationRequest, SpecUsage
+from workers.kv_tier import prefix_check
 from workers.lora.adapter import LoraAdapter
 from workers.structured.grammar import GrammarMatcher
 
@@ -30,6 +31,8 @@ class Sequence:
         root_digest: the identity root its block digests chain from (model, adapter,
             namespace).
         adapter: the LoRA adapter its rows run under, None for the base model.
+        num_tier_tokens: of the prompt tokens reused at the latest admission, those loaded
+            from the second KV tier.
         num_cached_tokens: prompt tokens reused from the prefix cache at first admission;
             re-admission after preemption never changes it, so hits are counted once.
         generator: per-request RNG when the request is seeded, so the output does not depend
@@ -68,11 +71,13 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_registered_blocks = 0
         self.num_cached_tokens = 0
+        self.num_tier_tokens = 0
         self.admitted = False
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_token_ids = frozenset(self.sampling.stop_token_ids)
         self._digests: list[bytes] = list(prompt_digests or ())
+        self._checks: list[bytes] = []
         self.spec_token_ids: list[int] = []
         self.spec = SpecUsage()
         self.arrived_at = 0.0
@@ -115,6 +120,14 @@ class Sequence:
     def parent_digest(self, index: int) -> bytes:
         """The digest block ``index``'s chain extends: the previous block's, or the root's."""
         return self.digest(index - 1) if index else self.root_digest
+
+    def prefix_check(self, index: int) -> bytes:
+        """:func:`~workers.kv_tier.prefix_check` of full block ``index``'s token prefix,
+        extending the chain lazily (the second KV tier checks hits against it)."""
+        while len(self._checks) <= index:
+            parent = self._checks[-1] if self._checks else self.root_digest
+            self._checks.append(prefix_check(parent, self.block_tokens(len(self._checks))))
+        return self._checks[index]
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks to hold the KV of the first ``num_tokens`` tokens."""

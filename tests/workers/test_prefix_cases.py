@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from helpers import greedy, output_ids, random_prompt
+from helpers import cold, greedy, output_ids, random_prompt, serve
 
 import workers.sequence
 from contract.identity import CacheNamespace, block_digest, block_digests, tenant_from_api_key
@@ -23,23 +23,6 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
         "wooden screw press into a system that could produce books quickly and cheaply. Within "
         "fifty years, printing shops had spread to more than two hundred cities across Europe, "
         "and")
-
-
-def serve(engine, request: GenerationRequest) -> tuple[list[int], int, int]:
-    """Run one request alone; returns (output ids, its cached_tokens, prompt tokens prefilled)."""
-    before = engine.counters.prefill_tokens
-    chunks = engine.generate([request])[request.request_id]
-    assert chunks[-1].finish_reason is not None
-    assert len({c.cached_tokens for c in chunks}) == 1
-    return output_ids(chunks), chunks[-1].cached_tokens, engine.counters.prefill_tokens - before
-
-
-def cold(engine, request: GenerationRequest) -> list[int]:
-    """The same request on an empty cache (the engine's cache is reset first)."""
-    engine.reset_prefix_cache()
-    out, cached, prefilled = serve(engine, request)
-    assert (cached, prefilled) == (0, len(request.token_ids))
-    return out
 
 
 def stored_digests(events: list[KVEvent]) -> set[bytes]:

@@ -1,0 +1,135 @@
+"""The second KV tier (``workers.kv_tier``) in the engine: blocks evicted from the working pool
+move to a file on disk under the same digest and come back on a hit, with output equal to
+cold in fp32; a corrupt block is recomputed, a full tier drops its oldest, a disk that cannot
+hold the file means no tier; and the index hears of a digest only when the worker gains or
+loses it (pool and tier together)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from helpers import cold, greedy, random_prompt, serve
+
+from contract.identity import CacheNamespace, block_digests
+from contract.kv_events import KVEvent
+from workers.kv_cache import PagedKVCache
+
+BLOCK = 16
+POOL_BLOCKS = 12
+PROMPT = random_prompt(seed=1, length=4 * BLOCK + 6, vocab=5000)  # 4 full blocks, then more
+FILLERS = [random_prompt(seed=s, length=5 * BLOCK, vocab=5000) for s in (2, 3, 4)]
+
+
+def tier_engine(make_engine, smollm, tmp_path, tier_blocks: int = 32, **overrides):
+    per_block = PagedKVCache.bytes_per_block(smollm.model.config, BLOCK, smollm.dtype)
+    return make_engine(smollm, num_blocks=POOL_BLOCKS, kv_tier_bytes=tier_blocks * per_block,
+                       kv_tier_dir=str(tmp_path), **overrides)
+
+
+def evict_to_tier(engine) -> list[bytes]:
+    """Serves the prompt, then fillers that push its blocks out of the working pool; returns
+    the prompt's full-block digests, now in the tier only."""
+    serve(engine, greedy("warm", PROMPT, max_tokens=4, ignore_eos=True))
+    for n, filler in enumerate(FILLERS):
+        serve(engine, greedy(f"filler-{n}", filler, max_tokens=4, ignore_eos=True))
+    digests = digests_of(engine, PROMPT)
+    assert all(d in engine.pool.tier for d in digests)
+    assert not any(d in engine.pool._by_digest for d in digests)
+    assert set(digests) <= set(engine.pool.cached_digests())  # the worker still holds them
+    return digests
+
+
+def digests_of(engine, prompt: list[int]) -> list[bytes]:
+    root = engine.identity.root_for(CacheNamespace(), None)
+    return block_digests(root, prompt, BLOCK)
+
+
+def removed(events: list[KVEvent]) -> set[bytes]:
+    return {d for event in events if event.kind == "removed" for d in event.digests}
+
+
+def test_an_evicted_prefix_comes_back_from_disk_and_output_equals_cold(smollm, make_engine,
+                                                                       tmp_path):
+    engine = tier_engine(make_engine, smollm, tmp_path)
+    request = greedy("again", PROMPT, max_tokens=8, ignore_eos=True)
+    reference = cold(engine, request)
+    engine.drain_events()
+    digests = evict_to_tier(engine)
+    assert not removed(engine.drain_events()) & set(digests)  # moved, not lost
+
+    tier_tokens = engine.scheduler.counters.tier_hit_tokens
+    output, cached, prefilled = serve(engine, greedy("again", PROMPT, max_tokens=8,
+                                                     ignore_eos=True))
+    assert output == reference
+    assert cached == 4 * BLOCK and prefilled == len(PROMPT) - 4 * BLOCK
+    assert engine.scheduler.counters.tier_hit_tokens - tier_tokens == 4 * BLOCK
+    assert engine.pool.tier.counters.loaded_blocks == 4
+    engine.pool.check_invariants()
+
+
+def test_a_corrupt_block_on_disk_is_recomputed_never_used(smollm, make_engine, tmp_path):
+    engine = tier_engine(make_engine, smollm, tmp_path)
+    reference = cold(engine, greedy("ref", PROMPT, max_tokens=8, ignore_eos=True))
+    digests = evict_to_tier(engine)
+    engine.drain_events()
+    tier = engine.pool.tier
+    slot = tier._entries[digests[1]].slot
+    tier.slab[slot].view(-1)[7] += 1.0  # one value flipped on disk
+
+    output, cached, _ = serve(engine, greedy("again", PROMPT, max_tokens=8, ignore_eos=True))
+    assert output == reference
+    assert cached == BLOCK  # block 0 from disk; block 1 failed its CRC, the rest follow it
+    assert tier.counters.corrupt_blocks == 1
+    assert digests[1] not in tier
+    assert digests[1] in removed(engine.drain_events()) or digests[1] in engine.pool._by_digest
+
+
+def test_a_full_tier_drops_its_oldest_block_and_the_index_hears_of_it(smollm, make_engine,
+                                                                      tmp_path):
+    engine = tier_engine(make_engine, smollm, tmp_path, tier_blocks=2)
+    engine.drain_events()
+    serve(engine, greedy("warm", PROMPT, max_tokens=4, ignore_eos=True))
+    for n, filler in enumerate(FILLERS):
+        serve(engine, greedy(f"filler-{n}", filler, max_tokens=4, ignore_eos=True))
+    tier = engine.pool.tier
+    assert len(tier) == 2 and tier.counters.dropped_blocks == tier.counters.saved_blocks - 2
+    lost = removed(engine.drain_events())
+    held = set(engine.pool.cached_digests())
+    assert lost and not lost & held
+    engine.pool.check_invariants()
+
+
+def test_the_tier_is_used_only_while_loading_beats_recomputing(smollm, make_engine, tmp_path):
+    engine = tier_engine(make_engine, smollm, tmp_path)
+    evict_to_tier(engine)
+    engine.block_manager.recompute_s_per_token = 1e-12  # as if computing were free
+    engine.pool.tier.counters.load_s_per_block = 1e-3
+    _, cached, _ = serve(engine, greedy("again", PROMPT, max_tokens=2, ignore_eos=True))
+    assert cached == 0
+
+
+def test_another_namespace_never_hits_the_tier(smollm, make_engine, tmp_path):
+    engine = tier_engine(make_engine, smollm, tmp_path)
+    evict_to_tier(engine)
+    other = CacheNamespace(cache_salt="another-tenant")
+    _, cached, _ = serve(engine, greedy("other", PROMPT, max_tokens=2, ignore_eos=True,
+                                        namespace=other))
+    assert cached == 0
+
+
+@pytest.mark.parametrize("fault", ["missing directory", "disk full"])
+def test_a_disk_that_cannot_hold_the_tier_means_no_tier(smollm, make_engine, tmp_path,
+                                                        monkeypatch, caplog, fault):
+    if fault == "missing directory":
+        tmp_path = tmp_path / "nowhere"
+    else:
+        def full(fd, offset, length):
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr(os, "posix_fallocate", full)
+    engine = tier_engine(make_engine, smollm, tmp_path)
+    assert engine.pool.tier is None
+    assert "no second KV tier" in caplog.text
+    output, _, _ = serve(engine, greedy("works", PROMPT, max_tokens=2, ignore_eos=True))
+    assert len(output) == 2
+    assert os.listdir(tmp_path if tmp_path.exists() else tmp_path.parent) == []

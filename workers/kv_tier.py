@@ -1,0 +1,237 @@
+"""A worker's second KV tier: cached blocks evicted from the working pool, kept under the same
+digest in a bounded store on local disk, least recently used dropped first.
+
+The idea is vLLM's KV offloading connector and SGLang's HiCache: eviction from the working
+pool need not lose a prefix. On a GPU worker the second tier would be host memory; a CPU
+worker's working pool already is host memory, so its second tier is a file on local disk,
+mapped into memory (the kernel's page cache keeps the hot part in RAM, the rest on disk).
+
+A hit here is never taken on the digest alone. An entry keeps the block's tokens, the digest its
+chain extends, a check of the whole token prefix it was computed after (a second hash chain,
+independent of the digests: :func:`prefix_check`) and a CRC-32 of its bytes. A load that
+fails any of these is dropped and the tokens are computed instead.
+
+The file is preallocated when the tier starts (``posix_fallocate``), so a full disk is found
+then, not as a fault on a later write, and unlinked as soon as it is mapped, so a crashed
+worker leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from workers.kv_cache import PagedKVCache
+
+log = logging.getLogger(__name__)
+
+LOAD_COST_SMOOTHING = 0.2
+"""Weight of the newest sample in the moving average of load seconds per block."""
+
+
+def prefix_check(parent_check: bytes, token_ids: Sequence[int]) -> bytes:
+    """A 16-byte check of a block's whole token prefix: BLAKE2b over the previous block's check
+    (the identity's root digest for block 0) and this block's token ids.
+
+    A second chain, independent of the block digests (SHA-256), so a digest collision alone can
+    never pass a block computed after other tokens as a hit.
+    """
+    tokens = np.asarray(token_ids, dtype="<u4").tobytes()
+    return hashlib.blake2b(parent_check + tokens, digest_size=16).digest()
+
+
+@dataclass(frozen=True)
+class TierEntry:
+    """One block held by the tier.
+
+    Attributes:
+        digest: the block's chained digest.
+        token_ids: its tokens.
+        parent_digest: the digest its chain extends.
+        check: :func:`prefix_check` of its token prefix.
+        slot: where its bytes are in the file.
+        crc: CRC-32 of its bytes as written.
+    """
+
+    digest: bytes
+    token_ids: tuple[int, ...]
+    parent_digest: bytes
+    check: bytes
+    slot: int
+    crc: int
+
+
+@dataclass
+class TierCounters:
+    """Monotonic counts of the tier, in blocks and seconds.
+
+    Attributes:
+        saved_blocks: blocks written on eviction from the working pool.
+        loaded_blocks: blocks read back for a hit.
+        dropped_blocks: entries dropped to make room (least recently used).
+        corrupt_blocks: loads refused because the bytes did not match their CRC-32.
+        save_seconds, load_seconds: time spent writing and reading (CRC included).
+        bytes_saved, bytes_loaded: bytes written and read.
+    """
+
+    saved_blocks: int = 0
+    loaded_blocks: int = 0
+    dropped_blocks: int = 0
+    corrupt_blocks: int = 0
+    save_seconds: float = 0.0
+    load_seconds: float = 0.0
+    bytes_saved: int = 0
+    bytes_loaded: int = 0
+    load_s_per_block: float | None = field(default=None)
+    """Moving average of one block's load, CRC included; None until the first load."""
+
+
+class DiskKVTier:
+    """A bounded, file-backed store of KV blocks, keyed by digest.
+
+    Args:
+        kv_cache: the working pool's KV tensors, which blocks are copied from and to.
+        num_blocks: blocks the tier holds.
+        directory: where the file is made; None uses the system's temporary directory.
+
+    Raises:
+        OSError: the file cannot be made or its space reserved (read-only directory, full
+            disk): the caller runs without a second tier.
+    """
+
+    def __init__(self, kv_cache: PagedKVCache, num_blocks: int, directory: str | None = None):
+        if num_blocks < 1:
+            raise ValueError("a second KV tier needs room for at least one block")
+        self.kv_cache = kv_cache
+        self.num_blocks = num_blocks
+        layers = len(kv_cache.keys)
+        heads, _, head_dim = kv_cache.keys[0].shape
+        block_shape = (layers, 2, heads, kv_cache.block_size, head_dim)
+        self.block_bytes = kv_cache.block_bytes
+        numel = num_blocks * int(np.prod(block_shape))
+        self.slab = _mapped_file(directory, numel, kv_cache.keys[0].dtype).view(
+            num_blocks, *block_shape)
+        self._entries: OrderedDict[bytes, TierEntry] = OrderedDict()  # oldest first
+        self._free_slots = list(range(num_blocks))
+        self.counters = TierCounters()
+
+    def __contains__(self, digest: bytes) -> bool:
+        return digest in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def digests(self) -> list[bytes]:
+        """Every digest the tier holds."""
+        return list(self._entries)
+
+    def lookup(self, digest: bytes, token_ids: Sequence[int], parent_digest: bytes,
+               check: bytes) -> TierEntry | None:
+        """The entry for ``digest`` if it holds ``token_ids``, extends ``parent_digest`` and
+        was computed after the prefix ``check`` names; marks it recently used."""
+        entry = self._entries.get(digest)
+        if entry is None or (entry.token_ids, entry.parent_digest, entry.check) != (
+                tuple(token_ids), parent_digest, check):
+            return None
+        self._entries.move_to_end(digest)
+        return entry
+
+    def save(self, block_id: int, digest: bytes, token_ids: Sequence[int],
+             parent_digest: bytes, check: bytes) -> bytes | None:
+        """Copies working-pool block ``block_id`` in under ``digest`` (before the pool hands
+        the block to someone else). Returns the digest of an entry dropped to make room."""
+        started = time.perf_counter()
+        dropped = None
+        old = self._entries.pop(digest, None)
+        if old is not None:
+            self._free_slots.append(old.slot)
+        elif not self._free_slots:
+            dropped, oldest = self._entries.popitem(last=False)
+            self._free_slots.append(oldest.slot)
+            self.counters.dropped_blocks += 1
+        slot = self._free_slots.pop()
+        self._copy_out(block_id, slot)
+        self._entries[digest] = TierEntry(digest, tuple(token_ids), parent_digest, check, slot,
+                                          self._crc(slot))
+        self.counters.saved_blocks += 1
+        self.counters.bytes_saved += self.block_bytes
+        self.counters.save_seconds += time.perf_counter() - started
+        return dropped
+
+    def load(self, entry: TierEntry, block_id: int) -> bool:
+        """Copies ``entry`` into working-pool block ``block_id``; False, with the entry
+        dropped, if it is gone or its bytes fail their CRC-32 (the caller computes the
+        tokens instead)."""
+        started = time.perf_counter()
+        if self._entries.get(entry.digest) is not entry:
+            return False
+        if self._crc(entry.slot) != entry.crc:
+            log.warning("KV tier: block %s failed its CRC-32; dropped and recomputed",
+                        entry.digest.hex()[:16])
+            self.counters.corrupt_blocks += 1
+            self.discard(entry.digest)
+            return False
+        self._copy_in(entry.slot, block_id)
+        elapsed = time.perf_counter() - started
+        counters = self.counters
+        counters.loaded_blocks += 1
+        counters.bytes_loaded += self.block_bytes
+        counters.load_seconds += elapsed
+        counters.load_s_per_block = elapsed if counters.load_s_per_block is None else (
+            LOAD_COST_SMOOTHING * elapsed
+            + (1 - LOAD_COST_SMOOTHING) * counters.load_s_per_block)
+        return True
+
+    def discard(self, digest: bytes) -> None:
+        """Forgets ``digest`` (its slot is reused)."""
+        entry = self._entries.pop(digest, None)
+        if entry is not None:
+            self._free_slots.append(entry.slot)
+
+    def clear(self) -> None:
+        """Forgets every block."""
+        self._entries.clear()
+        self._free_slots = list(range(self.num_blocks))
+
+    def _copy_out(self, block_id: int, slot: int) -> None:
+        for layer, (keys, values) in enumerate(zip(self.kv_cache.keys, self.kv_cache.values,
+                                                   strict=True)):
+            self.slab[slot, layer, 0].copy_(self._block(keys, block_id))
+            self.slab[slot, layer, 1].copy_(self._block(values, block_id))
+
+    def _copy_in(self, slot: int, block_id: int) -> None:
+        for layer, (keys, values) in enumerate(zip(self.kv_cache.keys, self.kv_cache.values,
+                                                   strict=True)):
+            self._block(keys, block_id).copy_(self.slab[slot, layer, 0])
+            self._block(values, block_id).copy_(self.slab[slot, layer, 1])
+
+    def _block(self, tensor: torch.Tensor, block_id: int) -> torch.Tensor:
+        """``[kv_heads, block_size, head_dim]`` view of one block of a layer's keys or values."""
+        heads, _, head_dim = tensor.shape
+        return tensor.view(heads, -1, self.kv_cache.block_size, head_dim)[:, block_id]
+
+    def _crc(self, slot: int) -> int:
+        return zlib.crc32(self.slab[slot].view(torch.uint8).numpy())
+
+
+def _mapped_file(directory: str | None, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A ``[numel]`` tensor backed by a new file in ``directory``, its space reserved, the
+    file already unlinked (the mapping keeps it until the process ends)."""
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    fd, path = tempfile.mkstemp(prefix="nalar-kv-tier-", suffix=".bin", dir=directory)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        return torch.from_file(path, shared=True, size=numel, dtype=dtype)
+    finally:
+        os.close(fd)
+        os.unlink(path)
