@@ -10,7 +10,13 @@ Two modes:
 Each trial uses fresh random token ids, so the cold run really misses. Writes JSON (median,
 all samples, hit/miss ratio). Goal: hit TTFT ≤ 0.15 × miss TTFT.
 
+``--evict-tokens N`` (HTTP mode) sends N tokens of fresh filler prompts between the cold and
+the warm request, untimed, so the warm request's prefix has left the working KV cache: with
+``nalar serve --kv-tier-mib`` it comes back from the second tier (goal: ≤ 0.3 × miss), without
+one it misses.
+
     .venv/bin/python benchmarks/prefix_ttft.py [--trials 5] [--dtype float32] [--url URL]
+        [--evict-tokens N]
 """
 
 from __future__ import annotations
@@ -96,11 +102,14 @@ def http_mode(args: argparse.Namespace) -> dict:
         for _ in range(args.trials):
             cold, warm = prompt_pair(rng)
             miss_s, miss_cached, miss_worker = ttft(client, cold)
+            for _ in range(-(-args.evict_tokens // PROMPT_TOKENS)):
+                ttft(client, prompt_pair(rng)[0])
             hit_s, hit_cached, hit_worker = ttft(client, warm)
             samples.append({"miss_s": miss_s, "hit_s": hit_s, "miss_cached_tokens": miss_cached,
                             "hit_cached_tokens": hit_cached,
                             "same_worker": miss_worker == hit_worker})
-    return {"mode": "http", "url": args.url, "samples": samples}
+    return {"mode": "http", "url": args.url, "evict_tokens": args.evict_tokens,
+            "samples": samples}
 
 
 def summarize(result: dict) -> dict:
@@ -120,6 +129,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--url", default=None, help="measure a running server instead")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--evict-tokens", type=int, default=0,
+                        help="HTTP mode: filler tokens sent between the cold and the warm "
+                             "request, to push the prefix out of the working KV cache")
     parser.add_argument("--out", default="benchmarks/out/prefix_ttft.json")
     args = parser.parse_args()
     result = summarize(http_mode(args) if args.url else engine_mode(args))

@@ -41,6 +41,13 @@ def _serve_parser(commands) -> None:
                            help="KV cache budget per worker, MiB (default: 512 on a CPU; on "
                                 "CUDA what --gpu-memory-utilization leaves after the weights "
                                 "and a step's activations)")
+    serve_cmd.add_argument("--kv-tier-mib", type=int, default=0,
+                           help="second KV tier per worker, MiB: blocks evicted from the KV "
+                                "cache move to a file on local disk and load back on a hit "
+                                "(default 0: off)")
+    serve_cmd.add_argument("--kv-tier-dir", default=None,
+                           help="directory of the second KV tier's file (default: the "
+                                "system's temporary directory)")
     serve_cmd.add_argument("--gpu-memory-utilization", type=float, default=None,
                            help="on CUDA, the fraction of the device's total memory each "
                                 "worker may use in all: weights, KV cache, activations "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -236,8 +237,19 @@ class NalarWorker:
             "waiting": len(scheduler.waiting),
             "spec": self._spec_stats(),
             "lora": self._lora_stats(),
+            **self._tier_stats(),
             **self._draft_stats(),
         }
+
+    def _tier_stats(self) -> dict:
+        """The second KV tier's counters (none without a tier)."""
+        tier = self.engine.pool.tier
+        if tier is None:
+            return {}
+        counters = dataclasses.asdict(tier.counters)
+        del counters["load_s_per_block"]
+        return {"kv_tier": {**counters, "blocks": len(tier), "capacity": tier.num_blocks,
+                            "hit_tokens": self.engine.scheduler.counters.tier_hit_tokens}}
 
     def _lora_stats(self) -> dict:
         """Adapters held per tier, the limit, and those of running and waiting sequences
