@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from contract.identity import AdapterRef, CacheNamespace, PromptDigests
+from contract.kv_transfer import KVSource
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -199,6 +200,9 @@ class GenerationRequest:
         adapter: the LoRA adapter to run under, by name and content digest (the worker
             refuses the request when the adapter it holds under that name has another
             digest); None for the base model.
+        kv_source: set by the router when another worker holds more of the prompt's prefix
+            than the chosen one: the chosen worker may fetch those blocks from it instead of
+            computing them.
     """
 
     request_id: str
@@ -207,6 +211,7 @@ class GenerationRequest:
     namespace: CacheNamespace = field(default_factory=CacheNamespace)
     prompt_digests: PromptDigests | None = None
     adapter: AdapterRef | None = None
+    kv_source: KVSource | None = None
 
 
 @dataclass

@@ -267,6 +267,17 @@ class BlockPool:
             held += [digest for digest in self.tier.digests() if digest not in self._by_digest]
         return held
 
+    def cached_block(self, digest: bytes) -> Block | None:
+        """The cached copy held under ``digest`` in the working pool, if any."""
+        block_id = self._by_digest.get(digest)
+        return None if block_id is None else self.blocks[block_id]
+
+    def tier_gained(self, digest: bytes) -> None:
+        """The second tier took ``digest`` from elsewhere (another worker): the worker holds
+        it now, if it did not already."""
+        if digest not in self._by_digest:
+            self._emit("stored", digest)
+
     def forget_in_tier(self, digest: bytes) -> None:
         """The second tier lost ``digest`` (dropped, or failed its check): the worker no longer
         holds it unless the working pool does."""

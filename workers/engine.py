@@ -16,6 +16,7 @@ import torch
 
 from contract.identity import CacheIdentity
 from contract.kv_events import KVEvent
+from contract.kv_transfer import KVBlock
 from contract.load import work_tokens
 from contract.request import (
     GenerationChunk,
@@ -32,6 +33,7 @@ from workers.detokenizer import IncrementalDetokenizer
 from workers.kv_budget import kv_cache_budget
 from workers.kv_cache import PagedKVCache
 from workers.kv_tier import DiskKVTier
+from workers.kv_transfer import TransferCounters, export_blocks, import_blocks
 from workers.lora.adapter import BaseShapes
 from workers.lora.registry import AdapterRegistry
 from workers.model_loader import LoadedModel, load_model, numerics_tag
@@ -150,6 +152,7 @@ class LLMEngine:
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = self._eos_token_ids()
         self.counters = EngineCounters()
+        self.transfers = TransferCounters()
         self.request_metrics = RequestMetrics()
         self._seqs: dict[str, Sequence] = {}
         self._choices = Choices(config.block_size)
@@ -257,10 +260,7 @@ class LLMEngine:
         if request.request_id in self._choices:
             raise InvalidRequestError(f"request id {request.request_id!r} is in use", "id")
         adapter = self.adapters.resolve(request.adapter)
-        root = self.identity.root_for(request.namespace, request.adapter)
-        digests = request.prompt_digests
-        prompt_digests = (digests.digests if digests is not None and digests.verified(
-            root, request.token_ids, self.config.block_size) else [])
+        root, prompt_digests = self._prompt_digests(request)
         choices = []
         for index in range(request.sampling.n):
             seq = Sequence(request, root, self.config.block_size, index, prompt_digests,
@@ -275,6 +275,50 @@ class LLMEngine:
                 self.tokenizer, request.sampling.stop, request.sampling.min_tokens)
             choices.append(seq)
         self.scheduler.add(self._choices.add(request.request_id, choices))
+
+    def _prompt_digests(self, request: GenerationRequest) -> tuple[bytes, list[bytes]]:
+        """The request's identity root, and its prompt's block digests where the ingress's
+        verify against it (else none: the sequence hashes its prompt itself)."""
+        root = self.identity.root_for(request.namespace, request.adapter)
+        digests = request.prompt_digests
+        return root, (digests.digests if digests is not None and digests.verified(
+            root, request.token_ids, self.config.block_size) else [])
+
+    def held_prefix_blocks(self, request: GenerationRequest) -> int:
+        """Leading prompt blocks of ``request`` this worker holds (working pool or second
+        tier), as admission would find them now."""
+        return len(self.block_manager.cached_prefix(self._probe(request)))
+
+    def export_blocks(self, digests: list[bytes]) -> list[KVBlock]:
+        """Copies of the blocks held under ``digests``, for another worker
+        (:func:`workers.kv_transfer.export_blocks`); counted."""
+        started = time.perf_counter()
+        blocks = export_blocks(self.pool, self.runner.kv_cache, digests)
+        counters = self.transfers
+        counters.exported_blocks += len(blocks)
+        counters.exported_bytes += sum(block.kv.nbytes for block in blocks)
+        counters.export_seconds += time.perf_counter() - started
+        return blocks
+
+    def import_blocks(self, request: GenerationRequest, first: int,
+                      blocks: list[KVBlock]) -> int:
+        """Stores ``blocks`` (prompt block ``first`` onwards) of ``request`` from another
+        worker in the second tier, each checked against the request's own prompt
+        (:func:`workers.kv_transfer.import_blocks`); returns how many were accepted. None is
+        without a second tier."""
+        if self.pool.tier is None:
+            return 0
+        accepted = import_blocks(self.pool, self._probe(request), first, blocks)
+        counters = self.transfers
+        counters.imported_blocks += accepted
+        counters.imported_bytes += sum(block.kv.nbytes for block in blocks[:accepted])
+        counters.rejected_blocks += len(blocks) - accepted
+        return accepted
+
+    def _probe(self, request: GenerationRequest) -> Sequence:
+        """A sequence of ``request``'s prompt, for lookups (never scheduled)."""
+        root, digests = self._prompt_digests(request)
+        return Sequence(request, root, self.config.block_size, 0, digests)
 
     def abort(self, request_id: str) -> GenerationChunk | None:
         """Stop a request and free its blocks; returns its last chunk, or None if unknown."""

@@ -39,6 +39,12 @@ class PagedKVCache:
         return 2 * len(self.keys) * self.keys[0][:, :self.block_size].numel() * \
             self.keys[0].element_size()
 
+    def block(self, tensor: torch.Tensor, block_id: int) -> torch.Tensor:
+        """``[kv_heads, block_size, head_dim]`` view of one block of a layer's keys or
+        values (``tensor``: one of :attr:`keys` or :attr:`values`)."""
+        heads, _, head_dim = tensor.shape
+        return tensor.view(heads, -1, self.block_size, head_dim)[:, block_id]
+
     def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor,
               value: torch.Tensor) -> None:
         """Store new tokens' KV: ``key``/``value`` are ``[T, kv_heads, head_dim]``, ``slots``

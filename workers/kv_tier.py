@@ -25,12 +25,13 @@ import tempfile
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from contract.kv_transfer import KVBlock
 from workers.kv_cache import PagedKVCache
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,28 @@ class DiskKVTier:
              parent_digest: bytes, check: bytes) -> bytes | None:
         """Copies working-pool block ``block_id`` in under ``digest`` (before the pool hands
         the block to someone else). Returns the digest of an entry dropped to make room."""
+        return self._store(digest, token_ids, parent_digest, check,
+                           lambda slot: self._copy_out(block_id, slot))
+
+    def put(self, block: KVBlock) -> bytes | None:
+        """Stores a block fetched from another worker, which the caller has checked against
+        its own prefix (``workers.kv_transfer``). Returns the digest of an entry dropped."""
+        def write(slot: int) -> None:
+            self.slab[slot].view(-1).view(torch.uint8).copy_(torch.from_numpy(block.kv))
+        return self._store(block.digest, block.token_ids, block.parent_digest, block.check,
+                           write)
+
+    def export(self, digest: bytes) -> KVBlock | None:
+        """A copy of the block held under ``digest``, for another worker; None if there is
+        none or its bytes fail their CRC-32 (then it is dropped)."""
+        entry = self._entries.get(digest)
+        if entry is None or not self._intact(entry):
+            return None
+        kv = self.slab[entry.slot].view(-1).view(torch.uint8).numpy().copy()
+        return KVBlock(digest, entry.token_ids, entry.parent_digest, entry.check, kv, entry.crc)
+
+    def _store(self, digest: bytes, token_ids: Sequence[int], parent_digest: bytes,
+               check: bytes, write: Callable[[int], None]) -> bytes | None:
         started = time.perf_counter()
         dropped = None
         old = self._entries.pop(digest, None)
@@ -160,7 +183,7 @@ class DiskKVTier:
             self._free_slots.append(oldest.slot)
             self.counters.dropped_blocks += 1
         slot = self._free_slots.pop()
-        self._copy_out(block_id, slot)
+        write(slot)
         self._entries[digest] = TierEntry(digest, tuple(token_ids), parent_digest, check, slot,
                                           self._crc(slot))
         self.counters.saved_blocks += 1
@@ -173,13 +196,7 @@ class DiskKVTier:
         dropped, if it is gone or its bytes fail their CRC-32 (the caller computes the
         tokens instead)."""
         started = time.perf_counter()
-        if self._entries.get(entry.digest) is not entry:
-            return False
-        if self._crc(entry.slot) != entry.crc:
-            log.warning("KV tier: block %s failed its CRC-32; dropped and recomputed",
-                        entry.digest.hex()[:16])
-            self.counters.corrupt_blocks += 1
-            self.discard(entry.digest)
+        if self._entries.get(entry.digest) is not entry or not self._intact(entry):
             return False
         self._copy_in(entry.slot, block_id)
         elapsed = time.perf_counter() - started
@@ -191,6 +208,16 @@ class DiskKVTier:
             LOAD_COST_SMOOTHING * elapsed
             + (1 - LOAD_COST_SMOOTHING) * counters.load_s_per_block)
         return True
+
+    def _intact(self, entry: TierEntry) -> bool:
+        """Whether ``entry``'s bytes still match their CRC-32; a corrupt entry is dropped."""
+        if self._crc(entry.slot) == entry.crc:
+            return True
+        log.warning("KV tier: block %s failed its CRC-32; dropped and recomputed",
+                    entry.digest.hex()[:16])
+        self.counters.corrupt_blocks += 1
+        self.discard(entry.digest)
+        return False
 
     def discard(self, digest: bytes) -> None:
         """Forgets ``digest`` (its slot is reused)."""
@@ -206,19 +233,14 @@ class DiskKVTier:
     def _copy_out(self, block_id: int, slot: int) -> None:
         for layer, (keys, values) in enumerate(zip(self.kv_cache.keys, self.kv_cache.values,
                                                    strict=True)):
-            self.slab[slot, layer, 0].copy_(self._block(keys, block_id))
-            self.slab[slot, layer, 1].copy_(self._block(values, block_id))
+            self.slab[slot, layer, 0].copy_(self.kv_cache.block(keys, block_id))
+            self.slab[slot, layer, 1].copy_(self.kv_cache.block(values, block_id))
 
     def _copy_in(self, slot: int, block_id: int) -> None:
         for layer, (keys, values) in enumerate(zip(self.kv_cache.keys, self.kv_cache.values,
                                                    strict=True)):
-            self._block(keys, block_id).copy_(self.slab[slot, layer, 0])
-            self._block(values, block_id).copy_(self.slab[slot, layer, 1])
-
-    def _block(self, tensor: torch.Tensor, block_id: int) -> torch.Tensor:
-        """``[kv_heads, block_size, head_dim]`` view of one block of a layer's keys or values."""
-        heads, _, head_dim = tensor.shape
-        return tensor.view(heads, -1, self.kv_cache.block_size, head_dim)[:, block_id]
+            self.kv_cache.block(keys, block_id).copy_(self.slab[slot, layer, 0])
+            self.kv_cache.block(values, block_id).copy_(self.slab[slot, layer, 1])
 
     def _crc(self, slot: int) -> int:
         return zlib.crc32(self.slab[slot].view(torch.uint8).numpy())

@@ -133,3 +133,62 @@ def test_a_disk_that_cannot_hold_the_tier_means_no_tier(smollm, make_engine, tmp
     output, _, _ = serve(engine, greedy("works", PROMPT, max_tokens=2, ignore_eos=True))
     assert len(output) == 2
     assert os.listdir(tmp_path if tmp_path.exists() else tmp_path.parent) == []
+
+
+# -- blocks from another worker ------------------------------------------------------------------
+
+def holder_and_requester(make_engine, smollm, tmp_path):
+    holder = make_engine(smollm, num_blocks=32)
+    requester = tier_engine(make_engine, smollm, tmp_path)
+    serve(holder, greedy("warm", PROMPT, max_tokens=4, ignore_eos=True))
+    return holder, requester
+
+
+def test_blocks_fetched_from_another_worker_are_hits_and_output_equals_cold(
+        smollm, make_engine, tmp_path):
+    holder, requester = holder_and_requester(make_engine, smollm, tmp_path)
+    request = greedy("again", PROMPT, max_tokens=8, ignore_eos=True)
+    reference = cold(make_engine(smollm, num_blocks=32), request)
+    requester.drain_events()
+    digests = digests_of(requester, PROMPT)
+    assert requester.held_prefix_blocks(request) == 0
+    blocks = holder.export_blocks(digests)
+    assert [b.digest for b in blocks] == digests
+    assert requester.import_blocks(request, 0, blocks) == 4
+    assert requester.held_prefix_blocks(request) == 4
+    stored = {d for e in requester.drain_events() if e.kind == "stored" for d in e.digests}
+    assert stored == set(digests)  # the index learns the requester holds them now
+
+    output, cached, _ = serve(requester, greedy("again", PROMPT, max_tokens=8, ignore_eos=True))
+    assert output == reference
+    assert cached == 4 * BLOCK
+    assert requester.scheduler.counters.tier_hit_tokens == 4 * BLOCK
+    assert (holder.transfers.exported_blocks, requester.transfers.imported_blocks) == (4, 4)
+
+
+def tampered(block, **changes):
+    import dataclasses
+    return dataclasses.replace(block, **changes)
+
+
+@pytest.mark.parametrize("fault", ["other tokens", "bytes changed", "another prefix",
+                                   "wrong size"])
+def test_a_fetched_block_that_fails_a_check_is_never_used(smollm, make_engine, tmp_path, fault):
+    holder, requester = holder_and_requester(make_engine, smollm, tmp_path)
+    request = greedy("again", PROMPT, max_tokens=2, ignore_eos=True)
+    blocks = holder.export_blocks(digests_of(requester, PROMPT))
+    second = blocks[1]
+    if fault == "other tokens":
+        second = tampered(second, token_ids=(7,) * BLOCK)
+    elif fault == "bytes changed":
+        kv = second.kv.copy()
+        kv[100] ^= 0xFF
+        second = tampered(second, kv=kv)
+    elif fault == "another prefix":
+        second = tampered(second, check=bytes(16))
+    else:
+        second = tampered(second, kv=second.kv[:-2])
+    assert requester.import_blocks(request, 0, [blocks[0], second, *blocks[2:]]) == 1
+    assert requester.transfers.rejected_blocks == 3
+    _, cached, _ = serve(requester, request)
+    assert cached == BLOCK
