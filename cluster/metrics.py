@@ -192,6 +192,22 @@ ENGINE_METRICS: tuple[Series, ...] = (
            "Seconds spent writing blocks to the second KV tier."),
     Series("kv_tier_load_seconds", "counter", at("kv_tier", "load_seconds"),
            "Seconds spent loading blocks from the second KV tier, CRC-32 checks included."),
+    Series("kv_transfer_exported_blocks", "counter", at("kv_transfer", "exported_blocks"),
+           "KV blocks sent to other workers."),
+    Series("kv_transfer_exported_bytes", "counter", at("kv_transfer", "exported_bytes"),
+           "Bytes of KV sent to other workers."),
+    Series("kv_transfer_export_seconds", "counter", at("kv_transfer", "export_seconds"),
+           "Seconds spent copying KV for other workers, between steps."),
+    Series("kv_transfer_imported_blocks", "counter", at("kv_transfer", "imported_blocks"),
+           "KV blocks fetched from other workers and accepted."),
+    Series("kv_transfer_imported_bytes", "counter", at("kv_transfer", "imported_bytes"),
+           "Bytes of KV fetched from other workers and accepted."),
+    Series("kv_transfer_import_seconds", "counter", at("kv_transfer", "import_seconds"),
+           "Seconds from asking another worker for KV to storing it, in all."),
+    Series("kv_transfer_rejected_blocks", "counter", at("kv_transfer", "rejected_blocks"),
+           "Fetched KV blocks refused by a check (digest, tokens, prefix, CRC-32, size)."),
+    Series("kv_transfer_failed_fetches", "counter", at("kv_transfer", "failed_fetches"),
+           "Fetches from another worker that failed or ran out of time (computed instead)."),
 )
 
 HISTOGRAM_DOCS = {

@@ -16,11 +16,13 @@ from cluster.config import INDEX_ACTOR_NAMESPACE, ClusterConfig
 from cluster.event_publisher import EventPublisher
 from contract.description import WorkerDescription
 from contract.identity import AdapterRef
+from contract.kv_transfer import KVBlock, KVExportRequest
 from contract.load import ReplicaMetadata, RoutingStats
 from contract.request import GenerationChunk, GenerationRequest
 from router.errors import OverloadedError
 from router.index import make_index
 from workers.async_engine import AsyncEngine
+from workers.block_manager import BlockManager
 from workers.engine import LLMEngine
 from workers.lora.admission import AdapterAdmission
 from workers.lora.registry import AdapterSlotsFull
@@ -53,6 +55,45 @@ class TokenRate:
                     self.weight * rate + (1 - self.weight) * self.rate)
         self._last = (tokens, now)
         return self.rate
+
+
+class TransferCost:
+    """Whether fetching KV blocks from another worker beats computing them, from measured
+    rates: the moving average of a fetch's seconds per block, against the engine's prefill
+    seconds per token.
+
+    Args:
+        block_manager: the engine's, which measures the prefill rate.
+        weight: the newest fetch's share of the average, in (0, 1].
+    """
+
+    MIN_DEADLINE_S = 0.25
+    UNMEASURED_DEADLINE_S = 5.0
+
+    def __init__(self, block_manager: BlockManager, weight: float = 0.3):
+        self.block_manager = block_manager
+        self.weight = weight
+        self.fetch_s_per_block: float | None = None
+
+    def deadline_s(self, num_blocks: int) -> float | None:
+        """How long a fetch of ``num_blocks`` may take: what computing them would (at least
+        :attr:`MIN_DEADLINE_S`); None when the last fetches were slower than computing."""
+        per_token = self.block_manager.recompute_s_per_token
+        if per_token is None:
+            return self.UNMEASURED_DEADLINE_S
+        compute_s = per_token * self.block_manager.block_size * num_blocks
+        if self.fetch_s_per_block is not None and \
+                self.fetch_s_per_block * num_blocks >= compute_s:
+            return None
+        return max(self.MIN_DEADLINE_S, compute_s)
+
+    def observe(self, num_blocks: int, seconds: float) -> None:
+        """A fetch brought ``num_blocks`` in ``seconds``, the round trip included."""
+        if num_blocks:
+            sample = seconds / num_blocks
+            last = self.fetch_s_per_block
+            self.fetch_s_per_block = sample if last is None else (
+                self.weight * sample + (1 - self.weight) * last)
 
 
 def replica_worker_id() -> str:
@@ -88,6 +129,8 @@ class NalarWorker:
                                         config.worker_ttl_s / 3)
         self.async_engine = AsyncEngine(self.engine, self.publisher.submit_threadsafe)
         self._token_rate = TokenRate()
+        self._worker_handle: DeploymentHandle | None = None
+        self.transfer_cost = TransferCost(self.engine.block_manager)
         self.adapter_admission = AdapterAdmission(self.engine.adapters)
         self.startup_s = time.perf_counter() - started
         log.info("worker %s ready in %.1f s: %d KV blocks of %d tokens, dtype %s", self.worker_id,
@@ -102,6 +145,7 @@ class NalarWorker:
         A dead engine raises ``EngineDeadError`` before that chunk.
         """
         await self._ensure_adapter(request)
+        await self._fetch_prefix(request)
         try:
             chunks = self.async_engine.submit(request)
         except BaseException:
@@ -115,6 +159,48 @@ class NalarWorker:
                 yield chunk
         finally:
             chunks.close()  # a cancelled or abandoned stream aborts its request
+
+    async def _fetch_prefix(self, request: GenerationRequest) -> None:
+        """Fetches the prompt's blocks that another worker holds and this one does not
+        (``request.kv_source``, set by the router) into the second tier, where admission
+        finds them: when there is a tier, and the last fetches were faster than computing
+        the blocks. A fetch gets as long as computing them would take; a holder that fails
+        or is slower means they are computed. Never raises."""
+        source = request.kv_source
+        if (source is None or source.worker_id == self.worker_id
+                or self.engine.pool.tier is None or request.prompt_digests is None):
+            return
+        try:
+            held = await self.async_engine.call(self.engine.held_prefix_blocks, request)
+            wanted = request.prompt_digests.digests[held:source.blocks]
+            deadline = self.transfer_cost.deadline_s(len(wanted))
+            if not wanted or deadline is None:
+                return
+            started = time.perf_counter()
+            blocks = await asyncio.wait_for(self._workers().export_kv.remote(
+                KVExportRequest(source.worker_id, wanted)), deadline)
+            accepted = await self.async_engine.call(self.engine.import_blocks, request, held,
+                                                    blocks)
+            elapsed = time.perf_counter() - started
+            self.transfer_cost.observe(accepted, elapsed)
+            self.engine.transfers.import_seconds += elapsed
+        except Exception as exc:  # a dead or slow holder: the prompt is computed
+            self.engine.transfers.failed_fetches += 1
+            log.info("request %s: no KV from worker %s (%s: %s); computing it",
+                     request.request_id, source.worker_id, type(exc).__name__, exc)
+
+    async def export_kv(self, request: KVExportRequest) -> list[KVBlock]:
+        """Copies of the blocks ``request`` names that this worker holds, leading ones first,
+        for another worker; taken between two engine steps."""
+        return await self.async_engine.call(self.engine.export_blocks, request.digests)
+
+    def _workers(self) -> DeploymentHandle:
+        """A handle to this worker's own deployment, for calls to other replicas."""
+        if self._worker_handle is None:
+            context = serve.get_replica_context()
+            self._worker_handle = serve.get_deployment_handle(context.deployment,
+                                                              context.app_name)
+        return self._worker_handle
 
     async def _ensure_adapter(self, request: GenerationRequest) -> None:
         """Make the request's adapter resident (:class:`AdapterAdmission`): moved back from
@@ -238,6 +324,7 @@ class NalarWorker:
             "spec": self._spec_stats(),
             "lora": self._lora_stats(),
             **self._tier_stats(),
+            "kv_transfer": dataclasses.asdict(self.engine.transfers),
             **self._draft_stats(),
         }
 

@@ -42,3 +42,17 @@ class KVSource:
 
     worker_id: str
     blocks: int
+
+
+@dataclass(frozen=True)
+class KVExportRequest:
+    """A worker's request to another for blocks by digest (routed to ``worker_id`` by the
+    prefix-aware router, which reads it as the call's first argument).
+
+    Attributes:
+        worker_id: the holder asked.
+        digests: the blocks wanted, leading block first.
+    """
+
+    worker_id: str
+    digests: list[bytes]

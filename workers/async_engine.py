@@ -16,6 +16,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from contract.kv_events import KVEvent
 from contract.request import GenerationChunk, GenerationRequest
@@ -104,6 +105,18 @@ class AsyncEngine:
         finally:
             chunks.close()
 
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Runs ``fn(*args)`` on the engine's thread between two steps (the engine is not
+        thread-safe) and returns its result; KV events it causes are published.
+
+        Raises:
+            whatever ``fn`` raises; :class:`EngineDeadError` if the loop is not running.
+        """
+        self.check_health()
+        future = asyncio.get_running_loop().create_future()
+        self._inbox.put(("call", (fn, args), future))
+        return await future
+
     def check_health(self) -> None:
         """Raises :class:`EngineDeadError` unless the engine loop is running."""
         if self._dead is not None:
@@ -170,6 +183,8 @@ class AsyncEngine:
                 return
             if kind == "add":
                 _send(stream, error)
+            elif kind == "call":
+                _settle(stream, error=error)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -191,6 +206,13 @@ class AsyncEngine:
         elif kind == "abort":
             self.engine.abort(payload)
             self._streams.pop(payload, None)
+            self._publish(self.engine.drain_events())
+        elif kind == "call":
+            fn, args = payload
+            try:
+                _settle(stream, result=fn(*args))
+            except Exception as exc:
+                _settle(stream, error=exc)
             self._publish(self.engine.drain_events())
 
     def _deliver(self, chunk: GenerationChunk) -> None:
@@ -292,6 +314,20 @@ def _coalesce(chunk: GenerationChunk, inbox: asyncio.Queue,
         else:
             chunk = chunk.followed_by(following)
     return chunk
+
+
+def _settle(future: asyncio.Future, result: Any = None,
+            error: BaseException | None = None) -> None:
+    """Resolves an awaiting :meth:`AsyncEngine.call` from the engine thread (unless its caller
+    gave up on it)."""
+    def settle() -> None:
+        if future.done():
+            return
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+    future.get_loop().call_soon_threadsafe(settle)
 
 
 def _send(stream: _Stream, item) -> None:

@@ -20,7 +20,9 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from contract.kv_transfer import KVExportRequest, KVSource
 from contract.load import ReplicaMetadata, RoutingStats
+from contract.request import GenerationRequest
 from router.routing import replica_keys, telemetry
 from router.routing.index_lookup import DEFAULT_LOOKUP_DEADLINE_S, IndexLookup, Lookup
 from router.routing.ledger import SentEntry, SentLedger
@@ -48,6 +50,26 @@ def _credited(lookup: Lookup, recorded: Mapping[str, int] | None, worker_id: str
     if lookup.cached is not None:
         return lookup.cached.get(worker_id, 0)
     return None if recorded is None else recorded.get(worker_id, 0)
+
+
+def _export_target(pending_request: Any) -> str | None:
+    """The holder a :class:`~contract.kv_transfer.KVExportRequest` names, if the call is one."""
+    args = getattr(pending_request, "args", None)
+    first = args[0] if args else None
+    return first.worker_id if isinstance(first, KVExportRequest) else None
+
+
+def _note_kv_source(pending_request: Any, views: list[ReplicaView], chosen: str) -> None:
+    """Tells the chosen worker where more of the prompt's prefix is held, if anywhere: the
+    worker crediting the most blocks, when that is more than the chosen one holds."""
+    args = getattr(pending_request, "args", None)
+    request = args[0] if args else None
+    if not isinstance(request, GenerationRequest):
+        return
+    blocks = {view.worker_id: view.cached_blocks or 0 for view in views}
+    holder = max(blocks, key=blocks.__getitem__)
+    request.kv_source = (KVSource(holder, blocks[holder])
+                         if blocks[holder] > blocks.get(chosen, 0) else None)
 
 
 def _request_key(pending_request: Any) -> str:
@@ -194,6 +216,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._enable_backoff(pending_request)
         if not candidate_replicas:
             return []
+        holder = _export_target(pending_request)
+        if holder is not None:  # a worker fetching KV: only the named holder will do
+            return [[r for r in candidate_replicas if worker_id_of(r.replica_id) == holder]]
         try:
             ranked = await self._rank(candidate_replicas, pending_request)
         except Exception:
@@ -225,6 +250,7 @@ class PrefixAwareRequestRouter(RequestRouter):
                             self._adapter_tokens(wid, replica, plan))
                  for wid, replica in by_id.items()]
         ranked = self._policy.choose(views, plan.prompt_len if plan else 0)
+        _note_kv_source(pending_request, views, ranked[0])
         key = _request_key(pending_request)
         self._record_sent(key, ranked[0], plan, lookup, now, recorded)
         self._watch(key, pending_request)

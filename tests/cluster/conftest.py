@@ -35,6 +35,7 @@ def cluster(ray_session, redis_url: str, tmp_path_factory) -> Iterator[ClusterUn
     runtime = tmp_path_factory.mktemp("runtime-adapters")  # what the admin key may load
     config = ClusterConfig(num_workers=2, redis_url=redis_url, key_prefix=prefix,
                            port=free_port(), dtype="float32", quantization="none", kv_cache_mib=128,
+                           kv_tier_mib=64, kv_tier_dir=str(tmp_path_factory.mktemp("kv-tier")),
                            worker_threads=1, routing_stats_period_s=0.2, worker_ttl_s=10,
                            lora_modules=lora_modules, lora_dirs=[str(runtime)],
                            admin_api_key=CLUSTER_ADMIN_KEY)

@@ -1,0 +1,74 @@
+"""KV blocks fetched from another worker, through the whole cluster: a prompt whose holder is
+busy goes to the other worker, which fetches the prefix from the holder over Ray instead of
+computing it; the answer equals cold in fp32, and both workers count the transfer."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+import uuid
+
+import httpx
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(length)]
+
+
+def complete(client: httpx.Client, tokens: list[int], max_tokens: int, **extra) -> httpx.Response:
+    body = {"prompt": tokens, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            **extra}
+    return client.post("/v1/completions", json=body, timeout=120)
+
+
+def stats(client: httpx.Client) -> dict[str, dict[str, float]]:
+    """``nalar:kv_transfer_*`` per worker, from /metrics."""
+    per_worker: dict[str, dict[str, float]] = {}
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("nalar:kv_transfer_"):
+            name, value = line.rsplit(" ", 1)
+            worker = name.split('worker="')[1].split('"')[0]
+            key = name.split("{")[0].removeprefix("nalar:kv_transfer_").removesuffix("_total")
+            per_worker.setdefault(worker, {})[key] = float(value)
+    return per_worker
+
+
+def test_a_busy_holders_prefix_is_fetched_by_the_other_worker(cluster):
+    salt = uuid.uuid4().hex
+    shared = prompt(1, 992)
+    with httpx.Client(base_url=cluster.base_url) as client:
+        first = complete(client, shared + prompt(2, 32), 1, cache_salt=salt)
+        holder = first.headers["x-nalar-worker"]
+        # A long answer on the same prefix keeps the holder busy (it goes there: the prefix).
+        busy_done = threading.Event()
+
+        def keep_busy() -> None:
+            body = {"prompt": shared + prompt(3, 32), "max_tokens": 1500, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "cache_salt": salt}
+            with client.stream("POST", "/v1/completions", json=body, timeout=300) as answer:
+                assert answer.headers["x-nalar-worker"] == holder
+                for _ in answer.iter_lines():
+                    if busy_done.is_set():
+                        return
+        busy = threading.Thread(target=keep_busy)
+        busy.start()
+        try:
+            question = shared + prompt(4, 32)
+            time.sleep(1.0)  # the holder's load reaches the router
+            answer = complete(client, question, 8, cache_salt=salt)
+            cold = complete(client, question, 8, cache_salt=uuid.uuid4().hex)
+        finally:
+            busy_done.set()
+            busy.join()
+        fetched = stats(client)
+    worker = answer.headers["x-nalar-worker"]
+    assert worker != holder
+    usage = answer.json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 992, json.dumps(usage)
+    assert answer.json()["choices"][0]["text"] == cold.json()["choices"][0]["text"]
+    assert fetched[worker]["imported_blocks"] >= 62
+    assert fetched[holder]["exported_blocks"] >= 62
+    assert fetched[worker]["rejected_blocks"] == 0
