@@ -73,28 +73,33 @@ def engine_mode(args: argparse.Namespace) -> dict:
             "samples": samples}
 
 
+def http_ttft(client, token_ids: list[int], **fields) -> tuple[float, int, str]:
+    """TTFT in seconds of a streamed one-token completion of ``token_ids`` through HTTP
+    (``client``: an ``httpx.Client`` of the server), its cached tokens and the worker that
+    served it; ``fields`` are added to the body."""
+    body = {"prompt": token_ids, "max_tokens": 1, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, **fields}
+    begin = time.perf_counter()
+    first = None
+    cached = -1
+    with client.stream("POST", "/v1/completions", json=body, timeout=300) as response:
+        response.raise_for_status()
+        worker = response.headers.get("x-nalar-worker", "")
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and chunk["choices"]:
+                first = time.perf_counter() - begin
+            if chunk.get("usage"):
+                cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return first, cached, worker
+
+
 def http_mode(args: argparse.Namespace) -> dict:
     import httpx
 
-    def ttft(client: httpx.Client, token_ids: list[int]) -> tuple[float, int, str]:
-        body = {"prompt": token_ids, "max_tokens": 1, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}}
-        begin = time.perf_counter()
-        first = None
-        cached = -1
-        with client.stream("POST", "/v1/completions", json=body, timeout=300) as response:
-            response.raise_for_status()
-            worker = response.headers.get("x-nalar-worker", "")
-            for line in response.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                if first is None and chunk["choices"]:
-                    first = time.perf_counter() - begin
-                if chunk.get("usage"):
-                    cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
-        return first, cached, worker
-
+    ttft = http_ttft
     rng = random.Random(args.seed)
     samples = []
     with httpx.Client(base_url=args.url) as client:
