@@ -169,9 +169,6 @@ ENGINE_METRICS: tuple[Series, ...] = (
            "idle): to the host tier, or dropped without one."),
     Series("lora_adapter_host_evictions", "counter", at("lora", "host_evictions"),
            "LoRA adapters dropped from a full host tier (read from disk when next needed)."),
-    Series("kv_tier_hits", "counter", at("kv_tier", "hit_tokens"),
-           "Prefix cache hits loaded from the second KV tier, in prompt tokens (part of "
-           "prefix_cache_hits)."),
     Series("kv_tier_blocks", "gauge", at("kv_tier", "blocks"),
            "KV blocks held by the second tier (absent without one)."),
     Series("kv_tier_blocks_capacity", "gauge", at("kv_tier", "capacity"),
@@ -292,8 +289,29 @@ def engine_families(workers: Iterable[dict[str, Any]]) -> Iterator[Metric]:
                 family.add_metric(_labels(stats), value)
         yield family
     yield from spec_families(workers)
+    yield from source_families(workers)
     yield from lora_families(workers)
     yield from histogram_families(workers)
+
+
+def source_families(workers: list[dict[str, Any]]) -> Iterator[Metric]:
+    """vLLM's ``prompt_tokens_by_source``: prompt tokens of admitted requests by where their
+    KV came from; the second tier is a source of its own."""
+    family = _family("prompt_tokens_by_source", "counter",
+                     "Prompt tokens by where their KV came from: local_compute (computed), "
+                     "local_cache_hit (the KV cache), second_tier (the worker's second tier), "
+                     "external_kv_transfer (fetched from another worker).", LABELS + ["source"])
+    for stats in workers:
+        if not _is_number(stats.get("prefix_query_tokens")):
+            continue
+        hits = stats["prefix_hit_tokens"]
+        tier, transfer = stats.get("tier_hit_tokens", 0), stats.get("transfer_hit_tokens", 0)
+        labels = _labels(stats)
+        for source, value in (("local_compute", stats["prefix_query_tokens"] - hits),
+                              ("local_cache_hit", hits - tier - transfer),
+                              ("second_tier", tier), ("external_kv_transfer", transfer)):
+            family.add_metric(labels + [source], value)
+    yield family
 
 
 def lora_families(workers: list[dict[str, Any]]) -> Iterator[Metric]:

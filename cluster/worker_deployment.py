@@ -314,6 +314,8 @@ class NalarWorker:
             "steps": self.engine.counters.steps,
             "prefix_query_tokens": self.engine.scheduler.counters.prefix_query_tokens,
             "prefix_hit_tokens": self.engine.scheduler.counters.prefix_hit_tokens,
+            "tier_hit_tokens": self.engine.scheduler.counters.tier_hit_tokens,
+            "transfer_hit_tokens": self.engine.scheduler.counters.transfer_hit_tokens,
             "preemptions": self.engine.scheduler.counters.preemptions,
             "blocks_total": pool.num_blocks,
             "blocks_free": pool.num_free,
@@ -335,8 +337,7 @@ class NalarWorker:
             return {}
         counters = dataclasses.asdict(tier.counters)
         del counters["load_s_per_block"]
-        return {"kv_tier": {**counters, "blocks": len(tier), "capacity": tier.num_blocks,
-                            "hit_tokens": self.engine.scheduler.counters.tier_hit_tokens}}
+        return {"kv_tier": {**counters, "blocks": len(tier), "capacity": tier.num_blocks}}
 
     def _lora_stats(self) -> dict:
         """Adapters held per tier, the limit, and those of running and waiting sequences

@@ -293,6 +293,8 @@ class GenerationChunk:
         choices_left: choices of the request still running after this chunk; the request's
             stream ends with the chunk that has a finish reason and no choice left.
         spec: this choice's speculative decoding counts, on its last chunk when it speculated.
+        tier_tokens: of ``cached_tokens``, those loaded from the worker's second KV tier.
+        transfer_tokens: of ``cached_tokens``, those fetched from another worker.
     """
 
     request_id: str
@@ -307,6 +309,8 @@ class GenerationChunk:
     logprobs: list[TokenLogprob] | None = None
     choices_left: int = 0
     spec: SpecUsage | None = None
+    tier_tokens: int = 0
+    transfer_tokens: int = 0
 
     def followed_by(self, later: GenerationChunk) -> GenerationChunk:
         """One chunk carrying this chunk's tokens then ``later``'s (same request and choice)."""

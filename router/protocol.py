@@ -595,9 +595,20 @@ def _token_id_prompt(prompt: list[Any]) -> list[int]:
 
 
 class PromptTokensDetails(BaseModel):
-    """``usage.prompt_tokens_details``."""
+    """``usage.prompt_tokens_details``. ``cached_tokens_by_source`` (an extension) breaks
+    ``cached_tokens`` down by where the KV came from: ``local_cache_hit`` (the worker's KV
+    cache), ``second_tier`` (its second tier, after an eviction) and ``external_kv_transfer``
+    (fetched from another worker); present only when some came from the last two."""
 
     cached_tokens: int = 0
+    cached_tokens_by_source: dict[str, int] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_sources(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        body = handler(self)
+        if body.get("cached_tokens_by_source") is None:
+            body.pop("cached_tokens_by_source", None)
+        return body
 
 
 class Usage(BaseModel):

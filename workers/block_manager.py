@@ -84,7 +84,11 @@ class BlockManager:
         for index, entry in enumerate(hits[len(in_pool):], len(in_pool)):
             if not self._load(seq, index, entry):
                 break
-        seq.num_tier_tokens = (len(seq.block_table) - len(in_pool)) * self.block_size
+        if not seq.admitted:  # sources count once, as the hit does
+            loaded = hits[len(in_pool):len(seq.block_table)]
+            fetched = sum(1 for entry in loaded if entry.fetched)
+            seq.num_tier_tokens = (len(loaded) - fetched) * self.block_size
+            seq.num_transfer_tokens = fetched * self.block_size
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
         seq.num_registered_blocks = len(seq.block_table)
         self._grow(seq, seq.num_computed_tokens + num_new_tokens)

@@ -526,7 +526,8 @@ class LLMEngine:
                                seq.num_prompt_tokens, seq.num_cached_tokens,
                                seq.num_output_tokens, index=seq.choice_index,
                                logprobs=logprobs, choices_left=self._choices.left(rid),
-                               spec=spec)
+                               spec=spec, tier_tokens=seq.num_tier_tokens,
+                               transfer_tokens=seq.num_transfer_tokens)
 
     def _release_siblings(self) -> None:
         for sibling in self._choices.release():

@@ -62,6 +62,7 @@ class TierEntry:
         check: :func:`prefix_check` of its token prefix.
         slot: where its bytes are in the file.
         crc: CRC-32 of its bytes as written.
+        fetched: it came from another worker (else: evicted from this one's working pool).
     """
 
     digest: bytes
@@ -70,6 +71,7 @@ class TierEntry:
     check: bytes
     slot: int
     crc: int
+    fetched: bool = False
 
 
 @dataclass
@@ -152,7 +154,7 @@ class DiskKVTier:
         """Copies working-pool block ``block_id`` in under ``digest`` (before the pool hands
         the block to someone else). Returns the digest of an entry dropped to make room."""
         return self._store(digest, token_ids, parent_digest, check,
-                           lambda slot: self._copy_out(block_id, slot))
+                           lambda slot: self._copy_out(block_id, slot), fetched=False)
 
     def put(self, block: KVBlock) -> bytes | None:
         """Stores a block fetched from another worker, which the caller has checked against
@@ -160,7 +162,7 @@ class DiskKVTier:
         def write(slot: int) -> None:
             self.slab[slot].view(-1).view(torch.uint8).copy_(torch.from_numpy(block.kv))
         return self._store(block.digest, block.token_ids, block.parent_digest, block.check,
-                           write)
+                           write, fetched=True)
 
     def export(self, digest: bytes) -> KVBlock | None:
         """A copy of the block held under ``digest``, for another worker; None if there is
@@ -172,7 +174,7 @@ class DiskKVTier:
         return KVBlock(digest, entry.token_ids, entry.parent_digest, entry.check, kv, entry.crc)
 
     def _store(self, digest: bytes, token_ids: Sequence[int], parent_digest: bytes,
-               check: bytes, write: Callable[[int], None]) -> bytes | None:
+               check: bytes, write: Callable[[int], None], fetched: bool) -> bytes | None:
         started = time.perf_counter()
         dropped = None
         old = self._entries.pop(digest, None)
@@ -185,7 +187,7 @@ class DiskKVTier:
         slot = self._free_slots.pop()
         write(slot)
         self._entries[digest] = TierEntry(digest, tuple(token_ids), parent_digest, check, slot,
-                                          self._crc(slot))
+                                          self._crc(slot), fetched)
         self.counters.saved_blocks += 1
         self.counters.bytes_saved += self.block_bytes
         self.counters.save_seconds += time.perf_counter() - started

@@ -60,13 +60,16 @@ class SchedulerCounters:
     Attributes:
         prefix_query_tokens: prompt tokens looked up in the prefix cache (once per request).
         prefix_hit_tokens: of those, tokens reused (once per request, at first admission).
-        tier_hit_tokens: of those, tokens loaded from the second KV tier.
+        tier_hit_tokens: of those, tokens loaded from the second KV tier after their
+            eviction here.
+        transfer_hit_tokens: of those, tokens fetched from another worker.
         preemptions: sequences preempted for lack of blocks.
     """
 
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
     tier_hit_tokens: int = 0
+    transfer_hit_tokens: int = 0
     preemptions: int = 0
 
 
@@ -283,6 +286,7 @@ class Scheduler:
         self.counters.prefix_query_tokens += seq.num_prompt_tokens
         self.counters.prefix_hit_tokens += seq.num_cached_tokens
         self.counters.tier_hit_tokens += seq.num_tier_tokens
+        self.counters.transfer_hit_tokens += seq.num_transfer_tokens
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         if batch.scheduled(seq):

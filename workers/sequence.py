@@ -31,8 +31,9 @@ class Sequence:
         root_digest: the identity root its block digests chain from (model, adapter,
             namespace).
         adapter: the LoRA adapter its rows run under, None for the base model.
-        num_tier_tokens: of the prompt tokens reused at the latest admission, those loaded
-            from the second KV tier.
+        num_tier_tokens: of ``num_cached_tokens``, those loaded from the second KV tier
+            after their eviction here.
+        num_transfer_tokens: of ``num_cached_tokens``, those fetched from another worker.
         num_cached_tokens: prompt tokens reused from the prefix cache at first admission;
             re-admission after preemption never changes it, so hits are counted once.
         generator: per-request RNG when the request is seeded, so the output does not depend
@@ -72,6 +73,7 @@ class Sequence:
         self.num_registered_blocks = 0
         self.num_cached_tokens = 0
         self.num_tier_tokens = 0
+        self.num_transfer_tokens = 0
         self.admitted = False
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None

@@ -108,6 +108,8 @@ class Tally:
 
     prompt_tokens: int
     cached_tokens: int = 0
+    tier_tokens: int = 0
+    transfer_tokens: int = 0
     choices: dict[int, ChoiceTally] = field(default_factory=dict)
 
     def admit(self, chunk: GenerationChunk) -> None:
@@ -116,6 +118,8 @@ class Tally:
         self.prompt_tokens = chunk.prompt_tokens or self.prompt_tokens
         if chunk.index == 0:  # later choices reuse the first one's prompt blocks
             self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
+            self.tier_tokens = max(self.tier_tokens, chunk.tier_tokens)
+            self.transfer_tokens = max(self.transfer_tokens, chunk.transfer_tokens)
 
     def add(self, chunk: GenerationChunk) -> None:
         """Folds one chunk in."""
@@ -139,7 +143,8 @@ class Tally:
             prompt_tokens=self.prompt_tokens,
             completion_tokens=completion,
             total_tokens=self.prompt_tokens + completion,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
+            prompt_tokens_details=PromptTokensDetails(
+                cached_tokens=self.cached_tokens, cached_tokens_by_source=self._by_source()),
         )
         specs = [c.spec for c in self.choices.values() if c.spec is not None]
         if not specs:
@@ -149,6 +154,14 @@ class Tally:
                                           rejected_prediction_tokens=spec.rejected_tokens)
         return SpeculativeDecodingUsage(**fields, completion_tokens_details=details,
                                         speculative=SpeculativeUsage.of(spec))
+
+    def _by_source(self) -> dict[str, int] | None:
+        """The hit by source, when part of it came from the second tier or another worker."""
+        if not self.tier_tokens and not self.transfer_tokens:
+            return None
+        local = self.cached_tokens - self.tier_tokens - self.transfer_tokens
+        return {"local_cache_hit": local, "second_tier": self.tier_tokens,
+                "external_kv_transfer": self.transfer_tokens}
 
     def ordered(self) -> list[tuple[int, ChoiceTally]]:
         """The choices by index."""

@@ -64,11 +64,26 @@ def test_a_busy_holders_prefix_is_fetched_by_the_other_worker(cluster):
             busy_done.set()
             busy.join()
         fetched = stats(client)
+        sources = by_source(client)
     worker = answer.headers["x-nalar-worker"]
     assert worker != holder
     usage = answer.json()["usage"]
-    assert usage["prompt_tokens_details"]["cached_tokens"] == 992, json.dumps(usage)
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 992, "cached_tokens_by_source": {
+        "local_cache_hit": 0, "second_tier": 0, "external_kv_transfer": 992}}, json.dumps(usage)
     assert answer.json()["choices"][0]["text"] == cold.json()["choices"][0]["text"]
     assert fetched[worker]["imported_blocks"] >= 62
     assert fetched[holder]["exported_blocks"] >= 62
     assert fetched[worker]["rejected_blocks"] == 0
+    assert sources[worker]["external_kv_transfer"] >= 992
+
+
+def by_source(client: httpx.Client) -> dict[str, dict[str, float]]:
+    """``nalar:prompt_tokens_by_source_total`` per worker and source."""
+    per_worker: dict[str, dict[str, float]] = {}
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("nalar:prompt_tokens_by_source"):
+            name, value = line.rsplit(" ", 1)
+            worker = name.split('worker="')[1].split('"')[0]
+            source = name.split('source="')[1].split('"')[0]
+            per_worker.setdefault(worker, {})[source] = float(value)
+    return per_worker

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from helpers import cold, greedy, random_prompt, serve
+from helpers import cold, greedy, output_ids, random_prompt, serve
 
 from contract.identity import CacheNamespace, block_digests
 from contract.kv_events import KVEvent
@@ -64,6 +64,7 @@ def test_an_evicted_prefix_comes_back_from_disk_and_output_equals_cold(smollm, m
     assert output == reference
     assert cached == 4 * BLOCK and prefilled == len(PROMPT) - 4 * BLOCK
     assert engine.scheduler.counters.tier_hit_tokens - tier_tokens == 4 * BLOCK
+    assert engine.scheduler.counters.transfer_hit_tokens == 0
     assert engine.pool.tier.counters.loaded_blocks == 4
     engine.pool.check_invariants()
 
@@ -159,10 +160,13 @@ def test_blocks_fetched_from_another_worker_are_hits_and_output_equals_cold(
     stored = {d for e in requester.drain_events() if e.kind == "stored" for d in e.digests}
     assert stored == set(digests)  # the index learns the requester holds them now
 
-    output, cached, _ = serve(requester, greedy("again", PROMPT, max_tokens=8, ignore_eos=True))
-    assert output == reference
-    assert cached == 4 * BLOCK
-    assert requester.scheduler.counters.tier_hit_tokens == 4 * BLOCK
+    chunks = requester.generate([greedy("again", PROMPT, max_tokens=8, ignore_eos=True)])
+    last = chunks["again"][-1]
+    assert output_ids(chunks["again"]) == reference
+    assert (last.cached_tokens, last.transfer_tokens, last.tier_tokens) == (4 * BLOCK,
+                                                                             4 * BLOCK, 0)
+    counters = requester.scheduler.counters
+    assert (counters.transfer_hit_tokens, counters.tier_hit_tokens) == (4 * BLOCK, 0)
     assert (holder.transfers.exported_blocks, requester.transfers.imported_blocks) == (4, 4)
 
 
