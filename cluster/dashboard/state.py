@@ -95,6 +95,7 @@ class Dashboard:
             "waiting": stats.get("waiting", 0),
             "kv_usage": kv_cache_usage(stats),
             "hit_ratio": stats.get("prefix_hit_tokens", 0) / queries if queries else None,
+            "hits_by_source": hits_by_source(stats),
             "tokens_per_s": self.rates.update(worker, stats.get("generation_tokens", 0), now),
             "acceptance": spec.get("accepted_tokens", 0) / proposed if proposed else None,
             "requests": finished.get("count", 0),
@@ -131,3 +132,11 @@ class Dashboard:
         except Exception as exc:  # noqa: BLE001 - an unreachable index is what to show
             log.info("dashboard: index stats unavailable (%r)", exc)
             return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def hits_by_source(stats: dict[str, Any]) -> dict[str, int]:
+    """A worker's prefix hits in prompt tokens, by where the KV came from: its KV cache, its
+    second tier, or another worker."""
+    tier, transfer = stats.get("tier_hit_tokens", 0), stats.get("transfer_hit_tokens", 0)
+    return {"local_cache_hit": stats.get("prefix_hit_tokens", 0) - tier - transfer,
+            "second_tier": tier, "external_kv_transfer": transfer}

@@ -118,6 +118,8 @@ async def test_data_document_from_known_sources():
     w1, w2 = second["workers"]
     assert w1 == {"worker": "w1", "running": 2, "waiting": 1, "kv_usage": 0.25,
                   "hit_ratio": 0.75, "tokens_per_s": 0.0, "acceptance": 0.4, "requests": 3,
+                  "hits_by_source": {"local_cache_hit": 300, "second_tier": 0,
+                                     "external_kv_transfer": 0},
                   "prompt_tokens": 500, "generation_tokens": 100,
                   "adapters": ["sql", "chat"], "hosted_adapters": ["qa"]}
     assert w2["adapters"] == w2["hosted_adapters"] == []

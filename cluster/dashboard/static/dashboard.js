@@ -43,12 +43,18 @@ function adapterList(w) {
   return all.length ? all.join(", ") : "none";
 }
 
+function hitSources(hits) {
+  return [hits.local_cache_hit, hits.second_tier, hits.external_kv_transfer]
+    .map((tokens) => num(tokens)).join(" / ");
+}
+
 function renderWorkers(workers) {
   const body = document.querySelector("#workers tbody");
   body.replaceChildren(...workers.map((w) => {
     const row = el("tr", { "data-worker": w.worker });
     row.append(cell(w.worker, "worker-id"), cell(num(w.running)), cell(num(w.waiting)),
-      meter(w.kv_usage), cell(pct(w.hit_ratio)), cell(num(w.tokens_per_s, 1)),
+      meter(w.kv_usage), cell(pct(w.hit_ratio)), cell(hitSources(w.hits_by_source), "sources"),
+      cell(num(w.tokens_per_s, 1)),
       cell(pct(w.acceptance)), cell(num(w.requests), "requests"),
       cell(adapterList(w), "adapters"));
     return row;
