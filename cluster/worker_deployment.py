@@ -281,7 +281,16 @@ class NalarWorker:
                             adapter_swap_tokens=round(adapters.mean_swap_s() * rate),
                             adapter_slots=adapters.max_loras, adapter_slots_busy=busy,
                             adapter_slot_wait_tokens=max(estimate, round(mean_wait_s * rate)),
+                            kv_fetch_tokens_per_block=self._fetch_tokens_per_block(rate),
                             ).to_wire()
+
+    def _fetch_tokens_per_block(self, rate: float) -> int | None:
+        """What fetching a KV block costs here, in tokens of work at ``rate`` tokens per
+        second; None without a second tier or a fetch measured."""
+        per_block = self.transfer_cost.fetch_s_per_block
+        if self.engine.pool.tier is None or per_block is None:
+            return None
+        return round(per_block * rate)
 
     def record_replica_metadata(self) -> dict:
         """Static facts the router reads once (:class:`~contract.load.ReplicaMetadata`): the

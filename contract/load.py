@@ -55,6 +55,10 @@ class RoutingStats:
         adapter_slot_wait_tokens: what waiting for a free slot costs there once none is free,
             in tokens of work: the larger of its estimate (``LLMEngine.adapter_slots_busy``)
             and its measured mean wait times its measured tokens per second.
+        kv_fetch_tokens_per_block: what fetching one KV block from another worker costs
+            there, in tokens of work: its measured seconds per fetched block times its
+            measured tokens per second; None when it cannot fetch (no second tier) or has
+            not measured it yet.
     """
 
     queued_tokens: int = 0
@@ -71,6 +75,7 @@ class RoutingStats:
     adapter_slots: int = 0
     adapter_slots_busy: int = 0
     adapter_slot_wait_tokens: int = 0
+    kv_fetch_tokens_per_block: int | None = None
 
     def to_wire(self) -> dict[str, Any]:
         """The report as a plain dict, keyed by this class's field names."""
@@ -96,7 +101,9 @@ class RoutingStats:
                    adapter_swap_tokens=_count(stats.get("adapter_swap_tokens")),
                    adapter_slots=_count(stats.get("adapter_slots")),
                    adapter_slots_busy=_count(stats.get("adapter_slots_busy")),
-                   adapter_slot_wait_tokens=_count(stats.get("adapter_slot_wait_tokens")))
+                   adapter_slot_wait_tokens=_count(stats.get("adapter_slot_wait_tokens")),
+                   kv_fetch_tokens_per_block=_count_or_none(
+                       stats.get("kv_fetch_tokens_per_block")))
 
 
 @dataclass(frozen=True)
@@ -126,6 +133,10 @@ class ReplicaMetadata:
 
 def _count(value: Any) -> int:
     return int(value) if is_count(value) else 0
+
+
+def _count_or_none(value: Any) -> int | None:
+    return int(value) if is_count(value) else None
 
 
 def _seconds(value: Any) -> float | None:

@@ -65,6 +65,8 @@ class ReplicaView:
             recently sent there (``SentPrefixes.other_prefixes``).
         adapter_tokens: what making the request's LoRA adapter resident costs there, in
             tokens of work (0 where a request in flight uses it, or the request has none).
+        fetch_tokens_per_block: what fetching a KV block from another worker costs there, in
+            tokens of work; None where it cannot fetch or has not measured it.
     """
 
     worker_id: str
@@ -72,6 +74,7 @@ class ReplicaView:
     load_tokens: int
     other_prefixes: int = 0
     adapter_tokens: int = 0
+    fetch_tokens_per_block: int | None = None
 
 
 class RoutingPolicy(ABC):
@@ -170,10 +173,18 @@ class PrefixPolicy(RoutingPolicy):
         super().__init__(rng)
         self.block_size = block_size
 
-    def score(self, view: ReplicaView, prompt_len: int) -> int:
-        """Tokens of work ahead of this request's first output token on that replica: its
-        prefill there, the load there, and making its adapter resident there."""
-        prefill = uncached_tokens(prompt_len, view.cached_blocks or 0, self.block_size)
+    def score(self, view: ReplicaView, prompt_len: int, held_elsewhere: int = 0) -> int:
+        """Tokens of work ahead of this request's first output token on that replica (an
+        estimated TTFT in tokens): the load there, making its adapter resident there, and its
+        prompt from the cheapest source: what it holds, then computing the rest, or, where it
+        can fetch, the blocks another worker holds (``held_elsewhere``) fetched, then
+        computing the rest."""
+        own = view.cached_blocks or 0
+        prefill = uncached_tokens(prompt_len, own, self.block_size)
+        if view.fetch_tokens_per_block is not None and held_elsewhere > own:
+            fetched = view.fetch_tokens_per_block * (held_elsewhere - own)
+            prefill = min(prefill, fetched + uncached_tokens(prompt_len, held_elsewhere,
+                                                             self.block_size))
         return prefill + view.load_tokens + view.adapter_tokens
 
     def _rank(self, views: Sequence[ReplicaView], prompt_len: int) -> list[str]:
@@ -181,7 +192,8 @@ class PrefixPolicy(RoutingPolicy):
             return self._two_choices(views)
         if all(view.cached_blocks == 0 for view in views):
             return self._place_new_prefix(views, prompt_len)
-        return self._sorted(views, lambda view: self.score(view, prompt_len))
+        held = max(view.cached_blocks for view in views)
+        return self._sorted(views, lambda view: self.score(view, prompt_len, held))
 
     def _place_new_prefix(self, views: Sequence[ReplicaView], prompt_len: int) -> list[str]:
         """A prompt cached nowhere: the fewest other prefixes among the replicas whose score is

@@ -59,6 +59,12 @@ def _export_target(pending_request: Any) -> str | None:
     return first.worker_id if isinstance(first, KVExportRequest) else None
 
 
+def _fetch_tokens(replica: Any) -> int | None:
+    """What fetching a KV block costs on ``replica``, as it reports (None: cannot fetch)."""
+    return RoutingStats.from_wire(getattr(replica, "routing_stats", None)
+                                  ).kv_fetch_tokens_per_block
+
+
 def _note_kv_source(pending_request: Any, views: list[ReplicaView], chosen: str) -> None:
     """Tells the chosen worker where more of the prompt's prefix is held, if anywhere: the
     worker crediting the most blocks, when that is more than the chosen one holds."""
@@ -247,7 +253,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         lookup = await self._look_up(plan, by_id)
         recorded = self._recorded_blocks(plan, lookup, by_id, now)
         views = [self._view(wid, plan, lookup, recorded, loads[wid], now,
-                            self._adapter_tokens(wid, replica, plan))
+                            self._adapter_tokens(wid, replica, plan), _fetch_tokens(replica))
                  for wid, replica in by_id.items()]
         ranked = self._policy.choose(views, plan.prompt_len if plan else 0)
         _note_kv_source(pending_request, views, ranked[0])
@@ -293,7 +299,7 @@ class PrefixAwareRequestRouter(RequestRouter):
 
     def _view(self, worker_id: str, plan: RoutingInput | None, lookup: Lookup,
               recorded: Mapping[str, int] | None, load_tokens: int, now: float,
-              adapter_tokens: int = 0) -> ReplicaView:
+              adapter_tokens: int = 0, fetch_tokens: int | None = None) -> ReplicaView:
         """What the policy sees of one candidate. Its credited blocks are at least those of a
         request in flight there: they are pinned or being computed, and the index hears of
         them only once they are."""
@@ -306,7 +312,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         # A prompt under one block leaves nothing cached: where it goes is a matter of load.
         other = (self._sent_prefixes.other_prefixes(worker_id, plan.digests, now)
                  if plan.digests else 0)
-        return ReplicaView(worker_id, credited, load_tokens, other, adapter_tokens)
+        return ReplicaView(worker_id, credited, load_tokens, other, adapter_tokens,
+                           fetch_tokens)
 
     async def _look_up(self, plan: RoutingInput | None, candidates: Mapping[str, Any]) -> Lookup:
         """The index's answer for this request, as far as the policy wants one.

@@ -63,6 +63,23 @@ def test_r4_hit_never_wins_on_overloaded_replica():
     assert policy.rank(views, 600)[0] == "B"
 
 
+def test_a_worker_that_can_fetch_is_scored_by_the_fetch_and_takes_a_busy_holders_prefix():
+    # A holds 62 of a 1,024-token prompt's blocks with 900 tokens queued. B and C are idle;
+    # B measured a fetch at 2 tokens of work per block, C cannot fetch.
+    policy = PrefixPolicy(BLOCK, random.Random(0))
+    holder = ReplicaView("A", 62, 900)
+    fetcher = ReplicaView("B", 0, 0, fetch_tokens_per_block=2)
+    computer = ReplicaView("C", 0, 0)
+    assert policy.score(fetcher, 1024, held_elsewhere=62) == 2 * 62 + 32
+    assert policy.score(computer, 1024, held_elsewhere=62) == 1024
+    assert policy.rank([holder, fetcher, computer], 1024) == ["B", "A", "C"]
+    # Without a busy holder, the hit stays where it is.
+    assert policy.rank([ReplicaView("A", 62, 50), fetcher, computer], 1024)[0] == "A"
+    # A fetch dearer than computing is never counted.
+    dear = ReplicaView("B", 0, 0, fetch_tokens_per_block=40)
+    assert policy.score(dear, 1024, held_elsewhere=62) == 1024
+
+
 def test_hit_wins_over_small_load_gap():
     policy = PrefixPolicy(BLOCK, random.Random(0))
     views = [ReplicaView("A", 600 // BLOCK, 100), ReplicaView("B", 0, 0)]
@@ -196,8 +213,11 @@ def test_routing_stats_round_trip_their_wire_form():
                          time=12.5, model_key="ab" * 32, worker_id="w1",
                          adapters=["cd" * 32], host_adapters=["ef" * 32],
                          adapter_read_tokens=12, adapter_swap_tokens=2, adapter_slots=4,
-                         adapter_slots_busy=3, adapter_slot_wait_tokens=90)
+                         adapter_slots_busy=3, adapter_slot_wait_tokens=90,
+                         kv_fetch_tokens_per_block=3)
     assert RoutingStats.from_wire(stats.to_wire()) == stats
+    assert RoutingStats.from_wire({"kv_fetch_tokens_per_block": -1}).kv_fetch_tokens_per_block \
+        is None
     malformed = RoutingStats.from_wire({"adapters": "cd", "adapter_read_tokens": -3})
     assert (malformed.adapters, malformed.adapter_read_tokens) == (None, 0)
     assert RoutingStats.from_wire({"adapters": ["a", "", 7]}).adapters == ["a"]
