@@ -1,0 +1,106 @@
+"""A worker fetching KV from another, with the holder faked: a holder that dies or stalls
+mid-transfer means the prompt is computed, never an error, and the failure is counted; a fetch
+slower than computing stops being tried."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from ray.exceptions import RayActorError
+
+from cluster.worker_deployment import NalarWorker, TransferCost
+from contract.identity import PromptDigests
+from contract.kv_transfer import KVExportRequest, KVSource
+from contract.request import GenerationRequest
+from workers.kv_transfer import TransferCounters
+
+DIGESTS = [bytes([n]) * 32 for n in range(62)]
+HOLDER = KVSource("holder", 62)
+
+
+class Holder:
+    """``handle.export_kv.remote(...)``, answering as told."""
+
+    def __init__(self, behaviour: str):
+        self.behaviour = behaviour
+        self.asked: list[KVExportRequest] = []
+        self.export_kv = SimpleNamespace(remote=self._remote)
+
+    async def _remote(self, request: KVExportRequest):
+        self.asked.append(request)
+        if self.behaviour == "dies":
+            raise RayActorError()
+        if self.behaviour == "stalls":
+            await asyncio.Event().wait()
+        return ["block"] * len(request.digests)
+
+
+class OnEngineThread:
+    async def call(self, fn, *args):
+        return fn(*args)
+
+
+def fetcher(holder: Holder, recompute_s_per_token: float = 1e-3) -> NalarWorker:
+    worker = object.__new__(NalarWorker)
+    worker.worker_id = "me"
+    imported = []
+    worker.engine = SimpleNamespace(
+        pool=SimpleNamespace(tier=object()), transfers=TransferCounters(),
+        held_prefix_blocks=lambda request: 2,
+        import_blocks=lambda request, first, blocks: imported.append((first, blocks))
+        or len(blocks))
+    worker.imported = imported
+    worker.async_engine = OnEngineThread()
+    worker.transfer_cost = TransferCost(SimpleNamespace(
+        recompute_s_per_token=recompute_s_per_token, block_size=16))
+    worker._worker_handle = holder
+    return worker
+
+
+def request(source: KVSource | None = HOLDER) -> GenerationRequest:
+    return GenerationRequest("r", list(range(1000)), prompt_digests=PromptDigests(
+        "key", DIGESTS), kv_source=source)
+
+
+async def test_the_blocks_it_lacks_are_fetched_from_the_holder_and_imported():
+    holder = Holder("answers")
+    worker = fetcher(holder)
+    await worker._fetch_prefix(request())
+    assert holder.asked == [KVExportRequest("holder", DIGESTS[2:62])]
+    assert worker.imported == [(2, ["block"] * 60)]
+    assert worker.transfer_cost.fetch_s_per_block is not None
+
+
+@pytest.mark.parametrize("behaviour", ["dies", "stalls"])
+async def test_a_holder_that_dies_or_stalls_means_compute_and_is_counted(behaviour):
+    worker = fetcher(Holder(behaviour), recompute_s_per_token=1e-4)  # a 0.25 s deadline
+    started = asyncio.get_running_loop().time()
+    await worker._fetch_prefix(request())  # never raises
+    assert asyncio.get_running_loop().time() - started < 2
+    assert worker.engine.transfers.failed_fetches == 1
+    assert worker.imported == []
+
+
+async def test_no_fetch_without_a_source_a_tier_or_when_fetching_is_slower():
+    holder = Holder("answers")
+    worker = fetcher(holder)
+    await worker._fetch_prefix(request(None))
+    await worker._fetch_prefix(request(KVSource("me", 62)))
+    worker.transfer_cost.fetch_s_per_block = 1.0  # measured: far slower than computing
+    await worker._fetch_prefix(request())
+    worker.transfer_cost.fetch_s_per_block = None
+    worker.engine.pool.tier = None
+    await worker._fetch_prefix(request())
+    assert holder.asked == []
+
+
+def test_the_fetch_deadline_is_what_computing_would_take():
+    cost = TransferCost(SimpleNamespace(recompute_s_per_token=None, block_size=16))
+    assert cost.deadline_s(10) == TransferCost.UNMEASURED_DEADLINE_S
+    cost.block_manager.recompute_s_per_token = 0.01
+    assert cost.deadline_s(10) == pytest.approx(1.6)
+    assert cost.deadline_s(1) == TransferCost.MIN_DEADLINE_S
+    cost.observe(10, 2.0)
+    assert cost.deadline_s(10) is None  # 0.2 s per block against 0.16 s computing
