@@ -113,10 +113,11 @@ class Probe:
                                      headers={"Authorization": f"Bearer {key}"})
         payload = response.json()
         usage = payload.get("usage") or {}
+        details = usage.get("prompt_tokens_details") or {}
         return {"status": response.status_code,
                 "worker": response.headers.get("x-nalar-worker"),
-                "cached_tokens": (usage.get("prompt_tokens_details") or {}).get(
-                    "cached_tokens", 0),
+                "cached_tokens": details.get("cached_tokens", 0),
+                "cached_tokens_by_source": details.get("cached_tokens_by_source"),
                 "error": payload.get("error")}
 
     async def stream(self, client: httpx.AsyncClient, key: str, ids: list[int],
@@ -177,6 +178,7 @@ async def observe(cluster: Cluster, nodes: list, config: ClusterConfig) -> dict:
     async with httpx.AsyncClient(base_url=probe.base_url) as client:
         holders = await place_prefixes(client, probe, worker_ids)
         result["routing"] = await repeat_prefixes(client, probe, holders)
+        result["transfer"] = await fetch_from_a_busy_holder(client, probe, holders)
         result["index_workers"] = sorted({
             w for key, (ids, _) in holders.items()
             for w, n in (await probe.credited(key, ids, worker_ids)).items() if n > 0})
@@ -214,6 +216,18 @@ async def repeat_prefixes(client, probe: Probe, holders: dict) -> list[dict]:
         answer = await probe.complete(client, key, ids + [7, 8, 9, 10])
         repeats.append({"key": key, "holder": holder, **answer})
     return repeats
+
+
+async def fetch_from_a_busy_holder(client, probe: Probe, holders: dict) -> dict:
+    """A long stream on a held prefix keeps its holder busy; the same prefix sent meanwhile
+    goes to the worker on the other node, which fetches the prefix across nodes."""
+    key, (ids, holder) = next(iter(holders.items()))
+    started = asyncio.Event()
+    busy = asyncio.create_task(probe.stream(client, key, ids + [20], started))
+    await asyncio.wait_for(started.wait(), REQUEST_TIMEOUT_S)
+    answer = await probe.complete(client, key, ids + [21, 22, 23, 24])
+    await busy
+    return {"holder": holder, **answer}
 
 
 async def remove_a_node(cluster, nodes, client, probe: Probe, holders: dict,
@@ -258,7 +272,7 @@ def main() -> int:
     config = ClusterConfig(model=args.model_dir, dtype="float32", num_workers=2,
                            redis_url=args.redis_url,
                            key_prefix=f"nalar-multinode-{uuid.uuid4().hex[:8]}",
-                           port=args.port, kv_cache_mib=16, worker_threads=1,
+                           port=args.port, kv_cache_mib=16, kv_tier_mib=8, worker_threads=1,
                            worker_resources={"nalar_target": 1},
                            ingress_resources={"nalar_ingress": 1}, speculative="off",
                            routing_stats_period_s=0.2, worker_ttl_s=6)
