@@ -62,6 +62,9 @@ def _workload_flags(bench: argparse.ArgumentParser) -> None:
     group.add_argument("--tenants", type=int, default=8, help="shared-prefix: tenants")
     group.add_argument("--prefix-tokens", type=int, default=512,
                        help="shared-prefix: system prompt length per tenant, tokens")
+    group.add_argument("--hot-share", type=float, default=None,
+                       help="shared-prefix: fraction of requests from tenant 0 (a hot system "
+                            "prompt); default: every tenant alike")
     group.add_argument("--tenant-key-prefix", default="nalar-bench-tenant",
                        help="shared-prefix: tenant i's API key is PREFIX-i")
     group.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
@@ -97,7 +100,7 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         name=args.workload, input_tokens=args.input_tokens, output_tokens=args.output_tokens,
         range_ratio=args.range_ratio, seed=args.seed, api_key=args.api_key,
         tenants=args.tenants, prefix_tokens=args.prefix_tokens,
-        tenant_key_prefix=args.tenant_key_prefix, turns=args.turns,
+        tenant_key_prefix=args.tenant_key_prefix, hot_share=args.hot_share, turns=args.turns,
         think_time_s=args.think_time_s)
     load = LoadConfig(request_rate=args.request_rate, max_concurrency=args.max_concurrency,
                       num_requests=args.num_requests or None, duration_s=args.duration_s,

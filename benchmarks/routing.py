@@ -54,6 +54,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=2, help="worker replicas per policy")
     parser.add_argument("--requests", type=int, default=200, help="measured requests per run")
     parser.add_argument("--tenants", type=int, default=8)
+    parser.add_argument("--hot-share", type=float, default=None,
+                        help="shared-prefix: fraction of requests from one hot tenant")
+    parser.add_argument("--kv-tier-mib", type=int, default=0,
+                        help="a second KV tier per worker, MiB (0: none; with one, workers "
+                             "fetch prefixes from each other)")
     parser.add_argument("--prefix-tokens", type=int, default=512,
                         help="shared-prefix: system prompt tokens per tenant")
     parser.add_argument("--input-tokens", type=int, default=32, help="tokens per user turn")
@@ -96,7 +101,7 @@ def cluster_config(args: argparse.Namespace, routing: str, workers: int, key_pre
     return ClusterConfig(model=args.model, dtype=args.dtype, num_workers=workers,
                          routing=routing, redis_url=args.redis_url, key_prefix=key_prefix,
                          port=_free_port(), kv_cache_mib=kv_cache_mib,
-                         worker_threads=args.threads)
+                         kv_tier_mib=args.kv_tier_mib, worker_threads=args.threads)
 
 
 def bench_config(args: argparse.Namespace, workload: str, port: int,
@@ -108,7 +113,8 @@ def bench_config(args: argparse.Namespace, workload: str, port: int,
         workload=WorkloadConfig(name=workload, input_tokens=args.input_tokens,
                                 output_tokens=args.output_tokens, seed=args.seed,
                                 tenants=args.tenants, prefix_tokens=args.prefix_tokens,
-                                tenant_key_prefix=tenant_key_prefix, turns=args.turns),
+                                tenant_key_prefix=tenant_key_prefix,
+                                hot_share=args.hot_share, turns=args.turns),
         load=LoadConfig(request_rate=args.request_rate, max_concurrency=args.max_concurrency,
                         num_requests=args.requests, seed=args.seed))
 

@@ -21,6 +21,8 @@ class WorkloadConfig:
         tenants: ``shared-prefix``: how many tenants, each with its own key and system prompt.
         prefix_tokens: ``shared-prefix``: length of each tenant's system prompt.
         tenant_key_prefix: ``shared-prefix``: tenant i's key is ``{tenant_key_prefix}-{i}``.
+        hot_share: ``shared-prefix``: the fraction of requests from tenant 0 (a hot system
+            prompt); the rest are spread evenly over the others. None: every tenant alike.
         turns: ``multi-turn``: user turns per conversation.
         think_time_s: ``multi-turn``: pause between a reply and the next turn, seconds.
     """
@@ -34,6 +36,7 @@ class WorkloadConfig:
     tenants: int = 8
     prefix_tokens: int = 512
     tenant_key_prefix: str = "nalar-bench-tenant"
+    hot_share: float | None = None
     turns: int = 4
     think_time_s: float = 0.0
 
@@ -45,6 +48,8 @@ class WorkloadConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.prefix_tokens < 0 or self.think_time_s < 0:
             raise ValueError("prefix_tokens and think_time_s must not be negative")
+        if self.hot_share is not None and not (0 <= self.hot_share <= 1 and self.tenants > 1):
+            raise ValueError("hot_share must be in [0, 1], with at least 2 tenants")
 
     def input_length(self, rng: random.Random) -> int:
         """One user turn's length, drawn around :attr:`input_tokens`."""

@@ -35,11 +35,15 @@ def make_tenants(config: WorkloadConfig, rng: random.Random) -> list[Tenant]:
 
 
 def shared_prefix_sessions(config: WorkloadConfig) -> Iterator[SingleRequest]:
-    """Endless requests, each from a tenant chosen uniformly at random."""
+    """Endless requests, each from a tenant chosen at random: uniformly, or tenant 0 with
+    probability ``hot_share`` and the others uniformly."""
     rng = random.Random(config.seed)
     tenants = make_tenants(config, rng)
     while True:
-        tenant = rng.choice(tenants)
+        if config.hot_share is None:
+            tenant = rng.choice(tenants)
+        else:
+            tenant = tenants[0] if rng.random() < config.hot_share else rng.choice(tenants[1:])
         length = config.input_length(rng)
         messages = [{"role": "system", "content": tenant.system_prompt},
                     {"role": "user", "content": random_words(rng, length)}]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 import statistics
@@ -39,6 +40,17 @@ def test_shared_prefix_tenants():
     assert len(set(users)) == 200 and all(len(u.split()) == 10 for u in users)
     assert {r.max_tokens for r in requests} == {7}
     assert [r.messages for r in _requests(config, 20)] == [r.messages for r in requests[:20]]
+
+
+def test_a_hot_tenant_takes_its_share_and_the_rest_spread():
+    config = WorkloadConfig(name="shared-prefix", tenants=5, prefix_tokens=8, input_tokens=4,
+                            output_tokens=2, seed=1, hot_share=0.8)
+    counts = collections.Counter(r.label for r in _requests(config, 4000))
+    assert 0.77 < counts["tenant-0"] / 4000 < 0.83
+    others = [counts[f"tenant-{i}"] for i in range(1, 5)]
+    assert min(others) > 0.8 * max(others)
+    with pytest.raises(ValueError):
+        WorkloadConfig(name="shared-prefix", tenants=1, hot_share=0.8)
 
 
 def test_multi_turn_history_grows_with_the_replies():
