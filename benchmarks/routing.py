@@ -15,6 +15,10 @@ served none), TTFT p50 and its ratio to round-robin's, and the whole ``nalar ben
 Goals: prefix routing reaches >= 0.9 of the oracle's reuse, keeps the busiest worker
 <= 1.3x the least busy, and has TTFT p50 <= 0.5x round-robin's.
 
+A policy named ``NAME+tier`` (``prefix+tier``) runs with a second KV tier of
+``--kv-tier-mib`` per worker, so workers fetch prefixes from each other; ``--hot-share 0.8``
+gives one tenant 80% of the ``shared-prefix`` requests.
+
     .venv/bin/python benchmarks/routing.py [--requests 200] [--quick]
 """
 
@@ -56,9 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tenants", type=int, default=8)
     parser.add_argument("--hot-share", type=float, default=None,
                         help="shared-prefix: fraction of requests from one hot tenant")
-    parser.add_argument("--kv-tier-mib", type=int, default=0,
-                        help="a second KV tier per worker, MiB (0: none; with one, workers "
-                             "fetch prefixes from each other)")
+    parser.add_argument("--kv-tier-mib", type=int, default=256,
+                        help="the second KV tier per worker of a policy named NAME+tier "
+                             "(prefix+tier: prefix routing, workers fetching prefixes from "
+                             "each other), MiB")
     parser.add_argument("--prefix-tokens", type=int, default=512,
                         help="shared-prefix: system prompt tokens per tenant")
     parser.add_argument("--input-tokens", type=int, default=32, help="tokens per user turn")
@@ -98,10 +103,12 @@ def cluster_config(args: argparse.Namespace, routing: str, workers: int, key_pre
     # The oracle's one worker gets the whole cluster's KV budget, so the oracle differs from
     # the cluster only in routing, not in how much it can cache.
     kv_cache_mib = args.kv_cache_mib * (args.workers if workers == 1 else 1)
+    policy, _, tier = routing.partition("+")
     return ClusterConfig(model=args.model, dtype=args.dtype, num_workers=workers,
-                         routing=routing, redis_url=args.redis_url, key_prefix=key_prefix,
+                         routing=policy, redis_url=args.redis_url, key_prefix=key_prefix,
                          port=_free_port(), kv_cache_mib=kv_cache_mib,
-                         kv_tier_mib=args.kv_tier_mib, worker_threads=args.threads)
+                         kv_tier_mib=args.kv_tier_mib if tier == "tier" else 0,
+                         worker_threads=args.threads)
 
 
 def bench_config(args: argparse.Namespace, workload: str, port: int,
