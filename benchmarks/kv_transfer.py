@@ -14,15 +14,13 @@ which of the two timed requests goes first. Goal: transfer TTFT ≤ 0.25 × miss
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import threading
 import time
-from pathlib import Path
 
 import httpx
-from common import machine_info
+from common import machine_info, write_json
 from prefix_ttft import CACHED_TOKENS, PROMPT_TOKENS, TOKEN_RANGE, http_ttft
 
 
@@ -89,9 +87,7 @@ def main() -> None:
               "transfer_ttft_median_s": transfer, "miss_ttft_median_s": miss,
               "transfer_over_miss": transfer / miss if transfer else None,
               "goal_transfer_over_miss": 0.25, "machine": machine_info()}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = write_json(result, args.out)
     print(f"{len(valid)}/{len(samples)} trials fetched the prefix; transfer TTFT "
           f"{(transfer or 0) * 1000:.0f} ms, miss {miss * 1000:.0f} ms, ratio "
           f"{result['transfer_over_miss']} (goal ≤ 0.25) → {out}")

@@ -122,7 +122,9 @@ def summarize(result: dict) -> dict:
     hit = statistics.median(s["hit_s"] for s in result["samples"])
     result.update({"prompt_tokens": PROMPT_TOKENS, "cached_prefix_tokens": CACHED_TOKENS,
                    "miss_ttft_median_s": miss, "hit_ttft_median_s": hit,
-                   "hit_over_miss": hit / miss, "goal_hit_over_miss": 0.15,
+                   "hit_over_miss": hit / miss,
+                   # a hit after an eviction comes back from the second tier: goal 0.3
+                   "goal_hit_over_miss": 0.3 if result.get("evict_tokens") else 0.15,
                    "machine": platform.processor() or platform.machine()})
     return result
 
@@ -145,7 +147,7 @@ def main() -> None:
     out.write_text(json.dumps(result, indent=2))
     print(f"miss TTFT {result['miss_ttft_median_s'] * 1000:.0f} ms, hit TTFT "
           f"{result['hit_ttft_median_s'] * 1000:.0f} ms, ratio {result['hit_over_miss']:.3f} "
-          f"(goal ≤ 0.15) → {out}")
+          f"(goal ≤ {result['goal_hit_over_miss']}) → {out}")
 
 
 if __name__ == "__main__":

@@ -594,6 +594,14 @@ def _token_id_prompt(prompt: list[Any]) -> list[int]:
 # (``finish_reason``, ``logprobs``) stay in the output as ``null``, as clients expect.
 
 
+def _without_null(body: dict[str, Any], key: str) -> dict[str, Any]:
+    """``body`` without ``key`` where it is null: an extension OpenAI's shape lacks, or a
+    field OpenAI leaves out when empty."""
+    if body.get(key) is None:
+        body.pop(key, None)
+    return body
+
+
 class PromptTokensDetails(BaseModel):
     """``usage.prompt_tokens_details``. ``cached_tokens_by_source`` (an extension) breaks
     ``cached_tokens`` down by where the KV came from: ``local_cache_hit`` (the worker's KV
@@ -605,10 +613,7 @@ class PromptTokensDetails(BaseModel):
 
     @model_serializer(mode="wrap")
     def _drop_no_sources(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        body = handler(self)
-        if body.get("cached_tokens_by_source") is None:
-            body.pop("cached_tokens_by_source", None)
-        return body
+        return _without_null(handler(self), "cached_tokens_by_source")
 
 
 class Usage(BaseModel):
@@ -675,10 +680,7 @@ class AssistantMessage(BaseModel):
 
     @model_serializer(mode="wrap")
     def _drop_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        body = handler(self)
-        if body.get("tool_calls") is None:
-            body.pop("tool_calls", None)
-        return body
+        return _without_null(handler(self), "tool_calls")
 
 
 FinishReason = Literal["stop", "length", "tool_calls"]

@@ -194,10 +194,12 @@ class ToolCallFormat(ABC):
         """A fresh parser for one choice, accepting calls to ``tools`` only."""
 
     @abstractmethod
-    def grammar(self, tools: Sequence[ToolDefinition], parallel: bool) -> str:
-        """A Lark grammar (llguidance's dialect) whose sentences are calls to ``tools`` in
-        this format, their arguments following each tool's schema: one call, or one or more
-        when ``parallel``."""
+    def grammar(self, tools: Sequence[ToolDefinition], parallel: bool,
+                rule: str = "start") -> str:
+        """A Lark grammar (llguidance's dialect) whose rule ``rule`` (the start rule unless
+        the grammar is embedded in a larger one) matches calls to ``tools`` in this format,
+        their arguments following each tool's schema: one call, or one or more when
+        ``parallel``."""
 
 
 class HermesFormat(ToolCallFormat):
@@ -209,9 +211,10 @@ class HermesFormat(ToolCallFormat):
     def parser(self, tools: Sequence[ToolDefinition]) -> CallParser:
         return TaggedCallParser(_names(tools), "<tool_call>", "</tool_call>")
 
-    def grammar(self, tools: Sequence[ToolDefinition], parallel: bool) -> str:
+    def grammar(self, tools: Sequence[ToolDefinition], parallel: bool,
+                rule: str = "start") -> str:
         more = ' ("\\n" block)*' if parallel else ""
-        return (f"start: block{more}\n"
+        return (f"{rule}: block{more}\n"
                 'block: "<tool_call>\\n" call "\\n</tool_call>"\n'
                 f"call: %json {_call_schema(tools, 'arguments')}\n")
 
@@ -227,9 +230,10 @@ class SmolLM2Format(ToolCallFormat):
     def parser(self, tools: Sequence[ToolDefinition]) -> CallParser:
         return TaggedCallParser(_names(tools), self.start, self.end)
 
-    def grammar(self, tools: Sequence[ToolDefinition], parallel: bool) -> str:
+    def grammar(self, tools: Sequence[ToolDefinition], parallel: bool,
+                rule: str = "start") -> str:
         more = ' (", " call)*' if parallel else ""
-        return (f'start: "{self.start}[" call{more} "]{self.end}"\n'
+        return (f'{rule}: "{self.start}[" call{more} "]{self.end}"\n'
                 f"call: %json {_call_schema(tools, 'arguments')}\n")
 
     def call_text(self, calls: Sequence[ParsedCall]) -> str:
@@ -248,9 +252,10 @@ class Llama3JsonFormat(ToolCallFormat):
     def parser(self, tools: Sequence[ToolDefinition]) -> CallParser:
         return JsonCallParser(_names(tools))
 
-    def grammar(self, tools: Sequence[ToolDefinition], parallel: bool) -> str:
+    def grammar(self, tools: Sequence[ToolDefinition], parallel: bool,
+                rule: str = "start") -> str:
         more = ' ("; " call)*' if parallel else ""
-        return f"start: call{more}\ncall: %json {_call_schema(tools, 'parameters')}\n"
+        return f"{rule}: call{more}\ncall: %json {_call_schema(tools, 'parameters')}\n"
 
 
 HERMES, LLAMA3_JSON, SMOLLM2 = HermesFormat(), Llama3JsonFormat(), SmolLM2Format()

@@ -77,10 +77,11 @@ class ToolUse:
                                   "schema with tool_choice 'auto'", answer.param or None)
         tools = [t for t in self.tools if self.named in (None, t.function.name)]
         parallel = self.parallel and self.choice != "named"
-        grammar = self.format.grammar(tools, parallel)
-        if answer is not None:
-            grammar = grammar.replace("start:", "calls:", 1)
-            grammar = f"start: calls | answer\nanswer: %json {answer.spec}\n{grammar}"
+        if answer is None:
+            grammar = self.format.grammar(tools, parallel)
+        else:
+            grammar = (f"start: calls | answer\nanswer: %json {answer.spec}\n"
+                       + self.format.grammar(tools, parallel, rule="calls"))
         return StructuredOutput("grammar", grammar, "tools")
 
 

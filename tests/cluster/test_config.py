@@ -30,3 +30,13 @@ def test_quantization_reaches_the_engine_and_defaults_to_auto():
     assert config.engine_config().quantization == "int8"
     with pytest.raises(ValueError, match="quantization"):
         ClusterConfig(quantization="q3_k", namespace_secret="s")
+
+
+def test_the_second_kv_tier_is_off_by_default_and_sized_in_mib():
+    engine = ClusterConfig(namespace_secret="s").engine_config()
+    assert (engine.kv_tier_bytes, engine.kv_tier_dir) == (0, None)
+    engine = ClusterConfig(kv_tier_mib=64, kv_tier_dir="/var/tmp",
+                           namespace_secret="s").engine_config()
+    assert (engine.kv_tier_bytes, engine.kv_tier_dir) == (64 << 20, "/var/tmp")
+    with pytest.raises(ValueError, match="kv_tier_mib"):
+        ClusterConfig(kv_tier_mib=-1, namespace_secret="s")

@@ -11,6 +11,7 @@ import time
 import uuid
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -24,16 +25,18 @@ def complete(client: httpx.Client, tokens: list[int], max_tokens: int, **extra) 
     return client.post("/v1/completions", json=body, timeout=120)
 
 
-def stats(client: httpx.Client) -> dict[str, dict[str, float]]:
-    """``nalar:kv_transfer_*`` per worker, from /metrics."""
-    per_worker: dict[str, dict[str, float]] = {}
-    for line in client.get("/metrics").text.splitlines():
-        if line.startswith("nalar:kv_transfer_"):
-            name, value = line.rsplit(" ", 1)
-            worker = name.split('worker="')[1].split('"')[0]
-            key = name.split("{")[0].removeprefix("nalar:kv_transfer_").removesuffix("_total")
-            per_worker.setdefault(worker, {})[key] = float(value)
-    return per_worker
+def per_worker(client: httpx.Client, family: str, label: str | None = None,
+               ) -> dict[str, dict[str, float]]:
+    """Samples of the counter ``family`` in /metrics, per worker: by ``label`` when given,
+    else by sample name (without the family's prefix and ``_total``)."""
+    found: dict[str, dict[str, float]] = {}
+    for metric in text_string_to_metric_families(client.get("/metrics").text):
+        for sample in metric.samples:
+            if sample.name.startswith(family) and sample.name.endswith("_total"):
+                key = sample.labels[label] if label else sample.name.removeprefix(
+                    family).removesuffix("_total")
+                found.setdefault(sample.labels["worker"], {})[key] = sample.value
+    return found
 
 
 def test_a_busy_holders_prefix_is_fetched_by_the_other_worker(cluster):
@@ -63,8 +66,8 @@ def test_a_busy_holders_prefix_is_fetched_by_the_other_worker(cluster):
         finally:
             busy_done.set()
             busy.join()
-        fetched = stats(client)
-        sources = by_source(client)
+        fetched = per_worker(client, "nalar:kv_transfer_")
+        sources = per_worker(client, "nalar:prompt_tokens_by_source", "source")
     worker = answer.headers["x-nalar-worker"]
     assert worker != holder
     usage = answer.json()["usage"]
@@ -76,14 +79,3 @@ def test_a_busy_holders_prefix_is_fetched_by_the_other_worker(cluster):
     assert fetched[worker]["rejected_blocks"] == 0
     assert sources[worker]["external_kv_transfer"] >= 992
 
-
-def by_source(client: httpx.Client) -> dict[str, dict[str, float]]:
-    """``nalar:prompt_tokens_by_source_total`` per worker and source."""
-    per_worker: dict[str, dict[str, float]] = {}
-    for line in client.get("/metrics").text.splitlines():
-        if line.startswith("nalar:prompt_tokens_by_source"):
-            name, value = line.rsplit(" ", 1)
-            worker = name.split('worker="')[1].split('"')[0]
-            source = name.split('source="')[1].split('"')[0]
-            per_worker.setdefault(worker, {})[source] = float(value)
-    return per_worker

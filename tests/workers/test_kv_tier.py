@@ -6,6 +6,7 @@ loses it (pool and tier together)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -171,7 +172,6 @@ def test_blocks_fetched_from_another_worker_are_hits_and_output_equals_cold(
 
 
 def tampered(block, **changes):
-    import dataclasses
     return dataclasses.replace(block, **changes)
 
 
