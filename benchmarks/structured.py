@@ -162,7 +162,7 @@ def mask_us(engine, tokenizer) -> float:
     times = []
     for _ in range(200):
         started = time.perf_counter()
-        matcher.allowed()
+        matcher.allowed(1 << 30)
         times.append(time.perf_counter() - started)
     return 1e6 * statistics.median(times)
 

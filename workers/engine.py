@@ -19,6 +19,7 @@ from contract.kv_events import KVEvent
 from contract.kv_transfer import KVBlock
 from contract.load import work_tokens
 from contract.request import (
+    FinishReason,
     GenerationChunk,
     GenerationRequest,
     InvalidRequestError,
@@ -401,7 +402,8 @@ class LLMEngine:
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         return SamplingRow(seq.sampling, seq.token_ids, seq.num_prompt_tokens,
                            seq.stop_token_ids, seq.generator,
-                           seq.grammar.allowed() if seq.grammar is not None else None)
+                           seq.grammar.allowed(seq.budget(self.max_model_len))
+                           if seq.grammar is not None else None)
 
     def _verify(self, seq: Sequence, logits: torch.Tensor, step_s: float) -> GenerationChunk:
         """Commits what verification of ``seq``'s drafts accepts, then retires the rest: the
@@ -409,7 +411,7 @@ class LLMEngine:
         later) and blocks that held only rejected positions go back to the pool."""
         proposed = len(seq.spec_token_ids)
         committed = self.speculation.verify(seq, logits, self._sampling_row(seq),
-                                            self._generator)
+                                            self._generator, self.max_model_len)
         accepted = len(committed) - 1
         chunk = self._append(seq, committed, accepted_drafts=accepted)
         self.speculation.count(seq, proposed, min(accepted, len(chunk.token_ids)), step_s)
@@ -484,13 +486,15 @@ class LLMEngine:
             # min_tokens: the sampler masks stop tokens until then; logit_bias cannot unmask.
             if (token.token_id in seq.stop_token_ids
                     and seq.num_output_tokens > sampling.min_tokens):
-                seq.finish("stop")
+                if seq.grammar is not None:
+                    seq.grammar.end()
+                seq.finish(_stop_reason(seq))
                 break
             if seq.grammar is not None:
                 seq.grammar.consume(token.token_id)
             texts.append(detokenizer.add(token.token_id))
             if detokenizer.stopped or (seq.grammar is not None and seq.grammar.is_stopped):
-                seq.finish("stop")
+                seq.finish(_stop_reason(seq))
             elif (seq.num_output_tokens >= sampling.max_tokens
                   or seq.num_tokens >= self.max_model_len):
                 seq.finish("length")
@@ -579,3 +583,9 @@ def _second_tier(config: EngineConfig, kv_cache: PagedKVCache) -> DiskKVTier | N
 
 def _pairs(batch: ScheduledBatch):
     return zip(batch.seqs, batch.num_new_tokens, strict=True)
+
+
+def _stop_reason(seq: Sequence) -> FinishReason:
+    """``stop``, unless closing steered the constrained output to end before the model would
+    have (``workers/structured/closing.py``): then ``length``, for the budget ended it."""
+    return "length" if seq.grammar is not None and seq.grammar.steered else "stop"

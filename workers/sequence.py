@@ -107,6 +107,12 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    def budget(self, max_model_len: int) -> int:
+        """Tokens this sequence may still produce: within ``max_tokens`` and the context of
+        ``max_model_len`` tokens."""
+        return min(self.sampling.max_tokens - self.num_output_tokens,
+                   max_model_len - self.num_tokens)
+
     def block_tokens(self, index: int) -> list[int]:
         """Token ids of full block ``index``."""
         start = index * self.block_size

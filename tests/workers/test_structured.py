@@ -157,14 +157,16 @@ def test_speculation_under_a_constraint_equals_no_speculation(smollm, make_engin
     """Drafts are cut at the constraint and verified under each position's mask, so
     constrained output with speculation equals it without, greedy and seeded-sampled (each
     position samples the constrained target distribution); drafts were proposed, cut and
-    accepted."""
+    accepted. A row that closes near its budget (the runaway) gets each verified position's
+    mask narrowed with that position's budget, as a plain step would."""
     prompt = chat(smollm.tokenizer, "Describe one example as a JSON object.")
     structured = StructuredOutput("json", json.dumps(SCHEMAS["order"]))
 
     def outputs(engine):
-        chunks = engine.generate([constrained(f"r{i}", prompt, structured, temperature,
-                                              seed=i)
-                                  for i in range(2)])  # constrained rows only: their drafts
+        requests = [constrained(f"r{i}", prompt, structured, temperature, seed=i)
+                    for i in range(2)]  # constrained rows only: their drafts
+        requests.append(runaway("closing", smollm.tokenizer, temperature=temperature, seed=5))
+        chunks = engine.generate(requests)
         return {rid: output_ids(c) for rid, c in chunks.items()}
 
     plain = outputs(make_engine(smollm, num_blocks=256))
@@ -173,5 +175,58 @@ def test_speculation_under_a_constraint_equals_no_speculation(smollm, make_engin
     assert outputs(engine) == plain
     spec = engine.counters.spec
     assert 0 < spec.accepted_tokens < spec.proposed_tokens
+    closing = plain.pop("closing")
+    jsonschema.validate(json.loads(smollm.tokenizer.decode(closing)), RUNAWAY_SCHEMA)
     for output in plain.values():
         jsonschema.validate(json.loads(smollm.tokenizer.decode(output)), SCHEMAS["order"])
+
+
+RUNAWAY_SCHEMA = {"type": "object", "properties": {"pi": {"type": "number"}}, "required": ["pi"]}
+"""Greedy SmolLM2 asked for pi writes digits until any budget runs out."""
+
+
+def runaway(request_id: str, tokenizer, **sampling) -> GenerationRequest:
+    return constrained(request_id, chat(tokenizer, "Write pi with 200 digits as JSON."),
+                       StructuredOutput("json", json.dumps(RUNAWAY_SCHEMA)),
+                       **{"max_tokens": 40, **sampling})
+
+
+def test_an_output_about_to_run_past_max_tokens_is_closed_so_it_parses(engine, smollm,
+                                                                       monkeypatch):
+    """Near the budget's end only closing tokens are admitted once closing would take what is
+    left: the output parses and validates, and reports ``length`` (the budget shortened it).
+    Without closing, the same request is cut mid-number."""
+    from workers.structured import closing
+
+    (closed,) = engine.generate([runaway("closed", smollm.tokenizer)]).values()
+    text = text_of(closed)
+    assert closed[-1].finish_reason == "length" and len(output_ids(closed)) <= 40
+    jsonschema.validate(json.loads(text), RUNAWAY_SCHEMA)
+    assert text.startswith('{\n  "pi": 3.14159265') and text.endswith("}")
+    monkeypatch.setattr(closing, "CLOSING_WINDOW", 0)
+    (cut,) = engine.generate([runaway("cut", smollm.tokenizer)]).values()
+    assert cut[-1].finish_reason == "length" and len(output_ids(cut)) == 40
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text_of(cut))
+    assert text_of(cut)[:24] == text[:24]  # the same digits, until closing began
+
+
+def test_closing_tokens_are_packed_as_the_sampler_reads_them(smollm):
+    """Bit ``t % 32`` of word ``t // 32``, the sign bit included; the preference classes hold
+    EOS, then closing brackets and quotes, then those with commas."""
+    from workers.structured.closing import _first_token, _packed
+    from workers.structured.grammar import GrammarCompiler
+
+    assert _first_token(_packed([31, 40], 64)) == 31
+    assert _first_token(_packed([40, 99], 128)) == 40
+    assert _packed([0, 33], 64).tolist() == [1, 2]
+    tiers = GrammarCompiler(smollm.tokenizer, 49152).closing_tokens.tiers
+
+    def holds(tier, text):
+        (token,) = smollm.tokenizer.encode(text)
+        return bool((int(tier[token // 32]) >> (token % 32)) & 1)
+
+    assert holds(tiers[0], "<|im_end|>")
+    assert all(holds(tiers[1], text) for text in ('"', "}", "]", '"}'))
+    assert holds(tiers[2], "},") and not holds(tiers[1], "},")
+    assert not any(holds(tier, text) for tier in tiers for text in ("{", "a", " "))

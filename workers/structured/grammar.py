@@ -10,7 +10,8 @@ The matcher advances only over committed tokens: a draft is cut at its first tok
 constraint rejects, and verification reads each position's mask by stepping over the drafts
 and rolling back (``masks_along``). With EOS allowed only where the constraint may end, a
 sequence that stops on EOS (or because the constraint admits nothing more) holds a complete
-match; one cut at ``max_tokens`` holds a prefix of one.
+match; one cut at ``max_tokens`` holds a prefix of one, which near the end of the budget is
+steered to close (``closing.py``) so that it parses, too.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from collections import OrderedDict
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 
 from contract.request import InvalidRequestError, StructuredOutput
+from workers.structured.closing import ClosingEstimate, ClosingTokens
+from workers.structured.masks import MaskBuffer
 
 MAX_CACHED_GRAMMARS = 256
 """Compiled constraints kept per engine, least recently used dropped first."""
@@ -43,6 +45,7 @@ class GrammarCompiler:
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
         # Keyed by (kind, spec): the same constraint from another field compiles once.
         self._grammars: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self.closing_tokens = ClosingTokens(self._tokenizer, vocab_size)
         self._lock = threading.Lock()  # requests are validated off the engine thread
 
     def compile(self, structured: StructuredOutput) -> str:
@@ -72,7 +75,7 @@ class GrammarCompiler:
     def matcher(self, structured: StructuredOutput) -> GrammarMatcher:
         """A fresh matcher for one sequence (raises as :meth:`compile`)."""
         return GrammarMatcher(llguidance.LLMatcher(self._tokenizer, self.compile(structured)),
-                              self.vocab_size)
+                              self.closing_tokens)
 
 
 class GrammarMatcher:
@@ -80,19 +83,33 @@ class GrammarMatcher:
 
     Args:
         matcher: llguidance's matcher, at the start of the output.
-        vocab_size: the logit row's length, in tokens.
+        closing_tokens: what closing near the end of the budget prefers.
+
+    Attributes:
+        steered: a committed token was chosen under closing's narrower mask, so the output
+            was ended short of where the model would have taken it.
     """
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
+    def __init__(self, matcher: llguidance.LLMatcher, closing_tokens: ClosingTokens):
         self._matcher = matcher
-        self._bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
+        self._closing_tokens = closing_tokens
+        self._closing = ClosingEstimate(matcher, closing_tokens)
+        self._mask = MaskBuffer(closing_tokens.vocab_size)
+        self._position = 0  # output tokens consumed
+        self._steered_at: set[int] = set()  # positions whose mask closing narrowed
+        self.steered = False
 
-    def allowed(self) -> torch.Tensor:
+    def allowed(self, budget: int) -> torch.Tensor:
         """``[ceil(V / 32)]`` int32: the tokens the constraint admits next (EOS only where it
-        may end), packed: bit ``t % 32`` of word ``t // 32``. The matcher's own buffer,
-        rewritten by the next call."""
-        llguidance.torch.fill_next_token_bitmask(self._matcher, self._bitmask, 0)
-        return self._bitmask[0]
+        may end), packed: bit ``t % 32`` of word ``t // 32``; narrowed to closing tokens once
+        closing must start with ``budget`` tokens left to produce (``closing.py``). The
+        matcher's own buffer, rewritten by the next call."""
+        must_close = self._closing.must_close(budget)
+        mask = self._mask.fill(self._matcher)
+        self._steered_at.discard(self._position)
+        if must_close and self._closing_tokens.restrict(mask):
+            self._steered_at.add(self._position)
+        return mask
 
     def consume(self, token_id: int) -> None:
         """Advance over a committed token.
@@ -103,21 +120,32 @@ class GrammarMatcher:
         if not self._matcher.consume_token(token_id):
             raise RuntimeError(f"the constraint rejected token {token_id}: "
                                f"{self._matcher.get_error()}")
+        self.steered |= self._position in self._steered_at
+        self._position += 1
+
+    def end(self) -> None:
+        """The sequence ended on EOS, sampled here under this position's mask (EOS is never
+        consumed): :attr:`steered` if that mask was closing's."""
+        self.steered |= self._position in self._steered_at
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many leading ``tokens`` the constraint admits from here (nothing consumed):
         where a draft is cut before verification."""
         return self._matcher.validate_tokens(tokens)
 
-    def masks_along(self, tokens: list[int]) -> list[torch.Tensor]:
+    def masks_along(self, tokens: list[int], budget: int) -> list[torch.Tensor]:
         """The packed masks at each of the ``len(tokens) + 1`` positions of a verification
         block: here, then after each of ``tokens`` (which the constraint must admit, see
-        :meth:`valid_prefix`). The matcher is rolled back to where it was."""
-        masks = [self.allowed().clone()]
-        for token in tokens:
+        :meth:`valid_prefix`), with ``budget`` tokens left to produce here. The matcher is
+        rolled back to where it was."""
+        steered = self.steered
+        masks = [self.allowed(budget).clone()]
+        for i, token in enumerate(tokens, start=1):
             self.consume(token)
-            masks.append(self.allowed().clone())
+            masks.append(self.allowed(budget - i).clone())
         self._matcher.rollback(len(tokens))
+        self._position -= len(tokens)
+        self.steered = steered
         return masks
 
     @property
