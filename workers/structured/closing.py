@@ -6,7 +6,8 @@ until the budget cuts it, leaving a prefix that does not parse. So near the end 
 each step estimates how many tokens closing the output would take, by a dry run of the matcher
 that prefers tokens which end things (EOS, then closing quotes and brackets, then separators);
 once that estimate no longer fits in what is left, the step admits only the first preference
-class the constraint allows, and the model still chooses within it.
+class the constraint allows, and the model still chooses within it. Closing then stays on to the
+end, which also ends the dry runs: an output that cannot close costs one.
 
 The estimate is an upper bound of a greedy path, not the shortest completion; a constraint whose
 every completion is longer than the budget (a long ``minLength``) still ends cut. An output the

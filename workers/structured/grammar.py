@@ -93,22 +93,26 @@ class GrammarMatcher:
     def __init__(self, matcher: llguidance.LLMatcher, closing_tokens: ClosingTokens):
         self._matcher = matcher
         self._closing_tokens = closing_tokens
-        self._closing = ClosingEstimate(matcher, closing_tokens)
+        self._estimate = ClosingEstimate(matcher, closing_tokens)
         self._mask = MaskBuffer(closing_tokens.vocab_size)
         self._position = 0  # output tokens consumed
+        self._closing: list[bool] = []  # per position: closing is on (once on, it stays)
         self._steered_at: set[int] = set()  # positions whose mask closing narrowed
         self.steered = False
 
     def allowed(self, budget: int) -> torch.Tensor:
         """``[ceil(V / 32)]`` int32: the tokens the constraint admits next (EOS only where it
-        may end), packed: bit ``t % 32`` of word ``t // 32``; narrowed to closing tokens once
-        closing must start with ``budget`` tokens left to produce (``closing.py``). The
+        may end), packed: bit ``t % 32`` of word ``t // 32``; narrowed to closing tokens from
+        where closing must start with ``budget`` tokens left to produce (``closing.py``). The
         matcher's own buffer, rewritten by the next call."""
-        must_close = self._closing.must_close(budget)
+        position = self._position
+        del self._closing[position:]  # entries past here were a verification's drafts'
+        closing = (bool(self._closing) and self._closing[-1]) or self._estimate.must_close(budget)
+        self._closing.append(closing)
         mask = self._mask.fill(self._matcher)
-        self._steered_at.discard(self._position)
-        if must_close and self._closing_tokens.restrict(mask):
-            self._steered_at.add(self._position)
+        self._steered_at.discard(position)
+        if closing and self._closing_tokens.restrict(mask):
+            self._steered_at.add(position)
         return mask
 
     def consume(self, token_id: int) -> None:
