@@ -99,13 +99,16 @@ def test_choice_regex_and_grammar_constraints(engine, smollm):
 
 
 def test_max_tokens_cuts_a_constrained_output_at_a_prefix_of_the_grammar(engine, smollm):
+    """An order cannot close within 6 tokens, so closing leaves the model free: the cut output
+    is the first 6 tokens of the uncut one."""
     prompt = chat(smollm.tokenizer, "Describe one example as a JSON object.")
-    schema = SCHEMAS["order"]
-    request = constrained("cut", prompt, StructuredOutput("json", json.dumps(schema)),
-                          max_tokens=6)
-    (chunks,) = engine.generate([request]).values()
-    assert chunks[-1].finish_reason == "length" and len(output_ids(chunks)) == 6
-    assert text_of(chunks).startswith("{")
+    structured = StructuredOutput("json", json.dumps(SCHEMAS["order"]))
+    chunks = engine.generate([constrained("cut", prompt, structured, max_tokens=6),
+                              constrained("whole", prompt, structured)])
+    cut = chunks["cut"]
+    assert cut[-1].finish_reason == "length" and len(output_ids(cut)) == 6
+    assert output_ids(cut) == output_ids(chunks["whole"])[:6]
+    assert chunks["whole"][-1].finish_reason == "stop"
 
 
 @pytest.mark.parametrize(("spec", "reason"), [

@@ -2,15 +2,19 @@
 
 A grammar can admit outputs longer than ``max_tokens`` (an unbounded number, a recursive tree,
 an open object), and a model can loop inside one: greedy SmolLM2 writes ``0000…`` in a number
-until the budget cuts it, leaving a prefix that does not parse. So near the end of the budget
-each step estimates how many tokens closing the output would take, by a dry run of the matcher
-that prefers tokens which end things (EOS, then closing quotes and brackets, then separators);
-once that estimate no longer fits in what is left, the step admits only the first preference
-class the constraint allows, and the model still chooses within it. Closing then stays on to the
-end, which also ends the dry runs: an output that cannot close costs one.
+until the budget cuts it, leaving a prefix that does not parse. So in the last stretch of the
+budget, dry runs of the matcher estimate how many tokens closing the output would take, along a
+path that prefers tokens which end things (EOS, then closing quotes and brackets, then
+separators); once that estimate no longer fits in what is left, the step admits only the first
+preference class the constraint allows, and the model still chooses within it. Closing then
+stays on to the end. The dry runs come more often as the estimate nears what is left, so an
+output far from its end costs one now and then. Each decision depends only on the tokens before
+its position, so a verification's drafts get the masks a plain step would give them.
 
-The estimate is an upper bound of a greedy path, not the shortest completion; a constraint whose
-every completion is longer than the budget (a long ``minLength``) still ends cut. An output the
+The estimate is the length of a greedy path, not of the shortest completion. Where the path does
+not fit in the budget at all, closing leaves the model free (steering could not save the output)
+and looks again later; such an output, or one whose every completion is longer than the budget
+(a long ``minLength``), still ends cut. An output the
 closing steered ends with ``finish_reason`` ``length``: it parses, but the model was stopped
 short.
 """
@@ -18,6 +22,7 @@ short.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import llguidance
 import numpy as np
@@ -25,12 +30,14 @@ import torch
 
 from workers.structured.masks import MaskBuffer
 
-CLOSING_WINDOW = 64
-"""Tokens: closing is considered only this near the end of the budget, which bounds the dry
-runs' cost (each dry-run step is a mask, about 20 µs) to the last stretch of an output."""
+CLOSING_WINDOW = 256
+"""Tokens: closing is considered only this near the end of the budget (a deep recursive tree
+took over 64 tokens to close), which bounds a dry run to as many masks (about 20 µs each)."""
 CLOSING_MARGIN = 4
 """Tokens left over the estimate when closing starts: the model's free tokens at positions the
 dry run filled with its first choice (a digit, a key) may run longer than the dry run's."""
+RECHECK_UNFIT = 16
+"""Tokens between dry runs while the closing path does not fit in the budget at all."""
 CLOSERS = frozenset('"}])')
 SEPARATORS = frozenset(",")
 
@@ -77,6 +84,19 @@ class ClosingTokens:
         return False
 
 
+@dataclass(frozen=True)
+class ClosingState:
+    """Closing's decision at one output position.
+
+    Attributes:
+        closing: only closing tokens are admitted, from here to the end.
+        next_check: the budget (tokens left) at or below which the next dry run is due.
+    """
+
+    closing: bool = False
+    next_check: int = CLOSING_WINDOW
+
+
 class ClosingEstimate:
     """Dry runs of one matcher toward the end of its output.
 
@@ -90,30 +110,40 @@ class ClosingEstimate:
         self._tokens = tokens
         self._scratch = MaskBuffer(tokens.vocab_size)
 
-    def must_close(self, budget: int) -> bool:
-        """Whether closing must start now, with ``budget`` tokens left to produce."""
-        limit = budget - CLOSING_MARGIN
-        return budget <= CLOSING_WINDOW and (limit <= 0 or self.tokens_to_close(limit) >= limit)
+    def decide(self, previous: ClosingState, budget: int) -> ClosingState:
+        """The decision at this position, with ``budget`` tokens left to produce, after
+        ``previous`` (the previous position's, or a fresh :class:`ClosingState`)."""
+        if previous.closing or budget > min(previous.next_check, CLOSING_WINDOW):
+            return previous
+        length = self.tokens_to_close(budget)
+        if length is None:  # steering cannot save it: leave the model free, look again later
+            return ClosingState(False, budget - RECHECK_UNFIT)
+        slack = budget - length - CLOSING_MARGIN
+        if slack <= 0:
+            return ClosingState(True, 0)
+        # A token can deepen the structure by a few tokens of closing: look again well before
+        # the slack could be spent.
+        return ClosingState(False, budget - max(1, slack // 8))
 
-    def tokens_to_close(self, limit: int) -> int:
-        """Tokens (EOS included) the preferred path takes to end the output, at most
-        ``limit``."""
+    def tokens_to_close(self, limit: int) -> int | None:
+        """Tokens (EOS included) the preferred path takes to end the output; None if it takes
+        more than ``limit``."""
         steps = consumed = 0
         try:
-            while steps < limit and not self._matcher.is_stopped():
+            while not self._matcher.is_stopped():
                 mask = self._scratch.fill(self._matcher)
-                if not mask.any():
-                    break
+                if steps == limit or not mask.any():
+                    return None
                 steps += 1
                 if (mask & self._tokens.tiers[0]).any():
-                    break  # EOS: done
+                    return steps  # EOS
                 self._tokens.restrict(mask)
                 if not self._matcher.consume_token(_first_token(mask)):
-                    break
+                    return None
                 consumed += 1
+            return steps
         finally:
             self._matcher.rollback(consumed)
-        return steps
 
 
 def _first_token(mask: torch.Tensor) -> int:

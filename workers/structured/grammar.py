@@ -25,7 +25,7 @@ import llguidance.hf
 import torch
 
 from contract.request import InvalidRequestError, StructuredOutput
-from workers.structured.closing import ClosingEstimate, ClosingTokens
+from workers.structured.closing import ClosingEstimate, ClosingState, ClosingTokens
 from workers.structured.masks import MaskBuffer
 
 MAX_CACHED_GRAMMARS = 256
@@ -96,7 +96,7 @@ class GrammarMatcher:
         self._estimate = ClosingEstimate(matcher, closing_tokens)
         self._mask = MaskBuffer(closing_tokens.vocab_size)
         self._position = 0  # output tokens consumed
-        self._closing: list[bool] = []  # per position: closing is on (once on, it stays)
+        self._closing: list[ClosingState] = []  # per position
         self._steered_at: set[int] = set()  # positions whose mask closing narrowed
         self.steered = False
 
@@ -107,11 +107,12 @@ class GrammarMatcher:
         matcher's own buffer, rewritten by the next call."""
         position = self._position
         del self._closing[position:]  # entries past here were a verification's drafts'
-        closing = (bool(self._closing) and self._closing[-1]) or self._estimate.must_close(budget)
-        self._closing.append(closing)
+        state = self._estimate.decide(self._closing[-1] if self._closing else ClosingState(),
+                                      budget)
+        self._closing.append(state)
         mask = self._mask.fill(self._matcher)
         self._steered_at.discard(position)
-        if closing and self._closing_tokens.restrict(mask):
+        if state.closing and self._closing_tokens.restrict(mask):
             self._steered_at.add(position)
         return mask
 
