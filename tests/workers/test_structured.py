@@ -216,7 +216,8 @@ def test_an_output_about_to_run_past_max_tokens_is_closed_so_it_parses(engine, s
 
 def test_closing_tokens_are_packed_as_the_sampler_reads_them(smollm):
     """Bit ``t % 32`` of word ``t // 32``, the sign bit included; the preference classes hold
-    EOS, then closing brackets and quotes, then those with commas."""
+    EOS, then closing brackets and quotes, then those with commas, then what opens nothing,
+    then a lone opener; whitespace alone and a token opening two levels are in none."""
     from workers.structured.closing import _first_token, _packed
     from workers.structured.grammar import GrammarCompiler
 
@@ -232,4 +233,6 @@ def test_closing_tokens_are_packed_as_the_sampler_reads_them(smollm):
     assert holds(tiers[0], "<|im_end|>")
     assert all(holds(tiers[1], text) for text in ('"', "}", "]", '"}'))
     assert holds(tiers[2], "},") and not holds(tiers[1], "},")
-    assert not any(holds(tier, text) for tier in tiers for text in ("{", "a", " "))
+    assert all(holds(tiers[3], text) for text in ("a", ":", "0"))
+    assert holds(tiers[4], "{") and holds(tiers[4], "[")
+    assert not any(holds(tier, text) for tier in tiers for text in ("[[", "({", " ", "\n"))

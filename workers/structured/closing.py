@@ -5,7 +5,7 @@ an open object), and a model can loop inside one: greedy SmolLM2 writes ``0000â€
 until the budget cuts it, leaving a prefix that does not parse. So in the last stretch of the
 budget, dry runs of the matcher estimate how many tokens closing the output would take, along a
 path that prefers tokens which end things (EOS, then closing quotes and brackets, then
-separators); once that estimate no longer fits in what is left, the step admits only the first
+separators, then tokens that open nothing); once that estimate no longer fits in what is left, the step admits only the first
 preference class the constraint allows, and the model still chooses within it. Closing then
 stays on to the end. The dry runs come more often as the estimate nears what is left, so an
 output far from its end costs one now and then. Each decision depends only on the tokens before
@@ -40,12 +40,30 @@ RECHECK_UNFIT = 16
 """Tokens between dry runs while the closing path does not fit in the budget at all."""
 CLOSERS = frozenset('"}])')
 SEPARATORS = frozenset(",")
+OPENERS = frozenset("{[(")
+
+
+def _closing_class(text: str) -> int | None:
+    """Where a token of (stripped) ``text`` ranks when closing, EOS being first: 0 made only
+    of closers, 1 of closers and separators, 2 anything that opens nothing (not whitespace
+    alone, which could go on forever), 3 a single opener (a value that must be an array);
+    None otherwise: a token that opens structure and then some is never a closing choice."""
+    chars = set(text)
+    if not chars:
+        return None
+    if chars <= CLOSERS:
+        return 0
+    if chars <= CLOSERS | SEPARATORS:
+        return 1
+    if not chars & OPENERS:
+        return 2
+    return 3 if len(text) == 1 else None
 
 
 class ClosingTokens:
     """The tokens that end structure, by preference, packed as the sampler's masks are
-    (bit ``t % 32`` of int32 word ``t // 32``): EOS first, then tokens made only of closing
-    quotes and brackets (whitespace allowed around them), then those with separators too.
+    (bit ``t % 32`` of int32 word ``t // 32``): EOS first, then the classes of
+    :func:`_closing_class`. A position where none is allowed keeps its whole mask.
 
     Args:
         tokenizer: llguidance's tokenizer of the model.
@@ -60,17 +78,13 @@ class ClosingTokens:
     def tiers(self) -> list[torch.Tensor]:
         """The packed preference classes, sorted out of the vocabulary on first use (about
         0.5 s for 49k tokens): only outputs that near their budget pay for it."""
-        closers, separators = [], []
+        classes: list[list[int]] = [[], [], [], []]
         for token in range(self._tokenizer.vocab_size):
-            if self._tokenizer.is_special_token(token):
-                continue
-            chars = set(self._tokenizer.decode_str([token]).strip())
-            if chars and chars <= CLOSERS:
-                closers.append(token)
-            elif chars and chars <= CLOSERS | SEPARATORS:
-                separators.append(token)
-        return [_packed(ids, self.vocab_size)
-                for ids in (self._tokenizer.eos_tokens, closers, separators)]
+            if not self._tokenizer.is_special_token(token):
+                kind = _closing_class(self._tokenizer.decode_str([token]).strip())
+                if kind is not None:
+                    classes[kind].append(token)
+        return [_packed(ids, self.vocab_size) for ids in (self._tokenizer.eos_tokens, *classes)]
 
     def restrict(self, mask: torch.Tensor) -> bool:
         """Narrows packed ``mask`` in place to its first non-empty preference class; returns
