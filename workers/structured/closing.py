@@ -33,8 +33,9 @@ from workers.structured.masks import MaskBuffer
 CLOSING_WINDOW = 256
 """Tokens: closing is considered only this near the end of the budget (a deep recursive tree
 took over 64 tokens to close), which bounds a dry run to as many masks (about 20 µs each)."""
-CLOSING_MARGIN = 4
-"""Tokens left over the estimate when closing starts: the model's free tokens at positions the
+CLOSING_MARGIN = 16
+"""Tokens left over the estimate when closing starts: one free token can add about ten tokens
+of closing (a new object in a tree of required keys), and the model's tokens at positions the
 dry run filled with its first choice (a digit, a key) may run longer than the dry run's."""
 RECHECK_UNFIT = 16
 """Tokens between dry runs while the closing path does not fit in the budget at all."""
