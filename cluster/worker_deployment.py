@@ -132,6 +132,8 @@ class NalarWorker:
         self._worker_handle: DeploymentHandle | None = None
         self.transfer_cost = TransferCost(self.engine.block_manager)
         self.adapter_admission = AdapterAdmission(self.engine.adapters)
+        if self.engine.pool.tier is not None:  # transfers land in the tier: none without it
+            self._peers_ready = asyncio.get_running_loop().create_task(self._connect_to_peers())
         self.startup_s = time.perf_counter() - started
         log.info("worker %s ready in %.1f s: %d KV blocks of %d tokens, dtype %s", self.worker_id,
                  self.startup_s, self.engine.pool.num_blocks, config.block_size,
@@ -193,6 +195,17 @@ class NalarWorker:
         """Copies of the blocks ``request`` names that this worker holds, leading ones first,
         for another worker; taken between two engine steps."""
         return await self.async_engine.call(self.engine.export_blocks, request.digests)
+
+    async def _connect_to_peers(self) -> None:
+        """Sets up the handle KV is fetched through, with an empty export from this replica
+        itself once it serves: the first call's setup (the handle's router learning the
+        replicas, about a second) would otherwise count against the first fetch's deadline,
+        which is as short as computing the blocks. Never raises."""
+        try:
+            await self._workers().export_kv.remote(KVExportRequest(self.worker_id, []))
+        except Exception as exc:  # the first fetch sets it up instead
+            log.info("worker %s: peer handle not set up (%s: %s)", self.worker_id,
+                     type(exc).__name__, exc)
 
     def _workers(self) -> DeploymentHandle:
         """A handle to this worker's own deployment, for calls to other replicas."""

@@ -178,6 +178,7 @@ async def observe(cluster: Cluster, nodes: list, config: ClusterConfig) -> dict:
     async with httpx.AsyncClient(base_url=probe.base_url) as client:
         holders = await place_prefixes(client, probe, worker_ids)
         result["routing"] = await repeat_prefixes(client, probe, holders)
+        result["transfer"] = await fetch_from_a_busy_holder(client, probe, holders)
         result["index_workers"] = sorted({
             w for key, (ids, _) in holders.items()
             for w, n in (await probe.credited(key, ids, worker_ids)).items() if n > 0})
@@ -215,6 +216,18 @@ async def repeat_prefixes(client, probe: Probe, holders: dict) -> list[dict]:
         answer = await probe.complete(client, key, ids + [7, 8, 9, 10])
         repeats.append({"key": key, "holder": holder, **answer})
     return repeats
+
+
+async def fetch_from_a_busy_holder(client, probe: Probe, holders: dict) -> dict:
+    """A long stream on a held prefix keeps its holder busy; the same prefix sent meanwhile
+    goes to the worker on the other node, which fetches the prefix across nodes."""
+    key, (ids, holder) = next(iter(holders.items()))
+    started = asyncio.Event()
+    busy = asyncio.create_task(probe.stream(client, key, ids + [20], started))
+    await asyncio.wait_for(started.wait(), REQUEST_TIMEOUT_S)
+    answer = await probe.complete(client, key, ids + [21, 22, 23, 24])
+    await busy
+    return {"holder": holder, **answer}
 
 
 async def remove_a_node(cluster, nodes, client, probe: Probe, holders: dict,
@@ -268,8 +281,7 @@ def main() -> int:
         deploy(config, cluster.address)
         result = asyncio.run(observe(cluster, nodes, config))
         Path(args.out).write_text(json.dumps(result, indent=2))
-    finally:
-        serve.shutdown()
+    finally:  # no serve.shutdown(): its graceful stop took 9 s, and the nodes die anyway
         ray.shutdown()
         cluster.shutdown()
         delete_key_prefix(config.redis_url, config.key_prefix)

@@ -47,6 +47,15 @@ def test_a_shared_prefix_goes_to_the_node_that_holds_it(report) -> None:
         assert repeat["cached_tokens"] >= 112, repeat  # 7 of the 8 prefix blocks, at least
 
 
+def test_a_busy_holders_prefix_is_fetched_across_nodes(report) -> None:
+    transfer = report["transfer"]
+    assert transfer["status"] == 200 and transfer["worker"] != transfer["holder"], transfer
+    fetched = 128  # the 8 full blocks of the prefix before the prompt's last token
+    assert transfer["cached_tokens"] == fetched, transfer
+    assert transfer["cached_tokens_by_source"] == {
+        "local_cache_hit": 0, "second_tier": 0, "external_kv_transfer": fetched}, transfer
+
+
 def test_the_index_credits_workers_on_both_nodes(report) -> None:
     assert report["index_workers"] == sorted(report["placement"])
 
