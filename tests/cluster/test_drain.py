@@ -23,7 +23,7 @@ import pytest
 from helpers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-DRAIN_TIMEOUT_S = 10
+DRAIN_TIMEOUT_S = 5
 START_TIMEOUT_S = 300
 SHORT_TOKENS = 24  # finishes well within the drain deadline
 # Cannot finish within the deadline: a fast host decodes the Q4_1 model at ~100 tokens/s
