@@ -5,11 +5,12 @@ an open object), and a model can loop inside one: greedy SmolLM2 writes ``0000â€
 until the budget cuts it, leaving a prefix that does not parse. So in the last stretch of the
 budget, dry runs of the matcher estimate how many tokens closing the output would take, along a
 path that prefers tokens which end things (EOS, then closing quotes and brackets, then
-separators, then tokens that open nothing); once that estimate no longer fits in what is left, the step admits only the first
-preference class the constraint allows, and the model still chooses within it. Closing then
-stays on to the end. The dry runs come more often as the estimate nears what is left, so an
-output far from its end costs one now and then. Each decision depends only on the tokens before
-its position, so a verification's drafts get the masks a plain step would give them.
+separators, then tokens that open nothing). Once that estimate no longer fits in what is left,
+the step admits only the first preference class the constraint allows, and the model still
+chooses within it. Closing then stays on to the end. The dry runs come more often as the
+estimate nears what is left, so an output far from its end costs one now and then. Each
+decision depends only on the tokens before its position, so a verification's drafts get the
+masks a plain step would give them.
 
 The estimate is the length of a greedy path, not of the shortest completion. Where the path does
 not fit in the budget at all, closing leaves the model free (steering could not save the output)
