@@ -267,7 +267,8 @@ class LLMEngine:
             seq = Sequence(request, root, self.config.block_size, index, prompt_digests,
                            adapter)
             if request.sampling.structured is not None:
-                seq.grammar = self.grammars.matcher(request.sampling.structured)
+                seq.grammar = self.grammars.matcher(request.sampling.structured,
+                                                    request.sampling.min_tokens)
             self.request_metrics.arrived(seq, arrived_at)
             if not request.sampling.ignore_eos:
                 seq.stop_token_ids |= self.eos_token_ids

@@ -236,3 +236,17 @@ def test_closing_tokens_are_packed_as_the_sampler_reads_them(smollm):
     assert all(holds(tiers[3], text) for text in ("a", ":", "0"))
     assert holds(tiers[4], "{") and holds(tiers[4], "[")
     assert not any(holds(tier, text) for tier in tiers for text in ("[[", "({", " ", "\n"))
+
+
+def test_closing_waits_for_min_tokens_before_it_offers_eos(engine, smollm):
+    """Before ``min_tokens`` the sampler forbids EOS, so closing must not narrow a mask to EOS
+    alone there (the row had no token left, and the step failed): the closed number is
+    padded with the spaces the pattern allows until EOS may come."""
+    pattern = r'\{"pi": [0-9.]+\} *'
+    request = constrained("padded", chat(smollm.tokenizer, "Write pi with 200 digits as JSON."),
+                          StructuredOutput("regex", pattern), max_tokens=40, min_tokens=36)
+    (chunks,) = engine.generate([request]).values()
+    text = text_of(chunks)
+    assert re.fullmatch(pattern, text) and text.rstrip(" ").endswith("}") and text[-1] == " "
+    assert len(output_ids(chunks)) >= 36 and chunks[-1].finish_reason == "length"
+    assert engine.pool.num_in_use == 0

@@ -88,10 +88,11 @@ class ClosingTokens:
                     classes[kind].append(token)
         return [_packed(ids, self.vocab_size) for ids in (self._tokenizer.eos_tokens, *classes)]
 
-    def restrict(self, mask: torch.Tensor) -> bool:
-        """Narrows packed ``mask`` in place to its first non-empty preference class; returns
-        whether that took anything away."""
-        for tier in self.tiers:
+    def restrict(self, mask: torch.Tensor, may_end: bool = True) -> bool:
+        """Narrows packed ``mask`` in place to its first non-empty preference class (EOS's
+        only where the output ``may_end``: before ``min_tokens`` the sampler forbids it);
+        returns whether that took anything away."""
+        for tier in self.tiers if may_end else self.tiers[1:]:
             narrowed = mask & tier
             if narrowed.any():
                 changed = not torch.equal(narrowed, mask)

@@ -72,10 +72,11 @@ class GrammarCompiler:
                 self._grammars.popitem(last=False)
         return grammar
 
-    def matcher(self, structured: StructuredOutput) -> GrammarMatcher:
-        """A fresh matcher for one sequence (raises as :meth:`compile`)."""
+    def matcher(self, structured: StructuredOutput, min_tokens: int = 0) -> GrammarMatcher:
+        """A fresh matcher for one sequence that may end after ``min_tokens`` output tokens
+        (raises as :meth:`compile`)."""
         return GrammarMatcher(llguidance.LLMatcher(self._tokenizer, self.compile(structured)),
-                              self.closing_tokens)
+                              self.closing_tokens, min_tokens)
 
 
 class GrammarMatcher:
@@ -84,14 +85,18 @@ class GrammarMatcher:
     Args:
         matcher: llguidance's matcher, at the start of the output.
         closing_tokens: what closing near the end of the budget prefers.
+        min_tokens: output tokens before EOS is allowed (the request's ``min_tokens``), so
+            closing does not narrow a mask to EOS alone where the sampler forbids it.
 
     Attributes:
         steered: a committed token was chosen under closing's narrower mask, so the output
             was ended short of where the model would have taken it.
     """
 
-    def __init__(self, matcher: llguidance.LLMatcher, closing_tokens: ClosingTokens):
+    def __init__(self, matcher: llguidance.LLMatcher, closing_tokens: ClosingTokens,
+                 min_tokens: int = 0):
         self._matcher = matcher
+        self._min_tokens = min_tokens
         self._closing_tokens = closing_tokens
         self._estimate = ClosingEstimate(matcher, closing_tokens)
         self._mask = MaskBuffer(closing_tokens.vocab_size)
@@ -112,7 +117,7 @@ class GrammarMatcher:
         self._closing.append(state)
         mask = self._mask.fill(self._matcher)
         self._steered_at.discard(position)
-        if state.closing and self._closing_tokens.restrict(mask):
+        if state.closing and self._closing_tokens.restrict(mask, position >= self._min_tokens):
             self._steered_at.add(position)
         return mask
 
