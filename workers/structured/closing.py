@@ -15,9 +15,8 @@ masks a plain step would give them.
 The estimate is the length of a greedy path, not of the shortest completion. Where the path does
 not fit in the budget at all, closing leaves the model free (steering could not save the output)
 and looks again later; such an output, or one whose every completion is longer than the budget
-(a long ``minLength``), still ends cut. An output the
-closing steered ends with ``finish_reason`` ``length``: it parses, but the model was stopped
-short.
+(a long ``minLength``), still ends cut. An output the closing steered ends with
+``finish_reason`` ``length``: it parses, but the model was stopped short.
 """
 
 from __future__ import annotations

@@ -101,8 +101,8 @@ class GrammarMatcher:
         self._estimate = ClosingEstimate(matcher, closing_tokens)
         self._mask = MaskBuffer(closing_tokens.vocab_size)
         self._position = 0  # output tokens consumed
-        self._closing: list[ClosingState] = []  # per position
-        self._steered_at: set[int] = set()  # positions whose mask closing narrowed
+        # Per position: closing's decision, and whether it narrowed that position's mask.
+        self._closing: list[tuple[ClosingState, bool]] = []
         self.steered = False
 
     def allowed(self, budget: int) -> torch.Tensor:
@@ -112,13 +112,12 @@ class GrammarMatcher:
         matcher's own buffer, rewritten by the next call."""
         position = self._position
         del self._closing[position:]  # entries past here were a verification's drafts'
-        state = self._estimate.decide(self._closing[-1] if self._closing else ClosingState(),
+        state = self._estimate.decide(self._closing[-1][0] if self._closing else ClosingState(),
                                       budget)
-        self._closing.append(state)
         mask = self._mask.fill(self._matcher)
-        self._steered_at.discard(position)
-        if state.closing and self._closing_tokens.restrict(mask, position >= self._min_tokens):
-            self._steered_at.add(position)
+        narrowed = state.closing and self._closing_tokens.restrict(
+            mask, position >= self._min_tokens)
+        self._closing.append((state, narrowed))
         return mask
 
     def consume(self, token_id: int) -> None:
@@ -130,13 +129,15 @@ class GrammarMatcher:
         if not self._matcher.consume_token(token_id):
             raise RuntimeError(f"the constraint rejected token {token_id}: "
                                f"{self._matcher.get_error()}")
-        self.steered |= self._position in self._steered_at
+        self.end()
         self._position += 1
 
     def end(self) -> None:
-        """The sequence ended on EOS, sampled here under this position's mask (EOS is never
-        consumed): :attr:`steered` if that mask was closing's."""
-        self.steered |= self._position in self._steered_at
+        """A token was sampled here under this position's mask (EOS, which ends the sequence
+        and is never consumed, or one :meth:`consume` takes): :attr:`steered` if closing
+        narrowed that mask."""
+        position = self._position
+        self.steered |= position < len(self._closing) and self._closing[position][1]
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many leading ``tokens`` the constraint admits from here (nothing consumed):

@@ -2,8 +2,8 @@
 is set when token ``t`` is allowed.
 
 It goes through llguidance's numpy entry points and shares the memory with a torch view:
-importing ``llguidance.torch`` imports ``torch._dynamo``, which cost every worker 2.5 s of its
-start.
+importing ``llguidance.torch`` imports ``torch._dynamo``. Without it, importing the worker
+deployment took 5.3 s instead of 6.9 s (``python -X importtime``), at every worker's start.
 """
 
 from __future__ import annotations
