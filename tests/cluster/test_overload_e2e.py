@@ -144,15 +144,18 @@ async def test_serve_backpressure_is_a_503_never_a_500(scripted):
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
         calls = [asyncio.ensure_future(client.post("/v1/completions", json=body))
                  for _ in range(8)]
-        # While the gate is shut no slot frees, however the 8 calls spread in time: one runs,
-        # one waits, and Serve refuses the other 6. Then the gate lets the 2 finish.
-        deadline = time.monotonic() + 60
-        while sum(call.done() for call in calls) < 6 and time.monotonic() < deadline:
+        # While the gate is shut a call finishes only if Serve refuses it. Which calls and how
+        # many is Serve's race, not ours: its router stops counting a call as queued while the
+        # replica decides whether to take it, so on a busy machine several pass the queue bound
+        # and retry until the gate opens (CI once saw fewer than six refused in a minute). Ours is
+        # that every refusal is a well-formed 503 and every other call then completes.
+        deadline = time.monotonic() + 30
+        while not any(call.done() for call in calls) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         gate.touch()
         responses = await asyncio.gather(*calls)
     statuses = [response.status_code for response in responses]
-    assert sorted(statuses) == [200] * 2 + [503] * 6, statuses
+    assert set(statuses) == {200, 503}, statuses
     for response in responses:
         if response.status_code == 503:
             error = response.json()["error"]
