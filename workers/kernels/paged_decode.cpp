@@ -47,8 +47,8 @@ inline float widen(at::BFloat16 x) {
   return out;
 }
 
-// A block's keys or values as fp32: the cache itself in fp32, a widened copy (in `scratch`,
-// at most kMaxBlockSize x D floats) in bf16, made once for all the rows of a KV head.
+// A block's keys as fp32: the cache itself in fp32, a widened copy (in `scratch`, at most
+// kMaxBlockSize x D floats) in bf16, made once for all the rows of a KV head.
 inline const float* as_float(const float* block, int64_t, float*) { return block; }
 
 inline const float* as_float(const at::BFloat16* block, int64_t count, float* scratch) {
@@ -94,39 +94,83 @@ inline float exp_shifted(float* s, float max, int64_t n) {
   return sum;
 }
 
-// row_acc [D] = row_acc * correction + probs [n] . v [n, D] (fp32). Tokens outer, the head's
-// D / W vectors inner: D / W independent FMA chains, where one chain per vector over the
-// tokens would wait on each FMA's latency.
-template <int64_t D>
-inline void accumulate_values(const float* probs, int64_t n, const float* v, float correction,
-                              float* row_acc) {
-  constexpr int64_t kVectors = D / Vec::size();
-  Vec sums[kVectors];
-  for (int64_t j = 0; j < kVectors; ++j) {
-    sums[j] = Vec::loadu(row_acc + j * Vec::size()) * Vec(correction);
-  }
-  for (int64_t t = 0; t < n; ++t) {
-    const Vec p(probs[t]);
-    for (int64_t j = 0; j < kVectors; ++j) {
-      sums[j] = at::vec::fmadd(p, Vec::loadu(v + t * D + j * Vec::size()), sums[j]);
-    }
-  }
-  for (int64_t j = 0; j < kVectors; ++j) sums[j].store(row_acc + j * Vec::size());
+// Vec::size() cached values as fp32: bf16 widened in registers (exact), fp32 as they are.
+inline Vec load_widened(const float* p) { return Vec::loadu(p); }
+
+inline Vec load_widened(const at::BFloat16* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return Vec(_mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return Vec(_mm256_castsi256_ps(_mm256_slli_epi32(bits, 16)));
+#else
+  float wide[Vec::size()];
+  for (int64_t i = 0; i < Vec::size(); ++i) wide[i] = widen(p[i]);
+  return Vec::loadu(wide);
+#endif
 }
 
-// Folds one block's scaled scores `probs` [n] of a query row into its running maximum, sum
-// and output accumulator `row_acc` [D] (flash attention's online softmax), with the block's
-// values `v` [n, D] in fp32.
-template <int64_t D>
-inline void fold_block(float* probs, int64_t n, const float* v, float& running_max,
-                       float& running_sum, float* row_acc) {
+// Accumulators a group of rows may hold in vector registers beside one token's values (of 32
+// registers with AVX-512, 16 with AVX2).
+constexpr int64_t kAccumulators = Vec::size() >= 16 ? 12 : 6;
+
+// acc[g] [D] = acc[g] * correction[g] + probs[g] [n] . v [n, D] for G rows sharing one block's
+// values, in fp32. Tokens outer: each token's values are loaded (and widened) once for the G
+// rows, and the rows' G x D / W accumulators are independent FMA chains, where a row at a time
+// re-read the block per row and waited on D / W chains' latency. Each row sums in token order,
+// as a row on its own would.
+template <typename T, int64_t D, int64_t G>
+inline void accumulate_group(const float* probs, int64_t probs_stride, const float* correction,
+                             int64_t n, const T* v, float* acc) {
+  constexpr int64_t kVectors = D / Vec::size();
+  Vec sums[G][kVectors];
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t j = 0; j < kVectors; ++j) {
+      sums[g][j] = Vec::loadu(acc + g * D + j * Vec::size()) * Vec(correction[g]);
+    }
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    Vec values[kVectors];
+    for (int64_t j = 0; j < kVectors; ++j) values[j] = load_widened(v + t * D + j * Vec::size());
+    for (int64_t g = 0; g < G; ++g) {
+      const Vec p(probs[g * probs_stride + t]);
+      for (int64_t j = 0; j < kVectors; ++j) sums[g][j] = at::vec::fmadd(p, values[j], sums[g][j]);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t j = 0; j < kVectors; ++j) sums[g][j].store(acc + g * D + j * Vec::size());
+  }
+}
+
+// accumulate_group over all `rows` rows of a KV head: as many whole groups as fit the
+// registers, then the rest one row at a time. probs[r] starts at probs + r * probs_stride.
+template <typename T, int64_t D>
+inline void accumulate_rows(const float* probs, int64_t probs_stride, const float* correction,
+                            int64_t rows, int64_t n, const T* v, float* acc) {
+  static_assert(D % Vec::size() == 0, "head_dim must be a multiple of the vector width");
+  constexpr int64_t kGroup = std::clamp<int64_t>(kAccumulators / (D / Vec::size()), 1, 4);
+  int64_t r = 0;
+  for (; r + kGroup <= rows; r += kGroup) {
+    accumulate_group<T, D, kGroup>(probs + r * probs_stride, probs_stride, correction + r, n, v,
+                                   acc + r * D);
+  }
+  for (; r < rows; ++r) {
+    accumulate_group<T, D, 1>(probs + r * probs_stride, probs_stride, correction + r, n, v,
+                              acc + r * D);
+  }
+}
+
+// Folds one block's scaled scores `probs` [n] of a query row into its running maximum and sum
+// (flash attention's online softmax), turning them into exp(score - maximum) in place.
+// Returns the correction of what was accumulated under the old maximum.
+inline float softmax_block(float* probs, int64_t n, float& running_max, float& running_sum) {
   float block_max = running_max;
   for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, probs[t]);
-  // Rescale what was summed under the old maximum.
   const float correction = std::exp(running_max - block_max);
   running_sum = running_sum * correction + exp_shifted(probs, block_max, n);
   running_max = block_max;
-  accumulate_values<D>(probs, n, v, correction, row_acc);
+  return correction;
 }
 
 // out[r] = acc[r] / sum[r] for the `rows` rows.
@@ -160,20 +204,20 @@ void attend_rows(const float* q, const at::BFloat16*, const T* keys, const T* va
                  const int64_t* table, int64_t length, int64_t rows, int64_t block_size,
                  float scale, float* out) {
   float acc[kMaxRows * D] = {};
-  float running_max[kMaxRows], running_sum[kMaxRows] = {};
+  float running_max[kMaxRows], running_sum[kMaxRows] = {}, correction[kMaxRows];
   std::fill(running_max, running_max + rows, -std::numeric_limits<float>::infinity());
-  std::vector<float> k_scratch(block_size * D), v_scratch(block_size * D);
-  float probs[kMaxBlockSize];
+  std::vector<float> k_scratch(block_size * D), probs(rows * block_size);
   for (int64_t start = 0; start < length; start += block_size) {
     const int64_t n = std::min(block_size, length - start);
     const int64_t slot = table[start / block_size] * block_size;
     prefetch_next<T, D>(keys, values, table, start, length, block_size);
     const float* k = as_float(keys + slot * D, n * D, k_scratch.data());
-    const float* v = as_float(values + slot * D, n * D, v_scratch.data());
     for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t t = 0; t < n; ++t) probs[t] = dot<D>(q + r * D, k + t * D) * scale;
-      fold_block<D>(probs, n, v, running_max[r], running_sum[r], acc + r * D);
+      float* row_probs = probs.data() + r * block_size;
+      for (int64_t t = 0; t < n; ++t) row_probs[t] = dot<D>(q + r * D, k + t * D) * scale;
+      correction[r] = softmax_block(row_probs, n, running_max[r], running_sum[r]);
     }
+    accumulate_rows<T, D>(probs.data(), block_size, correction, rows, n, values + slot * D, acc);
   }
   normalise<D>(acc, running_sum, rows, out);
 }
@@ -198,11 +242,10 @@ void attend_rows_tiles(const float*, const at::BFloat16* q, const at::BFloat16* 
     }
   }
   float acc[kMaxRows * D] = {};
-  float running_max[kMaxRows], running_sum[kMaxRows] = {};
+  float running_max[kMaxRows], running_sum[kMaxRows] = {}, correction[kMaxRows];
   std::fill(running_max, running_max + rows, -std::numeric_limits<float>::infinity());
-  std::vector<float> v_scratch(block_size * D);
   alignas(64) float scores[16 * 16];  // [token][row]
-  float probs[kMaxBlockSize];
+  float probs[kMaxRows * 16];
   for (int64_t start = 0; start < length; start += block_size) {
     const int64_t n = std::min(block_size, length - start);
     const int64_t slot = table[start / block_size] * block_size;
@@ -215,11 +258,11 @@ void attend_rows_tiles(const float*, const at::BFloat16* q, const at::BFloat16* 
       _tile_dpbf16ps(0, 1, 2);
     }
     _tile_stored(0, scores, 64);
-    const float* v = as_float(values + slot * D, n * D, v_scratch.data());
     for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t t = 0; t < n; ++t) probs[t] = scores[t * 16 + r] * scale;
-      fold_block<D>(probs, n, v, running_max[r], running_sum[r], acc + r * D);
+      for (int64_t t = 0; t < n; ++t) probs[r * 16 + t] = scores[t * 16 + r] * scale;
+      correction[r] = softmax_block(probs + r * 16, n, running_max[r], running_sum[r]);
     }
+    accumulate_rows<at::BFloat16, D>(probs, 16, correction, rows, n, values + slot * D, acc);
   }
   normalise<D>(acc, running_sum, rows, out);
 }
@@ -296,10 +339,10 @@ inline void score_block_pairs(const at::BFloat16* keys, const uint32_t* q_pairs,
 
 // Folds a block's raw scores `s` (lanes = its first n tokens) into a row's online softmax:
 // the maximum on raw scores (the scale is positive), exp(scale (s - max)) as 2^(s c - max c)
-// with c = scale log2(e), the correction of what was summed before, then P.V in fp32.
-template <int64_t D>
-inline void fold_scores(__m512 s, int64_t n, const float* v, float c, float& running_max,
-                        float& running_sum, float* row_acc) {
+// with c = scale log2(e), stored to `probs` [16]. Returns the correction of what was
+// accumulated under the old maximum.
+inline float softmax_scores(__m512 s, int64_t n, float c, float& running_max,
+                            float& running_sum, float* probs) {
   const __mmask16 valid = _cvtu32_mask16(n >= 16 ? 0xFFFFu : (1u << n) - 1);
   const float block_max = std::max(running_max, _mm512_mask_reduce_max_ps(valid, s));
   const __m512 p = _mm512_maskz_mov_ps(valid, nalar_avx512::exp2_nonpositive(
@@ -308,9 +351,8 @@ inline void fold_scores(__m512 s, int64_t n, const float* v, float c, float& run
   const float correction = std::exp2((running_max - block_max) * c);
   running_sum = running_sum * correction + _mm512_reduce_add_ps(p);
   running_max = block_max;
-  alignas(64) float probs[16];
   _mm512_store_ps(probs, p);
-  accumulate_values<D>(probs, n, v, correction, row_acc);
+  return correction;
 }
 
 // attend_rows for bf16 caches in blocks of 16 tokens with AVX512-BF16's pair products for the
@@ -323,20 +365,21 @@ void attend_rows_pairs(const float*, const at::BFloat16* q, const at::BFloat16* 
   alignas(64) uint32_t q_pairs[kMaxRows * D / 2] = {};
   std::memcpy(q_pairs, q, rows * D * sizeof(at::BFloat16));
   float acc[kMaxRows * D] = {};
-  float running_max[kMaxRows], running_sum[kMaxRows] = {};
+  float running_max[kMaxRows], running_sum[kMaxRows] = {}, correction[kMaxRows];
   std::fill(running_max, running_max + rows, -std::numeric_limits<float>::infinity());
-  std::vector<float> v_scratch(block_size * D);
   const float c = scale * 1.4426950408889634f;
   __m512 scores[kMaxRows];
+  alignas(64) float probs[kMaxRows * 16];
   for (int64_t start = 0; start < length; start += block_size) {
     const int64_t n = std::min(block_size, length - start);
     const int64_t slot = table[start / block_size] * block_size;
     prefetch_next<at::BFloat16, D>(keys, values, table, start, length, block_size);
     score_block_pairs<D>(keys + slot * D, q_pairs, rows, scores);
-    const float* v = as_float(values + slot * D, n * D, v_scratch.data());
     for (int64_t r = 0; r < rows; ++r) {
-      fold_scores<D>(scores[r], n, v, c, running_max[r], running_sum[r], acc + r * D);
+      correction[r] = softmax_scores(scores[r], n, c, running_max[r], running_sum[r],
+                                     probs + r * 16);
     }
+    accumulate_rows<at::BFloat16, D>(probs, 16, correction, rows, n, values + slot * D, acc);
   }
   normalise<D>(acc, running_sum, rows, out);
 }
