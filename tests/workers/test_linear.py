@@ -1,13 +1,21 @@
-"""The compact models' linear layer and the process-wide bound on oneDNN's per-shape caches."""
+"""The compact models' linear layer, the packed bf16 kernel of its smallest batches, and the
+process-wide bound on oneDNN's per-shape caches."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
+import torch
+
+from workers import kernels
 from workers.models.linear import (
+    PACKED_MAX_ROWS,
     PRIMITIVE_CACHE_CAPACITY,
     PRIMITIVE_CACHES,
+    Linear,
     bound_primitive_caches,
+    linear_kernel,
 )
 
 
@@ -18,3 +26,65 @@ def test_primitive_caches_are_bounded_unless_the_operator_sized_them(monkeypatch
     assert PRIMITIVE_CACHES == ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(PRIMITIVE_CACHE_CAPACITY) == "64"
     assert os.environ["LRU_CACHE_CAPACITY"] == "512"
+
+
+# -- the packed bf16 kernel of small batches ----------------------------------------------------
+
+packed = kernels.packed_linear()
+needs_packed = pytest.mark.skipif(packed is None or not packed.runs_here(),
+                                  reason="no AVX-512 build of the packed kernel here")
+
+
+def _bf16(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+@needs_packed
+@pytest.mark.parametrize(("n", "k", "rows"), [(960, 576, 1), (37, 64, 5), (3072, 576, 4),
+                                              (576, 1536, 7), (16, 2, 3), (100, 30, 2)])
+def test_packed_kernel_is_the_float32_product_rounded_once_and_batch_invariant(n, k, rows):
+    """Against float64: the kernel sums bf16 products in float32 and rounds to bf16 once, so
+    it is within one bf16 ulp (2^-8 relative, checked against the output's scale). Feature
+    counts off the 16-wide groups and the 64-wide panels, a bias, and each row alone equal to
+    the same row in the batch, bit for bit."""
+    weight, x, bias = _bf16(n, k, seed=n), _bf16(rows, k, seed=k), _bf16(n, seed=rows)
+    weights = packed.pack(weight)
+    assert weights.shape == ((n + 15) // 16, k // 2, 32)
+    out = packed.linear(x, weights, n, bias)
+    reference = x.double() @ weight.double().T + bias.double()
+    scale = reference.abs() + reference.abs().mean()
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    assert ((out.double() - reference).abs() / scale).max() < 2 ** -8
+    alone = torch.cat([packed.linear(x[r:r + 1], weights, n, bias) for r in range(rows)])
+    assert torch.equal(alone, out)
+
+
+@needs_packed
+def test_packed_kernel_refuses_what_it_cannot_multiply():
+    with pytest.raises(RuntimeError, match="K must be even"):
+        packed.pack(_bf16(4, 3, seed=0))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        packed.pack(_bf16(4, 4, seed=0).float())
+    weights = packed.pack(_bf16(20, 8, seed=0))
+    with pytest.raises(RuntimeError, match="packed weight"):
+        packed.linear(_bf16(1, 10, seed=1), weights, 20, None)
+    with pytest.raises(RuntimeError, match="packed weight"):
+        packed.linear(_bf16(1, 8, seed=1), weights, 40, None)
+    with pytest.raises(RuntimeError, match="bias of 20"):
+        packed.linear(_bf16(1, 8, seed=1), weights, 20, _bf16(7, seed=2))
+    with pytest.raises(RuntimeError, match="bfloat16 CPU tensor"):
+        packed.linear(_bf16(1, 8, seed=1).float(), weights, 20, None)
+
+
+@needs_packed
+def test_linear_takes_the_packed_kernel_below_its_rows_and_onednn_from_there():
+    weight = _bf16(48, 64, seed=3)
+    linear = Linear(weight)
+    assert linear_kernel(torch.bfloat16, torch.device("cpu")).startswith(
+        f"packed-bf16<{PACKED_MAX_ROWS}+")
+    small, large = _bf16(PACKED_MAX_ROWS - 1, 64, seed=4), _bf16(PACKED_MAX_ROWS, 64, seed=5)
+    assert torch.equal(linear(small), packed.linear(small, packed.pack(weight), 48, None))
+    no_packing = Linear(weight)
+    no_packing.small_packed = None
+    assert torch.equal(linear(large), no_packing(large))
+    assert linear_kernel(torch.float32, torch.device("cpu")) in ("onednn-prepacked", "aten")

@@ -11,9 +11,9 @@ digest of the sources, flags and torch version. ``make`` builds it at
 install (``python -m workers.kernels``), so a worker's start only loads it. Where no compiler
 is found, or ``NALAR_NATIVE_KERNELS=0``, it is None and attention keeps the gather path.
 ``NALAR_DISABLE_KERNELS`` names kernels (comma-separated stems: ``paged_decode``,
-``rms_norm``, ``rope``, ``silu_mul``, ``prefill_attention``,
-``weight_linear``, ``lora_sgmv``, ``token_bitmask``) to leave out alone, to compare with
-the torch path.
+``rms_norm``, ``rope``, ``silu_mul``, ``prefill_attention``, ``weight_linear``,
+``packed_linear``, ``lora_sgmv``, ``token_bitmask``) to leave out alone, to compare with the
+torch path.
 
 :func:`rms_norm` is the Llama family's RMSNorm in one call instead of eight torch ops, with
 the same rounding points, :func:`rope` the rotary embedding in one call instead of six, and
@@ -21,8 +21,10 @@ the same rounding points, :func:`rope` the rotary embedding in one call instead 
 bit-identical); without them the torch ops serve. :func:`prefill_attention` is bf16 prefill
 attention on AMX tiles or in AVX512-BF16, where the CPU has either; without it torch's flash
 kernel serves. :func:`weight_linear` is the small-batch linear layer over weights kept in their
-stored format (GGUF's Q8_0, Q4_0, Q4_1; per-channel int8; bf16; fp32). :func:`lora_sgmv` adds
-the LoRA deltas of a step's rows, every adapter's in one call per projection.
+stored format (GGUF's Q8_0, Q4_0, Q4_1; per-channel int8; bf16; fp32), and
+:func:`packed_linear` the same for dense bf16 weights packed once, for AVX-512.
+:func:`lora_sgmv` adds the LoRA deltas of a step's rows, every adapter's in one call per
+projection.
 """
 
 from __future__ import annotations
@@ -164,6 +166,16 @@ def weight_linear() -> ModuleType | None:
     products a format does not take, or a path this CPU lacks. Formats are numbered in
     ``workers.models.weight_formats``."""
     return _build("weight_linear")
+
+
+def packed_linear() -> ModuleType | None:
+    """The compiled packed bf16 linear extension, or None where it is disabled or cannot be
+    built. ``pack(weight)`` turns a ``[N, K]`` bfloat16 weight (K even) into
+    ``[ceil(N / 16), K / 2, 32]`` groups of 16 output features; ``linear(x, packed, N, bias)``
+    takes ``x`` ``[M, K]`` bfloat16 and a ``[N]`` bias or None and returns ``[M, N]``
+    bfloat16. ``runs_here()`` says whether this build and CPU have AVX-512; ``linear`` raises
+    RuntimeError where they do not, and for shapes that do not match."""
+    return _build("packed_linear")
 
 
 @functools.cache

@@ -13,7 +13,8 @@ from workers import kernels
 BUILDS = (("paged decode attention", "paged_decode"), ("RMSNorm", "rms_norm"),
           ("RoPE", "rope"), ("SiLU and mul", "silu_mul"),
           ("prefill attention", "prefill_attention"),
-          ("weight-streaming linear", "weight_linear"), ("LoRA deltas", "lora_sgmv"),
+          ("weight-streaming linear", "weight_linear"),
+          ("packed bf16 linear", "packed_linear"), ("LoRA deltas", "lora_sgmv"),
           ("token masks", "token_bitmask"))
 
 
