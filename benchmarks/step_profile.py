@@ -146,10 +146,12 @@ def prefill_flops(model, tokens: int) -> float:
 @torch.inference_mode()
 def linear_layers_s(model, batch: int, repeats: int) -> float:
     """Median seconds of one pass over every linear layer at ``batch`` rows, each in the form
-    the engine computes it (``Linear.of``: prepacked, or streaming its stored weight), unfused."""
-    from workers.models.linear import Linear
+    the engine computes it (``Linear.of``: prepacked, packed for small batches, or streaming its
+    stored weight), unfused."""
+    from workers.models.linear import Linear, packs_small_batches
 
-    layers = [(Linear.of(m), m.in_features) for m in linear_modules(model)]
+    small_batches = packs_small_batches(model)
+    layers = [(Linear.of(m, small_batches), m.in_features) for m in linear_modules(model)]
     inputs = {k: torch.randn(batch, k).to(model.dtype) for _, k in layers}
 
     def one_pass():

@@ -24,7 +24,7 @@ from workers.attention.transformers_adapter import ATTN_IMPLEMENTATION
 from workers.kv_cache import PagedKVCache
 from workers.lora.batch import LoraBatch
 from workers.models import compact_model_for
-from workers.models.linear import linear_kernel, stored_kernel
+from workers.models.linear import linear_kernel, packs_small_batches, stored_kernel
 from workers.scheduler import ScheduledBatch
 from workers.stored_weights import stored_formats
 
@@ -73,7 +73,9 @@ class ModelRunner:
         if self._compact is None:
             return "aten"
         formats = stored_formats(model)
-        return stored_kernel(formats) if formats else linear_kernel(model.dtype, model.device)
+        if formats:
+            return stored_kernel(formats)
+        return linear_kernel(model.dtype, model.device, packs_small_batches(model))
 
     @property
     def kernels(self) -> str:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from workers import kernels
+from workers.models import linear as linear_module
 from workers.models.linear import (
     PACKED_MAX_ROWS,
     PRIMITIVE_CACHE_CAPACITY,
@@ -16,6 +17,7 @@ from workers.models.linear import (
     Linear,
     bound_primitive_caches,
     linear_kernel,
+    packs_small_batches,
 )
 
 
@@ -79,12 +81,21 @@ def test_packed_kernel_refuses_what_it_cannot_multiply():
 @needs_packed
 def test_linear_takes_the_packed_kernel_below_its_rows_and_onednn_from_there():
     weight = _bf16(48, 64, seed=3)
-    linear = Linear(weight)
-    assert linear_kernel(torch.bfloat16, torch.device("cpu")).startswith(
-        f"packed-bf16<{PACKED_MAX_ROWS}+")
+    linear, plain = Linear(weight, small_batches=True), Linear(weight)
     small, large = _bf16(PACKED_MAX_ROWS - 1, 64, seed=4), _bf16(PACKED_MAX_ROWS, 64, seed=5)
     assert torch.equal(linear(small), packed.linear(small, packed.pack(weight), 48, None))
-    no_packing = Linear(weight)
-    no_packing.small_packed = None
-    assert torch.equal(linear(large), no_packing(large))
-    assert linear_kernel(torch.float32, torch.device("cpu")) in ("onednn-prepacked", "aten")
+    assert plain.small_packed is None and torch.equal(linear(large), plain(large))
+    assert linear_kernel(torch.bfloat16, torch.device("cpu"), True).startswith(
+        f"packed-bf16<{PACKED_MAX_ROWS}+")
+    assert linear_kernel(torch.bfloat16, torch.device("cpu"), False) in (
+        "onednn-prepacked", "aten")
+
+
+@needs_packed
+def test_only_bf16_models_within_the_bound_get_the_packed_copy(monkeypatch):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8))
+    assert not packs_small_batches(model)  # float32
+    model = model.bfloat16()
+    assert packs_small_batches(model)
+    monkeypatch.setattr(linear_module, "PACKED_MAX_BYTES", (64 * 32 + 32 * 8) * 2 - 1)
+    assert not packs_small_batches(model)

@@ -199,7 +199,7 @@ def test_projections_of_mixed_formats_fuse_as_one_dense_weight(stored_smollm):
     parts = [torch.nn.Linear(576, 64, bias=False), torch.nn.Linear(576, 32, bias=False)]
     for module, weight in zip(parts, (q4_1, int8), strict=True):
         _attach(module, weight)
-    fused = _fuse(parts)
+    fused = _fuse(parts, small_batches=False)
     assert isinstance(fused, Linear)
     assert torch.equal(fused.weight, torch.cat([q4_1.dequantize(), int8.dequantize()]))
     assert all(module.stored_weight is None for module in parts)
@@ -207,7 +207,8 @@ def test_projections_of_mixed_formats_fuse_as_one_dense_weight(stored_smollm):
     first36 = StoredWeight.from_rows(q4_1.rows()[:36], WeightFormat.Q4_1, 576)
     for module, weight in zip(same, (q4_1, first36), strict=True):
         _attach(module, weight)
-    fused = _fuse(same)  # 64 + 36 features: the second part starts mid-group once fused
+    # 64 + 36 features: the second part starts mid-group once fused
+    fused = _fuse(same, small_batches=False)
     assert isinstance(fused, StoredLinear)
     x = torch.randn(3, 576, generator=torch.Generator().manual_seed(2))
     assert torch.equal(fused(x), torch.cat([StoredLinear(q4_1)(x), StoredLinear(first36)(x)],

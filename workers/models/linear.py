@@ -17,7 +17,8 @@ From :data:`PREPACKED_MAX_ROWS` rows on, prefills keep the plain kernel.
 In bf16, a decode of a few rows reads every weight once and little else, and there oneDNN read
 at 8-10 GB/s where the memory gives 15: below :data:`PACKED_MAX_ROWS` rows the weights go
 through our own kernel on a third copy packed for it (``workers/kernels/packed_linear.cpp``),
-where the CPU has AVX-512.
+where the CPU has AVX-512 and the model's weights are small enough for a third copy
+(:func:`packs_small_batches`).
 
 oneDNN, and ideep above it, cache a primitive per operation shape (1,024 each by default, at
 up to about half a MiB apiece). Prompt and context lengths bring new shapes for as long as a
@@ -44,6 +45,11 @@ PACKED_MAX_ROWS = 5
 linear layer of SmolLM2 in bf16, one thread, on an Intel Xeon with AMX: 22.6 against 32.8 ms
 (oneDNN prepacked) at 1 row, 28.6 against 34.5 at 4, 33.2 against 33.2 at 8, 62.9 against
 34.1 at 16, where oneDNN's AMX tiles take over."""
+
+PACKED_MAX_BYTES = 4 << 30
+"""Models with more linear-layer weight bytes than this get no packed copy: the copy holds the
+weights a third time (beside the plain and the oneDNN-prepacked ones), which a model of up to
+about 2 B parameters in bf16 can afford and a larger one should spend on KV blocks."""
 
 FLOAT32_PRODUCTS, INT8_PRODUCTS, BF16_PAIR_PRODUCTS = 0, 1, 2
 """The native kernel's ``products``: float32 x times float32 weights; int8 x (per 32-input
@@ -103,14 +109,21 @@ def _packed_kernel(dtype: torch.dtype, device: torch.device):
     return kernel if kernel is not None and kernel.runs_here() else None
 
 
-def linear_kernel(dtype: torch.dtype, device: torch.device) -> str:
+def packs_small_batches(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s dense linear layers get a copy packed for the packed bf16 kernel:
+    bf16 weights on a CPU it runs on, at most :data:`PACKED_MAX_BYTES` of them."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if not linears or _packed_kernel(linears[0].weight.dtype, linears[0].weight.device) is None:
+        return False
+    return sum(m.weight.numel() * m.weight.element_size() for m in linears) <= PACKED_MAX_BYTES
+
+
+def linear_kernel(dtype: torch.dtype, device: torch.device, small_batches: bool) -> str:
     """The kernels :class:`Linear` uses below :data:`PREPACKED_MAX_ROWS` rows for weights of
     ``dtype`` on ``device``: ``onednn-prepacked`` or ``aten`` (``F.linear``), after
-    ``packed-bf16<PACKED_MAX_ROWS+`` where the packed kernel takes the smallest batches."""
+    ``packed-bf16<PACKED_MAX_ROWS+`` where ``small_batches`` (:func:`packs_small_batches`)."""
     name = "onednn-prepacked" if _prepacking_pays(dtype, device) else "aten"
-    if _packed_kernel(dtype, device) is not None:
-        return f"packed-bf16<{PACKED_MAX_ROWS}+{name}"
-    return name
+    return f"packed-bf16<{PACKED_MAX_ROWS}+{name}" if small_batches else name
 
 
 class Linear:
@@ -120,18 +133,21 @@ class Linear:
         weight: ``[out_features, in_features]``.
         bias: ``[out_features]`` or None.
 
-    Where prepacking pays, also holds a prepacked copy of ``weight`` (as many bytes again), and
-    in bf16 on a CPU with AVX-512 a copy packed for :func:`workers.kernels.packed_linear` (as
-    many bytes again).
+        small_batches: also hold a copy packed for :func:`workers.kernels.packed_linear`, which
+            takes matmuls of fewer than :data:`PACKED_MAX_ROWS` rows (bf16 weights with an even
+            ``in_features`` on a CPU it runs on; ignored elsewhere).
+
+    Where prepacking pays, also holds a prepacked copy of ``weight`` (as many bytes again).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 small_batches: bool = False):
         self.weight = weight
         self.bias = bias
         self.packed = None
         if _prepacking_pays(weight.dtype, weight.device):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-        self.small_kernel = _packed_kernel(weight.dtype, weight.device)
+        self.small_kernel = _packed_kernel(weight.dtype, weight.device) if small_batches else None
         self.small_packed = None
         if self.small_kernel is not None and weight.shape[1] % 2 == 0:
             self.small_packed = self.small_kernel.pack(weight.detach())
@@ -145,13 +161,13 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
     @classmethod
-    def of(cls, module: torch.nn.Linear) -> Linear | StoredLinear:
+    def of(cls, module: torch.nn.Linear, small_batches: bool = False) -> Linear | StoredLinear:
         """The fast form of a transformers ``nn.Linear``: a :class:`StoredLinear` where the
         loader attached a stored weight (``stored_weight``) to it."""
         stored = getattr(module, "stored_weight", None)
         if stored is not None:
             return StoredLinear(stored, module.bias)
-        return cls(module.weight, module.bias)
+        return cls(module.weight, module.bias, small_batches)
 
 
 def stored_kernel(fmt_names: set[str]) -> str:

@@ -19,16 +19,17 @@ from workers.attention.metadata import AttentionMetadata
 from workers.attention.paged import paged_attention
 from workers.lora.batch import LoraBatch
 from workers.models.gated import GatedActivation
-from workers.models.linear import Linear, StoredLinear
+from workers.models.linear import Linear, StoredLinear, packs_small_batches
 from workers.models.norm import NATIVE_NORM, RMSNorm, norm_kernel
 from workers.models.rotary import rotate
 from workers.models.weight_formats import StoredWeight
 
 
-def _fuse(linears: list[nn.Linear]) -> Linear | StoredLinear:
+def _fuse(linears: list[nn.Linear], small_batches: bool) -> Linear | StoredLinear:
     """One linear layer computing ``linears``' outputs side by side; each of them has its
     weight (and bias) re-pointed at its slice of the fused tensors. Stored weights of one
-    format fuse as stored; a mix of formats is dequantized into one plain weight."""
+    format fuse as stored; a mix of formats is dequantized into one plain weight.
+    ``small_batches``: as :class:`Linear` takes it."""
     has_bias = linears[0].bias is not None
     bias = torch.cat([linear.bias.data for linear in linears]) if has_bias else None
     stored = [getattr(linear, "stored_weight", None) for linear in linears]
@@ -46,13 +47,13 @@ def _fuse(linears: list[nn.Linear]) -> Linear | StoredLinear:
         if has_bias:
             linear.bias.data = bias[start:end]
         start = end
-    return Linear(weight, bias)
+    return Linear(weight, bias, small_batches)
 
 
 class _Layer:
     """One decoder layer: pre-norm attention and pre-norm gated MLP, each with a residual."""
 
-    def __init__(self, layer: nn.Module, index: int, native_norm: bool):
+    def __init__(self, layer: nn.Module, index: int, native_norm: bool, small_batches: bool):
         attn, mlp = layer.self_attn, layer.mlp
         self.index = index
         self.input_norm = RMSNorm(layer.input_layernorm, native_norm)
@@ -61,13 +62,13 @@ class _Layer:
         self.num_heads = attn.q_proj.out_features // attn.head_dim
         self.num_kv_heads = attn.k_proj.out_features // attn.head_dim
         self.scale = attn.scaling
-        self.qkv_proj = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.qkv_proj = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], small_batches)
         self.q_norm = getattr(attn, "q_norm", None)  # Qwen3: RMSNorm over each head
         self.k_norm = getattr(attn, "k_norm", None)
-        self.o_proj = Linear.of(attn.o_proj)
-        self.gate_up_proj = _fuse([mlp.gate_proj, mlp.up_proj])
+        self.o_proj = Linear.of(attn.o_proj, small_batches)
+        self.gate_up_proj = _fuse([mlp.gate_proj, mlp.up_proj], small_batches)
         self.act = GatedActivation(mlp.act_fn, layer.input_layernorm.weight)
-        self.down_proj = Linear.of(mlp.down_proj)
+        self.down_proj = Linear.of(mlp.down_proj, small_batches)
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  metadata: AttentionMetadata, lora: LoraBatch | None) -> torch.Tensor:
@@ -126,8 +127,10 @@ class LlamaStyleDecoder:
         self.embed = _embedding(inner.embed_tokens)
         self.rotary = inner.rotary_emb
         self.norm = RMSNorm(inner.norm, native)
-        self.lm_head = Linear.of(model.lm_head)
-        self.layers = [_Layer(layer, i, native) for i, layer in enumerate(inner.layers)]
+        small_batches = packs_small_batches(model)
+        self.lm_head = Linear.of(model.lm_head, small_batches)
+        self.layers = [_Layer(layer, i, native, small_batches)
+                       for i, layer in enumerate(inner.layers)]
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  metadata: AttentionMetadata, sample_index: torch.Tensor,
