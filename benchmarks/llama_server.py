@@ -36,7 +36,7 @@ concurrent16 output tok/s >= 2 and ITL p99 <= 1; shared_prefix and multi_turn TT
 and output tok/s >= 1.5; miss1024 TTFT p50 <= 1.
 
     .venv/bin/python benchmarks/llama_server.py [--rounds 3] [--pairs q4_1,f32] [--quick]
-        [--sdist PATH] [--nalar-args "--workers 1"] [--out PATH]
+        [--sdist PATH] [--nalar-args "--workers 1"] [--llama-args "--no-repack"] [--out PATH]
 """
 
 from __future__ import annotations
@@ -162,6 +162,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=common._cpu_count(),
                         help="llama-server's -t (default: the CPUs)")
     parser.add_argument("--nalar-args", default="", help="extra flags of nalar serve")
+    parser.add_argument("--llama-args", default="",
+                        help="extra flags of llama-server (on an AMX Xeon VM its AMX path "
+                             "crashed on Q4_1 weights at the first batch: --no-repack)")
     parser.add_argument("--start-timeout", type=float, default=900.0,
                         help="seconds a server may take to become ready")
     parser.add_argument("--build-only", action="store_true",
@@ -390,11 +393,11 @@ def our_server(pair: str, ggufs: dict[str, Path], extra: list[str], logs: Path) 
 
 
 def llama_server(pair: str, root: Path, ggufs: dict[str, Path], threads: int,
-                 logs: Path) -> Server:
-    """``llama-server`` on ``pair``'s GGUF."""
+                 extra: list[str], logs: Path) -> Server:
+    """``llama-server`` on ``pair``'s GGUF, with the flags ``extra`` added."""
     port = free_port()
     command = [str(binary(root, "llama-server")), "-m", str(ggufs[PAIRS[pair]["llama_gguf"]]),
-               "-t", str(threads), *LLAMA_SERVER_FLAGS, "--port", str(port)]
+               "-t", str(threads), *LLAMA_SERVER_FLAGS, *extra, "--port", str(port)]
     return Server("llama_server", command, port, "/health", logs / f"{pair}-llama_server.log")
 
 
@@ -451,7 +454,8 @@ def measure_pair(pair: str, root: Path, ggufs: dict[str, Path],
                  args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     """Starts both servers of ``pair``, runs the rounds, stops both (also on errors)."""
     servers = {"ours": our_server(pair, ggufs, shlex.split(args.nalar_args), logs),
-               "llama_server": llama_server(pair, root, ggufs, args.threads, logs)}
+               "llama_server": llama_server(pair, root, ggufs, args.threads,
+                                            shlex.split(args.llama_args), logs)}
     startup = {}
     try:
         for name, server in servers.items():
