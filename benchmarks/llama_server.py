@@ -36,7 +36,7 @@ concurrent16 output tok/s >= 2 and ITL p99 <= 1; shared_prefix and multi_turn TT
 and output tok/s >= 1.5; miss1024 TTFT p50 <= 1.
 
     .venv/bin/python benchmarks/llama_server.py [--rounds 3] [--pairs q4_1,f32] [--quick]
-        [--sdist PATH] [--nalar-args "--workers 1"] [--llama-args "--no-repack"] [--out PATH]
+        [--sdist PATH] [--nalar-args "--workers 1"] [--llama-args=--no-repack] [--out PATH]
 """
 
 from __future__ import annotations
@@ -163,8 +163,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="llama-server's -t (default: the CPUs)")
     parser.add_argument("--nalar-args", default="", help="extra flags of nalar serve")
     parser.add_argument("--llama-args", default="",
-                        help="extra flags of llama-server (on an AMX Xeon VM its AMX path "
-                             "crashed on Q4_1 weights at the first batch: --no-repack)")
+                        help="extra flags of llama-server, after '=' (on an AMX Xeon VM its "
+                             "AMX path crashed on Q4_1 weights: --llama-args=--no-repack)")
     parser.add_argument("--start-timeout", type=float, default=900.0,
                         help="seconds a server may take to become ready")
     parser.add_argument("--build-only", action="store_true",
