@@ -2,18 +2,18 @@
 //
 // A decode step multiplies a few rows by every weight of the model once, so its time is the
 // time to read the weights. At 1 to 4 rows oneDNN's prepacked bf16 matmul read SmolLM2's
-// weights at 8 to 10 GB/s on one core (Intel Xeon with AMX, and AMD EPYC Zen 5), where
-// summing a tensor reads 15 GB/s, and torch and ideep add about 15 us to each of a step's 121
-// calls. Here the weights are packed once in groups of 16 output features, an input pair's 16
-// features in one 64-byte line ([N / 16][K / 2][16][2]). Each line is widened in registers
-// (bf16 is fp32's top half: a shift gives the even input's weights, a mask the odd one's) and
-// multiplied in fp32 FMAs into 16 outputs at a time, with no horizontal sums. AVX512-BF16's
-// pair product was measured and not used: on that Xeon it ran at 1.6 G instructions/s against
-// 6.6 G for FMAs, a quarter of the products per second. Groups are read in panels of 4 (64
-// features), which stay in L2 while the rows pass over them 4 at a time, so each weight comes
-// from memory once a call. Every output sums its products in input order in fp32 whatever the
-// call's row count, so a row's result is the same alone or in a batch. From 8 rows on oneDNN
-// (on AMX tiles where the CPU has them) is faster, and the caller keeps it there.
+// weights at 8 to 10 GB/s on one core of an Intel Xeon with AMX, where summing a tensor reads
+// 15 GB/s, and torch and ideep add about 15 us to each of a step's 121 calls. Here the
+// weights are packed once in groups of 16 output features, an input pair's 16 features in one
+// 64-byte line ([N / 16][K / 2][16][2]). Each line is widened in registers (bf16 is fp32's top
+// half: a shift gives the even input's weights, a mask the odd one's) and multiplied in fp32
+// FMAs into 16 outputs at a time, with no horizontal sums. AVX512-BF16's pair product was
+// measured and not used: on that Xeon it ran at 1.6 G instructions/s against 6.6 G for FMAs,
+// half the products per second. Groups are read in panels of 4 (64 features), which stay in
+// L2 while the rows pass over them 4 at a time, so each weight comes from memory once a call.
+// Every output sums its products in input order in fp32 whatever the call's row count, so a
+// row's result is the same alone or in a batch. From 8 rows on oneDNN (on AMX tiles where the
+// CPU has them) is faster, and the caller keeps it there.
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>  // at::Tensor to and from Python; far lighter than torch/extension.h
 #include <ATen/Parallel.h>

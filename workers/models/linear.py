@@ -42,9 +42,10 @@ PREPACKED_MAX_ROWS = 256
 
 PACKED_MAX_ROWS = 5
 """bf16 matmuls with fewer rows than this use :func:`workers.kernels.packed_linear`. Every
-linear layer of SmolLM2 in bf16, one thread, on an Intel Xeon with AMX: 22.6 against 32.8 ms
-(oneDNN prepacked) at 1 row, 28.6 against 34.5 at 4, 33.2 against 33.2 at 8, 62.9 against
-34.1 at 16, where oneDNN's AMX tiles take over."""
+fused linear layer of SmolLM2 in bf16, one thread, on an Intel Xeon with AMX, against oneDNN
+prepacked (one process, alternating): 24.8 against 34.5 ms at 1 row, 24.9 against 32.7 at 2,
+29.1 against 33.3 at 4; in another run 44.2 against 34.0 at 8 and 68.7 against 34.6 at 16,
+where oneDNN's AMX tiles take over."""
 
 PACKED_MAX_BYTES = 4 << 30
 """Models with more linear-layer weight bytes than this get no packed copy: the copy holds the
