@@ -92,10 +92,13 @@ def test_linear_takes_the_packed_kernel_below_its_rows_and_onednn_from_there():
 
 
 @needs_packed
-def test_only_bf16_models_within_the_bound_get_the_packed_copy(monkeypatch):
+def test_only_bf16_models_of_even_inputs_within_the_bound_get_the_packed_copy(monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8))
     assert not packs_small_batches(model)  # float32
     model = model.bfloat16()
     assert packs_small_batches(model)
+    assert not packs_small_batches(torch.nn.Linear(63, 8).bfloat16())  # inputs go in pairs
+    with pytest.raises(RuntimeError, match="K must be even"):
+        Linear(_bf16(8, 63, seed=6), small_batches=True)
     monkeypatch.setattr(linear_module, "PACKED_MAX_BYTES", (64 * 32 + 32 * 8) * 2 - 1)
     assert not packs_small_batches(model)

@@ -25,7 +25,6 @@
 #include <array>
 #include <optional>
 #include <utility>
-#include <vector>
 
 namespace {
 
@@ -125,12 +124,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
               && packed.is_contiguous() && packed.size(0) == groups
               && packed.size(1) * 2 == k && packed.size(2) == 2 * kFeatures,
               "packed weight [", groups, ", ", k / 2, ", 32] expected for N = ", n, ", K = ", k);
-  std::vector<float> bias_values;
+  at::Tensor bias_f;  // float32 and contiguous: read in place when it already is
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == n, "bias of ", n, " features expected");
-    const auto b = bias->to(at::kFloat).contiguous();
-    bias_values.assign(b.data_ptr<float>(), b.data_ptr<float>() + n);
+    bias_f = bias->to(at::kFloat).contiguous();
   }
+  const float* bias_values = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   auto out = at::empty({m, n}, x.options());
   if (m == 0) return out;
 #if defined(__AVX512F__)
@@ -149,7 +148,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
         panel_for(rows, g)(xs + r0 * k, k, w + g0 * pairs * kFeatures, pairs, sums);
         for (int64_t r = 0; r < rows; ++r) {
           for (int64_t c = 0; c < cols; ++c) {
-            const float b = bias_values.empty() ? 0.f : bias_values[col0 + c];
+            const float b = bias_values != nullptr ? bias_values[col0 + c] : 0.f;
             y[(r0 + r) * n + col0 + c] = at::BFloat16(sums[r * g * kFeatures + c] + b);
           }
         }

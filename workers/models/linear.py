@@ -112,9 +112,12 @@ def _packed_kernel(dtype: torch.dtype, device: torch.device):
 
 def packs_small_batches(model: torch.nn.Module) -> bool:
     """Whether ``model``'s dense linear layers get a copy packed for the packed bf16 kernel:
-    bf16 weights on a CPU it runs on, at most :data:`PACKED_MAX_BYTES` of them."""
+    bf16 weights on a CPU it runs on, each with an even ``in_features`` (inputs go in pairs),
+    at most :data:`PACKED_MAX_BYTES` of them."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     if not linears or _packed_kernel(linears[0].weight.dtype, linears[0].weight.device) is None:
+        return False
+    if any(m.in_features % 2 for m in linears):
         return False
     return sum(m.weight.numel() * m.weight.element_size() for m in linears) <= PACKED_MAX_BYTES
 
@@ -135,8 +138,12 @@ class Linear:
         bias: ``[out_features]`` or None.
 
         small_batches: also hold a copy packed for :func:`workers.kernels.packed_linear`, which
-            takes matmuls of fewer than :data:`PACKED_MAX_ROWS` rows (bf16 weights with an even
-            ``in_features`` on a CPU it runs on; ignored elsewhere).
+            takes matmuls of fewer than :data:`PACKED_MAX_ROWS` rows (bf16 weights on a CPU it
+            runs on; ignored elsewhere). Callers decide it per model
+            (:func:`packs_small_batches`).
+
+    Raises:
+        RuntimeError: ``small_batches`` for a bf16 weight with an odd ``in_features``.
 
     Where prepacking pays, also holds a prepacked copy of ``weight`` (as many bytes again).
     """
@@ -149,9 +156,8 @@ class Linear:
         if _prepacking_pays(weight.dtype, weight.device):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         self.small_kernel = _packed_kernel(weight.dtype, weight.device) if small_batches else None
-        self.small_packed = None
-        if self.small_kernel is not None and weight.shape[1] % 2 == 0:
-            self.small_packed = self.small_kernel.pack(weight.detach())
+        self.small_packed = (self.small_kernel.pack(weight.detach())
+                             if self.small_kernel is not None else None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[rows, in_features]`` → ``[rows, out_features]``."""
