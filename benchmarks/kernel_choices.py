@@ -2,7 +2,8 @@
 
 1. Linear layers in the run's dtype (``--dtype``; ``auto`` is bf16 where native, else fp32):
    ``F.linear`` against weights prepacked once for oneDNN (``workers.models.linear``), per row
-   count: where prepacking pays, where it stops, and how far the results differ.
+   count: where prepacking pays, where it stops, and how far the results differ; in bf16 also
+   the packed small-batch kernel, where it runs (where it beats prepacking).
 2. Causal flash attention of one prompt on strided head views (as they come out of the fused
    qkv projection) against contiguous head-major copies: whether copying first pays (it did
    not, measured: ``workers.attention.paged`` attends to the views).
@@ -45,11 +46,17 @@ DECODE_BLOCK, DECODE_POOL_BLOCKS = 16, 4096
 
 def linear_rows(rows: list[int], repeats: int, dtype: torch.dtype) -> dict:
     """Milliseconds per matmul, plain and prepacked, for each shape and row count, and the
-    largest relative difference between the two results."""
+    largest relative difference between the two results. In bf16 where the packed kernel runs
+    (``workers.models.linear.PACKED_MAX_ROWS``), also ``packed_small_ms``: the same matmul
+    through it, timed right after the prepacked one."""
+    from workers.models.linear import _packed_kernel
+
+    small = _packed_kernel(dtype, torch.device("cpu"))
     results = {}
     for name, (out_features, in_features) in LINEAR_SHAPES.items():
         weight = torch.randn(out_features, in_features, dtype=dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        small_packed = small.pack(weight) if small is not None else None
         for count in rows:
             x = torch.randn(count, in_features, dtype=dtype)
             plain = common.median_time(lambda x=x, w=weight: F.linear(x, w), repeats)
@@ -64,8 +71,11 @@ def linear_rows(rows: list[int], repeats: int, dtype: torch.dtype) -> dict:
                                           "speedup": plain / fast,
                                           "bit_identical": difference == 0.0,
                                           "max_relative_difference": difference}
-            common.log(f"{name} {count} rows: plain {plain * 1e3:.3f} ms, "
-                       f"prepacked {fast * 1e3:.3f} ms")
+            if small is not None:
+                results[f"{name}/{count}"]["packed_small_ms"] = common.median_time(
+                    lambda x=x, p=small_packed, n=out_features: small.linear(x, p, n, None),
+                    repeats) * 1e3
+            common.log(f"{name} {count} rows: {results[f'{name}/{count}']}")
     return results
 
 

@@ -31,6 +31,7 @@ from benchmarks import (  # noqa: E402
     step_profile,
     throughput,
 )
+from workers import kernels  # noqa: E402
 from workers.kernels import prefill_attention  # noqa: E402
 
 QUICK = ["--quick", "--model", common.TINY_MODEL, "--threads", "1"]
@@ -217,6 +218,10 @@ def test_kernel_choices_quick(tmp_path):
                                      for rows in (1, 8, 300)}
     assert all(row["plain_ms"] > 0 and row["prepacked_ms"] > 0 and row["bit_identical"]
                for row in result["linear"].values())
+    small = kernels.packed_linear()
+    timed_small = result["dtype"] == "torch.bfloat16" and small is not None and small.runs_here()
+    assert all(("packed_small_ms" in row) == timed_small for row in result["linear"].values())
+    assert all(row["packed_small_ms"] > 0 for row in result["linear"].values() if timed_small)
     assert result["flash"]["tokens"] == 64
     cases = result["decode_attention"]
     assert set(cases) == {"float32/2x40", "bfloat16/2x40"}
