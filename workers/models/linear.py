@@ -41,11 +41,11 @@ PREPACKED_MAX_ROWS = 256
 """Matmuls with fewer rows than this use the prepacked weight (measured crossover)."""
 
 PACKED_MAX_ROWS = 5
-"""bf16 matmuls with fewer rows than this use :func:`workers.kernels.packed_linear`. Every
-fused linear layer of SmolLM2 in bf16, one thread, on an Intel Xeon with AMX, against oneDNN
-prepacked (one process, alternating): 24.8 against 34.5 ms at 1 row, 24.9 against 32.7 at 2,
-29.1 against 33.3 at 4; in another run 44.2 against 34.0 at 8 and 68.7 against 34.6 at 16,
-where oneDNN's AMX tiles take over."""
+"""bf16 matmuls with fewer rows than this use :func:`workers.kernels.packed_linear`. One
+SmolLM2 layer's four fused projections, one thread, on an Intel Xeon with AMX, against
+oneDNN prepacked (``benchmarks/kernel_choices.py``, ``packed_small_ms``): 0.18 against
+0.29-0.31 ms at 1 row, 0.19 against 0.28 at 2, 0.27 against 0.28 at 4, 0.50 against 0.29 at 8
+and 1.0 against 0.31 at 16, where oneDNN's AMX tiles take over."""
 
 PACKED_MAX_BYTES = 4 << 30
 """Models with more linear-layer weight bytes than this get no packed copy: the copy holds the
