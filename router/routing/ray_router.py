@@ -28,7 +28,12 @@ from router.routing.index_lookup import DEFAULT_LOOKUP_DEADLINE_S, IndexLookup, 
 from router.routing.ledger import SentEntry, SentLedger
 from router.routing.policies import DEFAULT_BLOCK_SIZE, PrefixPolicy, ReplicaView, make_policy
 from router.routing.request_input import RoutingInput, routing_input
-from router.routing.sent_prefixes import DEFAULT_MAX_AGE_S, DEFAULT_MAX_ENTRIES, SentPrefixes
+from router.routing.sent_prefixes import (
+    DEFAULT_INDEX_LAG_S,
+    DEFAULT_MAX_AGE_S,
+    DEFAULT_MAX_ENTRIES,
+    SentPrefixes,
+)
 from router.routing.telemetry import RoutingDecision, RoutingTelemetry
 
 logger = logging.getLogger(__name__)
@@ -120,6 +125,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         sent_max_age_s: float = 60.0,
         record_max_blocks: int = DEFAULT_MAX_ENTRIES,
         record_max_age_s: float = DEFAULT_MAX_AGE_S,
+        index_lag_s: float = DEFAULT_INDEX_LAG_S,
         seed: int | None = None,
         telemetry_sink: RoutingTelemetry | None = None,
     ) -> None:
@@ -151,6 +157,9 @@ class PrefixAwareRequestRouter(RequestRouter):
             record_max_blocks: most ``(worker, block digest)`` pairs kept in the router's own
                 record of the prefixes it sent (:class:`SentPrefixes`).
             record_max_age_s: seconds a sent prefix keeps counting in that record.
+            index_lag_s: seconds after a request is sent or finishes during which its prompt
+                still counts as held by its worker when the index answers without it: the
+                worker's events may not have reached the index yet.
             seed: seeds the random choices (tests).
             telemetry_sink: where decisions are recorded (``None``: the process-wide
                 :data:`~router.routing.telemetry.TELEMETRY`).
@@ -164,6 +173,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._block_size = block_size
         self._ledger = SentLedger(sent_max_age_s)
         self._sent_prefixes = SentPrefixes(record_max_blocks, record_max_age_s)
+        self._index_lag_s = index_lag_s
         # Request id → when it finished; reports older than that still list it.
         self._finished: dict[str, float] = {}
         self._model_key = model_key
@@ -301,13 +311,16 @@ class PrefixAwareRequestRouter(RequestRouter):
               recorded: Mapping[str, int] | None, load_tokens: int, now: float,
               adapter_tokens: int = 0, fetch_tokens: int | None = None) -> ReplicaView:
         """What the policy sees of one candidate. Its credited blocks are at least those of a
-        request in flight there: they are pinned or being computed, and the index hears of
-        them only once they are."""
+        request in flight there (they are pinned or being computed, and the index hears of
+        them only once they are) and those of one sent or finished there within the index's
+        lag (an identical request right after a completion would otherwise go anywhere)."""
         credited = _credited(lookup, recorded, worker_id)
         if plan is None:
             return ReplicaView(worker_id, credited, load_tokens)
         if credited is not None:
-            credited = max(credited,
+            recent = self._sent_prefixes.leading_blocks(plan.digests, [worker_id], now,
+                                                        within_s=self._index_lag_s)
+            credited = max(credited, recent[worker_id],
                            self._ledger.leading_blocks_in_flight(worker_id, plan.digests))
         # A prompt under one block leaves nothing cached: where it goes is a matter of load.
         other = (self._sent_prefixes.other_prefixes(worker_id, plan.digests, now)
@@ -507,6 +520,8 @@ class PrefixAwareRequestRouter(RequestRouter):
             # A rejected attempt lands here too; on_request_routed then records it again.
             if entry.plan is not None and entry.plan.request_id:
                 self._finished[entry.plan.request_id] = self._get_curr_time_s()
+            # Its blocks are now held there, and the index may not have heard of them yet.
+            self._remember_prefix(entry)
             self._ledger.remove(internal_request_id)
         except Exception:
             logger.exception("on_request_completed failed; the entry will age out.")

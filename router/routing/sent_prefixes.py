@@ -3,8 +3,9 @@
 While the digest index is down or late, routing stays prefix-aware from this record, as SGLang's
 router does with its approximate radix tree and Ray Serve's prefix-aware router with its
 per-replica prefix tree: a worker that was sent a prompt most likely still holds that prompt's KV
-blocks. It is a hint only: when the index answers, the index is the truth and this record is not
-read.
+blocks. It is a hint only. When the index answers, the record adds only what the index cannot
+have heard of yet: prompts sent or finished within the index's lag, whose blocks are held but
+whose events may still be on their way (``within_s`` of :meth:`SentPrefixes.leading_blocks`).
 
 Entries are ``(worker, block digest)`` pairs. A block digest names the whole prefix up to that
 block (digests are chained), so a worker's leading run over a prompt's digests is the longest
@@ -26,6 +27,13 @@ keeps alive and the dict and set entries; measured with tracemalloc)."""
 DEFAULT_MAX_AGE_S = 300.0
 """Default seconds a sent prefix keeps counting. A stale entry costs at most what load-only
 routing costs (one miss), and load still weighs against it, so the bound is generous."""
+
+DEFAULT_INDEX_LAG_S = 1.0
+"""Default seconds after a send or a completion during which the record adds to the index's
+answer. A worker publishes its KV events as its steps produce them, but they reach the index
+through its publisher's queue and a Redis write, after the response may have reached the
+client; on a busy 2-core CI host an identical follow-up request beat them there. Too long a
+window only delays the index's word on an eviction by as much (one miss at worst)."""
 
 
 def leading_run(digests: Sequence[bytes], held: Container[bytes]) -> int:
@@ -87,11 +95,14 @@ class SentPrefixes:
             self._pop_oldest()
 
     def leading_blocks(self, digests: Sequence[bytes], worker_ids: Iterable[str],
-                       now: float) -> dict[str, int]:
+                       now: float, within_s: float | None = None) -> dict[str, int]:
         """For each of ``worker_ids``, how many leading ``digests`` this router sent there
-        within the last ``max_age_s`` seconds (0 for a worker it knows nothing of)."""
+        within the last ``max_age_s`` seconds, or the last ``within_s`` seconds when that is
+        given and shorter (0 for a worker it knows nothing of)."""
         self._expire(now)
-        return {worker_id: self._leading_run(worker_id, digests) for worker_id in worker_ids}
+        since = None if within_s is None else now - within_s
+        return {worker_id: self._leading_run(worker_id, digests, since)
+                for worker_id in worker_ids}
 
     def other_prefixes(self, worker_id: str, digests: Sequence[bytes], now: float) -> int:
         """Distinct prompt prefixes (leading blocks) this router sent to ``worker_id`` within
@@ -116,8 +127,17 @@ class SentPrefixes:
         """The workers with at least one recorded digest."""
         return set(self._per_worker)
 
-    def _leading_run(self, worker_id: str, digests: Sequence[bytes]) -> int:
-        return leading_run(digests, self._per_worker.get(worker_id, ()))
+    def _leading_run(self, worker_id: str, digests: Sequence[bytes],
+                     since: float | None = None) -> int:
+        if since is None:
+            return leading_run(digests, self._per_worker.get(worker_id, ()))
+        count = 0
+        for digest in digests:
+            sent_at = self._sent_at.get((worker_id, digest))
+            if sent_at is None or sent_at < since:
+                break
+            count += 1
+        return count
 
     def _expire(self, now: float) -> None:
         # Oldest first: stop at the first pair young enough to count.

@@ -1,7 +1,7 @@
 """Routing while the digest index is down or late: the router's own record of the prefixes it
 sent keeps it prefix-aware, weighed against load by the prefix policy's scorer; the index stays
-the truth when it answers; the record is bounded and forgets dead workers; every fallback and
-every record hit is counted in ``/metrics``.
+the truth when it answers, but for what it cannot have heard of yet; the record is bounded and
+forgets dead workers; every fallback and every record hit is counted in ``/metrics``.
 
 No Ray cluster: the router is driven directly with fake replicas and a fake index (the builders
 of ``test_request_router``).
@@ -103,6 +103,32 @@ async def test_the_index_is_the_truth_when_it_answers():
     index.held = {elsewhere: 40}
     clock.now += 2.0
     assert await route(router, replicas, pending(gen_request(PROMPT, salt="shared"))) == elsewhere
+
+
+async def test_a_repeat_before_the_index_hears_follows_its_prefix():
+    # CI caught this: right after a completion, the index answered without the prompt (its
+    # events were still on their way), routing went on load alone, and an identical request
+    # went to the other, idle worker and computed the prompt again.
+    clock = Clock()
+    index = FakeIndex()  # answers every lookup, and never hears of the prompt
+    router = make_router(index, clock, index_lag_s=1.0)
+    replicas = [FakeReplica(w) for w in "ab"]
+    served = []
+    for _ in range(6):
+        pr = pending(gen_request(PROMPT, salt="shared"))
+        served.append(await route(router, replicas, pr))
+        clock.now += 5.0  # it runs for longer than the lag
+        complete(router, pr, served[-1])
+        clock.now += 0.9  # and the repeat comes 0.9 s after it finished
+    assert served == served[:1] * 6
+    # Past the lag the index's silence is the truth: the idle workers alternate on load.
+    later = []
+    for _ in range(2):
+        clock.now += 1.5
+        pr = pending(gen_request(PROMPT, salt="shared"))
+        later.append(await route(router, replicas, pr))
+        complete(router, pr, later[-1])
+    assert sorted(later) == ["a", "b"]
 
 
 async def test_the_record_forgets_a_dead_or_removed_worker(monkeypatch):

@@ -53,6 +53,19 @@ def test_resending_a_prefix_makes_it_the_most_recent():
     assert record.leading_blocks(new, ["a"], now=4.0) == {"a": 0}
 
 
+def test_a_shorter_window_counts_only_the_blocks_sent_within_it():
+    record = SentPrefixes(max_age_s=60.0)
+    prompt = chain(12, "p")
+    record.record("a", prompt[:8], now=100.0)
+    record.record("a", prompt, now=109.5)  # resent longer: every block touched again
+    record.record("b", prompt[:4], now=100.0)
+    assert record.leading_blocks(prompt, "ab", now=110.0, within_s=1.0) == {"a": 12, "b": 0}
+    assert record.leading_blocks(prompt, "ab", now=110.6, within_s=1.0) == {"a": 0, "b": 0}
+    assert record.leading_blocks(prompt, "ab", now=110.6) == {"a": 12, "b": 4}
+    record.record("a", prompt[:5], now=111.0)  # only the leading 5 are fresh
+    assert record.leading_blocks(prompt, "a", now=111.5, within_s=1.0) == {"a": 5}
+
+
 def test_entries_age_out():
     record = SentPrefixes(max_age_s=60.0)
     early, late = chain(8, "early"), chain(8, "late")
