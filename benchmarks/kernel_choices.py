@@ -46,9 +46,9 @@ DECODE_BLOCK, DECODE_POOL_BLOCKS = 16, 4096
 
 def linear_rows(rows: list[int], repeats: int, dtype: torch.dtype) -> dict:
     """Milliseconds per matmul, plain and prepacked, for each shape and row count, and the
-    largest relative difference between the two results. In bf16 where the packed kernel runs
-    (``workers.models.linear.PACKED_MAX_ROWS``), also ``packed_small_ms``: the same matmul
-    through it, timed right after the prepacked one."""
+    largest relative difference between the two results. Where the packed kernel runs for
+    ``dtype`` (bf16: AVX-512; fp32: AVX2 with FMA; ``workers.models.linear.PACKED_MAX_ROWS``),
+    also ``packed_small_ms``: the same matmul through it, timed right after the prepacked one."""
     from workers.models.linear import _packed_kernel
 
     small = _packed_kernel(dtype, torch.device("cpu"))

@@ -219,7 +219,8 @@ def test_kernel_choices_quick(tmp_path):
     assert all(row["plain_ms"] > 0 and row["prepacked_ms"] > 0 and row["bit_identical"]
                for row in result["linear"].values())
     small = kernels.packed_linear()
-    timed_small = result["dtype"] == "torch.bfloat16" and small is not None and small.runs_here()
+    runs = {"torch.bfloat16": "runs_bf16", "torch.float32": "runs_f32"}[result["dtype"]]
+    timed_small = small is not None and getattr(small, runs)()
     assert all(("packed_small_ms" in row) == timed_small for row in result["linear"].values())
     assert all(row["packed_small_ms"] > 0 for row in result["linear"].values() if timed_small)
     assert result["flash"]["tokens"] == 64

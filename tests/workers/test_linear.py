@@ -1,8 +1,9 @@
-"""The compact models' linear layer, the packed bf16 kernel of its smallest batches, and the
-process-wide bound on oneDNN's per-shape caches."""
+"""The compact models' linear layer, the packed bf16 and fp32 kernel of its smallest batches,
+and the process-wide bound on oneDNN's per-shape caches."""
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -30,11 +31,13 @@ def test_primitive_caches_are_bounded_unless_the_operator_sized_them(monkeypatch
     assert os.environ["LRU_CACHE_CAPACITY"] == "512"
 
 
-# -- the packed bf16 kernel of small batches ----------------------------------------------------
+# -- the packed kernel of small batches ---------------------------------------------------------
 
 packed = kernels.packed_linear()
-needs_packed = pytest.mark.skipif(packed is None or not packed.runs_here(),
+needs_packed = pytest.mark.skipif(packed is None or not packed.runs_bf16(),
                                   reason="no AVX-512 build of the packed kernel here")
+needs_packed_f32 = pytest.mark.skipif(packed is None or not packed.runs_f32(),
+                                      reason="no AVX2+FMA build of the packed kernel here")
 
 
 def _bf16(*shape: int, seed: int) -> torch.Tensor:
@@ -65,8 +68,8 @@ def test_packed_kernel_is_the_float32_product_rounded_once_and_batch_invariant(n
 def test_packed_kernel_refuses_what_it_cannot_multiply():
     with pytest.raises(RuntimeError, match="K must be even"):
         packed.pack(_bf16(4, 3, seed=0))
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        packed.pack(_bf16(4, 4, seed=0).float())
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        packed.pack(_bf16(4, 4, seed=0).half())
     weights = packed.pack(_bf16(20, 8, seed=0))
     with pytest.raises(RuntimeError, match="packed weight"):
         packed.linear(_bf16(1, 10, seed=1), weights, 20, None)
@@ -74,7 +77,7 @@ def test_packed_kernel_refuses_what_it_cannot_multiply():
         packed.linear(_bf16(1, 8, seed=1), weights, 40, None)
     with pytest.raises(RuntimeError, match="bias of 20"):
         packed.linear(_bf16(1, 8, seed=1), weights, 20, _bf16(7, seed=2))
-    with pytest.raises(RuntimeError, match="bfloat16 CPU tensor"):
+    with pytest.raises(RuntimeError, match="of the packed weight's dtype"):
         packed.linear(_bf16(1, 8, seed=1).float(), weights, 20, None)
 
 
@@ -93,12 +96,53 @@ def test_linear_takes_the_packed_kernel_below_its_rows_and_onednn_from_there():
 
 @needs_packed
 def test_only_bf16_models_of_even_inputs_within_the_bound_get_the_packed_copy(monkeypatch):
-    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8))
-    assert not packs_small_batches(model)  # float32
-    model = model.bfloat16()
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8)).bfloat16()
+    assert not packs_small_batches(copy.deepcopy(model).half())
     assert packs_small_batches(model)
     assert not packs_small_batches(torch.nn.Linear(63, 8).bfloat16())  # inputs go in pairs
     with pytest.raises(RuntimeError, match="K must be even"):
         Linear(_bf16(8, 63, seed=6), small_batches=True)
     monkeypatch.setattr(linear_module, "PACKED_MAX_BYTES", (64 * 32 + 32 * 8) * 2 - 1)
     assert not packs_small_batches(model)
+
+
+def _f32(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@needs_packed_f32
+@pytest.mark.parametrize(("n", "k", "rows"), [(960, 576, 1), (37, 63, 5), (3072, 576, 4),
+                                              (576, 1536, 3), (8, 1, 2), (100, 30, 7)])
+def test_packed_f32_kernel_sums_in_input_order_and_is_batch_invariant(n, k, rows):
+    """The fp32 path sums each output's products in input order with fused multiply-adds,
+    then adds the bias: the same as a float64 reference within K float32 roundings. Odd
+    inputs, features off the vector-wide groups and the 4-group panels, rows past one pass,
+    and each row alone equal to the same row in the batch, bit for bit."""
+    weight, x, bias = _f32(n, k, seed=n), _f32(rows, k, seed=k), _f32(n, seed=rows)
+    weights = packed.pack(weight)
+    width = weights.shape[2]
+    assert width in (8, 16) and weights.shape == ((n + width - 1) // width, k, width)
+    assert torch.equal(weights[0, 0, :min(n, width)], weight[:width, 0])  # [group][input][feature]
+    out = packed.linear(x, weights, n, bias)
+    reference = x.double() @ weight.double().T + bias.double()
+    bound = (k + 1) * 2 ** -24 * ((x.double().abs() @ weight.double().abs().T) + bias.abs())
+    assert out.dtype == torch.float32 and out.shape == (rows, n)
+    assert ((out.double() - reference).abs() <= bound).all()
+    alone = torch.cat([packed.linear(x[r:r + 1], weights, n, bias) for r in range(rows)])
+    assert torch.equal(alone, out)
+
+
+@needs_packed_f32
+def test_linear_takes_the_packed_f32_kernel_below_its_rows_for_any_input_count():
+    weight = _f32(40, 63, seed=7)
+    linear, plain = Linear(weight, small_batches=True), Linear(weight)
+    small, large = _f32(PACKED_MAX_ROWS - 1, 63, seed=8), _f32(PACKED_MAX_ROWS, 63, seed=9)
+    assert torch.equal(linear(small), packed.linear(small, packed.pack(weight), 40, None))
+    assert linear.small_packed is not None and plain.small_packed is None
+    assert torch.equal(linear(large), plain(large))
+    assert linear_kernel(torch.float32, torch.device("cpu"), True).startswith(
+        f"packed-fp32<{PACKED_MAX_ROWS}+")
+    model = torch.nn.Sequential(torch.nn.Linear(63, 32), torch.nn.Linear(32, 8))
+    assert packs_small_batches(model)  # fp32 inputs need not pair up
+    with pytest.raises(RuntimeError, match="packed weight"):
+        packed.linear(_f32(1, 62, seed=1), packed.pack(weight), 40, None)

@@ -22,7 +22,7 @@ bit-identical); without them the torch ops serve. :func:`prefill_attention` is b
 attention on AMX tiles or in AVX512-BF16, where the CPU has either; without it torch's flash
 kernel serves. :func:`weight_linear` is the small-batch linear layer over weights kept in their
 stored format (GGUF's Q8_0, Q4_0, Q4_1; per-channel int8; bf16; fp32), and
-:func:`packed_linear` the same for dense bf16 weights packed once, for AVX-512.
+:func:`packed_linear` the same for dense bf16 (AVX-512) and fp32 (AVX2) weights packed once.
 :func:`lora_sgmv` adds the LoRA deltas of a step's rows, every adapter's in one call per
 projection.
 """
@@ -169,12 +169,14 @@ def weight_linear() -> ModuleType | None:
 
 
 def packed_linear() -> ModuleType | None:
-    """The compiled packed bf16 linear extension, or None where it is disabled or cannot be
-    built. ``pack(weight)`` turns a ``[N, K]`` bfloat16 weight (K even) into
-    ``[ceil(N / 16), K / 2, 32]`` groups of 16 output features; ``linear(x, packed, N, bias)``
-    takes ``x`` ``[M, K]`` bfloat16 and a ``[N]`` bias or None and returns ``[M, N]``
-    bfloat16. ``runs_here()`` says whether this build and CPU have AVX-512; ``linear`` raises
-    RuntimeError where they do not, and for shapes that do not match."""
+    """The compiled packed linear extension, or None where it is disabled or cannot be built.
+    ``pack(weight)`` turns a ``[N, K]`` bfloat16 weight (K even) into ``[ceil(N / 16), K / 2,
+    32]`` groups of 16 output features, or a float32 one into ``[ceil(N / W), K, W]`` groups
+    of the vector width W (8 with AVX2, 16 with AVX-512); ``linear(x, packed, N, bias)`` takes
+    ``x`` ``[M, K]`` of the weight's dtype and a ``[N]`` bias or None and returns ``[M, N]``
+    in that dtype. ``runs_bf16()`` and ``runs_f32()`` say whether this build and CPU run each
+    path (AVX-512; AVX2 with FMA); ``linear`` raises RuntimeError where they do not, and for
+    shapes that do not match."""
     return _build("packed_linear")
 
 

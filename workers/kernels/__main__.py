@@ -14,7 +14,7 @@ BUILDS = (("paged decode attention", "paged_decode"), ("RMSNorm", "rms_norm"),
           ("RoPE", "rope"), ("SiLU and mul", "silu_mul"),
           ("prefill attention", "prefill_attention"),
           ("weight-streaming linear", "weight_linear"),
-          ("packed bf16 linear", "packed_linear"), ("LoRA deltas", "lora_sgmv"),
+          ("packed linear", "packed_linear"), ("LoRA deltas", "lora_sgmv"),
           ("token masks", "token_bitmask"))
 
 

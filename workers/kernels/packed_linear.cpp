@@ -1,129 +1,235 @@
-// Small-batch linear layers over dense bf16 weights packed once (CPU, AVX-512).
+// Small-batch linear layers over dense weights packed once (CPU): bf16 weights on AVX-512,
+// fp32 weights on AVX2 with FMA or AVX-512.
 //
 // A decode step multiplies a few rows by every weight of the model once, so its time is the
 // time to read the weights. At 1 to 4 rows oneDNN's prepacked bf16 matmul read SmolLM2's
 // weights at 8 to 10 GB/s on one core of an Intel Xeon with AMX, where summing a tensor reads
-// 15 GB/s, and torch and ideep add about 15 us to each of a step's 121 calls. Here the
-// weights are packed once in groups of 16 output features, an input pair's 16 features in one
-// 64-byte line ([N / 16][K / 2][16][2]). Each line is widened in registers (bf16 is fp32's top
-// half: a shift gives the even input's weights, a mask the odd one's) and multiplied in fp32
-// FMAs into 16 outputs at a time, with no horizontal sums. AVX512-BF16's pair product was
-// measured and not used: on that Xeon it ran at 1.6 G instructions/s against 6.6 G for FMAs,
-// half the products per second. Groups are read in panels of 4 (64 features), which stay in
-// L2 while the rows pass over them 4 at a time, so each weight comes from memory once a call.
+// 15 GB/s, and torch and ideep add about 15 us to each of a step's 121 calls. Its fp32 matmul
+// did no better on an AVX2-only AMD EPYC: SmolLM2's linear layers took 44 ms a step at one row
+// on one core, where reading their 513 MiB takes 30 ms, and 45 ms on two cores.
+//
+// bf16: the weights are packed once in groups of 16 output features, an input pair's 16
+// features in one 64-byte line ([N / 16][K / 2][16][2]). Each line is widened in registers
+// (bf16 is fp32's top half: a shift gives the even input's weights, a mask the odd one's) and
+// multiplied in fp32 FMAs into 16 outputs at a time, with no horizontal sums. AVX512-BF16's
+// pair product was measured and not used: on that Xeon it ran at 1.6 G instructions/s against
+// 6.6 G for FMAs, half the products per second.
+// fp32: groups of one vector's width of output features (8 with AVX2, 16 with AVX-512), each
+// input's features in one vector ([N / W][K][W]), one FMA per input and group.
+//
+// Groups are read in panels of 4, which stay in L2 while the rows pass over them a few at a
+// time (as many as the registers hold sums for), so each weight comes from memory once a call.
 // Every output sums its products in input order in fp32 whatever the call's row count, so a
 // row's result is the same alone or in a batch. From 8 rows on oneDNN (on AMX tiles where the
 // CPU has them) is faster, and the caller keeps it there.
 #include <ATen/ATen.h>
+#include <ATen/cpu/vec/vec.h>
 #include <torch/csrc/utils/pybind.h>  // at::Tensor to and from Python; far lighter than torch/extension.h
 #include <ATen/Parallel.h>
 
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cstdint>
 #include <array>
+#include <cstdint>
 #include <optional>
+#include <type_traits>
 #include <utility>
 
 namespace {
 
-constexpr int64_t kFeatures = 16;  // output features a group holds: one vector of fp32 sums
-constexpr int64_t kPanel = 4;      // groups read together: 4 independent chains per row
-constexpr int64_t kRows = 4;       // rows a pass over a panel takes: 16 sums in registers
+using Vec = at::vec::Vectorized<float>;
 
-#if defined(__AVX512F__)
-constexpr bool kBuilt = true;
+constexpr int64_t kPanel = 4;  // groups read together: independent FMA chains per row
 
-// sums [R][G * 16] = x [R rows of 2 * pairs fp32, ldx apart] . panel [G][pairs][16 pairs].
-template <int R, int G>
-void panel_product(const float* x, int64_t ldx, const uint32_t* w, int64_t pairs,
-                   float* sums) {
-  __m512 acc[R][G];
-  for (int r = 0; r < R; ++r) {
-    for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
-  }
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t p = 0; p < pairs; ++p) {
-    for (int g = 0; g < G; ++g) {
-      const __m512i line = _mm512_loadu_si512(w + (g * pairs + p) * kFeatures);
-      const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(line, 16));
+// How a packed weight of element type W is laid out and consumed: output features per group,
+// packed elements per input step (a bf16 pair is one uint32_t, two inputs), and rows a pass
+// over a panel takes (its sums, the panel's loads and a row's broadcast fit the registers:
+// 16 of them with AVX2, 32 with AVX-512).
+template <typename W>
+struct Layout;
+
+template <>
+struct Layout<uint32_t> {  // bf16 pairs, AVX-512
+  static constexpr int64_t kFeatures = 16, kInputs = 2, kRows = 4;
+};
+
+template <>
+struct Layout<float> {
+  static constexpr int64_t kFeatures = Vec::size(), kInputs = 1, kRows = Vec::size() >= 16 ? 4 : 2;
+};
+
+// sums [R][G * features] = x [R rows of K fp32, ldx apart] . panel [G][steps][features].
+template <typename W, int R, int G>
+void panel_product(const float* x, int64_t ldx, const W* w, int64_t steps, float* sums) {
+  constexpr int64_t F = Layout<W>::kFeatures;
+  if constexpr (std::is_same_v<W, float>) {
+    Vec acc[R][G];
+    for (int r = 0; r < R; ++r) {
+      for (int g = 0; g < G; ++g) acc[r][g] = Vec(0.f);
+    }
+    for (int64_t i = 0; i < steps; ++i) {
+      Vec lines[G];
+      for (int g = 0; g < G; ++g) lines[g] = Vec::loadu(w + (g * steps + i) * F);
       for (int r = 0; r < R; ++r) {
-        acc[r][g] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + 2 * p]), even, acc[r][g]);
-      }
-      const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(line, high));
-      for (int r = 0; r < R; ++r) {
-        acc[r][g] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + 2 * p + 1]), odd, acc[r][g]);
+        const Vec input(x[r * ldx + i]);
+        for (int g = 0; g < G; ++g) acc[r][g] = at::vec::fmadd(input, lines[g], acc[r][g]);
       }
     }
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int g = 0; g < G; ++g) _mm512_storeu_ps(sums + (r * G + g) * kFeatures, acc[r][g]);
-  }
-}
-
-using PanelFn = void (*)(const float*, int64_t, const uint32_t*, int64_t, float*);
-
-template <int R, int... G>
-constexpr std::array<PanelFn, sizeof...(G)> panels_of(std::integer_sequence<int, G...>) {
-  return {&panel_product<R, G + 1>...};
-}
-
-template <int... R>
-constexpr std::array<std::array<PanelFn, kPanel>, sizeof...(R)> panel_table(
-    std::integer_sequence<int, R...>) {
-  return {panels_of<R + 1>(std::make_integer_sequence<int, kPanel>())...};
-}
-
-constexpr auto kPanels = panel_table(std::make_integer_sequence<int, kRows>());
-
-PanelFn panel_for(int64_t rows, int64_t groups) { return kPanels[rows - 1][groups - 1]; }
-
-#else
-constexpr bool kBuilt = false;
+    for (int r = 0; r < R; ++r) {
+      for (int g = 0; g < G; ++g) acc[r][g].store(sums + (r * G + g) * F);
+    }
+  } else {
+#if defined(__AVX512F__)
+    __m512 acc[R][G];
+    for (int r = 0; r < R; ++r) {
+      for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
+    }
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    for (int64_t p = 0; p < steps; ++p) {
+      for (int g = 0; g < G; ++g) {
+        const __m512i line = _mm512_loadu_si512(w + (g * steps + p) * F);
+        const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(line, 16));
+        for (int r = 0; r < R; ++r) {
+          acc[r][g] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + 2 * p]), even, acc[r][g]);
+        }
+        const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(line, high));
+        for (int r = 0; r < R; ++r) {
+          acc[r][g] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + 2 * p + 1]), odd, acc[r][g]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int g = 0; g < G; ++g) _mm512_storeu_ps(sums + (r * G + g) * F, acc[r][g]);
+    }
 #endif
+  }
+}
 
-bool runs_here() { return kBuilt && __builtin_cpu_supports("avx512f"); }
+template <typename W>
+using PanelFn = void (*)(const float*, int64_t, const W*, int64_t, float*);
 
-}  // namespace
+template <typename W, int R, int... G>
+constexpr std::array<PanelFn<W>, sizeof...(G)> panels_of(std::integer_sequence<int, G...>) {
+  return {&panel_product<W, R, G + 1>...};
+}
 
-// weight [N, K] bfloat16 (K even) -> [ceil(N / 16), K / 2, 32] bfloat16: groups of 16 output
-// features, each input pair's 16 features together; the last group padded with zeros.
-at::Tensor pack(const at::Tensor& weight) {
-  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2
-              && weight.scalar_type() == at::kBFloat16, "a [N, K] bfloat16 CPU weight");
-  const int64_t n = weight.size(0), k = weight.size(1);
-  TORCH_CHECK(k % 2 == 0, "K must be even (inputs go in pairs), got ", k);
-  const auto w = weight.contiguous();
-  const int64_t groups = (n + kFeatures - 1) / kFeatures, pairs = k / 2;
-  auto packed = at::zeros({groups, pairs, 2 * kFeatures}, weight.options());
-  const auto* src = reinterpret_cast<const uint32_t*>(w.data_ptr<at::BFloat16>());
-  auto* dst = reinterpret_cast<uint32_t*>(packed.data_ptr<at::BFloat16>());
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t features = std::min(kFeatures, n - g * kFeatures);
-      for (int64_t p = 0; p < pairs; ++p) {
-        for (int64_t c = 0; c < features; ++c) {
-          dst[(g * pairs + p) * kFeatures + c] = src[(g * kFeatures + c) * pairs + p];
+template <typename W, int... R>
+constexpr std::array<std::array<PanelFn<W>, kPanel>, sizeof...(R)> panel_table(
+    std::integer_sequence<int, R...>) {
+  return {panels_of<W, R + 1>(std::make_integer_sequence<int, kPanel>())...};
+}
+
+template <typename W>
+PanelFn<W> panel_for(int64_t rows, int64_t groups) {
+  static constexpr auto kPanels =
+      panel_table<W>(std::make_integer_sequence<int, Layout<W>::kRows>());
+  return kPanels[rows - 1][groups - 1];
+}
+
+// y [M, N] = x [M, K] fp32 . packed weight + bias, each output rounded once to Out.
+template <typename W, typename Out>
+void run_panels(const float* x, int64_t m, int64_t k, const W* w, int64_t n,
+                const float* bias, Out* y) {
+  constexpr int64_t F = Layout<W>::kFeatures, kRows = Layout<W>::kRows;
+  const int64_t groups = (n + F - 1) / F, steps = k / Layout<W>::kInputs;
+  const int64_t panels = (groups + kPanel - 1) / kPanel;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float sums[kRows * kPanel * F];
+    for (int64_t panel = begin; panel < end; ++panel) {
+      const int64_t g0 = panel * kPanel, g = std::min(kPanel, groups - g0);
+      const int64_t col0 = g0 * F, cols = std::min(g * F, n - col0);
+      for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+        const int64_t rows = std::min(kRows, m - r0);
+        panel_for<W>(rows, g)(x + r0 * k, k, w + g0 * steps * F, steps, sums);
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t c = 0; c < cols; ++c) {
+            const float b = bias != nullptr ? bias[col0 + c] : 0.f;
+            y[(r0 + r) * n + col0 + c] = static_cast<Out>(sums[r * g * F + c] + b);
+          }
         }
       }
     }
   });
+}
+
+bool runs_bf16() {
+#if defined(__AVX512F__)
+  return __builtin_cpu_supports("avx512f");
+#else
+  return false;
+#endif
+}
+
+bool runs_f32() {
+#if defined(__AVX512F__)
+  return __builtin_cpu_supports("avx512f");
+#elif defined(__AVX2__) && defined(__FMA__)
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+// [N, K] -> [ceil(N / F)][K / inputs][F * inputs] elements: groups of F output
+// features, each input step's features together; the last group padded with zeros.
+template <typename W>
+void pack_into(const W* src, int64_t n, int64_t k, W* dst) {
+  constexpr int64_t F = Layout<W>::kFeatures;
+  const int64_t groups = (n + F - 1) / F, steps = k / Layout<W>::kInputs;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t features = std::min(F, n - g * F);
+      for (int64_t p = 0; p < steps; ++p) {
+        for (int64_t c = 0; c < features; ++c) {
+          dst[(g * steps + p) * F + c] = src[(g * F + c) * steps + p];
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// weight [N, K] bfloat16 (K even) -> [ceil(N / 16), K / 2, 32] bfloat16, or float32 ->
+// [ceil(N / W), K, W] float32 with W the vector width (8 with AVX2, 16 with AVX-512).
+at::Tensor pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2
+              && (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat),
+              "a [N, K] bfloat16 or float32 CPU weight");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const auto w = weight.contiguous();
+  if (weight.scalar_type() == at::kFloat) {
+    constexpr int64_t F = Layout<float>::kFeatures;
+    auto packed = at::zeros({(n + F - 1) / F, k, F}, weight.options());
+    pack_into(w.data_ptr<float>(), n, k, packed.data_ptr<float>());
+    return packed;
+  }
+  TORCH_CHECK(k % 2 == 0, "K must be even (bf16 inputs go in pairs), got ", k);
+  constexpr int64_t F = Layout<uint32_t>::kFeatures;
+  auto packed = at::zeros({(n + F - 1) / F, k / 2, 2 * F}, weight.options());
+  pack_into(reinterpret_cast<const uint32_t*>(w.data_ptr<at::BFloat16>()), n, k,
+            reinterpret_cast<uint32_t*>(packed.data_ptr<at::BFloat16>()));
   return packed;
 }
 
-// x [M, K] bfloat16 times the packed weight of N output features (+ bias [N], any float
-// dtype) -> [M, N] bfloat16, each output summed in fp32 and rounded once.
+// x [M, K] times the packed weight of N output features (+ bias [N], any float dtype) ->
+// [M, N] in x's dtype (bfloat16 over a bf16 pack, float32 over a float32 one), each output
+// summed in fp32 and rounded once.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                   const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(runs_here(), "packed bf16 linear needs a build and CPU with AVX-512");
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kBFloat16,
-              "x must be a [M, K] bfloat16 CPU tensor");
-  const int64_t m = x.size(0), k = x.size(1), groups = (n + kFeatures - 1) / kFeatures;
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kBFloat16
-              && packed.is_contiguous() && packed.size(0) == groups
-              && packed.size(1) * 2 == k && packed.size(2) == 2 * kFeatures,
-              "packed weight [", groups, ", ", k / 2, ", 32] expected for N = ", n, ", K = ", k);
+  const bool f32 = packed.scalar_type() == at::kFloat;
+  TORCH_CHECK(f32 ? runs_f32() : runs_bf16(), "the packed ", f32 ? "float32" : "bf16",
+              " linear needs a build and CPU with ", f32 ? "AVX2 and FMA" : "AVX-512");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == packed.scalar_type(),
+              "x must be a [M, K] CPU tensor of the packed weight's dtype");
+  const int64_t m = x.size(0), k = x.size(1);
+  const int64_t features = f32 ? Layout<float>::kFeatures : Layout<uint32_t>::kFeatures;
+  const int64_t groups = (n + features - 1) / features, inputs = f32 ? 1 : 2;
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(0) == groups
+              && packed.size(1) * inputs == k && packed.size(2) == features * inputs,
+              "packed weight [", groups, ", ", k / inputs, ", ", features * inputs,
+              "] expected for N = ", n, ", K = ", k);
   at::Tensor bias_f;  // float32 and contiguous: read in place when it already is
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == n, "bias of ", n, " features expected");
@@ -132,35 +238,21 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   const float* bias_values = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   auto out = at::empty({m, n}, x.options());
   if (m == 0) return out;
-#if defined(__AVX512F__)
   const auto xf = x.to(at::kFloat).contiguous();
-  const float* xs = xf.data_ptr<float>();
-  const auto* w = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
-  auto* y = out.data_ptr<at::BFloat16>();
-  const int64_t pairs = k / 2, panels = (groups + kPanel - 1) / kPanel;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float sums[kRows * kPanel * kFeatures];
-    for (int64_t panel = begin; panel < end; ++panel) {
-      const int64_t g0 = panel * kPanel, g = std::min(kPanel, groups - g0);
-      const int64_t col0 = g0 * kFeatures, cols = std::min(g * kFeatures, n - col0);
-      for (int64_t r0 = 0; r0 < m; r0 += kRows) {
-        const int64_t rows = std::min(kRows, m - r0);
-        panel_for(rows, g)(xs + r0 * k, k, w + g0 * pairs * kFeatures, pairs, sums);
-        for (int64_t r = 0; r < rows; ++r) {
-          for (int64_t c = 0; c < cols; ++c) {
-            const float b = bias_values != nullptr ? bias_values[col0 + c] : 0.f;
-            y[(r0 + r) * n + col0 + c] = at::BFloat16(sums[r * g * kFeatures + c] + b);
-          }
-        }
-      }
-    }
-  });
-#endif
+  if (f32) {
+    run_panels(xf.data_ptr<float>(), m, k, packed.data_ptr<float>(), n, bias_values,
+               out.data_ptr<float>());
+  } else {
+    run_panels(xf.data_ptr<float>(), m, k,
+               reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>()), n,
+               bias_values, out.data_ptr<at::BFloat16>());
+  }
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack", &pack, "a [N, K] bf16 weight packed in groups of 16 output features");
-  m.def("linear", &linear, "x W^T (+ b) over a packed bf16 weight");
-  m.def("runs_here", &runs_here, "whether this build and CPU have AVX-512");
+  m.def("pack", &pack, "a [N, K] bf16 or fp32 weight packed in groups of output features");
+  m.def("linear", &linear, "x W^T (+ b) over a packed weight");
+  m.def("runs_bf16", &runs_bf16, "whether this build and CPU run the bf16 path (AVX-512)");
+  m.def("runs_f32", &runs_f32, "whether this build and CPU run the fp32 path (AVX2+FMA)");
 }

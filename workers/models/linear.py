@@ -14,10 +14,12 @@ part of the cache identity's numerics (:func:`linear_kernel`).
 
 From :data:`PREPACKED_MAX_ROWS` rows on, prefills keep the plain kernel.
 
-In bf16, a decode of a few rows reads every weight once and little else, and there oneDNN read
-at 8-10 GB/s where the memory gives 15: below :data:`PACKED_MAX_ROWS` rows the weights go
-through our own kernel on a third copy packed for it (``workers/kernels/packed_linear.cpp``),
-where the CPU has AVX-512 and the model's weights are small enough for a third copy
+A decode of a few rows reads every weight once and little else. There oneDNN read bf16 weights
+at 8-10 GB/s where the memory gives 15 (an AMX Xeon), and fp32 weights at 12 GB/s where it
+gives 17 (an AVX2-only EPYC), gaining nothing from a second thread: below
+:data:`PACKED_MAX_ROWS` rows the weights go through our own kernel on a third copy packed for
+it (``workers/kernels/packed_linear.cpp``), where the CPU runs it (bf16: AVX-512; fp32: AVX2
+with FMA) and the model's weights are small enough for a third copy
 (:func:`packs_small_batches`).
 
 oneDNN, and ideep above it, cache a primitive per operation shape (1,024 each by default, at
@@ -103,21 +105,27 @@ def _prepacking_pays(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def _packed_kernel(dtype: torch.dtype, device: torch.device):
-    """The packed bf16 kernel where it serves weights of ``dtype`` on ``device``, else None."""
-    if dtype != torch.bfloat16 or device.type != "cpu":
+    """The packed kernel where it serves weights of ``dtype`` on ``device``, else None."""
+    if dtype not in (torch.bfloat16, torch.float32) or device.type != "cpu":
         return None
     kernel = kernels.packed_linear()
-    return kernel if kernel is not None and kernel.runs_here() else None
+    if kernel is None:
+        return None
+    runs = kernel.runs_bf16() if dtype == torch.bfloat16 else kernel.runs_f32()
+    return kernel if runs else None
 
 
 def packs_small_batches(model: torch.nn.Module) -> bool:
-    """Whether ``model``'s dense linear layers get a copy packed for the packed bf16 kernel:
-    bf16 weights on a CPU it runs on, each with an even ``in_features`` (inputs go in pairs),
-    at most :data:`PACKED_MAX_BYTES` of them."""
+    """Whether ``model``'s dense linear layers get a copy packed for the packed kernel: bf16
+    or fp32 weights on a CPU it runs on, in bf16 each with an even ``in_features`` (inputs go
+    in pairs), at most :data:`PACKED_MAX_BYTES` of them."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    if not linears or _packed_kernel(linears[0].weight.dtype, linears[0].weight.device) is None:
+    if not linears:
         return False
-    if any(m.in_features % 2 for m in linears):
+    dtype = linears[0].weight.dtype
+    if _packed_kernel(dtype, linears[0].weight.device) is None:
+        return False
+    if dtype == torch.bfloat16 and any(m.in_features % 2 for m in linears):
         return False
     return sum(m.weight.numel() * m.weight.element_size() for m in linears) <= PACKED_MAX_BYTES
 
@@ -125,9 +133,14 @@ def packs_small_batches(model: torch.nn.Module) -> bool:
 def linear_kernel(dtype: torch.dtype, device: torch.device, small_batches: bool) -> str:
     """The kernels :class:`Linear` uses below :data:`PREPACKED_MAX_ROWS` rows for weights of
     ``dtype`` on ``device``: ``onednn-prepacked`` or ``aten`` (``F.linear``), after
-    ``packed-bf16<PACKED_MAX_ROWS+`` where ``small_batches`` (:func:`packs_small_batches`)."""
+    ``packed-bf16<PACKED_MAX_ROWS+`` or ``packed-fp32<PACKED_MAX_ROWS+`` where ``small_batches``
+    (:func:`packs_small_batches`). The fp32 path's vector width (8 or 16 features) does not
+    change any sum's order, so it is not part of the tag."""
     name = "onednn-prepacked" if _prepacking_pays(dtype, device) else "aten"
-    return f"packed-bf16<{PACKED_MAX_ROWS}+{name}" if small_batches else name
+    if not small_batches:
+        return name
+    packed = "packed-bf16" if dtype == torch.bfloat16 else "packed-fp32"
+    return f"{packed}<{PACKED_MAX_ROWS}+{name}"
 
 
 class Linear:
@@ -138,8 +151,8 @@ class Linear:
         bias: ``[out_features]`` or None.
 
         small_batches: also hold a copy packed for :func:`workers.kernels.packed_linear`, which
-            takes matmuls of fewer than :data:`PACKED_MAX_ROWS` rows (bf16 weights on a CPU it
-            runs on; ignored elsewhere). Callers decide it per model
+            takes matmuls of fewer than :data:`PACKED_MAX_ROWS` rows (bf16 or fp32 weights on
+            a CPU it runs on; ignored elsewhere). Callers decide it per model
             (:func:`packs_small_batches`).
 
     Raises:
