@@ -43,11 +43,13 @@ PREPACKED_MAX_ROWS = 256
 """Matmuls with fewer rows than this use the prepacked weight (measured crossover)."""
 
 PACKED_MAX_ROWS = 5
-"""bf16 matmuls with fewer rows than this use :func:`workers.kernels.packed_linear`. One
-SmolLM2 layer's four fused projections, one thread, on an Intel Xeon with AMX, against
-oneDNN prepacked (``benchmarks/kernel_choices.py``, ``packed_small_ms``): 0.18 against
-0.29-0.31 ms at 1 row, 0.19 against 0.28 at 2, 0.27 against 0.28 at 4, 0.50 against 0.29 at 8
-and 1.0 against 0.31 at 16, where oneDNN's AMX tiles take over."""
+"""bf16 and fp32 matmuls with fewer rows than this use :func:`workers.kernels.packed_linear`.
+One SmolLM2 layer's four fused projections, one thread, against oneDNN prepacked
+(``benchmarks/kernel_choices.py``, ``packed_small_ms``). bf16 on an Intel Xeon with AMX: 0.18
+against 0.29-0.31 ms at 1 row, 0.19 against 0.28 at 2, 0.27 against 0.28 at 4, 0.50 against
+0.29 at 8 and 1.0 against 0.31 at 16, where oneDNN's AMX tiles take over. fp32 on an AMD EPYC
+(Zen 4, AVX-512): 0.16 against 0.29 ms at 1 row, 0.18 against 0.28 at 2, 0.34 against 0.38 at
+4, 0.66 against 0.69 at 8 and 1.22 against 1.15 at 16."""
 
 PACKED_MAX_BYTES = 4 << 30
 """Models with more linear-layer weight bytes than this get no packed copy: the copy holds the
