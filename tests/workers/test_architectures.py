@@ -207,3 +207,21 @@ def test_chunked_prefill(family, make_engine):
     assert engine.counters.steps >= total_prompt // 8
     assert max(engine.counters.batch_sizes) >= 2
     assert engine.pool.num_in_use == 0
+
+
+def test_engines_over_one_model_share_its_compact_decoder_until_a_weight_changes(
+        fresh_tiny_qwen):
+    """The fused and packed weights are built once per model, not once per engine; a
+    parameter that becomes another tensor (a reload, another dtype) makes a new build, which
+    computes with the new weight."""
+    from workers.models import compact_model_for
+
+    model = fresh_tiny_qwen()
+    first = compact_model_for(model)
+    assert first is not None and compact_model_for(model) is first
+    down = model.model.layers[0].mlp.down_proj
+    down.weight = torch.nn.Parameter(torch.zeros_like(down.weight), requires_grad=False)
+    rebuilt = compact_model_for(model)
+    assert rebuilt is not first and compact_model_for(model) is rebuilt
+    assert rebuilt.layers[0].down_proj.weight is down.weight
+    assert first.layers[0].down_proj.weight is not down.weight
