@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from ray import serve
-from ray.exceptions import RayTaskError
+from ray.exceptions import NodeDiedError, RayActorError, RayTaskError, WorkerCrashedError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
@@ -34,6 +34,9 @@ from workers.model_loader import load_tokenizer
 log = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 5.0
+RESENDS_ON_WORKER_LOSS = 2
+"""Times a request whose worker is lost before its first chunk is sent again (to another
+worker: Serve's router drops a replica whose actor died)."""
 
 
 @serve.ingress()
@@ -114,32 +117,46 @@ class NalarIngress:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Stream a request from whichever worker the router picks; closing cancels it.
 
+        A worker lost before the request's first chunk (its process or node died) gets the
+        request sent again, up to :data:`RESENDS_ON_WORKER_LOSS` times: nothing was streamed,
+        so the client still gets one whole answer, and Serve's router has dropped the dead
+        replica, so the request goes to another. A worker lost after its first chunk ends the
+        stream with an error: its tokens cannot be taken back.
+
         Raises:
             OverloadedError: Serve refused the call (the workers' queues are full, or no
                 replica is up): 503 with Retry-After.
             InvalidRequestError: the worker refused the request (400), as the worker raised it.
         """
-        stream = None
         timer = self.dashboard.timer()
-        finished = False
-        try:
-            request = await self.worker_identity.current(request)
-            stream = self.workers.options(stream=True).generate.remote(request)
-            async for chunk in stream:
-                timer.chunk(len(chunk.token_ids))
-                finished = chunk.is_last
-                yield chunk
-        except Exception as exc:
-            # The call failed: nothing is left to cancel, and cancelling would raise its error
-            # again (Ray fetches the call's result first), replacing this one.
-            finished = True
-            error = serve_error(exc)
-            if error is exc:
-                raise
-            raise error from exc
-        finally:
-            if stream is not None and not finished:
-                stream.cancel()  # reaches the worker as cancellation: it frees the blocks
+        for attempt in range(RESENDS_ON_WORKER_LOSS + 1):
+            stream = None
+            finished = streamed = False
+            try:
+                request = await self.worker_identity.current(request)
+                stream = self.workers.options(stream=True).generate.remote(request)
+                async for chunk in stream:
+                    timer.chunk(len(chunk.token_ids))
+                    finished = chunk.is_last
+                    streamed = True
+                    yield chunk
+                return
+            except Exception as exc:
+                # The call failed: nothing is left to cancel, and cancelling would raise its
+                # error again (Ray fetches the call's result first), replacing this one.
+                finished = True
+                if not streamed and attempt < RESENDS_ON_WORKER_LOSS and worker_lost(exc):
+                    log.warning("request %s: its worker was lost before its first token "
+                                "(%s); sending it again", request.request_id,
+                                type(typed_error(exc)).__name__)
+                    continue
+                error = serve_error(exc)
+                if error is exc:
+                    raise
+                raise error from exc
+            finally:
+                if stream is not None and not finished:
+                    stream.cancel()  # reaches the worker as cancellation: it frees the blocks
 
     async def drain(self, timeout_s: float) -> dict[str, int]:
         """A clean stop's first step: refuse new requests (503 ``shutting_down``), let those in
@@ -157,6 +174,12 @@ class NalarIngress:
             log.warning("health check failed: %s", exc)
             return False
         return True
+
+
+def worker_lost(exc: Exception) -> bool:
+    """Whether a failed worker call means the worker itself is gone (its actor died or is
+    unreachable, its node or process died), not that it refused or failed the request."""
+    return isinstance(typed_error(exc), (RayActorError, NodeDiedError, WorkerCrashedError))
 
 
 def serve_error(exc: Exception) -> Exception:

@@ -1,15 +1,17 @@
 """The ingress's backend over a worker handle, with a fake handle: overload becomes
-OverloadedError (503 + Retry-After at the API), and an early close cancels the worker call."""
+OverloadedError (503 + Retry-After at the API), an early close cancels the worker call, and a
+worker lost before the first chunk means the request is sent again."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
+from ray.exceptions import ActorDiedError, ActorUnavailableError
 from ray.serve.exceptions import BackPressureError
 
 from cluster.dashboard import Dashboard
-from cluster.ingress_deployment import NalarIngress
+from cluster.ingress_deployment import RESENDS_ON_WORKER_LOSS, NalarIngress
 from cluster.metrics import WorkerScrape
 from contract.request import GenerationChunk, GenerationRequest
 from router.errors import OverloadedError
@@ -22,11 +24,13 @@ class FakeStream:
         self._chunks = list(chunks)
         self._error = error
         self.cancelled = False
+        self.read = False
 
     def __aiter__(self):
         return self
 
     async def __anext__(self) -> GenerationChunk:
+        self.read = True
         if self._error is not None:
             raise self._error
         if not self._chunks:
@@ -41,8 +45,10 @@ class FakeStream:
             raise self._error
 
 
-def ingress_over(stream: FakeStream) -> SimpleNamespace:
-    method = SimpleNamespace(remote=lambda request: stream)
+def ingress_over(*streams: FakeStream) -> SimpleNamespace:
+    """An ingress whose worker calls return ``streams`` in turn."""
+    calls = iter(streams)
+    method = SimpleNamespace(remote=lambda request: next(calls))
     handle = SimpleNamespace(options=lambda stream: SimpleNamespace(generate=method))
     async def current(request):  # the workers' identity never changes here
         return request
@@ -76,3 +82,45 @@ async def test_a_finished_stream_is_not_cancelled():
                                                   GenerationRequest("r", [1]))]
     assert [c.finish_reason for c in got] == [None, "stop"]
     assert not stream.cancelled
+
+
+class LostMidStream(FakeStream):
+    """A worker that streams ``chunks`` and then is lost."""
+
+    async def __anext__(self) -> GenerationChunk:
+        if not self._chunks:
+            raise ActorDiedError()
+        return self._chunks.pop(0)
+
+
+async def collect(ingress: SimpleNamespace) -> list[GenerationChunk]:
+    return [c async for c in NalarIngress.generate(ingress, GenerationRequest("r", [1]))]
+
+
+@pytest.mark.parametrize("lost", [ActorDiedError(), ActorUnavailableError("node gone", None)])
+async def test_a_worker_lost_before_the_first_chunk_means_the_request_is_sent_again(lost):
+    dead, alive = FakeStream([], lost), FakeStream([chunk(), chunk("stop")])
+    got = await collect(ingress_over(dead, alive))
+    assert [c.finish_reason for c in got] == [None, "stop"]
+    assert not alive.cancelled
+
+
+async def test_a_worker_lost_after_its_first_chunk_ends_the_stream_with_its_error():
+    lost, unused = LostMidStream([chunk()]), FakeStream([chunk("stop")])
+    generator = NalarIngress.generate(ingress_over(lost, unused), GenerationRequest("r", [1]))
+    assert (await generator.__anext__()).token_ids == [5]
+    with pytest.raises(ActorDiedError):
+        await generator.__anext__()
+    assert not unused.read
+
+
+async def test_resends_are_bounded_and_a_refusal_is_never_resent():
+    dead = [FakeStream([], ActorDiedError()) for _ in range(RESENDS_ON_WORKER_LOSS + 2)]
+    with pytest.raises(ActorDiedError):
+        await collect(ingress_over(*dead))
+    assert [s.read for s in dead] == [True] * (RESENDS_ON_WORKER_LOSS + 1) + [False]
+    refused = FakeStream([], BackPressureError(num_queued_requests=9, max_queued_requests=8))
+    spare = FakeStream([chunk("stop")])
+    with pytest.raises(OverloadedError):
+        await collect(ingress_over(refused, spare))
+    assert not spare.read
