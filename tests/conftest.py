@@ -14,6 +14,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -93,3 +94,28 @@ def ray_session() -> Iterator[None]:
     init_ray(num_cpus=2, log_to_driver=False)
     yield
     stop_cluster()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A 2-layer Llama with seeded random weights and SmolLM2's tokenizer, saved to disk, as a
+    deployment loads a model: for the tests whose application needs a model but not SmolLM2.
+
+    ``initializer_range`` 0.2 keeps greedy logits away from near-ties.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from workers.model_loader import load_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = load_tokenizer("embedded")
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, initializer_range=0.2,
+                         tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

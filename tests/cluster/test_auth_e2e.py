@@ -25,8 +25,9 @@ FIXED_KEY, FILE_KEY, NEW_KEY = "sk-e2e-fixed-7f3a", "sk-e2e-file-91c2", "sk-e2e-
 
 
 @pytest.fixture
-def keyed_app(cluster, redis_url: str, tmp_path: Path):
-    """The keyed application; yields its base URL, its keys file and its Redis key prefix."""
+def keyed_app(cluster, redis_url: str, tmp_path: Path, tiny_model_dir: Path):
+    """The keyed application (over a tiny model: keys are all it is about); yields its base
+    URL, its keys file and its Redis key prefix."""
     from ray import serve
 
     from cluster.app import build_app
@@ -34,7 +35,8 @@ def keyed_app(cluster, redis_url: str, tmp_path: Path):
     keys_file = tmp_path / "api-keys"
     keys_file.write_text(f"# e2e\n{FILE_KEY}\n")
     key_prefix = f"nalar-auth-{uuid.uuid4().hex[:8]}"
-    config = ClusterConfig(num_workers=1, redis_url=redis_url, key_prefix=key_prefix,
+    config = ClusterConfig(model=str(tiny_model_dir), num_workers=1, redis_url=redis_url,
+                           key_prefix=key_prefix,
                            dtype="float32", kv_cache_mib=32, worker_threads=1,
                            speculative="off", api_keys=[FIXED_KEY],
                            api_keys_file=str(keys_file))
