@@ -81,17 +81,19 @@ def test_packed_kernel_refuses_what_it_cannot_multiply():
         packed.linear(_bf16(1, 8, seed=1).float(), weights, 20, None)
 
 
-@needs_packed
-def test_linear_takes_the_packed_kernel_below_its_rows_and_onednn_from_there():
-    weight = _bf16(48, 64, seed=3)
+@pytest.mark.parametrize(("dtype", "inputs", "tag"), [
+    pytest.param(torch.bfloat16, 64, "packed-bf16", marks=needs_packed),
+    pytest.param(torch.float32, 63, "packed-fp32", marks=needs_packed_f32)])
+def test_linear_takes_the_packed_kernel_below_its_rows_and_onednn_from_there(dtype, inputs, tag):
+    """bf16 inputs go in pairs; fp32 ones may be any count."""
+    weight = _f32(48, inputs, seed=3).to(dtype)
     linear, plain = Linear(weight, small_batches=True), Linear(weight)
-    small, large = _bf16(PACKED_MAX_ROWS - 1, 64, seed=4), _bf16(PACKED_MAX_ROWS, 64, seed=5)
+    small = _f32(PACKED_MAX_ROWS - 1, inputs, seed=4).to(dtype)
+    large = _f32(PACKED_MAX_ROWS, inputs, seed=5).to(dtype)
     assert torch.equal(linear(small), packed.linear(small, packed.pack(weight), 48, None))
-    assert plain.small_packed is None and torch.equal(linear(large), plain(large))
-    assert linear_kernel(torch.bfloat16, torch.device("cpu"), True).startswith(
-        f"packed-bf16<{PACKED_MAX_ROWS}+")
-    assert linear_kernel(torch.bfloat16, torch.device("cpu"), False) in (
-        "onednn-prepacked", "aten")
+    assert linear.small_packed is not None and plain.small_packed is None
+    assert torch.equal(linear(large), plain(large))
+    assert linear_kernel(dtype, torch.device("cpu"), True).startswith(f"{tag}<{PACKED_MAX_ROWS}+")
 
 
 @needs_packed
@@ -133,16 +135,8 @@ def test_packed_f32_kernel_sums_in_input_order_and_is_batch_invariant(n, k, rows
 
 
 @needs_packed_f32
-def test_linear_takes_the_packed_f32_kernel_below_its_rows_for_any_input_count():
-    weight = _f32(40, 63, seed=7)
-    linear, plain = Linear(weight, small_batches=True), Linear(weight)
-    small, large = _f32(PACKED_MAX_ROWS - 1, 63, seed=8), _f32(PACKED_MAX_ROWS, 63, seed=9)
-    assert torch.equal(linear(small), packed.linear(small, packed.pack(weight), 40, None))
-    assert linear.small_packed is not None and plain.small_packed is None
-    assert torch.equal(linear(large), plain(large))
-    assert linear_kernel(torch.float32, torch.device("cpu"), True).startswith(
-        f"packed-fp32<{PACKED_MAX_ROWS}+")
+def test_fp32_models_of_any_input_count_get_the_packed_copy():
     model = torch.nn.Sequential(torch.nn.Linear(63, 32), torch.nn.Linear(32, 8))
-    assert packs_small_batches(model)  # fp32 inputs need not pair up
+    assert packs_small_batches(model)
     with pytest.raises(RuntimeError, match="packed weight"):
-        packed.linear(_f32(1, 62, seed=1), packed.pack(weight), 40, None)
+        packed.linear(_f32(1, 62, seed=1), packed.pack(_f32(40, 63, seed=7)), 40, None)
