@@ -4,6 +4,7 @@ handle whose requests the prefix-aware router places."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -149,6 +150,11 @@ class NalarIngress:
                     log.warning("request %s: its worker was lost before its first token "
                                 "(%s); sending it again", request.request_id,
                                 type(typed_error(exc)).__name__)
+                    if stream is not None:
+                        # An unreachable worker may still be running it; a dead one's call
+                        # raises its error again, which says nothing new.
+                        with contextlib.suppress(Exception):
+                            stream.cancel()
                     continue
                 error = serve_error(exc)
                 if error is exc:

@@ -102,7 +102,7 @@ async def test_a_worker_lost_before_the_first_chunk_means_the_request_is_sent_ag
     dead, alive = FakeStream([], lost), FakeStream([chunk(), chunk("stop")])
     got = await collect(ingress_over(dead, alive))
     assert [c.finish_reason for c in got] == [None, "stop"]
-    assert not alive.cancelled
+    assert dead.cancelled and not alive.cancelled  # an unreachable worker may still run it
 
 
 async def test_a_worker_lost_after_its_first_chunk_ends_the_stream_with_its_error():
