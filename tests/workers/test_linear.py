@@ -13,11 +13,13 @@ from workers import kernels
 from workers.models import linear as linear_module
 from workers.models.linear import (
     PACKED_MAX_ROWS,
+    PACKED_MAX_ROWS_AVX2,
     PRIMITIVE_CACHE_CAPACITY,
     PRIMITIVE_CACHES,
     Linear,
     bound_primitive_caches,
     linear_kernel,
+    packed_max_rows,
     packs_small_batches,
 )
 
@@ -88,12 +90,23 @@ def test_linear_takes_the_packed_kernel_below_its_rows_and_onednn_from_there(dty
     """bf16 inputs go in pairs; fp32 ones may be any count."""
     weight = _f32(48, inputs, seed=3).to(dtype)
     linear, plain = Linear(weight, small_batches=True), Linear(weight)
-    small = _f32(PACKED_MAX_ROWS - 1, inputs, seed=4).to(dtype)
-    large = _f32(PACKED_MAX_ROWS, inputs, seed=5).to(dtype)
+    rows = packed_max_rows(dtype)
+    small = _f32(rows - 1, inputs, seed=4).to(dtype)
+    large = _f32(rows, inputs, seed=5).to(dtype)
     assert torch.equal(linear(small), packed.linear(small, packed.pack(weight), 48, None))
     assert linear.small_packed is not None and plain.small_packed is None
     assert torch.equal(linear(large), plain(large))
-    assert linear_kernel(dtype, torch.device("cpu"), True).startswith(f"{tag}<{PACKED_MAX_ROWS}+")
+    assert linear_kernel(dtype, torch.device("cpu"), True).startswith(f"{tag}<{rows}+")
+
+
+@needs_packed_f32
+def test_the_fp32_row_threshold_follows_the_kernels_vector_width():
+    """The 8-wide (AVX2) path keeps matmuls up to 31 rows, where oneDNN has no AVX-512."""
+    width = packed.pack(_f32(3, 5, seed=7)).shape[2]
+    assert width == packed.f32_features in (8, 16)
+    assert packed_max_rows(torch.float32) == (PACKED_MAX_ROWS_AVX2 if width == 8
+                                              else PACKED_MAX_ROWS)
+    assert packed_max_rows(torch.bfloat16) == PACKED_MAX_ROWS
 
 
 @needs_packed

@@ -21,8 +21,9 @@
 // time (as many as the registers hold sums for), so each weight comes from memory once a call.
 // Every output sums its products in input order in fp32 whatever the call's row count, so a
 // row's result is the same alone or in a batch. From 8 rows on oneDNN was faster in bf16 (on
-// AMX tiles where the CPU has them), and in fp32 within 5% at 8 rows and faster at 16 (Zen 4);
-// the caller keeps it there.
+// AMX tiles where the CPU has them), and in fp32 within 5% at 8 rows and faster at 16 (Zen 4,
+// AVX-512); with AVX2 (Zen 3) this kernel was faster up to 16 rows and even at 32. The caller
+// keeps the crossover per path.
 #include <ATen/ATen.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/csrc/utils/pybind.h>  // at::Tensor to and from Python; far lighter than torch/extension.h
@@ -256,4 +257,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x W^T (+ b) over a packed weight");
   m.def("runs_bf16", &runs_bf16, "whether this build and CPU run the bf16 path (AVX-512)");
   m.def("runs_f32", &runs_f32, "whether this build and CPU run the fp32 path (AVX2+FMA)");
+  m.attr("f32_features") = Layout<float>::kFeatures;
 }

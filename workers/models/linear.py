@@ -43,13 +43,21 @@ PREPACKED_MAX_ROWS = 256
 """Matmuls with fewer rows than this use the prepacked weight (measured crossover)."""
 
 PACKED_MAX_ROWS = 5
-"""bf16 and fp32 matmuls with fewer rows than this use :func:`workers.kernels.packed_linear`.
-One SmolLM2 layer's four fused projections, one thread, against oneDNN prepacked
-(``benchmarks/kernel_choices.py``, ``packed_small_ms``). bf16 on an Intel Xeon with AMX: 0.18
-against 0.29-0.31 ms at 1 row, 0.19 against 0.28 at 2, 0.27 against 0.28 at 4, 0.50 against
-0.29 at 8 and 1.0 against 0.31 at 16, where oneDNN's AMX tiles take over. fp32 on an AMD EPYC
-(Zen 4, AVX-512): 0.16 against 0.29 ms at 1 row, 0.18 against 0.28 at 2, 0.34 against 0.38 at
-4, 0.66 against 0.69 at 8 and 1.22 against 1.15 at 16."""
+"""bf16 matmuls, and fp32 ones on AVX-512, with fewer rows than this use
+:func:`workers.kernels.packed_linear`. One SmolLM2 layer's four fused projections, one thread,
+against oneDNN prepacked (``benchmarks/kernel_choices.py``, ``packed_small_ms``). bf16 on an
+Intel Xeon with AMX: 0.18 against 0.29-0.31 ms at 1 row, 0.19 against 0.28 at 2, 0.27 against
+0.28 at 4, 0.50 against 0.29 at 8 and 1.0 against 0.31 at 16, where oneDNN's AMX tiles take
+over. fp32 on an AMD EPYC (Zen 4, AVX-512): 0.16 against 0.29 ms at 1 row, 0.18 against 0.28
+at 2, 0.34 against 0.38 at 4, 0.66 against 0.69 at 8 and 1.22 against 1.15 at 16."""
+
+PACKED_MAX_ROWS_AVX2 = 32
+"""fp32 matmuls with fewer rows than this use the packed kernel where it runs 8-wide (AVX2):
+there oneDNN has no AVX-512 kernels to pull ahead with. The same four projections on an AMD
+EPYC (Zen 3, AVX2 only), one thread: 0.27 against 0.60 ms at 4 rows, 1.00 against 1.13 at 8,
+1.71 against 2.28 at 16; two threads: 0.40 against 0.54 ms at 8, 0.80 against 0.93 at 16,
+1.69 against 1.71 at 32 and 3.12 against 3.13 at 64
+(``benchmarks/results/epyc-avx2-fp32/packed-f32-62b52c9/``)."""
 
 PACKED_MAX_BYTES = 4 << 30
 """Models with more linear-layer weight bytes than this get no packed copy: the copy holds the
@@ -117,6 +125,16 @@ def _packed_kernel(dtype: torch.dtype, device: torch.device):
     return kernel if runs else None
 
 
+def packed_max_rows(dtype: torch.dtype) -> int:
+    """Rows below which :class:`Linear` takes the packed kernel for weights of ``dtype``:
+    :data:`PACKED_MAX_ROWS_AVX2` for fp32 on the kernel's 8-wide path, else
+    :data:`PACKED_MAX_ROWS`."""
+    kernel = kernels.packed_linear()
+    if dtype == torch.float32 and kernel is not None and kernel.f32_features == 8:
+        return PACKED_MAX_ROWS_AVX2
+    return PACKED_MAX_ROWS
+
+
 def packs_small_batches(model: torch.nn.Module) -> bool:
     """Whether ``model``'s dense linear layers get a copy packed for the packed kernel: bf16
     or fp32 weights on a CPU it runs on, in bf16 each with an even ``in_features`` (inputs go
@@ -135,14 +153,14 @@ def packs_small_batches(model: torch.nn.Module) -> bool:
 def linear_kernel(dtype: torch.dtype, device: torch.device, small_batches: bool) -> str:
     """The kernels :class:`Linear` uses below :data:`PREPACKED_MAX_ROWS` rows for weights of
     ``dtype`` on ``device``: ``onednn-prepacked`` or ``aten`` (``F.linear``), after
-    ``packed-bf16<PACKED_MAX_ROWS+`` or ``packed-fp32<PACKED_MAX_ROWS+`` where ``small_batches``
-    (:func:`packs_small_batches`). The fp32 path's vector width (8 or 16 features) does not
-    change any sum's order, so it is not part of the tag."""
+    ``packed-bf16<R+`` or ``packed-fp32<R+`` where ``small_batches``
+    (:func:`packs_small_batches`), R being :func:`packed_max_rows`. The fp32 path's vector
+    width (8 or 16 features) does not change any sum's order, only the row threshold."""
     name = "onednn-prepacked" if _prepacking_pays(dtype, device) else "aten"
     if not small_batches:
         return name
     packed = "packed-bf16" if dtype == torch.bfloat16 else "packed-fp32"
-    return f"{packed}<{PACKED_MAX_ROWS}+{name}"
+    return f"{packed}<{packed_max_rows(dtype)}+{name}"
 
 
 class Linear:
@@ -153,7 +171,7 @@ class Linear:
         bias: ``[out_features]`` or None.
 
         small_batches: also hold a copy packed for :func:`workers.kernels.packed_linear`, which
-            takes matmuls of fewer than :data:`PACKED_MAX_ROWS` rows (bf16 or fp32 weights on
+            takes matmuls of fewer than :func:`packed_max_rows` rows (bf16 or fp32 weights on
             a CPU it runs on; ignored elsewhere). Callers decide it per model
             (:func:`packs_small_batches`).
 
@@ -173,10 +191,11 @@ class Linear:
         self.small_kernel = _packed_kernel(weight.dtype, weight.device) if small_batches else None
         self.small_packed = (self.small_kernel.pack(weight.detach())
                              if self.small_kernel is not None else None)
+        self.small_max_rows = packed_max_rows(weight.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[rows, in_features]`` → ``[rows, out_features]``."""
-        if self.small_packed is not None and x.shape[0] < PACKED_MAX_ROWS:
+        if self.small_packed is not None and x.shape[0] < self.small_max_rows:
             return self.small_kernel.linear(x, self.small_packed, self.weight.shape[0], self.bias)
         if self.packed is not None and x.shape[0] < PREPACKED_MAX_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
