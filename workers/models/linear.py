@@ -54,9 +54,9 @@ at 2, 0.34 against 0.38 at 4, 0.66 against 0.69 at 8 and 1.22 against 1.15 at 16
 PACKED_MAX_ROWS_AVX2 = 32
 """fp32 matmuls with fewer rows than this use the packed kernel where it runs 8-wide (AVX2):
 there oneDNN has no AVX-512 kernels to pull ahead with. The same four projections on an AMD
-EPYC (Zen 3, AVX2 only), one thread: 0.27 against 0.60 ms at 4 rows, 1.00 against 1.13 at 8,
-1.71 against 2.28 at 16; two threads: 0.40 against 0.54 ms at 8, 0.80 against 0.93 at 16,
-1.69 against 1.71 at 32 and 3.12 against 3.13 at 64
+EPYC (Zen 3, AVX2 only), one thread: 0.24 against 0.54 ms at 1 row, 0.49 against 0.82 at 4,
+0.94 against 1.18 at 8, 1.71 against 2.28 at 16; two threads: 0.27 against 0.43 ms at 4, 0.40
+against 0.54 at 8, 0.80 against 0.93 at 16, 1.69 against 1.71 at 32 and 3.12 against 3.13 at 64
 (``benchmarks/results/epyc-avx2-fp32/packed-f32-62b52c9/``)."""
 
 PACKED_MAX_BYTES = 4 << 30
