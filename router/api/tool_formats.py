@@ -201,30 +201,17 @@ class ToolCallFormat(ABC):
         their arguments following each tool's schema: one call, or one or more when
         ``parallel``."""
 
-
-class HermesFormat(ToolCallFormat):
-    """``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``, one tag per call."""
-
-    name = "hermes"
-    renders_tools_itself = True
-
-    def parser(self, tools: Sequence[ToolDefinition]) -> CallParser:
-        return TaggedCallParser(_names(tools), "<tool_call>", "</tool_call>")
-
-    def grammar(self, tools: Sequence[ToolDefinition], parallel: bool,
-                rule: str = "start") -> str:
-        more = ' ("\\n" block)*' if parallel else ""
-        return (f"{rule}: block{more}\n"
-                'block: "<tool_call>\\n" call "\\n</tool_call>"\n'
-                f"call: %json {_call_schema(tools, 'arguments')}\n")
+    @abstractmethod
+    def text_or_calls(self, tools: Sequence[ToolDefinition], parallel: bool) -> str:
+        """A Lark grammar for ``tool_choice`` ``auto``: any text, or text that opens calls in
+        this format and then holds them to :meth:`grammar`'s (llguidance's lazy lexemes: free
+        until the opening is written, as llama.cpp's lazy tool-call grammars are), so a call
+        the model starts always parses and names one of ``tools`` with valid arguments."""
 
 
-class SmolLM2Format(ToolCallFormat):
-    """``<tool_call>[{"name": ..., "arguments": ...}, ...]</tool_call>``, written into the
-    system message by the server."""
+class TaggedFormat(ToolCallFormat):
+    """Calls between ``<tool_call>`` and ``</tool_call>`` tags, text allowed before them."""
 
-    name = "smollm2"
-    renders_tools_itself = False
     start, end = "<tool_call>", "</tool_call>"
 
     def parser(self, tools: Sequence[ToolDefinition]) -> CallParser:
@@ -232,8 +219,44 @@ class SmolLM2Format(ToolCallFormat):
 
     def grammar(self, tools: Sequence[ToolDefinition], parallel: bool,
                 rule: str = "start") -> str:
+        return self._calls_grammar(tools, parallel, rule, f'opening: "{self.start}"')
+
+    def text_or_calls(self, tools: Sequence[ToolDefinition], parallel: bool) -> str:
+        return f"start: TEXT | calls\n{_TEXT}\n" + self._calls_grammar(
+            tools, parallel, "calls", f'opening[lazy]: TEXT "{self.start}"')
+
+    @abstractmethod
+    def _calls_grammar(self, tools: Sequence[ToolDefinition], parallel: bool, rule: str,
+                       opening: str) -> str:
+        """:meth:`grammar`'s calls, reached through the rule that the Lark line ``opening``
+        defines: the opening tag alone, or (lazily) any text and then the tag."""
+
+
+class HermesFormat(TaggedFormat):
+    """``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``, one tag per call."""
+
+    name = "hermes"
+    renders_tools_itself = True
+
+    def _calls_grammar(self, tools: Sequence[ToolDefinition], parallel: bool, rule: str,
+                       opening: str) -> str:
+        more = f' ("\\n{self.start}" body)*' if parallel else ""
+        return (f"{rule}: opening body{more}\n{opening}\n"
+                f'body: "\\n" call "\\n{self.end}"\n'
+                f"call: %json {_call_schema(tools, 'arguments')}\n")
+
+
+class SmolLM2Format(TaggedFormat):
+    """``<tool_call>[{"name": ..., "arguments": ...}, ...]</tool_call>``, written into the
+    system message by the server."""
+
+    name = "smollm2"
+    renders_tools_itself = False
+
+    def _calls_grammar(self, tools: Sequence[ToolDefinition], parallel: bool, rule: str,
+                       opening: str) -> str:
         more = ' (", " call)*' if parallel else ""
-        return (f'{rule}: "{self.start}[" call{more} "]{self.end}"\n'
+        return (f'{rule}: opening "[" call{more} "]{self.end}"\n{opening}\n'
                 f"call: %json {_call_schema(tools, 'arguments')}\n")
 
     def call_text(self, calls: Sequence[ParsedCall]) -> str:
@@ -257,6 +280,12 @@ class Llama3JsonFormat(ToolCallFormat):
         more = ' ("; " call)*' if parallel else ""
         return f"{rule}: call{more}\ncall: %json {_call_schema(tools, 'parameters')}\n"
 
+    def text_or_calls(self, tools: Sequence[ToolDefinition], parallel: bool) -> str:
+        """Calls open the answer (after blanks, as the parser reads them): text is any answer
+        whose first non-blank character is not ``{``."""
+        return ("start: PLAIN | BLANKS calls\nBLANKS: /\\s*/\n"
+                "PLAIN: /\\s*([^{\\s](.|\\n)*)?/\n" + self.grammar(tools, parallel, "calls"))
+
 
 HERMES, LLAMA3_JSON, SMOLLM2 = HermesFormat(), Llama3JsonFormat(), SmolLM2Format()
 
@@ -271,6 +300,10 @@ def tool_call_format(chat_template: str) -> ToolCallFormat | None:
     if "<|python_tag|>" in chat_template or '"parameters": ' in chat_template:
         return LLAMA3_JSON
     return None
+
+
+_TEXT = "TEXT: /(.|\\n)*/"
+"""Free text, in the grammars that let the model write text before its calls."""
 
 
 def _names(tools: Sequence[ToolDefinition]) -> frozenset[str]:

@@ -6,8 +6,9 @@ constraint on output where calls are required.
 
 * ``none``: the tools are described to the model (so the prompt, and its cached prefix, is the
   same whatever the choice) but the answer is text; nothing is parsed.
-* ``auto`` (the default with tools): the model answers freely; calls written in its format
-  (:mod:`router.api.tool_formats`) are parsed out of the text.
+* ``auto`` (the default with tools): the model answers freely until it opens a call in its
+  format (:mod:`router.api.tool_formats`); from there output is held to calls to the tools,
+  arguments following each tool's schema, and the calls are parsed out of the text.
 * ``required`` and a named function: output is constrained to calls in the model's own
   format, arguments following each tool's schema, so the model writes what it was tuned to
   write and the next turn renders the same text back (the prefix cache holds it).
@@ -63,13 +64,14 @@ class ToolUse:
         return None if self.choice == "none" else self.format.parser(self.tools)
 
     def constraint(self, answer: StructuredOutput | None) -> StructuredOutput | None:
-        """The output constraint: calls only for ``required`` and ``named``; for ``auto``
-        with a JSON-schema ``answer`` (``response_format``), a call or that answer.
+        """The output constraint: calls only for ``required`` and ``named``; for ``auto``,
+        text or text then calls, the calls held to the tools' schemas once opened, or with a
+        JSON-schema ``answer`` (``response_format``) a call or that answer.
 
         Raises:
             APIError: 400 naming ``response_format`` for another constraint alongside calls.
         """
-        if self.choice == "none" or (self.choice == "auto" and answer is None):
+        if self.choice == "none":
             return answer
         if answer is not None and (self.choice != "auto" or answer.kind != "json"):
             raise invalid_request("response_format (or another output constraint) cannot be "
@@ -78,7 +80,8 @@ class ToolUse:
         tools = [t for t in self.tools if self.named in (None, t.function.name)]
         parallel = self.parallel and self.choice != "named"
         if answer is None:
-            grammar = self.format.grammar(tools, parallel)
+            grammar = (self.format.text_or_calls(tools, parallel) if self.choice == "auto"
+                       else self.format.grammar(tools, parallel))
         else:
             grammar = (f"start: calls | answer\nanswer: %json {answer.spec}\n"
                        + self.format.grammar(tools, parallel, rule="calls"))

@@ -1,5 +1,6 @@
 """Tool calling through the whole cluster, driven by the official ``openai`` SDK, unmodified:
 a tool round trip (call, result, answer) streamed and not, ``parse`` with a pydantic tool,
+``auto`` leaving a text answer as it is,
 the prefix cache across tool turns (fp32 output equal to cold), and bad tool requests
 answered with 400s while the cluster keeps serving."""
 
@@ -105,6 +106,20 @@ def test_parse_with_a_pydantic_tool_then_send_its_message_back(client):
         model=model_name(client), messages=[*QUESTION, message, answer_to(call, "18 C")],
         tools=tools, temperature=0, max_tokens=8)
     assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_auto_holds_only_calls_so_a_text_answer_is_the_unconstrained_one(client):
+    """``auto`` constrains output only once a call opens (the router's tests hold the calls to
+    the schema): SmolLM2-135M answers this in text, and greedily it is token for token the
+    answer of ``none``, which renders the same prompt with no constraint at all."""
+    def answer(choice: str):
+        return client.chat.completions.create(
+            model=model_name(client), messages=QUESTION, tools=[WEATHER], tool_choice=choice,
+            temperature=0, max_tokens=48).choices[0]
+    auto, free = answer("auto"), answer("none")
+    assert auto.finish_reason == free.finish_reason == "stop"
+    assert auto.message.tool_calls is None
+    assert auto.message.content == free.message.content
 
 
 def test_bad_tool_requests_are_400s_and_the_cluster_keeps_serving(client):

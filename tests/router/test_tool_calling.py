@@ -149,6 +149,19 @@ def test_the_call_grammar_takes_well_formed_calls_only(fmt, tokenizer, llg_token
     assert not accepted(llg_tokenizer, tokenizer, parallel, written.replace(", ", ",", 1))
 
 
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_auto_takes_any_text_but_holds_a_call_once_opened(fmt, tokenizer, llg_tokenizer):
+    grammar, single = fmt.text_or_calls(TOOLS, True), fmt.text_or_calls(TOOLS, False)
+    written = WRITTEN[fmt.name]
+    lead = "Let me check.\n" if fmt is not LLAMA3_JSON else "  "  # Llama's calls open it
+    for text in ("No tools needed.", "", "A { brace, <b>tags</b>.", written, lead + written):
+        assert accepted(llg_tokenizer, tokenizer, grammar, text), text
+    assert not accepted(llg_tokenizer, tokenizer, single, written)
+    for wrong in (written.replace("add", "sub"), written.replace('"a": 2', '"a": "2"'),
+                  written.replace('"}}', '"', 1)):
+        assert not accepted(llg_tokenizer, tokenizer, grammar, lead + wrong), wrong
+
+
 @pytest.mark.parametrize("parameters", [None, {}, {"type": "object", "properties": {}}])
 def test_a_function_without_parameters_is_called_with_no_arguments(
         parameters, tokenizer, llg_tokenizer):
@@ -211,7 +224,10 @@ async def test_an_auto_answer_with_a_call_is_tool_calls_in_json(client, long_bac
     [call] = choice["message"]["tool_calls"]
     assert call["type"] == "function" and call["id"].startswith("call_")
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
-    assert long_backend.requests[-1].sampling.structured is None  # auto: free text
+    structured = long_backend.requests[-1].sampling.structured
+    assert (structured.kind, structured.param) == ("grammar", "tools")
+    assert structured.spec == SMOLLM2.text_or_calls(
+        [ToolDefinition.model_validate(t) for t in (WEATHER, ADD)], True)
 
 
 async def test_a_streamed_call_is_one_tool_calls_delta_after_the_content(client, long_backend):
