@@ -62,15 +62,33 @@ class GrammarCompiler:
                 self._grammars.move_to_end(key)
                 return grammar
         grammar = _grammar_text(structured)
+        param = structured.param or _PARAMS[structured.kind]
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
         if error:
-            raise InvalidRequestError(f"invalid {structured.kind} constraint: {error}",
-                                      structured.param or _PARAMS[structured.kind])
+            raise InvalidRequestError(f"invalid {structured.kind} constraint: {error}", param)
+        self._check_admits_output(grammar, structured.kind, param)
         with self._lock:
             self._grammars[key] = grammar
             while len(self._grammars) > MAX_CACHED_GRAMMARS:
                 self._grammars.popitem(last=False)
         return grammar
+
+    def _check_admits_output(self, grammar: str, kind: str, param: str) -> None:
+        """Refuses a constraint that no output can even start: a grammar whose first lexeme
+        is empty (``A: /a/ & /b/``), which llguidance's check passes and its first mask turns
+        into an error (a JSON schema that cannot be satisfied, ``minLength`` over
+        ``maxLength`` or an ``allOf`` of two types, its check already refuses). Costs one
+        mask, once per cached constraint. A dead end further in is not found here.
+
+        Raises:
+            InvalidRequestError: naming ``param``.
+        """
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar)
+        mask = MaskBuffer(self.vocab_size).fill(matcher)  # computing it finds the dead end
+        if matcher.is_error() or not bool(mask.any()):
+            reason = "no token can start it"
+            raise InvalidRequestError(f"the {kind} constraint admits no output: {reason}",
+                                      param)
 
     def matcher(self, structured: StructuredOutput, min_tokens: int = 0) -> GrammarMatcher:
         """A fresh matcher for one sequence that may end after ``min_tokens`` output tokens
