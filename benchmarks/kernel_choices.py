@@ -12,7 +12,8 @@
    into a copy for torch's SDPA, with the tables scattered over the pool as a running worker's
    are, and the largest difference between the two. These loops keep one layer's KV in the
    CPU's caches; a step does not, so the native kernel is also timed over 30 layers' caches
-   at 16 x 512 tokens (``decode_attention_from_dram``), next to only reading those blocks.
+   at 16 x 512 tokens in the run's dtype (``decode_attention_from_dram``), next to only
+   reading those blocks.
 4. Prefill attention in bf16 (``workers.attention.kernel_choice.prefill_kernel``), one layer,
    for each ``--prefill-cases`` (new tokens + cached tokens): our kernel (AMX tiles or
    AVX512-BF16, ``prefill_backend`` in the JSON) reading the cached context in place against
@@ -140,8 +141,9 @@ def _decode_case(cache, batch: int, context: int, repeats: int) -> dict:
     return entry
 
 
-def decode_attention_from_dram(batch: int, context: int, layers: int, repeats: int) -> dict:
-    """A bf16 step's decode attention as a step meets it: ``layers`` layers' caches, each
+def decode_attention_from_dram(batch: int, context: int, layers: int, repeats: int,
+                               dtype: torch.dtype) -> dict:
+    """A step's decode attention in ``dtype`` as a step meets it: ``layers`` layers' caches, each
     sequence's blocks scattered over its pool, every layer attended once per step, so the KV
     comes from DRAM rather than from the caches a one-layer loop keeps warm. Milliseconds a
     step for the native kernel, and the floor: the bytes it reads at the sequential read
@@ -154,7 +156,7 @@ def decode_attention_from_dram(batch: int, context: int, layers: int, repeats: i
         return {}
     per_row = -(-context // DECODE_BLOCK)
     pool = 2 * batch * per_row
-    caches = [PagedKVCache(1, pool, DECODE_BLOCK, KV_HEADS, HEAD_DIM, torch.bfloat16,
+    caches = [PagedKVCache(1, pool, DECODE_BLOCK, KV_HEADS, HEAD_DIM, dtype,
                            torch.device("cpu")) for _ in range(layers)]
     for cache in caches:
         cache.keys[0].normal_()
@@ -163,7 +165,7 @@ def decode_attention_from_dram(batch: int, context: int, layers: int, repeats: i
     tables = [blocks[i * per_row:(i + 1) * per_row] for i in range(batch)]
     group = metadata.build_metadata(caches[0], tables, [context - 1] * batch, [1] * batch,
                                     torch.device("cpu"), native_decode=True).decode_groups[0]
-    query = torch.randn(batch, HEADS, HEAD_DIM).bfloat16()
+    query = torch.randn(batch, HEADS, HEAD_DIM).to(dtype)
 
     def attend():
         for cache in caches:
@@ -176,10 +178,12 @@ def decode_attention_from_dram(batch: int, context: int, layers: int, repeats: i
 
     attend_ms = common.median_time(attend, repeats) * 1e3
     read_s = common.median_time(read, repeats)
-    nbytes = layers * 2 * batch * per_row * DECODE_BLOCK * KV_HEADS * HEAD_DIM * 2
+    nbytes = layers * 2 * batch * per_row * DECODE_BLOCK * KV_HEADS * HEAD_DIM * dtype.itemsize
     bandwidth = sum(c.keys[0].nbytes + c.values[0].nbytes for c in caches) / read_s
-    entry = {"batch": batch, "context": context, "layers": layers, "kv_bytes": nbytes,
-             "score_products": paged_decode().score_products(DECODE_BLOCK, HEAD_DIM),
+    entry = {"batch": batch, "context": context, "layers": layers, "dtype": str(dtype),
+             "kv_bytes": nbytes,
+             "score_products": (paged_decode().score_products(DECODE_BLOCK, HEAD_DIM)
+                                 if dtype == torch.bfloat16 else ""),
              "native_step_ms": attend_ms, "native_gb_per_s": nbytes / attend_ms / 1e6,
              "sequential_read_gb_per_s": bandwidth / 1e9,
              "read_floor_step_ms": nbytes / bandwidth * 1e3}
@@ -261,7 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
               "linear": linear_rows(rows, repeats, dtype), "flash": flash_layouts(tokens, repeats),
               "decode_attention": decode_attention(cases, repeats),
               "decode_attention_from_dram": decode_attention_from_dram(
-                  *((2, 40, 2) if args.quick else (16, 512, 30)), repeats),
+                  *((2, 40, 2) if args.quick else (16, 512, 30)), repeats, dtype),
               "prefill_backend": prefill_kernel(torch.bfloat16, torch.device("cpu"), HEAD_DIM),
               "prefill_attention": prefill_attention(prefill_cases, min(repeats, 10))}
     common.write_json(result, args.out)
