@@ -82,46 +82,6 @@ inline float dot(const float* q, const float* k) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum);
 }
 
-#if defined(CPU_CAPABILITY_AVX2)
-// Lane i of the result is the sum of the 8 lanes of v[i]: two rounds of pairwise horizontal
-// adds, then the two 128-bit halves added (a fixed order).
-inline __m256 sum_lanes_8x8(const __m256 v[8]) {
-  const __m256 s01 = _mm256_hadd_ps(v[0], v[1]), s23 = _mm256_hadd_ps(v[2], v[3]);
-  const __m256 s45 = _mm256_hadd_ps(v[4], v[5]), s67 = _mm256_hadd_ps(v[6], v[7]);
-  const __m256 low = _mm256_hadd_ps(s01, s23), high = _mm256_hadd_ps(s45, s67);
-  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20),
-                       _mm256_permute2f128_ps(low, high, 0x31));
-}
-#endif
-
-// scores[t] = scale * q . k_t for a block's first n tokens (fp32 keys [n, D]). With AVX2, 8
-// tokens at a time: 8 independent FMA chains, summed across lanes together, where a token at
-// a time took a chain and a horizontal sum of its own (the fp32 decode's largest cost: over
-// the cache warm in L2 it ran at 9 GB/s on a Zen 3 core). A short group repeats its last
-// token rather than read past the block.
-template <int64_t D>
-inline void score_tokens(const float* q, const float* k, int64_t n, float scale,
-                         float* scores) {
-#if defined(CPU_CAPABILITY_AVX2)
-  for (int64_t t0 = 0; t0 < n; t0 += 8) {
-    const int64_t count = std::min<int64_t>(8, n - t0);
-    const float* keys[8];
-    for (int64_t i = 0; i < 8; ++i) keys[i] = k + (t0 + std::min(i, count - 1)) * D;
-    __m256 acc[8];
-    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) {
-      const __m256 qd = _mm256_loadu_ps(q + d);
-      for (int i = 0; i < 8; ++i) {
-        acc[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(keys[i] + d), acc[i]);
-      }
-    }
-    Vec(_mm256_mul_ps(sum_lanes_8x8(acc), _mm256_set1_ps(scale))).store(scores + t0, count);
-  }
-#else
-  for (int64_t t = 0; t < n; ++t) scores[t] = dot<D>(q, k + t * D) * scale;
-#endif
-}
-
 // p[t] = exp(s[t] - max) for t < n, in place, returning their sum: the exponential torch's
 // own CPU flash attention uses (exp_u20), a vector at a time.
 inline float exp_shifted(float* s, float max, int64_t n) {
@@ -254,7 +214,7 @@ void attend_rows(const float* q, const at::BFloat16*, const T* keys, const T* va
     const float* k = as_float(keys + slot * D, n * D, k_scratch.data());
     for (int64_t r = 0; r < rows; ++r) {
       float* row_probs = probs.data() + r * block_size;
-      score_tokens<D>(q + r * D, k, n, scale, row_probs);
+      for (int64_t t = 0; t < n; ++t) row_probs[t] = dot<D>(q + r * D, k + t * D) * scale;
       correction[r] = softmax_block(row_probs, n, running_max[r], running_sum[r]);
     }
     accumulate_rows<T, D>(probs.data(), block_size, correction, rows, n, values + slot * D, acc);
