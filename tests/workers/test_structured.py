@@ -253,3 +253,22 @@ def test_closing_waits_for_min_tokens_before_it_offers_eos(engine, smollm):
     assert re.fullmatch(pattern, text) and text.rstrip(" ").endswith("}") and text[-1] == " "
     assert len(output_ids(chunks)) >= 36 and chunks[-1].finish_reason == "length"
     assert engine.pool.num_in_use == 0
+
+
+def test_free_text_before_a_tool_call_is_never_cut_short_by_closing(engine, smollm):
+    """``tool_choice`` ``auto``'s grammar may end anywhere in its text, so closing leaves it
+    be: greedy, the answer is the unconstrained one to the last token of the budget (closing's
+    margin used to end it with EOS 16 tokens early)."""
+    from router.api.tool_formats import SMOLLM2
+    from router.protocol import ToolDefinition
+
+    tool = ToolDefinition.model_validate({"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object", "properties": {
+            "city": {"type": "string"}}}}})
+    prompt = chat(smollm.tokenizer, "Tell me about the weather in Paris.")
+    auto = StructuredOutput("grammar", SMOLLM2.text_or_calls([tool], True))
+    chunks = engine.generate([constrained("auto", prompt, auto, max_tokens=40),
+                              constrained("free", prompt, None, max_tokens=40)])
+    assert output_ids(chunks["auto"]) == output_ids(chunks["free"])
+    assert len(output_ids(chunks["auto"])) == 40
+    assert chunks["auto"][-1].finish_reason == chunks["free"][-1].finish_reason == "length"

@@ -12,6 +12,10 @@ estimate nears what is left, so an output far from its end costs one now and the
 decision depends only on the tokens before its position, so a verification's drafts get the
 masks a plain step would give them.
 
+A position where the output may already end (its matcher accepts) is never steered: cut there,
+it is whole. That leaves free text alone (``tool_choice`` ``auto``'s text before a call), which
+the margin would otherwise end with EOS well before the budget.
+
 The estimate is the length of a greedy path, not of the shortest completion. Where the path does
 not fit in the budget at all, closing leaves the model free (steering could not save the output)
 and looks again later; such an output, or one whose every completion is longer than the budget
@@ -131,6 +135,10 @@ class ClosingEstimate:
         ``previous`` (the previous position's, or a fresh :class:`ClosingState`)."""
         if previous.closing or budget > min(previous.next_check, CLOSING_WINDOW):
             return previous
+        if self._matcher.is_accepting():
+            # Cut here, the output is whole: nothing to steer (free text before a tool call
+            # was ended early by the margin below). Look again at the next position.
+            return ClosingState(False, budget - 1)
         length = self.tokens_to_close(budget)
         if length is None:  # steering cannot save it: leave the model free, look again later
             return ClosingState(False, budget - RECHECK_UNFIT)
