@@ -10,7 +10,8 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from workers.kernels import rope
-from workers.models.rotary import rotate, rotate_with_torch
+from workers.kv_cache import PagedKVCache
+from workers.models.rotary import rotate, rotate_and_store, rotate_with_torch, split_heads
 
 pytestmark = pytest.mark.skipif(rope() is None, reason="no C++ compiler here")
 HEADS, KV_HEADS, DIM = 9, 3, 64  # SmolLM2-135M's attention
@@ -42,6 +43,62 @@ def test_rope_is_bit_identical_to_transformers(dtype, tokens):
     assert torch.equal(q_ours, q_ref[0].transpose(0, 1))
     assert torch.equal(k_ours, k_ref[0].transpose(0, 1))
     assert torch.equal(q_ours, rotate_with_torch(q, cos, sin))  # the fallback, too
+
+
+def caches(dtype: torch.dtype) -> tuple[PagedKVCache, PagedKVCache]:
+    """Two identical 2-layer caches of 32 blocks of 4 slots, filled with noise."""
+    pair = []
+    for _ in range(2):
+        cache = PagedKVCache(2, 32, 4, KV_HEADS, DIM, dtype, torch.device("cpu"))
+        generator = torch.Generator().manual_seed(7)
+        for tensor in cache.keys + cache.values:
+            tensor.copy_(torch.randn(tensor.shape, generator=generator))
+        pair.append(cache)
+    return pair[0], pair[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 70])  # 70 x 15 heads x 64: more than one task
+def test_rotate_and_store_is_the_split_rotations_and_cache_writes(dtype, tokens):
+    generator = torch.Generator().manual_seed(tokens)
+    width = (HEADS + 2 * KV_HEADS) * DIM
+    wide = (4 * torch.randn(tokens, width + 32, generator=generator)).to(dtype)
+    qkv = wide[:, :width]  # rows strided, as a LoRA-added or sliced projection may be
+    _, _, cos, sin = projection(tokens, dtype)
+    slots = torch.randperm(32 * 4, generator=generator)[:tokens]
+    fused_cache, plain_cache = caches(dtype)
+
+    q, k, v = rotate_and_store(qkv, cos, sin, HEADS, KV_HEADS, fused_cache, 1, slots)
+
+    q_ref, k_ref, v_ref = split_heads(qkv, HEADS, KV_HEADS)
+    q_ref, k_ref = rotate_with_torch(q_ref, cos, sin), rotate_with_torch(k_ref, cos, sin)
+    plain_cache.write(1, slots, k_ref, v_ref)
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    for fused, plain in zip(fused_cache.keys + fused_cache.values,
+                            plain_cache.keys + plain_cache.values, strict=True):
+        assert torch.equal(fused, plain)  # the slots written, and nothing else
+    assert not torch.equal(fused_cache.keys[1], caches(dtype)[0].keys[1])
+
+
+def test_rope_store_refusals():
+    kernel = rope()
+    cache, _ = caches(torch.float32)
+    keys, values = cache.keys[0], cache.values[0]
+    qkv = torch.zeros(2, (HEADS + 2 * KV_HEADS) * DIM)
+    cos, sin = torch.zeros(2, DIM), torch.zeros(2, DIM)
+    slots = torch.tensor([0, 5])
+    with pytest.raises(RuntimeError, match="slots inside the cache"):
+        kernel.rope_store(qkv, cos, sin, HEADS, KV_HEADS, keys, values, torch.tensor([0, 33 * 4]))
+    with pytest.raises(RuntimeError, match="slots inside the cache"):
+        kernel.rope_store(qkv, cos, sin, HEADS, KV_HEADS, keys, values, torch.tensor([-1, 0]))
+    with pytest.raises(RuntimeError, match=r"slots \[T\] int64"):
+        kernel.rope_store(qkv, cos, sin, HEADS, KV_HEADS, keys, values, slots.int())
+    with pytest.raises(RuntimeError, match="of one dtype"):
+        kernel.rope_store(qkv, cos, sin, HEADS, KV_HEADS, keys.bfloat16(), values, slots)
+    with pytest.raises(RuntimeError, match="with unit stride along a row"):
+        kernel.rope_store(qkv[:, :-DIM], cos, sin, HEADS, KV_HEADS, keys, values, slots)
+    with pytest.raises(RuntimeError, match=r"contiguous caches \[KV, slots, D\]"):
+        kernel.rope_store(qkv, cos, sin, HEADS, KV_HEADS, keys[:, ::2], values[:, ::2], slots)
 
 
 def test_refusals():

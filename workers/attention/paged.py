@@ -4,7 +4,8 @@
 sequence's context, as the step's :class:`~workers.attention.metadata.AttentionMetadata` says:
 a span with torch's flash kernel (plus a log-sum-exp merge over cached context) or our bf16
 prefill kernel, decodes with our native kernel in place or over a gathered copy with torch's
-SDPA, verification blocks over a gathered copy under a causal mask.
+SDPA, verification blocks over a gathered copy under a causal mask. :func:`attend_stored` only
+attends, for callers that stored the keys and values themselves.
 """
 
 from __future__ import annotations
@@ -32,8 +33,15 @@ def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: t
     Returns:
         ``[T, num_heads, head_dim]``, in ``query``'s dtype.
     """
+    metadata.kv_cache.write(layer, metadata.slot_mapping, key, value)
+    return attend_stored(layer, query, key, value, metadata, scale)
+
+
+def attend_stored(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    """:func:`paged_attention` for a step whose new keys and values are in the cache already
+    (``key`` and ``value``, the same, are read by prefill spans); the same arguments."""
     cache = metadata.kv_cache
-    cache.write(layer, metadata.slot_mapping, key, value)
     groups = metadata.decode_groups
     if (not metadata.spans and len(groups) == 1 and isinstance(groups[0].row_index, slice)
             and groups[0].row_index == slice(0, len(query))):  # a pure decode step, in order

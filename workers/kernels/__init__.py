@@ -103,8 +103,14 @@ def rope() -> ModuleType | None:
     """The compiled RoPE extension, or None where it is disabled or cannot be built. Its
     ``rope(x, cos, sin)`` takes ``x`` ``[T, H, D]`` (unit stride within a head) and ``cos``,
     ``sin`` ``[T, D]``, all float32 or all bfloat16, and returns a contiguous ``[T, H, D]``
-    bit-identical to transformers' half-split rotation; it raises RuntimeError for other
-    dtypes or shapes."""
+    bit-identical to transformers' half-split rotation. Its ``rope_store(qkv, cos, sin,
+    heads, kv_heads, key_cache, value_cache, slots)`` takes a fused projection's output
+    ``qkv`` ``[T, (H + 2 KV) D]`` (unit stride along a row), contiguous caches ``[KV, slots,
+    D]`` and ``[T]`` int64 slots; it writes the rotated keys and the values into their slots
+    and returns ``(q, k, v)``: ``q`` ``[T, H, D]`` and ``k`` ``[T, KV, D]`` rotated as
+    ``rope`` rotates, contiguous, and ``v`` ``[T, KV, D]`` a view of ``qkv``. Both raise
+    RuntimeError for other dtypes or shapes, and ``rope_store`` for slots outside the
+    cache."""
     return _build("rope")
 
 

@@ -16,12 +16,12 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from workers.attention.metadata import AttentionMetadata
-from workers.attention.paged import paged_attention
+from workers.attention.paged import attend_stored
 from workers.lora.batch import LoraBatch
 from workers.models.gated import GatedActivation
 from workers.models.linear import Linear, StoredLinear, packs_small_batches
 from workers.models.norm import NATIVE_NORM, RMSNorm, norm_kernel
-from workers.models.rotary import rotate
+from workers.models.rotary import rotate, rotate_and_store, split_heads
 from workers.models.weight_formats import StoredWeight
 
 
@@ -84,18 +84,17 @@ class _Layer:
 
     def _attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    metadata: AttentionMetadata, lora: LoraBatch | None) -> torch.Tensor:
-        rows = x.shape[0]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self._project(self.qkv_proj, x, lora, "qkv").split(
-            [q_size, kv_size, kv_size], dim=-1)
-        q = q.view(rows, self.num_heads, self.head_dim)
-        k = k.view(rows, self.num_kv_heads, self.head_dim)
-        v = v.view(rows, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        out = paged_attention(self.index, q, k, v, metadata, self.scale)
-        return self._project(self.o_proj, out.view(rows, q_size), lora, "o")
+        qkv = self._project(self.qkv_proj, x, lora, "qkv")
+        cache, slots = metadata.kv_cache, metadata.slot_mapping
+        if self.q_norm is None:
+            q, k, v = rotate_and_store(qkv, cos, sin, self.num_heads, self.num_kv_heads, cache,
+                                       self.index, slots)
+        else:
+            q, k, v = split_heads(qkv, self.num_heads, self.num_kv_heads)
+            q, k = rotate(self.q_norm(q), cos, sin), rotate(self.k_norm(k), cos, sin)
+            cache.write(self.index, slots, k, v)
+        out = attend_stored(self.index, q, k, v, metadata, self.scale)
+        return self._project(self.o_proj, out.view(x.shape[0], -1), lora, "o")
 
     def _mlp(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
         gated = self.act(self._project(self.gate_up_proj, x, lora, "gate_up"))
