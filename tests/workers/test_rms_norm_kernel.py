@@ -56,6 +56,17 @@ def test_bf16_matches_the_module_to_one_rounding_step(count):
     assert torch.all((ours[differ].float() - theirs[differ].float()).abs() <= 2.02 * steps)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("count", [1, 2049])
+def test_the_fused_residual_add_is_the_add_then_the_norm(dtype, native, count):
+    norm = RMSNorm(module(LlamaRMSNorm, dtype), native=native)
+    x, residual = rows(count, dtype), rows(count, dtype, seed=2)
+    total, normed = norm.add_then_norm(x, residual)
+    assert torch.equal(total, residual + x)  # rounded once, as torch's add rounds
+    assert torch.equal(normed, norm(residual + x))
+
+
 def test_other_formulas_keep_their_module():
     gemma = module(GemmaRMSNorm, torch.float32)  # weight applied as (1 + weight)
     x = rows(4, torch.float32)
@@ -80,6 +91,12 @@ def test_refusals():
         kernel.rms_norm(rows(2, torch.float32), torch.ones(HIDDEN + 1), 1e-5)
     with pytest.raises(RuntimeError, match="of one dtype"):
         kernel.rms_norm(rows(2, torch.float16), torch.ones(HIDDEN, dtype=torch.float16), 1e-5)
+    with pytest.raises(RuntimeError, match="residual of x's shape and dtype"):
+        kernel.add_rms_norm(rows(2, torch.float32), rows(3, torch.float32), torch.ones(HIDDEN),
+                            1e-5)
+    with pytest.raises(RuntimeError, match="residual of x's shape and dtype"):
+        kernel.add_rms_norm(rows(2, torch.float32), rows(2, torch.bfloat16), torch.ones(HIDDEN),
+                            1e-5)
     with pytest.raises(RuntimeError, match="CPU tensors"):
         kernel.rms_norm(torch.zeros(2, HIDDEN, device="meta"),
                         torch.zeros(HIDDEN, device="meta"), 1e-5)

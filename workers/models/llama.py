@@ -70,10 +70,18 @@ class _Layer:
         self.act = GatedActivation(mlp.act_fn, layer.input_layernorm.weight)
         self.down_proj = Linear.of(mlp.down_proj, small_batches)
 
-    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 metadata: AttentionMetadata, lora: LoraBatch | None) -> torch.Tensor:
-        hidden = hidden + self._attention(self.input_norm(hidden), cos, sin, metadata, lora)
-        return hidden + self._mlp(self.post_attention_norm(hidden), lora)
+    def __call__(self, hidden: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, metadata: AttentionMetadata, lora: LoraBatch | None,
+                 next_norm: RMSNorm | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``hidden`` ``[T, H]`` the residual stream and ``normed`` its input norm -> the
+        stream after this layer and ``next_norm`` of it (None where ``next_norm`` is None).
+        Each residual add is fused into the norm that follows it."""
+        attention = self._attention(normed, cos, sin, metadata, lora)
+        hidden, normed = self.post_attention_norm.add_then_norm(attention, hidden)
+        out = self._mlp(normed, lora)
+        if next_norm is None:
+            return hidden + out, None
+        return next_norm.add_then_norm(out, hidden)
 
     def _project(self, linear: Linear | StoredLinear, x: torch.Tensor, lora: LoraBatch | None,
                  projection: str) -> torch.Tensor:
@@ -130,6 +138,7 @@ class LlamaStyleDecoder:
         self.lm_head = Linear.of(model.lm_head, small_batches)
         self.layers = [_Layer(layer, i, native, small_batches)
                        for i, layer in enumerate(inner.layers)]
+        self._next_norms = [layer.input_norm for layer in self.layers[1:]] + [None]
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  metadata: AttentionMetadata, sample_index: torch.Tensor,
@@ -149,7 +158,8 @@ class LlamaStyleDecoder:
         hidden = self.embed(input_ids)
         cos, sin = self.rotary(hidden, positions.unsqueeze(0))
         cos, sin = cos[0], sin[0]  # [T, head_dim]
-        for layer in self.layers:
-            hidden = layer(hidden, cos, sin, metadata, lora)
+        normed = self.layers[0].input_norm(hidden)
+        for layer, next_norm in zip(self.layers, self._next_norms, strict=True):
+            hidden, normed = layer(hidden, normed, cos, sin, metadata, lora, next_norm)
         # The final norm is per row: normalising only the sampled rows gives the same values.
         return self.lm_head(self.norm(hidden[sample_index])).float()

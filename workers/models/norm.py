@@ -5,7 +5,7 @@ rsqrt, mul, to the input dtype, mul by the weight); at decode batch sizes each o
 costs more than its arithmetic, and a layer calls two norms. The kernel
 (``workers/kernels/rms_norm.cpp``) does the same arithmetic in one call, rounding at the same
 points; only the variance's summation order differs, so the choice is part of the cache
-identity's numerics.
+identity's numerics. The residual add before a norm joins it in the same call.
 """
 
 from __future__ import annotations
@@ -48,3 +48,15 @@ class RMSNorm:
         if self._kernel is None:
             return self.module(x)
         return self._kernel.rms_norm(x, self.module.weight, self.module.variance_epsilon)
+
+    def add_then_norm(self, x: torch.Tensor,
+                      residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` and ``residual`` ``[T, H]`` -> ``(residual + x, norm(residual + x))``, in one
+        native call where the kernel serves (vLLM's fused add-and-norm), bit-identical to the
+        add and the norm one after the other."""
+        if self._kernel is None:
+            total = residual + x
+            return total, self.module(total)
+        total, normed = self._kernel.add_rms_norm(x, residual, self.module.weight,
+                                                  self.module.variance_epsilon)
+        return total, normed
