@@ -272,3 +272,22 @@ def test_free_text_before_a_tool_call_is_never_cut_short_by_closing(engine, smol
     assert output_ids(chunks["auto"]) == output_ids(chunks["free"])
     assert len(output_ids(chunks["auto"])) == 40
     assert chunks["auto"][-1].finish_reason == chunks["free"][-1].finish_reason == "length"
+
+
+def test_a_small_budget_that_fits_the_call_leaves_the_model_free(engine, smollm):
+    """Closing keeps a margin of at most an eighth of a small budget: a required call that
+    the model finishes in 29 tokens is its own at ``max_tokens`` 40 (a 16-token margin
+    steered it from the first token, and the closers it admitted made the city ``}``)."""
+    from router.api.tool_formats import SMOLLM2
+    from router.protocol import ToolDefinition
+
+    tool = ToolDefinition.model_validate({"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object", "properties": {
+            "city": {"type": "string"}}, "required": ["city"]}}})
+    prompt = chat(smollm.tokenizer, "What is the weather in Paris?")
+    required = StructuredOutput("grammar", SMOLLM2.grammar([tool], False))
+    chunks = engine.generate([constrained("small", prompt, required, max_tokens=40),
+                              constrained("large", prompt, required, max_tokens=200)])
+    assert output_ids(chunks["small"]) == output_ids(chunks["large"])
+    assert text_of(chunks["small"]).endswith('{"city": "Paris"}}]</tool_call>')
+    assert chunks["small"][-1].finish_reason == "stop"

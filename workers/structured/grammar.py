@@ -130,8 +130,8 @@ class GrammarMatcher:
         matcher's own buffer, rewritten by the next call."""
         position = self._position
         del self._closing[position:]  # entries past here were a verification's drafts'
-        state = self._estimate.decide(self._closing[-1][0] if self._closing else ClosingState(),
-                                      budget)
+        previous = self._closing[-1][0] if self._closing else ClosingState.start(budget)
+        state = self._estimate.decide(previous, budget)
         mask = self._mask.fill(self._matcher)
         narrowed = state.closing and self._closing_tokens.restrict(
             mask, position >= self._min_tokens)
