@@ -1,8 +1,8 @@
 """The second KV tier (``workers.kv_tier``) in the engine: blocks evicted from the working pool
 move to a file on disk under the same digest and come back on a hit, with output equal to
 cold in fp32; a corrupt block is recomputed, a full tier drops its oldest, a disk that cannot
-hold the file means no tier; and the index hears of a digest only when the worker gains or
-loses it (pool and tier together)."""
+hold the file means no tier, one that fills or turns read-only later does not reach it; and
+the index hears of a digest only when the worker gains or loses it (pool and tier together)."""
 
 from __future__ import annotations
 
@@ -135,6 +135,32 @@ def test_a_disk_that_cannot_hold_the_tier_means_no_tier(smollm, make_engine, tmp
     output, _, _ = serve(engine, greedy("works", PROMPT, max_tokens=2, ignore_eos=True))
     assert len(output) == 2
     assert os.listdir(tmp_path if tmp_path.exists() else tmp_path.parent) == []
+
+
+def test_a_disk_that_fills_or_turns_read_only_at_run_time_does_not_reach_the_tier(
+        smollm, make_engine, tmp_path, monkeypatch):
+    """The file is reserved and mapped at start, then only the mapping is touched: with every
+    file call failing from then on (no space, read-only), blocks still spill and come back,
+    output equal to cold."""
+    import builtins
+    import tempfile
+
+    engine = tier_engine(make_engine, smollm, tmp_path)
+    request = greedy("again", PROMPT, max_tokens=8, ignore_eos=True)
+    reference = cold(engine, request)
+
+    def fails(*args, **kwargs):
+        raise OSError(30, "Read-only file system")
+
+    for module, name in [(os, "open"), (os, "write"), (os, "pwrite"), (os, "posix_fallocate"),
+                         (os, "ftruncate"), (os, "fsync"), (tempfile, "mkstemp"),
+                         (builtins, "open")]:
+        monkeypatch.setattr(module, name, fails)
+    evict_to_tier(engine)
+    output, cached, _ = serve(engine, greedy("again", PROMPT, max_tokens=8, ignore_eos=True))
+    assert output == reference and cached == 4 * BLOCK
+    assert engine.pool.tier.counters.loaded_blocks == 4
+    engine.pool.check_invariants()
 
 
 # -- blocks from another worker ------------------------------------------------------------------
