@@ -19,6 +19,11 @@ A policy named ``NAME+tier`` (``prefix+tier``) runs with a second KV tier of
 ``--kv-tier-mib`` per worker, so workers fetch prefixes from each other; ``--hot-share 0.8``
 gives one tenant 80% of the ``shared-prefix`` requests.
 
+The ``random`` workload has no reuse at all (random prompts), so it runs no oracle; its goal
+is what the second tier and transfers cost where nothing can be reused: ``prefix+tier``
+keeps at least 0.99x the output throughput of ``prefix``. ``--rounds N`` runs the policies
+N times, alternating, and compares medians.
+
     .venv/bin/python benchmarks/routing.py [--requests 200] [--quick]
 """
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import math
 import socket
+import statistics
 import uuid
 from pathlib import Path
 from typing import Any
@@ -48,6 +54,8 @@ from bench.workloads import WorkloadConfig  # noqa: E402
 
 POLICIES = ("prefix", "round-robin", "power-of-two")
 WORKLOADS = ("shared-prefix", "multi-turn")
+NO_REUSE = "random"
+"""``nalar bench``'s random prompts: nothing to reuse."""
 ORACLE = "oracle"
 """The single-worker run's name among the policies."""
 
@@ -75,7 +83,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Poisson arrivals per second (default: as fast as concurrency "
                              "allows)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help=f"of {', '.join(WORKLOADS + (NO_REUSE,))}")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of each policy per workload, alternating")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--plot", default=str(common.OUT_DIR / "routing.png"))
@@ -153,29 +164,43 @@ def run_one(args: argparse.Namespace, workload: str, routing: str, workers: int)
             "bench": report(result)}
 
 
-def figures(runs: dict[str, dict]) -> dict[str, dict[str, Any]]:
-    """Per policy: reuse ratio, fraction of the oracle's, busiest/least busy ratio, TTFT p50
-    and its ratio to round-robin's (None where a figure it needs is missing)."""
-    oracle_reuse = runs[ORACLE]["bench"]["prefix_reuse_ratio"] if ORACLE in runs else None
-    round_robin = runs.get("round-robin", {}).get("bench", {}).get("median_ttft_ms")
+def figures(runs: dict[str, list[dict]]) -> dict[str, dict[str, Any]]:
+    """Per policy, over its rounds: the median reuse ratio, its fraction of the oracle's, the
+    median busiest/least busy ratio, TTFT p50 and output throughput, the TTFT's ratio to
+    round-robin's, and each round's throughput (None where a figure it needs is missing)."""
+    def median(name: str, key: str) -> float | None:
+        values = [run["bench"][key] for run in runs.get(name, [])]
+        return statistics.median(values) if values and None not in values else None
+
+    oracle_reuse = median(ORACLE, "prefix_reuse_ratio")
+    round_robin = median("round-robin", "median_ttft_ms")
     table = {}
-    for name, run in runs.items():
-        summary = run["bench"]
-        reuse, ttft = summary["prefix_reuse_ratio"], summary["median_ttft_ms"]
+    for name, rounds in runs.items():
+        reuse, ttft = median(name, "prefix_reuse_ratio"), median(name, "median_ttft_ms")
         table[name] = {
             "prefix_reuse_ratio": reuse,
             "fraction_of_oracle_reuse": common.ratio(reuse, oracle_reuse),
-            "busiest_to_least_busy": run["busiest_to_least_busy"] if name != ORACLE else None,
+            "busiest_to_least_busy": statistics.median(
+                run["busiest_to_least_busy"] for run in rounds) if name != ORACLE else None,
             "ttft_p50_ms": ttft,
             "ttft_p50_to_round_robin": common.ratio(ttft, round_robin),
-            "completed": summary["completed"], "failed": summary["failed"],
+            "output_throughput": median(name, "output_throughput"),
+            "output_throughput_by_round": [run["bench"]["output_throughput"] for run in rounds],
+            "completed": sum(run["bench"]["completed"] for run in rounds),
+            "failed": sum(run["bench"]["failed"] for run in rounds),
         }
     return table
 
 
 def goals(workload: str, table: dict[str, dict]) -> list[dict]:
-    """The three goals of prefix routing on one workload."""
+    """The three goals of prefix routing on one workload, or, on the workload without reuse,
+    what the second tier and transfers may cost there."""
     prefix = table.get("prefix", {})
+    if workload == NO_REUSE:
+        tier = table.get("prefix+tier", {})
+        return [common.goal(f"{workload} prefix+tier / prefix output throughput",
+                            common.ratio(tier.get("output_throughput"),
+                                         prefix.get("output_throughput")), 0.99)]
     return [common.goal(f"{workload} prefix reuse / oracle",
                         prefix.get("fraction_of_oracle_reuse"), 0.9),
             common.goal(f"{workload} prefix busiest / least busy",
@@ -228,9 +253,13 @@ def main(argv: list[str] | None = None) -> dict:
     checks: list[dict] = []
     try:
         for workload in args.workloads.split(","):
-            runs = {ORACLE: run_one(args, workload, "prefix", 1)}
-            runs |= {policy: run_one(args, workload, policy, args.workers)
-                     for policy in policies}
+            runs: dict[str, list[dict]] = {}
+            if workload != NO_REUSE:
+                runs[ORACLE] = [run_one(args, workload, "prefix", 1)]
+            for _ in range(args.rounds):
+                for policy in policies:
+                    runs.setdefault(policy, []).append(
+                        run_one(args, workload, policy, args.workers))
             tables[workload] = figures(runs)
             checks += goals(workload, tables[workload])
             results[workload] = {"figures": tables[workload], "runs": runs}

@@ -14,10 +14,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks import routing  # noqa: E402
 
 
-def _run(reuse, ttft_ms, imbalance):
-    return {"busiest_to_least_busy": imbalance,
-            "bench": {"prefix_reuse_ratio": reuse, "median_ttft_ms": ttft_ms,
-                      "completed": 10, "failed": 0}}
+def _run(reuse, ttft_ms, imbalance, throughput=100.0):
+    return [{"busiest_to_least_busy": imbalance,
+             "bench": {"prefix_reuse_ratio": reuse, "median_ttft_ms": ttft_ms,
+                       "output_throughput": throughput, "completed": 10, "failed": 0}}]
 
 
 def test_figures_and_goals(tmp_path):
@@ -36,6 +36,24 @@ def test_figures_and_goals(tmp_path):
     assert [check["met"] for check in checks] == [False, False, False]
     png = routing.plot({"shared-prefix": table}, tmp_path / "routing.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_rounds_are_compared_by_their_medians_and_no_reuse_has_its_own_goal():
+    runs = {"prefix": _run(0.0, 90.0, 1.0, 100.0) + _run(0.0, 70.0, 1.4, 80.0)
+            + _run(0.0, 80.0, 1.1, 120.0),
+            "prefix+tier": _run(0.0, 85.0, 1.0, 99.5) + _run(0.0, 75.0, 1.0, 98.0)
+            + _run(0.0, 95.0, 1.0, 130.0)}
+    table = routing.figures(runs)
+    assert table["prefix"]["output_throughput"] == 100.0
+    assert table["prefix"]["output_throughput_by_round"] == [100.0, 80.0, 120.0]
+    assert table["prefix"]["ttft_p50_ms"] == 80.0
+    assert table["prefix"]["busiest_to_least_busy"] == 1.1
+    assert table["prefix"]["completed"] == 30
+    (check,) = routing.goals(routing.NO_REUSE, table)
+    assert check["value"] == pytest.approx(0.995) and check["met"]
+    runs["prefix+tier"] = _run(0.0, 85.0, 1.0, 98.0)
+    (check,) = routing.goals(routing.NO_REUSE, routing.figures(runs))
+    assert check["value"] == pytest.approx(0.98) and not check["met"]
 
 
 def test_run_settings_from_flags():
