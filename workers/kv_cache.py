@@ -18,6 +18,12 @@ class PagedKVCache:
     padding never reads another request's KV (attention also zeroes every padded position it
     gathers, since a stale inf or NaN times a masked probability of 0 is NaN).
 
+    Every layer's keys and values are views into one tensor ``[layers, 2, kv_heads, slots,
+    head_dim]``, so one block across all layers is one strided view (:meth:`layers_block`):
+    the second tier and transfers copy it in one call, where 60 per-layer copies of a
+    SmolLM2 block cost 0.7 ms of Python, about 5% of a 2-worker no-reuse workload's
+    throughput with the tier on.
+
     Args:
         num_layers, num_blocks, block_size, num_kv_heads, head_dim: the geometry (``num_blocks``
             usable blocks; the scratch block comes on top).
@@ -29,9 +35,10 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.scratch_block = num_blocks
-        shape = (num_kv_heads, (num_blocks + 1) * block_size, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._all = torch.zeros((num_layers, 2, num_kv_heads, (num_blocks + 1) * block_size,
+                                 head_dim), dtype=dtype, device=device)
+        self.keys = list(self._all[:, 0].unbind(0))  # each [kv_heads, slots, head_dim]
+        self.values = list(self._all[:, 1].unbind(0))
 
     @property
     def block_bytes(self) -> int:
@@ -39,11 +46,11 @@ class PagedKVCache:
         return 2 * len(self.keys) * self.keys[0][:, :self.block_size].numel() * \
             self.keys[0].element_size()
 
-    def block(self, tensor: torch.Tensor, block_id: int) -> torch.Tensor:
-        """``[kv_heads, block_size, head_dim]`` view of one block of a layer's keys or
-        values (``tensor``: one of :attr:`keys` or :attr:`values`)."""
-        heads, _, head_dim = tensor.shape
-        return tensor.view(heads, -1, self.block_size, head_dim)[:, block_id]
+    def layers_block(self, block_id: int) -> torch.Tensor:
+        """``[layers, 2, kv_heads, block_size, head_dim]`` view of one block across every
+        layer, keys (index 0) and values (index 1)."""
+        layers, _, heads, _, head_dim = self._all.shape
+        return self._all.view(layers, 2, heads, -1, self.block_size, head_dim)[:, :, :, block_id]
 
     def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor,
               value: torch.Tensor) -> None:

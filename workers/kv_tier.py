@@ -233,16 +233,10 @@ class DiskKVTier:
         self._free_slots = list(range(self.num_blocks))
 
     def _copy_out(self, block_id: int, slot: int) -> None:
-        for layer, (keys, values) in enumerate(zip(self.kv_cache.keys, self.kv_cache.values,
-                                                   strict=True)):
-            self.slab[slot, layer, 0].copy_(self.kv_cache.block(keys, block_id))
-            self.slab[slot, layer, 1].copy_(self.kv_cache.block(values, block_id))
+        self.slab[slot].copy_(self.kv_cache.layers_block(block_id))
 
     def _copy_in(self, slot: int, block_id: int) -> None:
-        for layer, (keys, values) in enumerate(zip(self.kv_cache.keys, self.kv_cache.values,
-                                                   strict=True)):
-            self.kv_cache.block(keys, block_id).copy_(self.slab[slot, layer, 0])
-            self.kv_cache.block(values, block_id).copy_(self.slab[slot, layer, 1])
+        self.kv_cache.layers_block(block_id).copy_(self.slab[slot])
 
     def _crc(self, slot: int) -> int:
         return zlib.crc32(self.slab[slot].view(torch.uint8).numpy())

@@ -92,9 +92,7 @@ def import_blocks(pool: BlockPool, seq: Sequence, first: int, blocks: list[KVBlo
 
 def block_kv(kv_cache: PagedKVCache, block_id: int) -> torch.Tensor:
     """A copy of one block's KV: ``[layers, 2, kv_heads, block_size, head_dim]``."""
-    return torch.stack([torch.stack([kv_cache.block(keys, block_id),
-                                     kv_cache.block(values, block_id)])
-                        for keys, values in zip(kv_cache.keys, kv_cache.values, strict=True)])
+    return kv_cache.layers_block(block_id).clone()
 
 
 def _matches(pool: BlockPool, seq: Sequence, index: int, block: KVBlock) -> bool:
