@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from workers.kernels import rope
 from workers.kv_cache import PagedKVCache
@@ -59,7 +60,21 @@ def caches(dtype: torch.dtype) -> tuple[PagedKVCache, PagedKVCache]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 5, 70])  # 70 x 15 heads x 64: more than one task
-def test_rotate_and_store_is_the_split_rotations_and_cache_writes(dtype, tokens):
+@pytest.mark.parametrize("path", ["kernel", "torch", "head norms"])
+def test_rotate_and_store_is_the_split_rotations_and_cache_writes(dtype, tokens, path,
+                                                                   monkeypatch):
+    """The kernel, the torch ops where it is not built, and Qwen3's per-head norms before the
+    rotation (always the torch ops) all store and return what the separate steps give."""
+    from workers.models import rotary
+
+    if path == "torch":
+        monkeypatch.setattr(rotary, "rope", lambda: None)
+    norms = None
+    if path == "head norms":
+        norms = tuple(Qwen3RMSNorm(DIM, eps=1e-6).to(dtype) for _ in range(2))
+        for seed, norm in enumerate(norms):
+            norm.weight.data.copy_(1 + torch.randn(DIM, generator=torch.Generator()
+                                                   .manual_seed(seed)))
     generator = torch.Generator().manual_seed(tokens)
     width = (HEADS + 2 * KV_HEADS) * DIM
     wide = (4 * torch.randn(tokens, width + 32, generator=generator)).to(dtype)
@@ -68,9 +83,11 @@ def test_rotate_and_store_is_the_split_rotations_and_cache_writes(dtype, tokens)
     slots = torch.randperm(32 * 4, generator=generator)[:tokens]
     fused_cache, plain_cache = caches(dtype)
 
-    q, k, v = rotate_and_store(qkv, cos, sin, HEADS, KV_HEADS, fused_cache, 1, slots)
-
-    q_ref, k_ref, v_ref = split_heads(qkv, HEADS, KV_HEADS)
+    with torch.no_grad():
+        q, k, v = rotate_and_store(qkv, cos, sin, HEADS, KV_HEADS, fused_cache, 1, slots, norms)
+        q_ref, k_ref, v_ref = split_heads(qkv, HEADS, KV_HEADS)
+        if norms is not None:
+            q_ref, k_ref = norms[0](q_ref), norms[1](k_ref)
     q_ref, k_ref = rotate_with_torch(q_ref, cos, sin), rotate_with_torch(k_ref, cos, sin)
     plain_cache.write(1, slots, k_ref, v_ref)
     assert torch.equal(q, q_ref) and torch.equal(k, k_ref) and torch.equal(v, v_ref)

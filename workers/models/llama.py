@@ -21,7 +21,7 @@ from workers.lora.batch import LoraBatch
 from workers.models.gated import GatedActivation
 from workers.models.linear import Linear, StoredLinear, packs_small_batches
 from workers.models.norm import NATIVE_NORM, RMSNorm, norm_kernel
-from workers.models.rotary import rotate, rotate_and_store, split_heads
+from workers.models.rotary import rotate_and_store
 from workers.models.weight_formats import StoredWeight
 
 
@@ -58,13 +58,12 @@ class _Layer:
         self.index = index
         self.input_norm = RMSNorm(layer.input_layernorm, native_norm)
         self.post_attention_norm = RMSNorm(layer.post_attention_layernorm, native_norm)
-        self.head_dim = attn.head_dim
         self.num_heads = attn.q_proj.out_features // attn.head_dim
         self.num_kv_heads = attn.k_proj.out_features // attn.head_dim
         self.scale = attn.scaling
         self.qkv_proj = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], small_batches)
-        self.q_norm = getattr(attn, "q_norm", None)  # Qwen3: RMSNorm over each head
-        self.k_norm = getattr(attn, "k_norm", None)
+        q_norm = getattr(attn, "q_norm", None)  # Qwen3: RMSNorm over each head
+        self.head_norms = None if q_norm is None else (q_norm, attn.k_norm)
         self.o_proj = Linear.of(attn.o_proj, small_batches)
         self.gate_up_proj = _fuse([mlp.gate_proj, mlp.up_proj], small_batches)
         self.act = GatedActivation(mlp.act_fn, layer.input_layernorm.weight)
@@ -93,14 +92,9 @@ class _Layer:
     def _attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    metadata: AttentionMetadata, lora: LoraBatch | None) -> torch.Tensor:
         qkv = self._project(self.qkv_proj, x, lora, "qkv")
-        cache, slots = metadata.kv_cache, metadata.slot_mapping
-        if self.q_norm is None:
-            q, k, v = rotate_and_store(qkv, cos, sin, self.num_heads, self.num_kv_heads, cache,
-                                       self.index, slots)
-        else:
-            q, k, v = split_heads(qkv, self.num_heads, self.num_kv_heads)
-            q, k = rotate(self.q_norm(q), cos, sin), rotate(self.k_norm(k), cos, sin)
-            cache.write(self.index, slots, k, v)
+        q, k, v = rotate_and_store(qkv, cos, sin, self.num_heads, self.num_kv_heads,
+                                   metadata.kv_cache, self.index, metadata.slot_mapping,
+                                   self.head_norms)
         out = attend_stored(self.index, q, k, v, metadata, self.scale)
         return self._project(self.o_proj, out.view(x.shape[0], -1), lora, "o")
 

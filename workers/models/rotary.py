@@ -10,6 +10,7 @@ arithmetic. Without the kernel the torch expression serves.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from workers.kernels import rope
 from workers.kv_cache import PagedKVCache
@@ -25,25 +26,31 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def rotate_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-                     kv_heads: int, cache: PagedKVCache, layer: int,
-                     slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     kv_heads: int, cache: PagedKVCache, layer: int, slots: torch.Tensor,
+                     head_norms: tuple[nn.Module, nn.Module] | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Queries and keys rotated out of a fused q/k/v projection, and the rotated keys and the
-    values stored in ``layer``'s cache at ``slots``: one native call where the kernel serves.
+    values stored in ``layer``'s cache at ``slots``: one native call where the kernel serves
+    and there are no ``head_norms``.
 
     Args:
         qkv: ``[T, (heads + 2 kv_heads) * D]``, q, k and v side by side.
         cos, sin: ``[T, D]`` of ``qkv``'s dtype.
         slots: ``[T]`` int64 cache slots of the rows.
+        head_norms: Qwen3's RMSNorms over each query and each key head, applied before the
+            rotation (the kernel does not take them).
 
     Returns:
         ``q`` ``[T, heads, D]``, ``k`` and ``v`` ``[T, kv_heads, D]``, k rotated.
     """
-    kernel = rope() if qkv.device.type == "cpu" else None
+    kernel = rope() if qkv.device.type == "cpu" and head_norms is None else None
     if kernel is not None and qkv.dtype in (torch.float32, torch.bfloat16) and \
             qkv.stride(-1) == 1:
         return tuple(kernel.rope_store(qkv, cos, sin, heads, kv_heads, cache.keys[layer],
                                        cache.values[layer], slots))
     q, k, v = split_heads(qkv, heads, kv_heads)
+    if head_norms is not None:
+        q, k = head_norms[0](q), head_norms[1](k)
     q, k = rotate(q, cos, sin), rotate(k, cos, sin)
     cache.write(layer, slots, k, v)
     return q, k, v
