@@ -129,6 +129,9 @@ ENGINE_METRICS: tuple[Series, ...] = (
     Series("computed_prefill_tokens", "counter", at("prefill_tokens"),
            "Tokens computed at prompt positions (prefix-cache hits excluded, recomputation "
            "after preemption included)."),
+    Series("shared_prefix_waits", "counter", at("shared_prefix_waits"),
+           "Steps in which a waiting request waited for a running prompt computing its next "
+           "KV block, rather than computing it a second time (per request and step)."),
     Series("computed_decode_tokens", "counter", at("decode_tokens"),
            "Tokens computed at output positions (verified draft positions included)."),
     Series("kv_blocks_capacity", "gauge", at("blocks_total"), "KV blocks in the pool."),

@@ -339,6 +339,7 @@ class NalarWorker:
             "tier_hit_tokens": self.engine.scheduler.counters.tier_hit_tokens,
             "transfer_hit_tokens": self.engine.scheduler.counters.transfer_hit_tokens,
             "preemptions": self.engine.scheduler.counters.preemptions,
+            "shared_prefix_waits": self.engine.scheduler.counters.shared_prefix_waits,
             "blocks_total": pool.num_blocks,
             "blocks_free": pool.num_free,
             "blocks_evictable": pool.num_evictable,

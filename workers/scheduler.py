@@ -32,6 +32,14 @@ ties in arrival order; with aging, so nothing starves: a request that has waited
 arrival order. Under both policies a request that lacks KV blocks blocks the ones behind it
 (head-of-line), so a large request is never starved by a stream of small ones.
 
+Shared prompts are computed once. A waiting request whose next uncached block is being computed
+right now by a running prompt (the same digest, so the same tokens at the same positions under
+the same identity) waits for it instead of computing it again, and reuses it as a cached
+prefix once that block is committed. A burst of requests sharing a new system prompt, or the
+``n`` choices of one request, then prefills the shared part once, not once per request. This is
+SGLang's in-batch prefix caching; the wait is bounded by the running prompt's prefill, which
+is scheduled ahead of every admission.
+
 Preemption by recompute (vLLM's default): when a running sequence needs a block and none is
 free, the newest running sequence is preempted (taken out of this step's batch if it was
 already in it); its blocks go back to the pool and it is recomputed later, ahead of every
@@ -64,6 +72,8 @@ class SchedulerCounters:
             eviction here.
         transfer_hit_tokens: of those, tokens fetched from another worker.
         preemptions: sequences preempted for lack of blocks.
+        shared_prefix_waits: steps in which a waiting request was held back because a running
+            prompt was computing its next block (counted per request and step).
     """
 
     prefix_query_tokens: int = 0
@@ -71,6 +81,7 @@ class SchedulerCounters:
     tier_hit_tokens: int = 0
     transfer_hit_tokens: int = 0
     preemptions: int = 0
+    shared_prefix_waits: int = 0
 
 
 @dataclass
@@ -235,12 +246,16 @@ class Scheduler:
 
     def _admit_waiting(self, batch: ScheduledBatch) -> None:
         partial = self._num_partial_after(batch)
+        in_flight = {digest for seq in self.running for digest in _blocks_in_flight(seq)}
         for seq in self._waiting_in_order():
             budget = self._budget_left(batch)
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 return
             # looked up now, not when ordering: admitting another may have evicted a block
             hits = self.blocks.cached_prefix(seq)
+            if _next_block(seq, len(hits)) in in_flight:
+                self.counters.shared_prefix_waits += 1
+                continue  # a running prompt computes it: reuse it next step
             remaining = seq.num_tokens - len(hits) * self.blocks.block_size
             num_tokens = min(remaining, budget)
             chunked = num_tokens < remaining
@@ -251,6 +266,7 @@ class Scheduler:
             if not self.blocks.can_admit(seq, hits, num_tokens):
                 return  # out of blocks: the ones behind it wait too (no starvation by size)
             self._admit(seq, hits, num_tokens, batch)
+            in_flight.update(_blocks_in_flight(seq))
             partial += chunked
 
     def _admit(self, seq: Sequence, hits: list, num_tokens: int,
@@ -302,3 +318,18 @@ class Scheduler:
 def _in_prefill(seq: Sequence) -> bool:
     """More than one uncomputed token: a prompt (or a preempted sequence's recompute)."""
     return seq.num_uncomputed_tokens > 1
+
+
+def _blocks_in_flight(seq: Sequence) -> list[bytes]:
+    """Digests of the full blocks of ``seq``'s tokens whose KV is not computed yet (a
+    running prompt computes them in this step or the next ones)."""
+    first = seq.num_computed_tokens // seq.block_size
+    return [seq.digest(index) for index in range(first, seq.num_tokens // seq.block_size)]
+
+
+def _next_block(seq: Sequence, num_hits: int) -> bytes | None:
+    """The digest of the block after ``seq``'s cached prefix of ``num_hits`` blocks, or None
+    when no further block could be a hit (the last token is always computed)."""
+    if num_hits >= (seq.num_tokens - 1) // seq.block_size:
+        return None
+    return seq.digest(num_hits)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from helpers import cold, greedy, output_ids, random_prompt, serve
 
+import workers.scheduler
 import workers.sequence
 from contract.identity import CacheNamespace, block_digest, block_digests, tenant_from_api_key
 from contract.kv_events import KVEvent
@@ -232,6 +234,10 @@ def computed_twice(engine, p_block: list[int], shared: list[int], tail: list[int
     becomes the cached block 0, the longer one's stays private, and the longer one's
     ``shared`` block, computed after its private copy, becomes the cached block 1.
 
+    The scheduler would make the longer prompt wait for the shorter one's block 0, so its wait
+    is switched off here; two sequences decoding the same tokens (``n`` greedy choices) still
+    compute a block twice at once.
+
     Returns the digest of that block 1.
     """
     root = engine.identity.with_namespace(CacheNamespace()).root_digest
@@ -239,8 +245,11 @@ def computed_twice(engine, p_block: list[int], shared: list[int], tail: list[int
     shared_after_p = block_digest(after_p, shared)
     engine.reset_prefix_cache()
     engine.drain_events()
-    chunks = engine.generate([greedy("short", p_block + tail[:3], max_tokens=2, ignore_eos=False),
-                              greedy("long", p_block + shared + tail[:5], ignore_eos=False)])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(workers.scheduler, "_next_block", lambda seq, num_hits: None)
+        chunks = engine.generate([
+            greedy("short", p_block + tail[:3], max_tokens=2, ignore_eos=False),
+            greedy("long", p_block + shared + tail[:5], ignore_eos=False)])
     assert [c.cached_tokens for c in chunks["long"]][-1] == 0  # computed at once, not reused
     assert stored_digests(engine.drain_events()) == {after_p, shared_after_p}
     return shared_after_p

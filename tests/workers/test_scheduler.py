@@ -275,3 +275,63 @@ def test_an_explicit_max_model_len_the_cache_cannot_hold_is_lowered_with_a_warni
     with caplog.at_level(logging.WARNING, logger="workers.engine"):
         assert make_engine(tiny_qwen, num_blocks=4, max_model_len=48).max_model_len == 48
     assert "lowered" not in caplog.text
+
+
+def test_requests_sharing_a_prompt_being_computed_wait_for_it_and_reuse_it():
+    """Four requests sharing a 16-token prefix arrive together: the first computes it, the
+    others wait one step each time their next block is being computed, then reuse it."""
+    scheduler = make_scheduler(budget=64)
+    shared = list(range(10, 26))  # 4 full blocks
+    seqs = [Sequence(GenerationRequest(f"s{i}", shared + [500 + i, 600 + i],
+                                       SamplingParams(temperature=0.0, max_tokens=4)),
+                     ROOT, BLOCK) for i in range(4)]
+    other = make_seq("other", 6, first=900)  # shares nothing: admitted beside the first
+    for seq in (*seqs, other):
+        scheduler.add(seq)
+    assert step(scheduler) == [("s0", 18), ("other", 6)]
+    assert scheduler.counters.shared_prefix_waits == 3
+    # s0's 4 blocks are cached now: the others compute only their own 2 tokens
+    assert step(scheduler) == [("s0", 1), ("other", 1), ("s1", 2), ("s2", 2), ("s3", 2)]
+    assert [seq.num_cached_tokens for seq in seqs] == [0, 16, 16, 16]
+    assert scheduler.counters.prefix_hit_tokens == 48
+
+
+def test_a_request_waits_only_for_blocks_still_to_be_computed():
+    """A request whose shared part is cached already is admitted at once; one whose next block
+    a running prompt has yet to compute waits, until that prompt has passed it."""
+    scheduler = make_scheduler(budget=12, max_num_partial_prefills=2)
+    long = make_seq("long", 40)
+    scheduler.add(long)
+    assert step(scheduler) == [("long", 12)]  # blocks 0-2 computed, 3-9 in flight
+    cached_only = make_seq("cached-only", 9)  # long's first 9 tokens: blocks 0-1 cached
+    follower = make_seq("follower", 30)  # long's first 30: its block 3 is in flight
+    scheduler.add(cached_only)
+    scheduler.add(follower)
+    assert step(scheduler) == [("long", 6), ("cached-only", 1)]
+    assert cached_only.num_cached_tokens == 8
+    assert follower in scheduler.waiting and scheduler.counters.shared_prefix_waits == 1
+    while follower in scheduler.waiting:
+        step(scheduler)
+    # admitted once long had computed past the 28 tokens it can reuse (7 blocks)
+    assert long.num_computed_tokens >= 28 and follower.num_cached_tokens == 28
+
+
+def test_a_burst_sharing_a_new_prefix_computes_it_once_and_outputs_equal_cold(
+        tiny_qwen, make_engine):
+    """Six requests sharing a 64-token prefix arrive in one step: the prefix is computed once,
+    the other five reuse it, and every output equals the request's own cold run (fp32)."""
+    shared = random_prompt(90, 64)
+    requests = [greedy(f"b{i}", shared + random_prompt(900 + i, 5 + i), max_tokens=8,
+                       ignore_eos=True) for i in range(6)]
+    engine = make_engine(tiny_qwen)
+    chunks, _ = generate_counting_prefill(engine, requests)
+    assert engine.counters.prefill_tokens == 64 + sum(5 + i for i in range(6))
+    assert engine.scheduler.counters.prefix_hit_tokens == 5 * 64
+    assert engine.scheduler.counters.shared_prefix_waits == 5
+    for request in requests:
+        cold = make_engine(tiny_qwen).generate([request])[request.request_id]
+        assert output_ids(chunks[request.request_id]) == output_ids(cold), request.request_id
+        assert chunks[request.request_id][-1].cached_tokens == (
+            0 if request.request_id == "b0" else 64)
+    assert engine.pool.num_in_use == 0
+    engine.pool.check_invariants()
