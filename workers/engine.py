@@ -156,7 +156,7 @@ class LLMEngine:
         self.transfers = TransferCounters()
         self.request_metrics = RequestMetrics()
         self._seqs: dict[str, Sequence] = {}
-        self._choices = Choices(config.block_size)
+        self._choices = Choices()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         spec = config.speculative
         spec.validate()
@@ -276,7 +276,9 @@ class LLMEngine:
             self._detokenizers[seq.request_id] = IncrementalDetokenizer(
                 self.tokenizer, request.sampling.stop, request.sampling.min_tokens)
             choices.append(seq)
-        self.scheduler.add(self._choices.add(request.request_id, choices))
+        self._choices.add(request.request_id, choices)
+        for seq in choices:
+            self.scheduler.add(seq)
 
     def _prompt_digests(self, request: GenerationRequest) -> tuple[bytes, list[bytes]]:
         """The request's identity root, and its prompt's block digests where the ingress's
@@ -384,7 +386,6 @@ class LLMEngine:
         for seq, num_new in _pairs(batch):
             if not seq.spec_token_ids:  # a verification commits what it accepts, later
                 self.block_manager.commit(seq, num_new)
-        self._release_siblings()
         offsets = [0]
         for n in num_logits:
             offsets.append(offsets[-1] + n)
@@ -520,7 +521,6 @@ class LLMEngine:
         del self._seqs[seq.request_id]
         del self._detokenizers[seq.request_id]
         self._choices.remove(seq)
-        self._release_siblings()
         return self._chunk(seq, tokens or [], text, logprobs)
 
     def _chunk(self, seq: Sequence, tokens: list[int], text: str,
@@ -533,10 +533,6 @@ class LLMEngine:
                                logprobs=logprobs, choices_left=self._choices.left(rid),
                                spec=spec, tier_tokens=seq.num_tier_tokens,
                                transfer_tokens=seq.num_transfer_tokens)
-
-    def _release_siblings(self) -> None:
-        for sibling in self._choices.release():
-            self.scheduler.add(sibling)
 
     def _check_token_ids(self, token_ids: Iterable[int], param: str) -> None:
         """Raises :class:`InvalidRequestError` naming ``param`` for the first id (of a list,

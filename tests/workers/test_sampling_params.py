@@ -201,7 +201,7 @@ def test_finish_reasons(tiny_qwen, make_engine):
     assert chunks[-1].finish_reason == "stop" and tokens(chunks) == [EOS]
 
 
-def test_held_siblings_do_not_block_unrelated_requests(tiny_qwen, make_engine):
+def test_waiting_siblings_do_not_block_unrelated_requests(tiny_qwen, make_engine):
     engine = make_engine(tiny_qwen, num_blocks=32)
     # ignore_eos: a request that sampled EOS at its first token would leave the second step
     # (unseeded sampling draws from OS entropy: the test failed so, once in CI)
