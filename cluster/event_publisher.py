@@ -7,11 +7,12 @@ queued behind it: no later ``removed`` can be overtaken by an older snapshot (DE
 writer per worker, in order"). Events the snapshot already reflects may follow it again; set
 semantics make that harmless.
 
-Events are lossy by contract: when a write fails, later batches are dropped and, at the next
-turn once the index answers, the worker's whole state is sent as ``[cleared, stored(all)]``,
-which supersedes everything that was dropped. The same resync follows a publish or heartbeat
-that finds the worker's entry missing (Redis restarted empty, or the entry expired), since
-refreshing a missing entry refreshes nothing and the worker would never be credited again.
+Events are lossy by contract: when a write fails, later batches are dropped and, at the next turn
+once the index answers, the worker's whole state is sent as ``[cleared, stored(all in the pool),
+stored(all in the second tier)]``, which supersedes everything that was dropped. The same resync
+follows a publish or heartbeat that finds the worker's entry missing (Redis restarted empty, or the
+entry expired), since refreshing a missing entry refreshes nothing and the worker would never be
+credited again.
 """
 
 from __future__ import annotations
@@ -37,13 +38,14 @@ class EventPublisher:
         index: the digest index.
         model_key: the worker's ``CacheIdentity.model_key``.
         worker_id: the id the router knows the replica by.
-        snapshot: returns every digest the worker's cache currently holds (for resyncs); must be
-            safe to call from the event loop while the engine thread runs.
+        snapshot: returns what the worker's cache currently holds, as ``stored`` events per
+            medium (``BlockPool.held_state``), for resyncs; must be safe to call from the event
+            loop while the engine thread runs.
         heartbeat_s: seconds between liveness refreshes (a third of the index TTL).
     """
 
     def __init__(self, index: DigestIndex, model_key: str, worker_id: str,
-                 snapshot: Callable[[], list[bytes]], heartbeat_s: float):
+                 snapshot: Callable[[], list[KVEvent]], heartbeat_s: float):
         self._index = index
         self._model_key = model_key
         self._worker_id = worker_id
@@ -124,17 +126,18 @@ class EventPublisher:
         """The index had no entry for this worker before ``write``: send the whole state
         again, unless the cache holds nothing beyond what that write itself just ``published``
         (a cache that was empty and gains its first blocks)."""
-        digests = self._snapshot()
-        if not set(digests).difference(published or ()):
+        state = self._snapshot()
+        held = _stored_digests(state)
+        if not held.difference(published or ()):
             return
         log.info("digest index had no entry for worker %s at %s; resyncing %d digests",
-                 self._worker_id, write, len(digests))
-        await self._publish_state(digests)
+                 self._worker_id, write, len(held))
+        await self._publish_state(state)
 
-    async def _publish_state(self, digests: list[bytes]) -> None:
-        """Publish ``[cleared, stored(digests)]`` (raises what the index raises)."""
-        state = [KVEvent("cleared"), KVEvent("stored", digests)]
-        await self._index.publish(self._model_key, self._worker_id, encode_events(state))
+    async def _publish_state(self, state: list[KVEvent]) -> None:
+        """Publish ``[cleared, *state]`` (raises what the index raises)."""
+        await self._index.publish(self._model_key, self._worker_id,
+                                  encode_events([KVEvent("cleared"), *state]))
         if self._outage_logged:
             log.info("digest index answers again; worker %s resynced", self._worker_id)
         self._needs_resync = self._outage_logged = False

@@ -125,7 +125,7 @@ class NalarWorker:
         index = make_index(config.redis_url, config.key_prefix, config.worker_ttl_s,
                            config.index_actor_name, actor_namespace=INDEX_ACTOR_NAMESPACE)
         self.publisher = EventPublisher(index, self.identity.model_key, self.worker_id,
-                                        self.engine.pool.cached_digests,
+                                        self.engine.pool.held_state,
                                         config.worker_ttl_s / 3)
         self.async_engine = AsyncEngine(self.engine, self.publisher.submit_threadsafe)
         self._token_rate = TokenRate()
@@ -294,16 +294,23 @@ class NalarWorker:
                             adapter_swap_tokens=round(adapters.mean_swap_s() * rate),
                             adapter_slots=adapters.max_loras, adapter_slots_busy=busy,
                             adapter_slot_wait_tokens=max(estimate, round(mean_wait_s * rate)),
-                            kv_fetch_tokens_per_block=self._fetch_tokens_per_block(rate),
+                            kv_fetch_tokens_per_block=self._tier_tokens(
+                                self.transfer_cost.fetch_s_per_block, rate),
+                            kv_tier_load_tokens_per_block=self._tier_tokens(
+                                self._tier_load_s_per_block(), rate),
                             ).to_wire()
 
-    def _fetch_tokens_per_block(self, rate: float) -> int | None:
-        """What fetching a KV block costs here, in tokens of work at ``rate`` tokens per
-        second; None without a second tier or a fetch measured."""
-        per_block = self.transfer_cost.fetch_s_per_block
-        if self.engine.pool.tier is None or per_block is None:
+    def _tier_load_s_per_block(self) -> float | None:
+        tier = self.engine.pool.tier
+        return None if tier is None else tier.counters.load_s_per_block
+
+    def _tier_tokens(self, seconds_per_block: float | None, rate: float) -> int | None:
+        """What moving a KV block in (fetching it, or loading it from the second tier) costs
+        here, in tokens of work at ``rate`` tokens per second; None without a second tier or
+        a measurement."""
+        if self.engine.pool.tier is None or seconds_per_block is None:
             return None
-        return round(per_block * rate)
+        return round(seconds_per_block * rate)
 
     def record_replica_metadata(self) -> dict:
         """Static facts the router reads once (:class:`~contract.load.ReplicaMetadata`): the

@@ -59,6 +59,9 @@ class RoutingStats:
             there, in tokens of work: its measured seconds per fetched block times its
             measured tokens per second; None when it cannot fetch (no second tier) or has
             not measured it yet.
+        kv_tier_load_tokens_per_block: what loading one KV block from its own second tier
+            costs there, in tokens of work (seconds per block times tokens per second); None
+            without a second tier or a load measured.
     """
 
     queued_tokens: int = 0
@@ -76,6 +79,7 @@ class RoutingStats:
     adapter_slots_busy: int = 0
     adapter_slot_wait_tokens: int = 0
     kv_fetch_tokens_per_block: int | None = None
+    kv_tier_load_tokens_per_block: int | None = None
 
     def to_wire(self) -> dict[str, Any]:
         """The report as a plain dict, keyed by this class's field names."""
@@ -103,7 +107,9 @@ class RoutingStats:
                    adapter_slots_busy=_count(stats.get("adapter_slots_busy")),
                    adapter_slot_wait_tokens=_count(stats.get("adapter_slot_wait_tokens")),
                    kv_fetch_tokens_per_block=_count_or_none(
-                       stats.get("kv_fetch_tokens_per_block")))
+                       stats.get("kv_fetch_tokens_per_block")),
+                   kv_tier_load_tokens_per_block=_count_or_none(
+                       stats.get("kv_tier_load_tokens_per_block")))
 
 
 @dataclass(frozen=True)

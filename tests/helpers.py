@@ -57,6 +57,11 @@ def greedy(request_id: str, prompt: list[int], max_tokens: int = 8, *, ignore_eo
         namespace=CacheNamespace() if namespace is None else namespace)
 
 
+def held_blocks(matched: dict) -> dict[str, int]:
+    """An index ``match`` answer as ``{worker id: leading blocks held, in either medium}``."""
+    return {worker: held.blocks for worker, held in matched.items()}
+
+
 def output_ids(chunks: Iterable[GenerationChunk]) -> list[int]:
     """The output token ids of a request's chunks, in order."""
     return [token for chunk in chunks for token in chunk.token_ids]

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from contract.kv_events import KVEvent
+from contract.kv_events import KVEvent, Medium
 from workers.kv_tier import DiskKVTier
 
 
@@ -240,7 +240,7 @@ class BlockPool:
         block.digest, block.token_ids, block.check = digest, tuple(token_ids), check
         block.parent_digest, block.parent, block.copy_of = parent_digest, link, None
         self._by_digest[digest] = block.block_id
-        self._emit("stored", digest)
+        self._emit("stored", digest, "pool")
         return True
 
     def reset_cache(self) -> None:
@@ -259,13 +259,20 @@ class BlockPool:
         self._events.append(KVEvent("cleared"))
 
     def cached_digests(self) -> list[bytes]:
-        """Every digest the pool, or its second tier, can currently serve a hit for (a copy;
-        safe to read from another thread, since copying a dict's keys does not release the
-        GIL)."""
+        """Every digest the pool, or its second tier, can currently serve a hit for."""
         held = list(self._by_digest)
         if self.tier is not None:
             held += [digest for digest in self.tier.digests() if digest not in self._by_digest]
         return held
+
+    def held_state(self) -> list[KVEvent]:
+        """What the worker holds, as ``stored`` events per medium: the index's whole view of
+        it after a ``cleared`` (a resync). A copy, safe to take from another thread, since
+        copying a dict's keys does not release the GIL."""
+        state = [KVEvent("stored", list(self._by_digest), "pool")]
+        if self.tier is not None:
+            state.append(KVEvent("stored", self.tier.digests(), "tier"))
+        return state
 
     def cached_block(self, digest: bytes) -> Block | None:
         """The cached copy held under ``digest`` in the working pool, if any."""
@@ -273,19 +280,16 @@ class BlockPool:
         return None if block_id is None else self.blocks[block_id]
 
     def tier_gained(self, digest: bytes) -> None:
-        """The second tier took ``digest`` from elsewhere (another worker): the worker holds
-        it now, if it did not already."""
-        if digest not in self._by_digest:
-            self._emit("stored", digest)
+        """The second tier took ``digest`` (evicted from the pool, or from another worker)."""
+        self._emit("stored", digest, "tier")
 
     def forget_in_tier(self, digest: bytes) -> None:
-        """The second tier lost ``digest`` (dropped, or failed its check): the worker no longer
-        holds it unless the working pool does."""
-        if digest not in self._by_digest:
-            self._emit("removed", digest)
+        """The second tier lost ``digest`` (dropped, or failed its check)."""
+        self._emit("removed", digest, "tier")
 
     def drain_events(self) -> list[KVEvent]:
-        """Events since the last drain, consecutive ones of a kind merged, in order."""
+        """Events since the last drain, consecutive ones of a kind and medium merged, in
+        order."""
         events, self._events = self._events, []
         return events
 
@@ -348,13 +352,12 @@ class BlockPool:
                                  block.parent_digest, block.check)
         if dropped is not None:
             self.forget_in_tier(dropped)
+        self.tier_gained(block.digest)
 
     def _uncache(self, block: Block) -> None:
-        """Evict or replace a cached copy: it becomes private (free, if nobody holds it). The
-        worker still holds its digest if the second tier does: no event then."""
+        """Evict or replace a cached copy: it becomes private (free, if nobody holds it)."""
         del self._by_digest[block.digest]
-        if self.tier is None or block.digest not in self.tier:
-            self._emit("removed", block.digest)
+        self._emit("removed", block.digest, "pool")
         self._forget(block)
         if block.block_id in self._evictable:
             del self._evictable[block.block_id]
@@ -366,8 +369,9 @@ class BlockPool:
         block.check = b""
         block.generation += 1
 
-    def _emit(self, kind: str, digest: bytes) -> None:
-        if self._events and self._events[-1].kind == kind:
-            self._events[-1].digests.append(digest)
+    def _emit(self, kind: str, digest: bytes, medium: Medium) -> None:
+        last = self._events[-1] if self._events else None
+        if last is not None and (last.kind, last.medium) == (kind, medium):
+            last.digests.append(digest)
         else:
-            self._events.append(KVEvent(kind, [digest]))
+            self._events.append(KVEvent(kind, [digest], medium))

@@ -7,13 +7,20 @@ with :func:`make_index`. Semantics are documented in :mod:`router.index.base`.
 
 from __future__ import annotations
 
-from router.index.base import DigestIndex, IndexStats, IndexUnavailableError, decode_batch
+from router.index.base import (
+    DigestIndex,
+    HeldPrefix,
+    IndexStats,
+    IndexUnavailableError,
+    decode_batch,
+)
 from router.index.memory import MemoryIndex
 
 __all__ = [
     "DEFAULT_ACTOR_NAME",
     "ActorIndex",
     "DigestIndex",
+    "HeldPrefix",
     "IndexStats",
     "IndexUnavailableError",
     "MemoryIndex",

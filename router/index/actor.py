@@ -18,7 +18,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from router.index.base import DigestIndex, IndexStats, IndexUnavailableError
+from router.index.base import DigestIndex, HeldPrefix, IndexStats, IndexUnavailableError
 from router.index.memory import MemoryIndex
 
 
@@ -37,7 +37,7 @@ class _IndexActor:
 
     async def match(
         self, model_key: str, digests: list[bytes], worker_ids: list[str]
-    ) -> dict[str, int]:
+    ) -> dict[str, HeldPrefix]:
         return await self._index.match(model_key, digests, worker_ids)
 
     async def stats(self, model_key: str) -> IndexStats:
@@ -97,7 +97,7 @@ class ActorIndex(DigestIndex):
 
     async def match(
         self, model_key: str, digests: list[bytes], worker_ids: list[str]
-    ) -> dict[str, int]:
+    ) -> dict[str, HeldPrefix]:
         """See :meth:`DigestIndex.match`: one actor call for the whole chain."""
         return await self._call("match", model_key, list(digests), list(worker_ids))
 

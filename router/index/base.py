@@ -7,9 +7,13 @@ leading blocks each candidate worker already holds. Entries are grouped by
 
 Semantics shared by every backend:
 
-* A worker's entries are a *set* of digests. ``stored`` adds, ``removed`` discards, ``cleared``
-  empties the set. Events of one batch are applied in order, and atomically: a malformed batch
-  raises :class:`ValueError` and changes nothing.
+* A worker's entries are two *sets* of digests, one per medium: its working pool (``pool``) and
+  its second tier (``tier``). ``stored`` adds to the event's medium, ``removed`` discards from
+  it, ``cleared`` empties both. Events of one batch are applied in order, and atomically: a
+  malformed batch raises :class:`ValueError` and changes nothing.
+* A match counts a block held in either medium, and says how many of the leading blocks are
+  held only in the second tier (:class:`HeldPrefix`): a hit there is loaded before use, so the
+  router prices it at the worker's measured load cost.
 * Duplicates (case R3). The block pool emits events at digest level, never per physical block
   (``stored`` when the first block holding a digest becomes reusable, ``removed`` when the last
   one is evicted), so the engine never sends "stored h" twice without a "removed h" in between.
@@ -31,7 +35,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from contract.identity import DIGEST_SIZE
 from contract.kv_events import KVEvent, decode_events
@@ -75,25 +79,42 @@ class IndexStats:
     Attributes:
         backend: ``"redis"``, ``"memory"`` or ``"actor"``.
         workers: workers with a live entry (a non-empty, unexpired digest set).
-        digests: digests held across those workers (a digest two workers hold counts twice).
+        digests: digests held in those workers' working pools (a digest two workers hold
+            counts twice).
         last_event_age_s: seconds since any worker last published or sent a heartbeat for this
             model; ``None`` if none ever did.
+        tier_digests: digests held in their second tiers, counted the same way.
     """
 
     backend: Literal["redis", "memory", "actor"]
     workers: int
     digests: int
     last_event_age_s: float | None
+    tier_digests: int = 0
 
 
-def leading_hits(held: Iterable[object]) -> int:
-    """Number of leading truthy flags: how many blocks of the chain match before the first miss."""
-    count = 0
-    for flag in held:
-        if not flag:
+class HeldPrefix(NamedTuple):
+    """How much of a prompt's digest chain one worker holds.
+
+    Attributes:
+        blocks: leading blocks it holds, in either medium (the chain up to its first miss).
+        tier_blocks: of those, the ones it holds only in its second tier.
+    """
+
+    blocks: int
+    tier_blocks: int = 0
+
+
+def leading_hits(in_pool: Iterable[object], in_tier: Iterable[object]) -> HeldPrefix:
+    """The leading run of a chain held in either medium, from per-block membership flags of
+    the working pool and of the second tier (truthy: held)."""
+    blocks = tier_blocks = 0
+    for pooled, tiered in zip(in_pool, in_tier, strict=True):
+        if not (pooled or tiered):
             break
-        count += 1
-    return count
+        blocks += 1
+        tier_blocks += not pooled
+    return HeldPrefix(blocks, tier_blocks)
 
 
 class DigestIndex(abc.ABC):
@@ -138,8 +159,8 @@ class DigestIndex(abc.ABC):
     @abc.abstractmethod
     async def match(
         self, model_key: str, digests: list[bytes], worker_ids: list[str]
-    ) -> dict[str, int]:
-        """How many leading digests of a chain each worker holds.
+    ) -> dict[str, HeldPrefix]:
+        """How many leading digests of a chain each worker holds, and where.
 
         Args:
             model_key: the model whose entries to consult.
@@ -147,9 +168,10 @@ class DigestIndex(abc.ABC):
             worker_ids: candidate workers.
 
         Returns:
-            ``{worker_id: n}`` for every listed worker, where the worker holds ``digests[:n]``
-            and not ``digests[n]``; 0 for a worker with no live entries. Multiply by the block
-            size to get cached tokens.
+            ``{worker_id: HeldPrefix(n, t)}`` for every listed worker, where the worker holds
+            ``digests[:n]``, each in its pool or its second tier, and not ``digests[n]``; ``t``
+            of those ``n`` only in its second tier. ``(0, 0)`` for a worker with no live
+            entries. Multiply by the block size to get cached tokens.
         """
 
     @abc.abstractmethod

@@ -1,4 +1,4 @@
-"""In-process digest index: a set of digests and an expiry per (model key, worker)."""
+"""In-process digest index: a set of digests per medium and an expiry per (model key, worker)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from router.index.base import DigestIndex, IndexStats, decode_batch, leading_hits
+from contract.kv_events import MEDIA, Medium
+from router.index.base import DigestIndex, HeldPrefix, IndexStats, decode_batch, leading_hits
 
 
 @dataclass
 class _Entry:
-    digests: set[bytes]
+    media: dict[Medium, set[bytes]]
     expires_at: float
 
 
@@ -49,15 +50,16 @@ class MemoryIndex(DigestIndex):
         self._last_event[model_key] = now
         key = (model_key, worker_id)
         entry = self._entries.get(key)
-        digests = entry.digests if entry else set()
+        media = entry.media if entry else {medium: set() for medium in MEDIA}
         for event in events:
             if event.kind == "stored":
-                digests.update(event.digests)
+                media[event.medium].update(event.digests)
             elif event.kind == "removed":
-                digests.difference_update(event.digests)
+                media[event.medium].difference_update(event.digests)
             else:
-                digests.clear()
-        self._put(key, digests, now)
+                for digests in media.values():
+                    digests.clear()
+        self._put(key, media, now)
         return entry is not None
 
     async def heartbeat(self, model_key: str, worker_id: str) -> bool:
@@ -72,22 +74,25 @@ class MemoryIndex(DigestIndex):
 
     async def match(
         self, model_key: str, digests: list[bytes], worker_ids: list[str]
-    ) -> dict[str, int]:
+    ) -> dict[str, HeldPrefix]:
         """See :meth:`DigestIndex.match`."""
         self._tick()
         result = {}
         for worker_id in worker_ids:
             entry = self._entries.get((model_key, worker_id))
-            held = entry.digests if entry else ()
-            result[worker_id] = leading_hits(digest in held for digest in digests)
+            pool, tier = (entry.media["pool"], entry.media["tier"]) if entry else ((), ())
+            result[worker_id] = leading_hits((digest in pool for digest in digests),
+                                             (digest in tier for digest in digests))
         return result
 
     async def stats(self, model_key: str) -> IndexStats:
         """See :meth:`DigestIndex.stats` (scans every entry: O(workers of all models))."""
         now = self._tick()
-        sizes = [len(e.digests) for (model, _), e in self._entries.items() if model == model_key]
+        entries = [e for (model, _), e in self._entries.items() if model == model_key]
         last = self._last_event.get(model_key)
-        return IndexStats("memory", len(sizes), sum(sizes), None if last is None else now - last)
+        return IndexStats("memory", len(entries), sum(len(e.media["pool"]) for e in entries),
+                          None if last is None else now - last,
+                          sum(len(e.media["tier"]) for e in entries))
 
     async def forget(self, model_key: str, worker_id: str) -> None:
         """See :meth:`DigestIndex.forget`."""
@@ -103,13 +108,13 @@ class MemoryIndex(DigestIndex):
         self._tick()
         return len(self._entries)
 
-    def _put(self, key: tuple[str, str], digests: set[bytes], now: float) -> None:
-        # An empty set is stored as no entry at all, as Redis does with an empty SET.
-        if not digests:
+    def _put(self, key: tuple[str, str], media: dict[Medium, set[bytes]], now: float) -> None:
+        # Empty sets are stored as no entry at all, as Redis does with empty SETs.
+        if not any(media.values()):
             self._entries.pop(key, None)
             return
         expires_at = now + self._ttl
-        self._entries[key] = _Entry(digests, expires_at)
+        self._entries[key] = _Entry(media, expires_at)
         self._next_purge = min(self._next_purge, expires_at)
 
     def _tick(self) -> float:

@@ -1,10 +1,11 @@
-"""Redis digest index: one SET of binary digests per (model key, worker), with a TTL.
+"""Redis digest index: a SET of binary digests per (model key, worker, medium), with a TTL.
 
 Layout, under ``{key_prefix}:{model_key}``:
 
-* ``:w:{worker_id}``: a SET of 32-byte digests whose expiry is pushed to ``worker_ttl_s`` on
-  every publish and heartbeat, so a dead worker's key vanishes on its own within one TTL (case
-  R2) and Redis memory stays bounded by the live workers.
+* ``:w:{worker_id}`` and ``:t:{worker_id}``: SETs of the 32-byte digests held in the worker's
+  working pool and in its second tier, whose expiry is pushed to ``worker_ttl_s`` on every
+  publish and heartbeat, so a dead worker's keys vanish on their own within one TTL (case R2)
+  and Redis memory stays bounded by the live workers.
 * ``:workers``: a ZSET of the workers with entries, scored by their last write (ms, Redis
   server time); pruned of silent ones at every write, so :meth:`RedisIndex.stats` visits only
   the live workers (O(workers), never a SCAN of the keyspace).
@@ -12,13 +13,15 @@ Layout, under ``{key_prefix}:{model_key}``:
   ``last_event_age_s``; server time, so workers' and readers' clocks never need to agree.
 
 A publish is one EVALSHA: the script decodes the msgpack batch with Redis's bundled ``cmsgpack``,
-validates all of it, then applies it (stored→SADD, removed→SREM, cleared→DEL) and sets the TTL,
-atomically. Redis's ``cmsgpack`` predates the msgpack *bin* types (0xc4-0xc6) and rejects them
-("Bad data format in input."), while :func:`contract.kv_events.encode_events` writes digests as
-bin; so the batch is validated here first (same rules as every backend) and re-packed in the
-legacy raw format, in which bytes travel as msgpack *str* and reach Lua as binary-safe strings.
+validates all of it, then applies it (stored→SADD, removed→SREM on the event's medium's SET,
+cleared→DEL of both) and sets the TTL, atomically. Redis's ``cmsgpack`` predates the msgpack *bin*
+types (0xc4-0xc6) and rejects them ("Bad data format in input."), while
+:func:`contract.kv_events.encode_events` writes digests as bin; so the batch is validated here
+first (same rules as every backend) and re-packed in the legacy raw format, in which bytes travel
+as msgpack *str* and reach Lua as binary-safe strings.
 
-A match is one pipelined round trip: SMISMEMBER of the whole chain against each worker's SET.
+A match is one pipelined round trip: SMISMEMBER of the whole chain against each worker's two
+SETs.
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
 from contract.identity import DIGEST_SIZE
+from contract.kv_events import MEDIA, Medium
 from router.index.base import (
     DigestIndex,
+    HeldPrefix,
     IndexStats,
     IndexUnavailableError,
     decode_batch,
@@ -44,18 +49,20 @@ from router.index.base import (
 )
 
 _BAD_BATCH = "BADBATCH"
+_MEDIUM_TAGS: dict[Medium, str] = {"pool": "w", "tier": "t"}
 
 LAST_EVENT_TTL_MS = 24 * 3600 * 1000
 """How long a model's ``:last`` key outlives its last write: a day of silence reads as never."""
 
 # Shared by both scripts: refresh the worker's TTL, registry score and the model's last-event
-# time; returns 1 when the worker's SET exists. KEYS[1]: the worker's SET, KEYS[2]: the model's
-# worker registry, KEYS[3]: the model's last-event time.
+# time; returns 1 when either of the worker's SETs exists. KEYS[1]: the worker's working-pool
+# SET, KEYS[2]: the model's worker registry, KEYS[3]: the model's last-event time, KEYS[4]: the
+# worker's second-tier SET.
 _TOUCH_LUA = f"""
 local function touch(worker, ttl)
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  local exists = redis.call('PEXPIRE', KEYS[1], ttl)
+  local exists = math.max(redis.call('PEXPIRE', KEYS[1], ttl), redis.call('PEXPIRE', KEYS[4], ttl))
   if exists == 1 then
     redis.call('ZADD', KEYS[2], now, worker)
   else
@@ -94,10 +101,15 @@ local batch, size = decoded[2], tonumber(ARGV[3])
 if not is_array(batch) then return bad('batch is not an array') end
 for i = 1, #batch do
   local row = batch[i]
-  if not is_array(row) or #row ~= 2 then return bad('event ' .. i .. ' is not [kind, digests]') end
-  local kind, digests = row[1], row[2]
+  if not is_array(row) or #row ~= 3 then
+    return bad('event ' .. i .. ' is not [kind, digests, medium]')
+  end
+  local kind, digests, medium = row[1], row[2], row[3]
   if kind ~= 'stored' and kind ~= 'removed' and kind ~= 'cleared' then
     return bad('event ' .. i .. ' has an unknown kind')
+  end
+  if medium ~= 'pool' and medium ~= 'tier' then
+    return bad('event ' .. i .. ' has an unknown medium')
   end
   if not is_array(digests) then return bad('event ' .. i .. ' digests is not an array') end
   for j = 1, #digests do
@@ -107,13 +119,14 @@ for i = 1, #batch do
   end
 end
 
-local key, chunk = KEYS[1], 1000  -- chunked: Lua's unpack() is limited to a few thousand values
-local existed = redis.call('EXISTS', key)
+local chunk = 1000  -- chunked: Lua's unpack() is limited to a few thousand values
+local existed = math.min(1, redis.call('EXISTS', KEYS[1], KEYS[4]))
 for i = 1, #batch do
   local kind, digests = batch[i][1], batch[i][2]
   if kind == 'cleared' then
-    redis.call('DEL', key)
+    redis.call('DEL', KEYS[1], KEYS[4])
   else
+    local key = (batch[i][3] == 'tier') and KEYS[4] or KEYS[1]
     local command = (kind == 'stored') and 'SADD' or 'SREM'
     for first = 1, #digests, chunk do
       redis.call(command, key, unpack(digests, first, math.min(first + chunk - 1, #digests)))
@@ -163,19 +176,21 @@ class RedisIndex(DigestIndex):
         self._apply_script = self._client.register_script(_APPLY_LUA)
         self._heartbeat_script = self._client.register_script(_HEARTBEAT_LUA)
 
-    def worker_key(self, model_key: str, worker_id: str) -> str:
-        """Redis key of a worker's digest SET."""
-        return f"{self._prefix}:{model_key}:w:{worker_id}"
+    def worker_key(self, model_key: str, worker_id: str, medium: Medium = "pool") -> str:
+        """Redis key of a worker's digest SET for ``medium``."""
+        return f"{self._prefix}:{model_key}:{_MEDIUM_TAGS[medium]}:{worker_id}"
 
     def _model_keys(self, model_key: str, worker_id: str) -> list[str]:
-        """KEYS of both scripts: the worker's SET, the model's registry and last-event time."""
+        """KEYS of both scripts: the worker's pool SET, the model's registry and last-event
+        time, the worker's tier SET."""
         model = f"{self._prefix}:{model_key}"
-        return [self.worker_key(model_key, worker_id), f"{model}:workers", f"{model}:last"]
+        return [self.worker_key(model_key, worker_id), f"{model}:workers", f"{model}:last",
+                self.worker_key(model_key, worker_id, "tier")]
 
     async def publish(self, model_key: str, worker_id: str, payload: bytes) -> bool:
         """See :meth:`DigestIndex.publish`. Raises ValueError on a malformed payload."""
         events = decode_batch(payload)
-        raw = msgpack.packb([[e.kind, e.digests] for e in events], use_bin_type=False)
+        raw = msgpack.packb([[e.kind, e.digests, e.medium] for e in events], use_bin_type=False)
         return await self._apply(model_key, worker_id, raw)
 
     async def heartbeat(self, model_key: str, worker_id: str) -> bool:
@@ -187,20 +202,22 @@ class RedisIndex(DigestIndex):
 
     async def match(
         self, model_key: str, digests: list[bytes], worker_ids: list[str]
-    ) -> dict[str, int]:
+    ) -> dict[str, HeldPrefix]:
         """See :meth:`DigestIndex.match`: one pipelined round trip for all workers."""
-        if not digests or not worker_ids:
-            return dict.fromkeys(worker_ids, 0)  # SMISMEMBER needs at least one member
+        if not digests or not worker_ids:  # SMISMEMBER needs at least one member
+            return dict.fromkeys(worker_ids, HeldPrefix(0))
         async with _redis_errors():
             pipe = self._client.pipeline(transaction=False)
             for worker_id in worker_ids:
-                pipe.smismember(self.worker_key(model_key, worker_id), digests)
+                for medium in MEDIA:
+                    pipe.smismember(self.worker_key(model_key, worker_id, medium), digests)
             replies = await pipe.execute()
-        return {w: leading_hits(flags) for w, flags in zip(worker_ids, replies, strict=True)}
+        return {worker_id: leading_hits(replies[2 * i], replies[2 * i + 1])
+                for i, worker_id in enumerate(worker_ids)}
 
     async def stats(self, model_key: str) -> IndexStats:
         """See :meth:`DigestIndex.stats`: two round trips, the second one SCARD per worker."""
-        _, registry, last = self._model_keys(model_key, "")
+        _, registry, last, _ = self._model_keys(model_key, "")
         async with _redis_errors():
             pipe = self._client.pipeline(transaction=False)
             pipe.time()
@@ -209,17 +226,20 @@ class RedisIndex(DigestIndex):
             (seconds, micros), last_ms, workers = await pipe.execute()
             pipe = self._client.pipeline(transaction=False)
             for worker in workers:
-                pipe.scard(self.worker_key(model_key, worker.decode()))
-            sizes = [size for size in await pipe.execute() if size]
+                for medium in MEDIA:
+                    pipe.scard(self.worker_key(model_key, worker.decode(), medium))
+            sizes = await pipe.execute()
+        pool, tier = sizes[0::2], sizes[1::2]
+        live = sum(1 for held in zip(pool, tier, strict=True) if any(held))
         age = None if last_ms is None else max(0.0, seconds + micros / 1e6 - int(last_ms) / 1000)
-        return IndexStats("redis", len(sizes), sum(sizes), age)
+        return IndexStats("redis", live, sum(pool), age, sum(tier))
 
     async def forget(self, model_key: str, worker_id: str) -> None:
         """See :meth:`DigestIndex.forget`."""
-        key, registry, _ = self._model_keys(model_key, worker_id)
+        pool, registry, _, tier = self._model_keys(model_key, worker_id)
         async with _redis_errors():
             pipe = self._client.pipeline(transaction=False)
-            pipe.delete(key)
+            pipe.delete(pool, tier)
             pipe.zrem(registry, worker_id)
             await pipe.execute()
 

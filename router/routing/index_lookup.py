@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from contract.load import is_count
@@ -42,10 +42,13 @@ class Lookup:
             answer (routing then uses the router's own record, else load alone).
         fallback: why the answer credits nothing or is missing (a ``RoutingDecision.fallback``
             reason), else ``None``.
+        tier: worker id → how many of its ``cached`` blocks it holds only in its second tier
+            (absent: none).
     """
 
     cached: dict[str, int] | None
     fallback: str | None = None
+    tier: dict[str, int] = field(default_factory=dict)
 
 
 class IndexLookup:
@@ -100,15 +103,17 @@ class IndexLookup:
                 self._timeout_s if self._tried else self._first_timeout_s,
             )
             cached: dict[str, int] = {}
+            tier: dict[str, int] = {}
             for worker_ids, answer in zip(groups.values(), answers, strict=True):
                 held = _validated(answer, len(digests))
-                cached.update({wid: held.get(wid, 0) for wid in worker_ids})
+                for wid in worker_ids:
+                    cached[wid], tier[wid] = held.get(wid, (0, 0))
         except Exception as exc:  # includes the timeout; cancellation still propagates
             self._on_failure(exc, time.perf_counter() - started)
             return Lookup(None, "index_timeout" if isinstance(exc, TimeoutError)
                           else "index_error")
         self._on_success(time.perf_counter() - started)
-        return Lookup(cached)
+        return Lookup(cached, tier={wid: blocks for wid, blocks in tier.items() if blocks})
 
     def forget_in_background(self, model_key: str, worker_id: str) -> None:
         """Tells the index ``worker_id`` is gone, without waiting (fire and forget).
@@ -162,19 +167,21 @@ class IndexLookup:
             self._failures = 0
 
 
-def _validated(answer: Any, max_blocks: int) -> dict[str, int]:
-    """The index answer as ``{worker id: blocks}``, clamped to ``[0, max_blocks]``.
+def _validated(answer: Any, max_blocks: int) -> dict[str, tuple[int, int]]:
+    """The index answer as ``{worker id: (blocks, of which only in its second tier)}``, both
+    clamped to ``[0, max_blocks]`` and the second to the first; a malformed entry is left out.
 
     Raises:
         TypeError: the answer is not a mapping.
     """
     if not isinstance(answer, Mapping):
         raise TypeError(f"index match returned {type(answer).__name__}, not a mapping")
-    return {
-        str(wid): min(int(blocks), max_blocks)
-        for wid, blocks in answer.items()
-        if is_count(blocks)
-    }
+    valid = {}
+    for wid, held in answer.items():
+        if isinstance(held, tuple) and len(held) == 2 and all(map(is_count, held)):
+            blocks = min(int(held[0]), max_blocks)
+            valid[str(wid)] = (blocks, min(int(held[1]), blocks))
+    return valid
 
 
 async def bounded(awaitable: Any, timeout_s: float) -> Any:

@@ -5,6 +5,7 @@ in tokens:
 
     score(replica) = prompt tokens the replica would still prefill
                      (uncached, at least 1: the last token is always recomputed for its logits)
+                   + loading the blocks it holds only in its second tier, at its measured cost
                    + tokens of work already queued or running there
                    + for a LoRA request, making its adapter resident there: a read or a swap
                      where it is not, and its share of the replica's adapter slots, all from
@@ -67,6 +68,9 @@ class ReplicaView:
             tokens of work (0 where a request in flight uses it, or the request has none).
         fetch_tokens_per_block: what fetching a KV block from another worker costs there, in
             tokens of work; None where it cannot fetch or has not measured it.
+        tier_blocks: of ``cached_blocks``, those held there only in the second tier.
+        tier_load_tokens_per_block: what loading one of them costs there, in tokens of work;
+            None where it has not measured it (then counted as free, as a pool hit).
     """
 
     worker_id: str
@@ -75,6 +79,8 @@ class ReplicaView:
     other_prefixes: int = 0
     adapter_tokens: int = 0
     fetch_tokens_per_block: int | None = None
+    tier_blocks: int = 0
+    tier_load_tokens_per_block: int | None = None
 
 
 class RoutingPolicy(ABC):
@@ -176,16 +182,19 @@ class PrefixPolicy(RoutingPolicy):
     def score(self, view: ReplicaView, prompt_len: int, held_elsewhere: int = 0) -> int:
         """Tokens of work ahead of this request's first output token on that replica (an
         estimated TTFT in tokens): the load there, making its adapter resident there, and its
-        prompt from the cheapest source: what it holds, then computing the rest, or, where it
-        can fetch, the blocks another worker holds (``held_elsewhere``) fetched, then
-        computing the rest."""
+        prompt from the cheapest source: what it holds (its second tier's blocks loaded, or
+        computed where loading costs more), then computing the rest, or, where it can fetch,
+        the blocks another worker holds (``held_elsewhere``) fetched, then computing the
+        rest."""
         own = view.cached_blocks or 0
+        load = min(view.tier_load_tokens_per_block or 0, self.block_size)
+        loaded = view.tier_blocks * load
         prefill = uncached_tokens(prompt_len, own, self.block_size)
         if view.fetch_tokens_per_block is not None and held_elsewhere > own:
             fetched = view.fetch_tokens_per_block * (held_elsewhere - own)
             prefill = min(prefill, fetched + uncached_tokens(prompt_len, held_elsewhere,
                                                              self.block_size))
-        return prefill + view.load_tokens + view.adapter_tokens
+        return loaded + prefill + view.load_tokens + view.adapter_tokens
 
     def _rank(self, views: Sequence[ReplicaView], prompt_len: int) -> list[str]:
         if any(view.cached_blocks is None for view in views):

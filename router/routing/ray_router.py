@@ -64,10 +64,18 @@ def _export_target(pending_request: Any) -> str | None:
     return first.worker_id if isinstance(first, KVExportRequest) else None
 
 
-def _fetch_tokens(replica: Any) -> int | None:
-    """What fetching a KV block costs on ``replica``, as it reports (None: cannot fetch)."""
-    return RoutingStats.from_wire(getattr(replica, "routing_stats", None)
-                                  ).kv_fetch_tokens_per_block
+def _stats(replica: Any) -> RoutingStats:
+    """``replica``'s last routing report (defaults where it sent none)."""
+    return RoutingStats.from_wire(getattr(replica, "routing_stats", None))
+
+
+def _tier_blocks_past(lookup: Lookup, worker_id: str, in_pool: int) -> int:
+    """Of the leading blocks the index credits ``worker_id`` with, those held only in its
+    second tier and not among the first ``in_pool``, which a request this router sent there
+    just now holds in its working pool. A pool evicts a chain's later blocks first, so the
+    tier's are taken to be the last of the credited run."""
+    credited = (lookup.cached or {}).get(worker_id, 0)
+    return min(lookup.tier.get(worker_id, 0), max(0, credited - in_pool))
 
 
 def _note_kv_source(pending_request: Any, views: list[ReplicaView], chosen: str) -> None:
@@ -263,7 +271,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         lookup = await self._look_up(plan, by_id)
         recorded = self._recorded_blocks(plan, lookup, by_id, now)
         views = [self._view(wid, plan, lookup, recorded, loads[wid], now,
-                            self._adapter_tokens(wid, replica, plan), _fetch_tokens(replica))
+                            self._adapter_tokens(wid, replica, plan), _stats(replica))
                  for wid, replica in by_id.items()]
         ranked = self._policy.choose(views, plan.prompt_len if plan else 0)
         _note_kv_source(pending_request, views, ranked[0])
@@ -309,24 +317,30 @@ class PrefixAwareRequestRouter(RequestRouter):
 
     def _view(self, worker_id: str, plan: RoutingInput | None, lookup: Lookup,
               recorded: Mapping[str, int] | None, load_tokens: int, now: float,
-              adapter_tokens: int = 0, fetch_tokens: int | None = None) -> ReplicaView:
+              adapter_tokens: int = 0, stats: RoutingStats | None = None) -> ReplicaView:
         """What the policy sees of one candidate. Its credited blocks are at least those of a
         request in flight there (they are pinned or being computed, and the index hears of
         them only once they are) and those of one sent or finished there within the index's
-        lag (an identical request right after a completion would otherwise go anywhere)."""
+        lag (an identical request right after a completion would otherwise go anywhere).
+        ``stats``: its last routing report, for what fetching and loading KV cost there."""
         credited = _credited(lookup, recorded, worker_id)
         if plan is None:
             return ReplicaView(worker_id, credited, load_tokens)
+        tier_blocks = 0
         if credited is not None:
             recent = self._sent_prefixes.leading_blocks(plan.digests, [worker_id], now,
                                                         within_s=self._index_lag_s)
-            credited = max(credited, recent[worker_id],
-                           self._ledger.leading_blocks_in_flight(worker_id, plan.digests))
+            in_pool = max(recent[worker_id],
+                          self._ledger.leading_blocks_in_flight(worker_id, plan.digests))
+            tier_blocks = _tier_blocks_past(lookup, worker_id, in_pool)
+            credited = max(credited, in_pool)
         # A prompt under one block leaves nothing cached: where it goes is a matter of load.
         other = (self._sent_prefixes.other_prefixes(worker_id, plan.digests, now)
                  if plan.digests else 0)
+        stats = stats or RoutingStats()
         return ReplicaView(worker_id, credited, load_tokens, other, adapter_tokens,
-                           fetch_tokens)
+                           stats.kv_fetch_tokens_per_block, tier_blocks,
+                           stats.kv_tier_load_tokens_per_block)
 
     async def _look_up(self, plan: RoutingInput | None, candidates: Mapping[str, Any]) -> Lookup:
         """The index's answer for this request, as far as the policy wants one.

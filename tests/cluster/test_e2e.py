@@ -59,7 +59,7 @@ async def wait_for_credit(index: RedisIndex, model_key: str, digests: list[bytes
     """Poll the index (never sleep blindly) until ``worker`` is credited with ``blocks``."""
     deadline = time.monotonic() + deadline_s
     while True:
-        held = (await index.match(model_key, digests, [worker]))[worker]
+        held = (await index.match(model_key, digests, [worker]))[worker].blocks
         if held >= blocks or time.monotonic() > deadline:
             return held
         await asyncio.sleep(0.05)

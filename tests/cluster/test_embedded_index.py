@@ -57,7 +57,7 @@ async def test_embedded_index_routes_a_shared_prefix_to_its_holder(embedded_app)
 
     holder, cold_cached = await generate(handle, "first", PROMPT, identity)
     deadline = time.monotonic() + 30
-    while (await index.match(identity.model_key, digests, [holder]))[holder] < len(digests):
+    while (await index.match(identity.model_key, digests, [holder]))[holder].blocks < len(digests):
         assert time.monotonic() < deadline, "the holder's blocks never reached the index"
         await asyncio.sleep(0.05)
 

@@ -9,6 +9,7 @@ import logging
 import threading
 
 import pytest
+from helpers import held_blocks
 
 from cluster.event_publisher import EventPublisher
 from contract.kv_events import KVEvent, decode_events, encode_events
@@ -48,7 +49,12 @@ class FlakyIndex(MemoryIndex):
 
 
 async def held(index: MemoryIndex, digests: list[bytes]) -> int:
-    return (await index.match(MODEL, digests, [WORKER]))[WORKER]
+    return (await index.match(MODEL, digests, [WORKER]))[WORKER].blocks
+
+
+def in_pool(digests) -> list[KVEvent]:
+    """A worker's snapshot for resyncs: ``digests`` in its working pool, none in a tier."""
+    return [KVEvent("stored", list(digests), "pool")]
 
 
 @pytest.fixture
@@ -61,7 +67,7 @@ async def test_start_clears_stale_entries_then_publishes_in_order(cache_state):
     index = FlakyIndex()
     # A previous life of this worker id left entries behind (case R2, same id).
     await index.publish(MODEL, WORKER, encode_events([KVEvent("stored", [digest(9)])]))
-    publisher = EventPublisher(index, MODEL, WORKER, lambda: list(cache_state), heartbeat_s=60)
+    publisher = EventPublisher(index, MODEL, WORKER, lambda: in_pool(cache_state), heartbeat_s=60)
     chain = [digest(i) for i in range(3)]
     sender = threading.Thread(target=lambda: (
         publisher.submit_threadsafe([KVEvent("stored", chain)]),
@@ -77,7 +83,7 @@ async def test_start_clears_stale_entries_then_publishes_in_order(cache_state):
 
 async def test_outage_drops_batches_then_resyncs_from_the_pool(cache_state, caplog):
     index = FlakyIndex()
-    publisher = EventPublisher(index, MODEL, WORKER, lambda: list(cache_state), heartbeat_s=60)
+    publisher = EventPublisher(index, MODEL, WORKER, lambda: in_pool(cache_state), heartbeat_s=60)
     await publisher.flush()
     index.down = True
     with caplog.at_level(logging.WARNING, logger="cluster.event_publisher"):
@@ -103,7 +109,7 @@ async def test_outage_drops_batches_then_resyncs_from_the_pool(cache_state, capl
 async def test_heartbeat_keeps_an_idle_worker_alive_and_heals_after_outage(cache_state):
     index = FlakyIndex()
     cache_state.append(digest(1))
-    publisher = EventPublisher(index, MODEL, WORKER, lambda: list(cache_state), heartbeat_s=0.01)
+    publisher = EventPublisher(index, MODEL, WORKER, lambda: in_pool(cache_state), heartbeat_s=0.01)
     await publisher.flush()
     index.down = True
     await asyncio.sleep(0.05)  # heartbeats fail: the publisher now owes a resync
@@ -140,7 +146,7 @@ async def test_slow_resync_never_overtakes_a_later_removal(cache_state):
     stale = digest(1)
     cache_state.append(stale)
     index = GatedIndex()
-    publisher = EventPublisher(index, MODEL, WORKER, lambda: list(cache_state),
+    publisher = EventPublisher(index, MODEL, WORKER, lambda: in_pool(cache_state),
                                heartbeat_s=0.01)
     await publisher.flush()
     index.down = True  # a failed publish: the worker owes a resync
@@ -180,7 +186,7 @@ async def test_heartbeat_that_finds_no_entry_resyncs(cache_state, caplog):
     no write failed, yet the next heartbeat must bring the worker's blocks back."""
     cache_state.extend([digest(1), digest(2)])
     index = FlakyIndex()
-    publisher = EventPublisher(index, MODEL, WORKER, lambda: list(cache_state),
+    publisher = EventPublisher(index, MODEL, WORKER, lambda: in_pool(cache_state),
                                heartbeat_s=0.01)
     await wait_until(lambda: held(index, [digest(1), digest(2)]))
 
@@ -198,7 +204,7 @@ async def test_publish_that_finds_no_entry_resyncs(cache_state):
     succeeds on an empty index, which must not end up holding that one batch only."""
     cache_state.append(digest(1))
     index = FlakyIndex()
-    publisher = EventPublisher(index, MODEL, WORKER, lambda: list(cache_state), heartbeat_s=60)
+    publisher = EventPublisher(index, MODEL, WORKER, lambda: in_pool(cache_state), heartbeat_s=60)
     await wait_until(lambda: held(index, [digest(1)]))
     await index.forget(MODEL, WORKER)
 
@@ -211,9 +217,27 @@ async def test_publish_that_finds_no_entry_resyncs(cache_state):
     await publisher.close()
 
 
+async def test_a_resync_restores_both_media():
+    """The snapshot a resync publishes names each digest's medium: after the index lost
+    everything, it again knows which blocks the worker holds only in its second tier."""
+    index = FlakyIndex()
+    state = [KVEvent("stored", [digest(1)], "pool"), KVEvent("stored", [digest(2)], "tier")]
+    publisher = EventPublisher(index, MODEL, WORKER, lambda: state, heartbeat_s=60)
+    await publisher.flush()
+    await index.forget(MODEL, WORKER)  # the index restarted empty
+    publisher.submit_threadsafe([KVEvent("stored", [digest(3)], "tier")])
+    await asyncio.sleep(0)
+    await publisher.flush()
+
+    matched = await index.match(MODEL, [digest(1), digest(2)], [WORKER])
+    assert matched == {WORKER: (2, 1)}
+    assert (await index.stats(MODEL)).tier_digests == 1  # the resync superseded digest 3
+    await publisher.close()
+
+
 async def test_an_empty_cache_is_not_resynced_at_every_heartbeat(cache_state):
     index = FlakyIndex()
-    publisher = EventPublisher(index, MODEL, WORKER, lambda: list(cache_state),
+    publisher = EventPublisher(index, MODEL, WORKER, lambda: in_pool(cache_state),
                                heartbeat_s=0.01)
     await publisher.flush()
     assert index.publishes == 1  # the clean slate at start
@@ -226,7 +250,7 @@ async def test_the_first_blocks_publish_creates_the_entry_without_a_resync(cache
     # No heartbeat in between (60 s): one queued ahead of the batch would see the new block
     # with no entry and rightly resync, which is another case (the heartbeat tests above).
     index = FlakyIndex()
-    publisher = EventPublisher(index, MODEL, WORKER, lambda: list(cache_state), heartbeat_s=60)
+    publisher = EventPublisher(index, MODEL, WORKER, lambda: in_pool(cache_state), heartbeat_s=60)
     await publisher.flush()
     assert index.publishes == 1  # the clean slate at start: no entry for an empty cache
     cache_state.append(digest(1))
@@ -241,22 +265,23 @@ async def test_the_first_blocks_publish_creates_the_entry_without_a_resync(cache
 async def test_close_removes_the_workers_entries(cache_state):
     cache_state.append(digest(1))
     index = FlakyIndex()
-    other = EventPublisher(index, MODEL, "w2", lambda: [digest(1)], heartbeat_s=60)
-    publisher = EventPublisher(index, MODEL, WORKER, lambda: list(cache_state), heartbeat_s=60)
+    other = EventPublisher(index, MODEL, "w2", lambda: in_pool([digest(1)]), heartbeat_s=60)
+    publisher = EventPublisher(index, MODEL, WORKER, lambda: in_pool(cache_state), heartbeat_s=60)
     await publisher.flush()
     await other.flush()
     publisher.submit_threadsafe([KVEvent("stored", [digest(2)])])  # still queued at close
 
     await publisher.close()
 
-    assert await index.match(MODEL, [digest(1)], [WORKER, "w2"]) == {WORKER: 0, "w2": 1}
+    assert held_blocks(await index.match(MODEL, [digest(1)], [WORKER, "w2"])) == (
+        {WORKER: 0, "w2": 1})
     assert (index.entry_count(), index.closes) == (1, 1)
     await other.close()
 
 
 async def test_close_with_the_index_down_returns(cache_state):
     index = FlakyIndex()
-    publisher = EventPublisher(index, MODEL, WORKER, lambda: list(cache_state), heartbeat_s=60)
+    publisher = EventPublisher(index, MODEL, WORKER, lambda: in_pool(cache_state), heartbeat_s=60)
     await publisher.flush()
     index.down = True
     await asyncio.wait_for(publisher.close(timeout_s=1.0), 2.0)

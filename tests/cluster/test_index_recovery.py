@@ -97,7 +97,7 @@ async def test_index_heals_after_redis_restarts_empty(
 
         async def credited() -> bool:
             held = await index.match(identity.model_key, digests, [worker])
-            return held[worker] == len(digests)
+            return held[worker].blocks == len(digests)
 
         await wait_for(credited, 30.0, "the worker's blocks reached the index")
         assert cold == 0
@@ -130,7 +130,7 @@ async def test_index_heals_after_redis_restarts_empty(
 
         # 4. A clean shutdown: the worker removes its own entries, without waiting for a TTL.
         serve.delete(APP)
-        assert (await index.match(identity.model_key, digests, [worker]))[worker] == 0
+        assert (await index.match(identity.model_key, digests, [worker]))[worker].blocks == 0
         assert (await index.stats(identity.model_key)).workers == 0
     finally:
         await index.close()

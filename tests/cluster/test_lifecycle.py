@@ -73,7 +73,7 @@ async def test_dead_worker_is_never_credited(cluster):
     live = await _wait_for_replacement(dead)
     assert dead not in live and len(live) == cluster.config.num_workers
     credited = await index.match(identity.model_key, digests, [dead, *live])
-    assert credited[dead] == 0
+    assert credited[dead].blocks == 0
     await index.close()
 
 
@@ -81,7 +81,7 @@ async def _poll(done, index: RedisIndex, model_key: str, digests: list[bytes],
                 worker: str) -> bool:
     deadline = time.monotonic() + DEADLINE_S
     while time.monotonic() < deadline:
-        if done((await index.match(model_key, digests, [worker]))[worker]):
+        if done((await index.match(model_key, digests, [worker]))[worker].blocks):
             return True
         await asyncio.sleep(0.1)
     return False

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+from helpers import held_blocks
+
 import contract.identity
 from cluster.ingress_deployment import NalarIngress
 from cluster.worker_identity import WorkerIdentity
@@ -120,13 +122,15 @@ async def test_refreshed_digests_find_the_redeployed_workers_blocks():
     await index.publish(NEW.model_key, "b", encode_events([KVEvent("stored", new_digests[:3])]))
     stale = request_under(OLD)
     stale_digests = stale.prompt_digests.digests
-    assert await index.match(NEW.model_key, stale_digests, ["a", "b"]) == {"a": 0, "b": 0}
+    assert held_blocks(await index.match(NEW.model_key, stale_digests, ["a", "b"])) == (
+        {"a": 0, "b": 0})
     keys = ReplicaModelKeys()
     keys.update(DEPLOYMENT, [NEW.model_key])
     watch = watch_over(FakeWorkers(description(NEW)), keys)
     fresh = await watch.current(stale)
     fresh_digests = fresh.prompt_digests.digests
-    assert await index.match(NEW.model_key, fresh_digests, ["a", "b"]) == {"a": 0, "b": 3}
+    assert held_blocks(await index.match(NEW.model_key, fresh_digests, ["a", "b"])) == (
+        {"a": 0, "b": 3})
 
 
 async def test_failed_describe_keeps_the_identity_and_the_request(caplog):

@@ -104,7 +104,8 @@ class Probe:
         return block_digests(root, ids, self.identity.block_size)
 
     async def credited(self, key: str, ids: list[int], workers: list[str]) -> dict[str, int]:
-        return await self.index.match(self.identity.model_key, self.digests(key, ids), workers)
+        held = await self.index.match(self.identity.model_key, self.digests(key, ids), workers)
+        return {worker: prefix.blocks for worker, prefix in held.items()}
 
     async def complete(self, client: httpx.AsyncClient, key: str, ids: list[int],
                        max_tokens: int = 4) -> dict:

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 import msgpack
 import pytest
 import redis
-from helpers import PrivateRedis, free_port, private_redis_server
+from helpers import PrivateRedis, free_port, held_blocks, private_redis_server
 
 from contract.kv_events import KVEvent, encode_events
 from router.index import DigestIndex, IndexStats, IndexUnavailableError, MemoryIndex, make_index
@@ -144,7 +144,7 @@ async def test_match_counts_leading_digests_only(index: DigestIndex, model_key: 
 
     result = await index.match(model_key, chain(4), ["A", "B", "C", "unknown"])
 
-    assert result == {"A": 2, "B": 0, "C": 4, "unknown": 0}
+    assert result == {"A": (2, 0), "B": (0, 0), "C": (4, 0), "unknown": (0, 0)}
 
 
 async def test_r1_clear_all_drops_only_that_worker(index: DigestIndex, model_key: str) -> None:
@@ -153,9 +153,9 @@ async def test_r1_clear_all_drops_only_that_worker(index: DigestIndex, model_key
 
     await index.publish(model_key, "A", batch(cleared()))
 
-    assert await index.match(model_key, chain(4), ["A", "B"]) == {"A": 0, "B": 4}
+    assert held_blocks(await index.match(model_key, chain(4), ["A", "B"])) == {"A": 0, "B": 4}
     for digest in chain(4):  # not credited with any single one of h1..h4 either
-        assert await index.match(model_key, [digest], ["A"]) == {"A": 0}
+        assert held_blocks(await index.match(model_key, [digest], ["A"])) == {"A": 0}
 
 
 async def test_events_of_a_batch_apply_in_order(index: DigestIndex, model_key: str) -> None:
@@ -165,7 +165,68 @@ async def test_events_of_a_batch_apply_in_order(index: DigestIndex, model_key: s
     await index.publish(model_key, "B", batch(stored(h(1)), removed(h(1))))
     await index.publish(model_key, "C", batch(removed(h(1)), stored(h(1))))
 
-    assert await index.match(model_key, chain(3), ["A", "B", "C"]) == {"A": 2, "B": 0, "C": 1}
+    assert held_blocks(await index.match(model_key, chain(3), ["A", "B", "C"])) == (
+        {"A": 2, "B": 0, "C": 1})
+
+
+def in_tier(event: KVEvent) -> KVEvent:
+    event.medium = "tier"
+    return event
+
+
+async def test_match_counts_both_media_and_says_which_blocks_are_in_the_tier(
+    index: DigestIndex, model_key: str
+) -> None:
+    # A: blocks 1-2 in its pool, 3-4 evicted into its tier; B: 1 in both, 2 only in the tier.
+    await index.publish(model_key, "A", batch(stored(*chain(4)), removed(h(3), h(4)),
+                                              in_tier(stored(h(3), h(4)))))
+    await index.publish(model_key, "B", batch(stored(h(1)), in_tier(stored(h(1), h(2)))))
+
+    result = await index.match(model_key, chain(4), ["A", "B"])
+
+    assert result == {"A": (4, 2), "B": (2, 1)}
+    assert result["A"].tier_blocks == 2
+
+
+async def test_a_medium_loses_only_its_own_copy_and_cleared_empties_both(
+    index: DigestIndex, model_key: str
+) -> None:
+    await index.publish(model_key, "A", batch(stored(*chain(2)), in_tier(stored(*chain(2)))))
+    await index.publish(model_key, "A", batch(in_tier(removed(h(1)))))  # dropped from the tier
+    assert await index.match(model_key, chain(2), ["A"]) == {"A": (2, 0)}
+    await index.publish(model_key, "A", batch(removed(h(2))))  # evicted from the pool
+    assert await index.match(model_key, chain(2), ["A"]) == {"A": (2, 1)}
+    stats = await index.stats(model_key)
+    assert (stats.workers, stats.digests, stats.tier_digests) == (1, 1, 1)
+
+    await index.publish(model_key, "A", batch(cleared()))
+
+    assert await index.match(model_key, chain(2), ["A"]) == {"A": (0, 0)}
+    assert (await index.stats(model_key)).workers == 0
+
+
+async def test_a_worker_holding_only_a_tier_is_live_and_expires(
+    backend: MemoryBackend | RedisBackend, model_key: str
+) -> None:
+    index = backend.open(backend.short_ttl_s)
+    try:
+        assert not await index.publish(model_key, "A", batch(in_tier(stored(h(1)))))
+        assert await index.heartbeat(model_key, "A")  # the entry exists: tier digests only
+        assert (await index.stats(model_key)).tier_digests == 1
+        for _ in range(backend.max_ticks):
+            await backend.tick()
+            if (await index.match(model_key, [h(1)], ["A"]))["A"].blocks == 0:
+                break
+        else:
+            pytest.fail("A's tier entries did not expire within the deadline")
+    finally:
+        await index.close()
+
+
+async def test_a_row_without_a_medium_is_in_the_pool(index: DigestIndex, model_key: str) -> None:
+    # what workers published before events named their medium
+    await index.publish(model_key, "A", msgpack.packb([["stored", [h(1)]]], use_bin_type=True))
+    assert await index.match(model_key, [h(1)], ["A"]) == {"A": (1, 0)}
 
 
 async def test_r3_duplicate_stored_then_one_removed_is_not_held(
@@ -173,12 +234,12 @@ async def test_r3_duplicate_stored_then_one_removed_is_not_held(
 ) -> None:
     await index.publish(model_key, "A", batch(stored(h(1), h(2))))
     await index.publish(model_key, "A", batch(stored(h(2))))  # duplicate, e.g. redelivered
-    assert await index.match(model_key, chain(2), ["A"]) == {"A": 2}
+    assert held_blocks(await index.match(model_key, chain(2), ["A"])) == {"A": 2}
 
     await index.publish(model_key, "A", batch(removed(h(2))))
 
-    assert await index.match(model_key, chain(2), ["A"]) == {"A": 1}
-    assert await index.match(model_key, [h(2)], ["A"]) == {"A": 0}
+    assert held_blocks(await index.match(model_key, chain(2), ["A"])) == {"A": 1}
+    assert held_blocks(await index.match(model_key, [h(2)], ["A"])) == {"A": 0}
 
 
 async def test_r2_dead_worker_expires_and_frees_its_key(
@@ -201,16 +262,16 @@ async def test_r2_dead_worker_expires_and_frees_its_key(
             pytest.fail("A's entries did not expire within the deadline")
 
         result = await index.match(model_key, chain(4), ["A", "B", "C"])
-        assert result == {"A": 0, "B": 4, "C": 4}
+        assert held_blocks(result) == {"A": 0, "B": 4, "C": 4}
         assert (await index.stats(model_key)).workers == 2
         # A heartbeat after the expiry refreshes nothing and says so: A must resync.
         assert await index.heartbeat(model_key, "A") is False
-        assert await index.match(model_key, chain(4), ["A"]) == {"A": 0}
+        assert held_blocks(await index.match(model_key, chain(4), ["A"])) == {"A": 0}
 
         # A comes back empty under the same id: only what it publishes now counts.
         await index.publish(model_key, "A", batch(stored(h(9))))
-        assert await index.match(model_key, chain(4), ["A"]) == {"A": 0}
-        assert await index.match(model_key, [h(9)], ["A"]) == {"A": 1}
+        assert held_blocks(await index.match(model_key, chain(4), ["A"])) == {"A": 0}
+        assert held_blocks(await index.match(model_key, [h(9)], ["A"])) == {"A": 1}
     finally:
         await index.close()
 
@@ -223,7 +284,7 @@ async def test_r2_restart_same_id_publishes_cleared(
 
     await index.publish(model_key, "A", batch(cleared()))  # first batch of the restarted A
 
-    assert await index.match(model_key, chain(4), ["A", "B"]) == {"A": 0, "B": 4}
+    assert held_blocks(await index.match(model_key, chain(4), ["A", "B"])) == {"A": 0, "B": 4}
     assert await backend.stored_entries(model_key) == 1  # an empty worker costs nothing
 
 
@@ -236,7 +297,7 @@ async def test_forget_drops_a_worker_at_once(
     await index.forget(model_key, "A")
     await index.forget(model_key, "never-seen")  # not an error
 
-    assert await index.match(model_key, chain(4), ["A", "B"]) == {"A": 0, "B": 4}
+    assert held_blocks(await index.match(model_key, chain(4), ["A", "B"])) == {"A": 0, "B": 4}
     assert await backend.stored_entries(model_key) == 1
 
 
@@ -245,7 +306,7 @@ async def test_heartbeat_of_unknown_worker_creates_nothing(
 ) -> None:
     await index.heartbeat(model_key, "A")
 
-    assert await index.match(model_key, chain(1), ["A"]) == {"A": 0}
+    assert held_blocks(await index.match(model_key, chain(1), ["A"])) == {"A": 0}
     assert await backend.stored_entries(model_key) == 0
 
 
@@ -263,7 +324,7 @@ async def test_heartbeat_and_publish_report_whether_the_entry_existed(
 
     assert await index.publish(model_key, "A", batch(cleared())) is True
     assert await index.heartbeat(model_key, "A") is False  # an empty set is no entry
-    assert await index.match(model_key, [h(3)], ["A"]) == {"A": 0}
+    assert held_blocks(await index.match(model_key, [h(3)], ["A"])) == {"A": 0}
 
 
 async def test_stats_count_live_workers_and_their_digests(
@@ -345,8 +406,8 @@ async def test_entries_are_scoped_by_model_key(index: DigestIndex, model_key: st
 
     await index.publish(other_model, "A", batch(cleared()))
 
-    assert await index.match(model_key, chain(4), ["A"]) == {"A": 4}
-    assert await index.match(other_model, chain(4), ["A"]) == {"A": 0}
+    assert held_blocks(await index.match(model_key, chain(4), ["A"])) == {"A": 4}
+    assert held_blocks(await index.match(other_model, chain(4), ["A"])) == {"A": 0}
 
 
 _HELD = [h(1), h(2)]
@@ -357,7 +418,9 @@ _BAD_PAYLOADS = {
     "trailing data": batch(cleared()) + b"\x01",
     "not a list": msgpack.packb(7),
     "unknown kind": msgpack.packb([["evicted", [h(1)]]]),
-    "row too long": msgpack.packb([["stored", [h(1)], 3]]),
+    "row too long": msgpack.packb([["stored", [h(1)], "pool", 3]]),
+    "unknown medium": msgpack.packb([["stored", [h(1)], "disk"]]),
+    "medium not a string": msgpack.packb([["stored", [h(1)], 3]]),
     "row is a map": msgpack.packb([{"stored": [h(1)]}]),
     "digests not a list": msgpack.packb([["stored", h(1)]]),
     "digest not bytes": msgpack.packb([["stored", [17]]]),
@@ -376,14 +439,14 @@ async def test_malformed_payload_raises_and_changes_nothing(
     with pytest.raises(ValueError):
         await index.publish(model_key, "A", payload)
 
-    assert await index.match(model_key, _HELD, ["A"]) == {"A": 2}
+    assert held_blocks(await index.match(model_key, _HELD, ["A"])) == {"A": 2}
 
 
 async def test_match_of_empty_chain_or_no_workers(index: DigestIndex, model_key: str) -> None:
     await index.publish(model_key, "A", batch(stored(h(1))))
 
-    assert await index.match(model_key, [], ["A", "B"]) == {"A": 0, "B": 0}
-    assert await index.match(model_key, chain(1), []) == {}
+    assert held_blocks(await index.match(model_key, [], ["A", "B"])) == {"A": 0, "B": 0}
+    assert held_blocks(await index.match(model_key, chain(1), [])) == {}
 
 
 async def test_many_workers_in_one_call(index: DigestIndex, model_key: str) -> None:
@@ -395,7 +458,7 @@ async def test_many_workers_in_one_call(index: DigestIndex, model_key: str) -> N
 
     result = await index.match(model_key, full, workers)
 
-    assert result == {worker: i for i, worker in enumerate(workers)}
+    assert held_blocks(result) == {worker: i for i, worker in enumerate(workers)}
 
 
 async def test_large_batch(index: DigestIndex, model_key: str) -> None:
@@ -403,7 +466,7 @@ async def test_large_batch(index: DigestIndex, model_key: str) -> None:
     await index.publish(model_key, "A", batch(stored(*big)))
     await index.publish(model_key, "A", batch(removed(*big[2500:])))
 
-    assert await index.match(model_key, big, ["A"]) == {"A": 2500}
+    assert held_blocks(await index.match(model_key, big, ["A"])) == {"A": 2500}
 
 
 # ---------------------------------------------------------------------------------- Redis only
@@ -432,12 +495,15 @@ _BAD_RAW_BATCHES = {
     # What the Lua script itself rejects, should a caller skip the Python-side validation.
     "bin format (unsupported by cmsgpack)": batch(stored(h(1))),
     "not msgpack": b"\xc1",
-    "truncated": msgpack.packb([["stored", [h(1)]]], use_bin_type=False)[:-5],
+    "truncated": msgpack.packb([["stored", [h(1)], "pool"]], use_bin_type=False)[:-5],
     "two objects": msgpack.packb([], use_bin_type=False) * 2,
     "not a list": msgpack.packb(7),
-    "unknown kind": msgpack.packb([["evicted", [h(1)]]], use_bin_type=False),
+    "unknown kind": msgpack.packb([["evicted", [h(1)], "pool"]], use_bin_type=False),
+    "unknown medium": msgpack.packb([["stored", [h(1)], "disk"]], use_bin_type=False),
+    "row without a medium": msgpack.packb([["stored", [h(1)]]], use_bin_type=False),
     "row is a map": msgpack.packb([{"stored": [h(1)]}], use_bin_type=False),
-    "digest too short": msgpack.packb([["cleared", []], ["stored", [b"x"]]], use_bin_type=False),
+    "digest too short": msgpack.packb([["cleared", [], "pool"], ["stored", [b"x"], "tier"]],
+                                      use_bin_type=False),
 }
 
 
@@ -450,7 +516,7 @@ async def test_redis_script_rejects_bad_batches_atomically(
         await index.publish(model_key, "A", batch(stored(*_HELD)))
         with pytest.raises(ValueError, match="BADBATCH"):
             await index._apply(model_key, "A", raw_batch)
-        assert await index.match(model_key, _HELD, ["A"]) == {"A": 2}
+        assert held_blocks(await index.match(model_key, _HELD, ["A"])) == {"A": 2}
     finally:
         await index.close()
 
@@ -495,7 +561,7 @@ async def test_redis_restarted_empty_is_reported_not_raised(
         private_redis.restart()
         assert await index.publish(model_key, "A", batch(stored(h(2)))) is False
         private_redis.restart()
-        assert await index.match(model_key, chain(2), ["A"]) == {"A": 0}
+        assert held_blocks(await index.match(model_key, chain(2), ["A"])) == {"A": 0}
     finally:
         await index.close()
 
@@ -526,7 +592,7 @@ async def test_actor_index_is_shared_and_survives_actor_death(
     await first.publish(model_key, "B", batch(stored(*chain(2))))
     with pytest.raises(ValueError):
         await first.publish(model_key, "A", b"\xc1")
-    assert await second.match(model_key, chain(4), ["A", "B"]) == {"A": 4, "B": 2}
+    assert held_blocks(await second.match(model_key, chain(4), ["A", "B"])) == {"A": 4, "B": 2}
     assert await second.heartbeat(model_key, "A") is True
     assert await second.heartbeat(model_key, "C") is False
     stats = await second.stats(model_key)
@@ -535,7 +601,7 @@ async def test_actor_index_is_shared_and_survives_actor_death(
 
     await second.publish(model_key, "A", batch(cleared()))
     await second.forget(model_key, "B")
-    assert await first.match(model_key, chain(4), ["A", "B"]) == {"A": 0, "B": 0}
+    assert held_blocks(await first.match(model_key, chain(4), ["A", "B"])) == {"A": 0, "B": 0}
     assert await first.entry_count() == 0
 
     ray.kill(ray.get_actor(name))  # e.g. its owner died: lossy by contract, then recreated
@@ -548,7 +614,7 @@ async def test_actor_index_is_shared_and_survives_actor_death(
         assert time.monotonic() < deadline, "killing the index actor went unnoticed"
         await asyncio.sleep(0.01)
     await first.publish(model_key, "A", batch(stored(h(1))))
-    assert await first.match(model_key, chain(4), ["A"]) == {"A": 1}
+    assert held_blocks(await first.match(model_key, chain(4), ["A"])) == {"A": 1}
     await first.close()
     await second.close()
 

@@ -17,11 +17,13 @@ import types
 from collections import Counter
 
 import pytest
+from helpers import held_blocks
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter
 
 from contract.identity import PromptDigests
 from contract.request import GenerationRequest, SamplingParams
+from router.index import HeldPrefix
 from router.routing.ray_router import PrefixAwareRequestRouter
 from router.routing.replica_keys import REPLICA_MODEL_KEYS
 from router.routing.request_input import routing_input
@@ -39,6 +41,7 @@ class FakeIndex:
 
     def __init__(self, held: dict[str, int] | None = None):
         self.held = dict(held or {})
+        self.tier: dict[str, int] = {}  # of the held blocks, those only in a second tier
         self.fail: BaseException | None = None
         self.hang = False
         self.calls = 0
@@ -52,7 +55,8 @@ class FakeIndex:
             await asyncio.Event().wait()
         if self.fail is not None:
             raise self.fail
-        return {w: min(self.held.get(w, 0), len(digests)) for w in worker_ids}
+        held = {w: min(self.held.get(w, 0), len(digests)) for w in worker_ids}
+        return {w: HeldPrefix(n, min(self.tier.get(w, 0), n)) for w, n in held.items()}
 
     async def forget(self, model_key, worker_id):
         self.forgotten.append((model_key, worker_id))
@@ -233,6 +237,21 @@ async def test_stale_report_of_finished_prefill_does_not_send_the_next_hit_away(
     replicas_by_id[holder].routing_stats = {"queued_tokens": 1025, "time": clock.now - 2.9}
     other = await route(router, replicas, pending(gen_request(1024, max_tokens=1, salt="x")))
     assert other != holder
+
+
+async def test_a_prefix_held_only_in_a_slow_tier_is_weighed_at_its_load_cost():
+    # A holds 62 blocks of a 1,024-token prompt, all only in its second tier, and has 200
+    # tokens queued; B is idle and holds nothing.
+    index = FakeIndex({"A": 62})
+    index.tier["A"] = 62
+    router = make_router(index)
+    busy = {"queued_tokens": 200, "kv_tier_load_tokens_per_block": 0}
+    replicas = [FakeReplica("A", busy), FakeReplica("B", {"queued_tokens": 0})]
+    # Loads measured as free: the tier hit is as good as a pool hit.
+    assert await route(router, replicas, pending(gen_request(1024, salt="a"))) == "A"
+    # Loads measured slower than computing (the worker then computes): 62 blocks of work.
+    replicas[0].routing_stats = {"queued_tokens": 200, "kv_tier_load_tokens_per_block": 40}
+    assert await route(router, replicas, pending(gen_request(1024, salt="b"))) == "B"
 
 
 async def test_rejected_attempt_does_not_hide_the_request_where_it_runs():
@@ -562,7 +581,7 @@ async def test_routes_with_the_real_memory_index():
     assert await route(router, replicas, pending(request)) == "b"
     router.on_replica_actor_died(replicas[1].replica_id)
     await asyncio.sleep(0.01)
-    assert await index.match("m", digests, ["b"]) == {"b": 0}
+    assert held_blocks(await index.match("m", digests, ["b"])) == {"b": 0}
 
 
 # ---- faults: index and replicas misbehaving -----------------------------------------------------

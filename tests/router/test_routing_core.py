@@ -80,6 +80,21 @@ def test_a_worker_that_can_fetch_is_scored_by_the_fetch_and_takes_a_busy_holders
     assert policy.score(dear, 1024, held_elsewhere=62) == 1024
 
 
+def test_blocks_held_only_in_a_second_tier_cost_their_measured_load():
+    # A 1,024-token prompt; A holds all 64 blocks but 40 only in its tier, B holds 64 in its pool.
+    policy = PrefixPolicy(BLOCK, random.Random(0))
+    pooled = ReplicaView("B", 64, 0)
+    assert policy.score(ReplicaView("A", 64, 0, tier_blocks=40), 1024) == 1  # not measured yet
+    cheap = ReplicaView("A", 64, 0, tier_blocks=40, tier_load_tokens_per_block=2)
+    assert policy.score(cheap, 1024) == 1 + 40 * 2
+    assert policy.rank([cheap, pooled], 1024) == ["B", "A"]
+    # Slower than computing: the engine computes those blocks, so they cost a block's tokens.
+    slow = ReplicaView("A", 64, 0, tier_blocks=40, tier_load_tokens_per_block=500)
+    assert policy.score(slow, 1024) == 1 + 40 * BLOCK
+    # A tier hit still beats recomputing on an idle worker with nothing cached.
+    assert policy.rank([cheap, ReplicaView("C", 0, 0)], 1024)[0] == "A"
+
+
 def test_hit_wins_over_small_load_gap():
     policy = PrefixPolicy(BLOCK, random.Random(0))
     views = [ReplicaView("A", 600 // BLOCK, 100), ReplicaView("B", 0, 0)]
@@ -214,7 +229,7 @@ def test_routing_stats_round_trip_their_wire_form():
                          adapters=["cd" * 32], host_adapters=["ef" * 32],
                          adapter_read_tokens=12, adapter_swap_tokens=2, adapter_slots=4,
                          adapter_slots_busy=3, adapter_slot_wait_tokens=90,
-                         kv_fetch_tokens_per_block=3)
+                         kv_fetch_tokens_per_block=3, kv_tier_load_tokens_per_block=1)
     assert RoutingStats.from_wire(stats.to_wire()) == stats
     assert RoutingStats.from_wire({"kv_fetch_tokens_per_block": -1}).kv_fetch_tokens_per_block \
         is None

@@ -2,7 +2,8 @@
 move to a file on disk under the same digest and come back on a hit, with output equal to
 cold in fp32; a corrupt block is recomputed, a full tier drops its oldest, a disk that cannot
 hold the file means no tier, one that fills or turns read-only later does not reach it; and
-the index hears of a digest only when the worker gains or loses it (pool and tier together)."""
+the index hears where the worker holds each digest (its pool, its tier), so that replaying the
+events gives exactly the worker's state."""
 
 from __future__ import annotations
 
@@ -46,8 +47,27 @@ def digests_of(engine, prompt: list[int]) -> list[bytes]:
     return block_digests(root, prompt, BLOCK)
 
 
-def removed(events: list[KVEvent]) -> set[bytes]:
-    return {d for event in events if event.kind == "removed" for d in event.digests}
+def removed(events: list[KVEvent], medium: str) -> set[bytes]:
+    return {d for event in events if (event.kind, event.medium) == ("removed", medium)
+            for d in event.digests}
+
+
+def replayed(events: list[KVEvent]) -> dict[str, set[bytes]]:
+    """What an index that heard ``events`` from the worker's start holds, per medium."""
+    media: dict[str, set[bytes]] = {"pool": set(), "tier": set()}
+    for event in events:
+        for medium, held in media.items():
+            if event.kind == "cleared":
+                held.clear()
+            elif event.medium == medium:
+                (held.update if event.kind == "stored" else held.difference_update)(event.digests)
+    return media
+
+
+def assert_index_view_is_the_state(engine, events: list[KVEvent]) -> dict[str, set[bytes]]:
+    view = replayed(events)
+    assert view == {"pool": set(engine.pool._by_digest), "tier": set(engine.pool.tier.digests())}
+    return view
 
 
 def test_an_evicted_prefix_comes_back_from_disk_and_output_equals_cold(smollm, make_engine,
@@ -55,9 +75,10 @@ def test_an_evicted_prefix_comes_back_from_disk_and_output_equals_cold(smollm, m
     engine = tier_engine(make_engine, smollm, tmp_path)
     request = greedy("again", PROMPT, max_tokens=8, ignore_eos=True)
     reference = cold(engine, request)
-    engine.drain_events()
     digests = evict_to_tier(engine)
-    assert not removed(engine.drain_events()) & set(digests)  # moved, not lost
+    events = engine.drain_events()
+    view = assert_index_view_is_the_state(engine, events)
+    assert set(digests) <= view["tier"] and not set(digests) & view["pool"]  # moved, not lost
 
     tier_tokens = engine.scheduler.counters.tier_hit_tokens
     output, cached, prefilled = serve(engine, greedy("again", PROMPT, max_tokens=8,
@@ -67,6 +88,8 @@ def test_an_evicted_prefix_comes_back_from_disk_and_output_equals_cold(smollm, m
     assert engine.scheduler.counters.tier_hit_tokens - tier_tokens == 4 * BLOCK
     assert engine.scheduler.counters.transfer_hit_tokens == 0
     assert engine.pool.tier.counters.loaded_blocks == 4
+    view = assert_index_view_is_the_state(engine, events + engine.drain_events())
+    assert set(digests) <= view["pool"] & view["tier"]  # loaded back; the tier keeps a copy
     engine.pool.check_invariants()
 
 
@@ -84,21 +107,20 @@ def test_a_corrupt_block_on_disk_is_recomputed_never_used(smollm, make_engine, t
     assert cached == BLOCK  # block 0 from disk; block 1 failed its CRC, the rest follow it
     assert tier.counters.corrupt_blocks == 1
     assert digests[1] not in tier
-    assert digests[1] in removed(engine.drain_events()) or digests[1] in engine.pool._by_digest
+    assert digests[1] in removed(engine.drain_events(), "tier")
 
 
 def test_a_full_tier_drops_its_oldest_block_and_the_index_hears_of_it(smollm, make_engine,
                                                                       tmp_path):
     engine = tier_engine(make_engine, smollm, tmp_path, tier_blocks=2)
-    engine.drain_events()
     serve(engine, greedy("warm", PROMPT, max_tokens=4, ignore_eos=True))
     for n, filler in enumerate(FILLERS):
         serve(engine, greedy(f"filler-{n}", filler, max_tokens=4, ignore_eos=True))
     tier = engine.pool.tier
     assert len(tier) == 2 and tier.counters.dropped_blocks == tier.counters.saved_blocks - 2
-    lost = removed(engine.drain_events())
-    held = set(engine.pool.cached_digests())
-    assert lost and not lost & held
+    events = engine.drain_events()
+    assert len(removed(events, "tier")) == tier.counters.dropped_blocks
+    assert_index_view_is_the_state(engine, events)
     engine.pool.check_invariants()
 
 
@@ -184,8 +206,8 @@ def test_blocks_fetched_from_another_worker_are_hits_and_output_equals_cold(
     assert [b.digest for b in blocks] == digests
     assert requester.import_blocks(request, 0, blocks) == 4
     assert requester.held_prefix_blocks(request) == 4
-    stored = {d for e in requester.drain_events() if e.kind == "stored" for d in e.digests}
-    assert stored == set(digests)  # the index learns the requester holds them now
+    events = requester.drain_events()
+    assert replayed(events)["tier"] == set(digests)  # the index learns where it holds them
 
     chunks = requester.generate([greedy("again", PROMPT, max_tokens=8, ignore_eos=True)])
     last = chunks["again"][-1]

@@ -142,6 +142,7 @@ function renderIndex(index, health) {
   const facts = [];
   if (index && !index.error) {
     facts.push(["backend", index.backend], ["entries (digests)", num(index.digests)],
+      ["in second tiers", num(index.tier_digests)],
       ["workers with entries", num(index.workers)],
       ["last event", index.last_event_age_s == null ? "never"
         : num(index.last_event_age_s, 1) + " s ago"]);
