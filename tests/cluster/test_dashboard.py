@@ -106,7 +106,7 @@ async def test_data_document_from_known_sources():
                     WorkerScrape([worker("w2", 70, 2), worker("w1", 100, 3)], 0, 0.1)])
 
     async def index_stats() -> IndexStats:
-        return IndexStats("redis", 2, 37, 0.5)
+        return IndexStats("redis", 2, 37, 0.5, 5)
 
     dashboard = Dashboard(lambda: next(scrapes), "smol", telemetry_with_decisions(),
                           index_stats, clock=clock)
@@ -136,7 +136,7 @@ async def test_data_document_from_known_sources():
     assert routing["health"]["lookups"] == 1 and routing["health"]["fallbacks"] == {
         "no_index": 1}
     assert second["index"] == {"backend": "redis", "workers": 2, "digests": 37,
-                               "last_event_age_s": 0.5, "error": None}
+                               "last_event_age_s": 0.5, "tier_digests": 5, "error": None}
 
 
 async def test_an_unreachable_index_is_shown_not_raised():
