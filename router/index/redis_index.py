@@ -20,8 +20,10 @@ types (0xc4-0xc6) and rejects them ("Bad data format in input."), while
 first (same rules as every backend) and re-packed in the legacy raw format, in which bytes travel
 as msgpack *str* and reach Lua as binary-safe strings.
 
-A match is one pipelined round trip: SMISMEMBER of the whole chain against each worker's two
-SETs.
+A match is one EVALSHA: for each worker, SMISMEMBER of the chain against its two SETs, a chunk
+at a time until the first block held in neither, returning only the two counts of
+:class:`~router.index.base.HeldPrefix`. The chain crosses the network once, and a short match
+of a long prompt stops early.
 """
 
 from __future__ import annotations
@@ -45,7 +47,6 @@ from router.index.base import (
     IndexStats,
     IndexUnavailableError,
     decode_batch,
-    leading_hits,
 )
 
 _BAD_BATCH = "BADBATCH"
@@ -138,6 +139,30 @@ return existed
 """
 
 
+# KEYS: each worker's pool SET, then its tier SET; ARGV: the chain's digests. Returns
+# {blocks, tier_blocks} per worker: the leading run held in either SET, and of it the blocks only
+# in the tier. Chunked: Lua's unpack() is limited to a few thousand values.
+_MATCH_LUA = """
+local chunk, result = 256, {}
+for w = 1, #KEYS, 2 do
+  local blocks, tier_blocks, missed = 0, 0, false
+  for first = 1, #ARGV, chunk do
+    local last = math.min(first + chunk - 1, #ARGV)
+    local pool = redis.call('SMISMEMBER', KEYS[w], unpack(ARGV, first, last))
+    local tier = redis.call('SMISMEMBER', KEYS[w + 1], unpack(ARGV, first, last))
+    for i = 1, last - first + 1 do
+      if pool[i] == 0 and tier[i] == 0 then missed = true; break end
+      blocks = blocks + 1
+      if pool[i] == 0 then tier_blocks = tier_blocks + 1 end
+    end
+    if missed then break end
+  end
+  result[#result + 1] = {blocks, tier_blocks}
+end
+return result
+"""
+
+
 class RedisIndex(DigestIndex):
     """The Redis backend, shared by every process that uses the same URL and key prefix.
 
@@ -175,6 +200,7 @@ class RedisIndex(DigestIndex):
         )
         self._apply_script = self._client.register_script(_APPLY_LUA)
         self._heartbeat_script = self._client.register_script(_HEARTBEAT_LUA)
+        self._match_script = self._client.register_script(_MATCH_LUA)
 
     def worker_key(self, model_key: str, worker_id: str, medium: Medium = "pool") -> str:
         """Redis key of a worker's digest SET for ``medium``."""
@@ -203,17 +229,15 @@ class RedisIndex(DigestIndex):
     async def match(
         self, model_key: str, digests: list[bytes], worker_ids: list[str]
     ) -> dict[str, HeldPrefix]:
-        """See :meth:`DigestIndex.match`: one pipelined round trip for all workers."""
+        """See :meth:`DigestIndex.match`: one script call for all workers."""
         if not digests or not worker_ids:  # SMISMEMBER needs at least one member
             return dict.fromkeys(worker_ids, HeldPrefix(0))
+        keys = [self.worker_key(model_key, worker_id, medium)
+                for worker_id in worker_ids for medium in MEDIA]
         async with _redis_errors():
-            pipe = self._client.pipeline(transaction=False)
-            for worker_id in worker_ids:
-                for medium in MEDIA:
-                    pipe.smismember(self.worker_key(model_key, worker_id, medium), digests)
-            replies = await pipe.execute()
-        return {worker_id: leading_hits(replies[2 * i], replies[2 * i + 1])
-                for i, worker_id in enumerate(worker_ids)}
+            replies = await self._match_script(keys=keys, args=digests)
+        return {worker_id: HeldPrefix(int(blocks), int(tier_blocks))
+                for worker_id, (blocks, tier_blocks) in zip(worker_ids, replies, strict=True)}
 
     async def stats(self, model_key: str) -> IndexStats:
         """See :meth:`DigestIndex.stats`: two round trips, the second one SCARD per worker."""
