@@ -223,6 +223,17 @@ async def test_a_worker_holding_only_a_tier_is_live_and_expires(
         await index.close()
 
 
+async def test_a_long_chain_split_across_media_counts_past_every_chunk(
+    index: DigestIndex, model_key: str
+) -> None:
+    # Redis walks a chain 256 digests at a time: the run crosses two chunk boundaries.
+    full = chain(600)
+    await index.publish(model_key, "A", batch(stored(*full[:300]), in_tier(stored(*full[300:450])),
+                                              in_tier(stored(*full[451:]))))
+    await index.publish(model_key, "B", batch(in_tier(stored(*full[:513]))))
+    assert await index.match(model_key, full, ["A", "B"]) == {"A": (450, 150), "B": (513, 513)}
+
+
 async def test_a_row_without_a_medium_is_in_the_pool(index: DigestIndex, model_key: str) -> None:
     # what workers published before events named their medium
     await index.publish(model_key, "A", msgpack.packb([["stored", [h(1)]]], use_bin_type=True))
