@@ -259,7 +259,8 @@ class BlockPool:
         self._events.append(KVEvent("cleared"))
 
     def cached_digests(self) -> list[bytes]:
-        """Every digest the pool, or its second tier, can currently serve a hit for."""
+        """Every digest the pool, or its second tier, can currently serve a hit for (for tests
+        and debugging; the index hears it per medium through :meth:`held_state`)."""
         held = list(self._by_digest)
         if self.tier is not None:
             held += [digest for digest in self.tier.digests() if digest not in self._by_digest]

@@ -245,6 +245,8 @@ class Scheduler:
                    and seq.num_computed_tokens + batch.scheduled(seq) < seq.num_tokens)
 
     def _admit_waiting(self, batch: ScheduledBatch) -> None:
+        if not self.waiting:
+            return  # the common decode step: no blocks in flight to collect
         partial = self._num_partial_after(batch)
         in_flight = {digest for seq in self.running for digest in _blocks_in_flight(seq)}
         for seq in self._waiting_in_order():

@@ -33,7 +33,6 @@ Semantics shared by every backend:
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -103,18 +102,6 @@ class HeldPrefix(NamedTuple):
 
     blocks: int
     tier_blocks: int = 0
-
-
-def leading_hits(in_pool: Iterable[object], in_tier: Iterable[object]) -> HeldPrefix:
-    """The leading run of a chain held in either medium, from per-block membership flags of
-    the working pool and of the second tier (truthy: held)."""
-    blocks = tier_blocks = 0
-    for pooled, tiered in zip(in_pool, in_tier, strict=True):
-        if not (pooled or tiered):
-            break
-        blocks += 1
-        tier_blocks += not pooled
-    return HeldPrefix(blocks, tier_blocks)
 
 
 class DigestIndex(abc.ABC):

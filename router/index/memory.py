@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from contract.kv_events import MEDIA, Medium
-from router.index.base import DigestIndex, HeldPrefix, IndexStats, decode_batch, leading_hits
+from router.index.base import DigestIndex, HeldPrefix, IndexStats, decode_batch
 
 
 @dataclass
@@ -81,8 +81,7 @@ class MemoryIndex(DigestIndex):
         for worker_id in worker_ids:
             entry = self._entries.get((model_key, worker_id))
             pool, tier = (entry.media["pool"], entry.media["tier"]) if entry else ((), ())
-            result[worker_id] = leading_hits((digest in pool for digest in digests),
-                                             (digest in tier for digest in digests))
+            result[worker_id] = _leading_run(digests, pool, tier)
         return result
 
     async def stats(self, model_key: str) -> IndexStats:
@@ -128,3 +127,19 @@ class MemoryIndex(DigestIndex):
                 (entry.expires_at for entry in self._entries.values()), default=math.inf
             )
         return now
+
+
+def _leading_run(digests: list[bytes], pool: Collection[bytes],
+                 tier: Collection[bytes]) -> HeldPrefix:
+    """The leading run of ``digests`` held in ``pool`` or ``tier``, and of it the blocks held
+    only in ``tier``."""
+    blocks = tier_blocks = 0
+    for digest in digests:
+        if digest in pool:
+            blocks += 1
+        elif digest in tier:
+            blocks += 1
+            tier_blocks += 1
+        else:
+            break
+    return HeldPrefix(blocks, tier_blocks)

@@ -104,3 +104,14 @@ def test_the_fetch_deadline_is_what_computing_would_take():
     assert cost.deadline_s(1) == TransferCost.MIN_DEADLINE_S
     cost.observe(10, 2.0)
     assert cost.deadline_s(10) is None  # 0.2 s per block against 0.16 s computing
+
+
+def test_the_tier_load_and_fetch_costs_are_reported_in_tokens_of_work():
+    worker = object.__new__(NalarWorker)
+    tier = SimpleNamespace(counters=SimpleNamespace(load_s_per_block=0.002))
+    worker.engine = SimpleNamespace(pool=SimpleNamespace(tier=tier))
+    assert worker._tier_tokens(worker._tier_load_s_per_block(), 1500.0) == 3
+    assert worker._tier_tokens(None, 1500.0) is None  # not measured yet
+    worker.engine.pool.tier = None  # no tier: nothing to load, nothing to fetch into
+    assert worker._tier_load_s_per_block() is None
+    assert worker._tier_tokens(0.002, 1500.0) is None

@@ -47,7 +47,8 @@ def worker_stats(worker_id: str, **spec) -> dict:
             "draft_s": 0.25, "verify_s": 1.5, "draft_calls": 7, "method": "ngram"}
     return {"worker_id": worker_id, "model_name": "smol", "steps": 20, "prefill_tokens": 100,
             "decode_tokens": 30, "prefix_query_tokens": 100, "prefix_hit_tokens": 32,
-            "preemptions": 1, "prompt_tokens": 120, "generation_tokens": 40,
+            "preemptions": 1, "shared_prefix_waits": 3, "prompt_tokens": 120,
+            "generation_tokens": 40,
             "blocks_total": 64, "blocks_free": 50, "blocks_evictable": 10, "blocks_in_use": 16,
             "running": 1, "waiting": 2, "spec": {**base, **spec},
             "histograms": ttft_histogram([0.003, 0.005, 0.05, 0.3, 3000.0])}
@@ -126,6 +127,7 @@ def test_families_labelled_by_worker():
     assert value(samples, "nalar:kv_blocks_in_use", worker="w1") == 16
     assert value(samples, "nalar:kv_blocks_free", worker="w2") == 50
     assert value(samples, "nalar:num_preemptions_total", worker="w1") == 1
+    assert value(samples, "nalar:shared_prefix_waits_total", worker="w1") == 3
     assert value(samples, "nalar:spec_decode_num_draft_tokens_total", worker="w1") == 10
     assert value(samples, "nalar:spec_decode_num_accepted_tokens_total", worker="w1") == 6
     assert value(samples, "nalar:spec_decode_num_accepted_tokens_total", worker="w2") == 0
