@@ -98,7 +98,9 @@ def chaos_config(redis_url: str, key_prefix: str, dtype: str = "float32"):
     """Two small workers on the given Redis, drafting through one ngram draft replica.
 
     128 MiB of KV each (about 2,900 fp32 tokens) holds the probe's prefix through the load, so
-    a lost hit means the fault lost it, not an eviction.
+    a lost hit means the fault lost it, not an eviction. A 64 MiB second tier each lets a
+    worker fetch a prefix that the other holds (KV transfers land in the tier), so a holder
+    can be killed mid-transfer (tests/cluster/test_chaos.py).
 
     The draft deadline is generous (0.5 s) so that drafts are really proposed on a busy CPU
     (the point of ``draft_kill``); adaptive speculation is off so the workers always draft.
@@ -109,7 +111,8 @@ def chaos_config(redis_url: str, key_prefix: str, dtype: str = "float32"):
     from cluster.config import ClusterConfig
 
     return ClusterConfig(num_workers=2, redis_url=redis_url, key_prefix=key_prefix, dtype=dtype,
-                         quantization="none", kv_cache_mib=128, worker_cpus=0.25, worker_threads=1,
+                         quantization="none", kv_cache_mib=128, kv_tier_mib=64,
+                         worker_cpus=0.25, worker_threads=1,
                          routing_stats_period_s=0.2, worker_ttl_s=15.0, speculative="ngram",
                          speculative_remote=True, draft_deadline_s=0.5,
                          adaptive_speculation=False, draft_cpus=0.1)

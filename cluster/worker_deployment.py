@@ -193,7 +193,14 @@ class NalarWorker:
 
     async def export_kv(self, request: KVExportRequest) -> list[KVBlock]:
         """Copies of the blocks ``request`` names that this worker holds, leading ones first,
-        for another worker; taken between two engine steps."""
+        for another worker; taken between two engine steps.
+
+        Raises:
+            LookupError: ``request`` names another worker: its holder is gone, and the router
+                sent the call here so that the requester computes the blocks at once.
+        """
+        if request.worker_id != self.worker_id:
+            raise LookupError(f"worker {request.worker_id} is gone (asked {self.worker_id})")
         return await self.async_engine.call(self.engine.export_blocks, request.digests)
 
     async def _connect_to_peers(self) -> None:

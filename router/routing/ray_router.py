@@ -64,6 +64,15 @@ def _export_target(pending_request: Any) -> str | None:
     return first.worker_id if isinstance(first, KVExportRequest) else None
 
 
+def _holder_or_any(replicas: list[Any], holder: str) -> list[Any]:
+    """The replica of worker ``holder``; every replica when it is gone (dead, or scaled
+    down), so that one of them refuses the export at once. Ray Serve retries an empty choice
+    until the call is cancelled, which would hold the fetch for its whole deadline (as long as
+    computing the blocks) before the requester computed them anyway."""
+    named = [r for r in replicas if worker_id_of(r.replica_id) == holder]
+    return named or list(replicas)
+
+
 def _stats(replica: Any) -> RoutingStats:
     """``replica``'s last routing report (defaults where it sent none)."""
     return RoutingStats.from_wire(getattr(replica, "routing_stats", None))
@@ -242,7 +251,7 @@ class PrefixAwareRequestRouter(RequestRouter):
             return []
         holder = _export_target(pending_request)
         if holder is not None:  # a worker fetching KV: only the named holder will do
-            return [[r for r in candidate_replicas if worker_id_of(r.replica_id) == holder]]
+            return [_holder_or_any(candidate_replicas, holder)]
         try:
             ranked = await self._rank(candidate_replicas, pending_request)
         except Exception:

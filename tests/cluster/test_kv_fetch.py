@@ -115,3 +115,15 @@ def test_the_tier_load_and_fetch_costs_are_reported_in_tokens_of_work():
     worker.engine.pool.tier = None  # no tier: nothing to load, nothing to fetch into
     assert worker._tier_load_s_per_block() is None
     assert worker._tier_tokens(0.002, 1500.0) is None
+
+
+async def test_an_export_naming_another_worker_is_refused_at_once():
+    # The router sends an export whose holder is gone to any replica; it must not answer
+    # with its own blocks under the holder's name.
+    worker = object.__new__(NalarWorker)
+    worker.worker_id = "me"
+    worker.async_engine = OnEngineThread()
+    worker.engine = SimpleNamespace(export_blocks=lambda digests: ["block"] * len(digests))
+    assert await worker.export_kv(KVExportRequest("me", DIGESTS[:2])) == ["block"] * 2
+    with pytest.raises(LookupError, match="worker gone is gone"):
+        await worker.export_kv(KVExportRequest("gone", DIGESTS[:2]))

@@ -22,6 +22,7 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Requ
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter
 
 from contract.identity import PromptDigests
+from contract.kv_transfer import KVExportRequest
 from contract.request import GenerationRequest, SamplingParams
 from router.index import HeldPrefix
 from router.routing.ray_router import PrefixAwareRequestRouter
@@ -186,6 +187,17 @@ def test_routing_input_rejects_malformed(pr):
 
 
 # ---- the Ray RequestRouter glue ---------------------------------------------------------------
+
+
+async def test_an_export_goes_to_its_holder_or_to_anyone_when_the_holder_is_gone():
+    # A gone holder: an empty choice would make Ray retry until the fetch's deadline; any
+    # replica refuses the export at once instead (NalarWorker.export_kv).
+    router = make_router(FakeIndex({"a": 9}))
+    replicas = [FakeReplica(w) for w in "abc"]
+    tiers = await router.choose_replicas(replicas, pending(KVExportRequest("b", [b"d"])))
+    assert [[r.replica_id.unique_id for r in tier] for tier in tiers] == [["b"]]
+    tiers = await router.choose_replicas(replicas, pending(KVExportRequest("gone", [b"d"])))
+    assert [[r.replica_id.unique_id for r in tier] for tier in tiers] == [["a", "b", "c"]]
 
 
 async def test_tiers_best_first_then_rest_and_backoff_enabled():
