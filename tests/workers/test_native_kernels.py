@@ -50,6 +50,32 @@ def test_native_decode_matches_softmax_attention_over_the_table(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 80])
+def test_native_decode_in_blocks_of_16_matches_softmax_attention(dtype, dim):
+    """Blocks of 16 tokens take the whole-block paths (fp32: vector scores of 16 tokens where
+    the CPU has AVX-512; bf16: pair products or tiles where it has them, for heads of 32-dim
+    chunks), whose lanes past a sequence's length must be masked: lengths of 1, 16, 37 and 50
+    tokens, 3 and 5 query rows a KV head, against float64 attention."""
+    generator = torch.Generator().manual_seed(dim)
+    keys = torch.randn(2, 8 * 16, dim, generator=generator).to(dtype)
+    values = torch.randn(2, 8 * 16, dim, generator=generator).to(dtype)
+    tables = torch.tensor([[5, 2, 7, 0], [0, 1, 3, 6], [6, 4, 2, 1], [3, 7, 1, 2]])
+    lengths = torch.tensor([37, 16, 1, 50])
+    for rows in (3, 5):
+        query = torch.randn(4, 2, rows, dim, generator=generator).to(dtype)
+        out = paged_decode().paged_decode_attention(query, keys, values, tables, lengths, 16,
+                                                    dim ** -0.5)
+        for row, (table, length) in enumerate(zip(tables.tolist(), lengths.tolist(),
+                                                  strict=True)):
+            slots = torch.tensor([table[p // 16] * 16 + p % 16 for p in range(length)])
+            k, v = keys[:, slots].double(), values[:, slots].double()
+            probs = (query[row].double() @ k.transpose(1, 2) * dim ** -0.5).softmax(-1)
+            tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(out[row].double(), probs @ v, atol=tolerance,
+                                       rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_decode_is_batch_invariant_and_refuses_bad_tables(dtype):
     """A row's result is bit for bit the same alone and beside other rows (each sequence and KV
     head is computed on its own), and tables or lengths outside the cache are refused."""
