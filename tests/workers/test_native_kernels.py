@@ -52,10 +52,10 @@ def test_native_decode_matches_softmax_attention_over_the_table(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [64, 80])
 def test_native_decode_in_blocks_of_16_matches_softmax_attention(dtype, dim):
-    """Blocks of 16 tokens take the whole-block paths (fp32: vector scores of 16 tokens where
-    the CPU has AVX-512; bf16: pair products or tiles where it has them, for heads of 32-dim
-    chunks), whose lanes past a sequence's length must be masked: lengths of 1, 16, 37 and 50
-    tokens, 3 and 5 query rows a KV head, against float64 attention."""
+    """Blocks of 16 tokens, where bf16 takes a whole-block path (pair products or tiles, where
+    the CPU has them, for heads of 32-dim chunks: 64, not 80) whose lanes past a sequence's
+    length must be masked: lengths of 1, 16, 37 and 50 tokens, 3 and 5 query rows a KV head,
+    against float64 attention."""
     generator = torch.Generator().manual_seed(dim)
     keys = torch.randn(2, 8 * 16, dim, generator=generator).to(dtype)
     values = torch.randn(2, 8 * 16, dim, generator=generator).to(dtype)

@@ -26,12 +26,9 @@
 #define NALAR_TILES 1
 #include "amx_tiles.h"
 #endif
-#if defined(CPU_CAPABILITY_AVX512)
-#define NALAR_WIDE 1
-#include "avx512_exp2.h"
-#endif
 #if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
 #define NALAR_PAIRS 1
+#include "avx512_exp2.h"
 #endif
 
 namespace {
@@ -271,7 +268,7 @@ void attend_rows_tiles(const float*, const at::BFloat16* q, const at::BFloat16* 
 }
 #endif
 
-#ifdef NALAR_WIDE
+#ifdef NALAR_PAIRS
 // Sixteen vectors of 16 32-bit lanes transposed in place, so that afterwards r[c] holds lane c
 // of every input: unpacks within 128-bit lanes, then a 4 x 4 transpose of the lanes.
 inline void transpose_16x16(__m512i r[16]) {
@@ -299,82 +296,6 @@ inline void transpose_16x16(__m512i r[16]) {
   }
 }
 
-// Folds a block's raw scores `s` (lanes = its first n tokens) into a row's online softmax:
-// the maximum on raw scores (the scale is positive), exp(scale (s - max)) as 2^(s c - max c)
-// with c = scale log2(e), stored to `probs` [16]. Returns the correction of what was
-// accumulated under the old maximum.
-inline float softmax_scores(__m512 s, int64_t n, float c, float& running_max,
-                            float& running_sum, float* probs) {
-  const __mmask16 valid = _cvtu32_mask16(n >= 16 ? 0xFFFFu : (1u << n) - 1);
-  const float block_max = std::max(running_max, _mm512_mask_reduce_max_ps(valid, s));
-  const __m512 p = _mm512_maskz_mov_ps(valid, nalar_avx512::exp2_nonpositive(
-      _mm512_fmadd_ps(s, _mm512_set1_ps(c), _mm512_set1_ps(-block_max * c))));
-  // Before the first block the maximum is -inf and the correction 2^-inf = 0.
-  const float correction = std::exp2((running_max - block_max) * c);
-  running_sum = running_sum * correction + _mm512_reduce_add_ps(p);
-  running_max = block_max;
-  _mm512_store_ps(probs, p);
-  return correction;
-}
-
-// Raw scores of a block of 16 fp32 tokens for `rows` query rows, lane t of scores[r] = q_r . k_t.
-// The keys [16, D], read in place, are transposed 16 dims at a time into one vector per dim (the
-// 16 tokens' values of it), shared by every row: a row then takes one FMA per dim against a
-// broadcast of its own value, with no horizontal sum per token (which had taken about a third
-// of this kernel's time). Two accumulators a row (even and odd dims) so that the rows' chains
-// hide the FMA's latency. Rows of the block past the sequence's length are loaded too (the
-// block's slots exist); the caller masks their lanes.
-template <int64_t D>
-inline void score_block_wide(const float* keys, const float* q, int64_t rows, __m512* scores) {
-  __m512 even[kMaxRows], odd[kMaxRows];
-  for (int64_t r = 0; r < rows; ++r) even[r] = odd[r] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < D / 16; ++c) {
-    __m512i k[16];
-    for (int t = 0; t < 16; ++t) k[t] = _mm512_castps_si512(_mm512_loadu_ps(keys + t * D + c * 16));
-    transpose_16x16(k);  // k[d]: dim c * 16 + d of the 16 tokens
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* qr = q + r * D + c * 16;
-      __m512 e = even[r], o = odd[r];
-      for (int d = 0; d < 16; d += 2) {
-        e = _mm512_fmadd_ps(_mm512_set1_ps(qr[d]), _mm512_castsi512_ps(k[d]), e);
-        o = _mm512_fmadd_ps(_mm512_set1_ps(qr[d + 1]), _mm512_castsi512_ps(k[d + 1]), o);
-      }
-      even[r] = e;
-      odd[r] = o;
-    }
-  }
-  for (int64_t r = 0; r < rows; ++r) scores[r] = _mm512_add_ps(even[r], odd[r]);
-}
-
-// attend_rows for fp32 caches in blocks of 16 tokens: a block's scores for all the rows as
-// vectors (score_block_wide) and a vector softmax over the block's 16 lanes.
-template <int64_t D>
-void attend_rows_wide(const float* q, const at::BFloat16*, const float* keys,
-                      const float* values, const int64_t* table, int64_t length, int64_t rows,
-                      int64_t block_size, float scale, float* out) {
-  static_assert(D % 16 == 0, "the head is taken in 16-dim chunks");
-  float acc[kMaxRows * D] = {};
-  float running_max[kMaxRows], running_sum[kMaxRows] = {}, correction[kMaxRows];
-  std::fill(running_max, running_max + rows, -std::numeric_limits<float>::infinity());
-  const float c = scale * 1.4426950408889634f;
-  __m512 scores[kMaxRows];
-  alignas(64) float probs[kMaxRows * 16];
-  for (int64_t start = 0; start < length; start += block_size) {
-    const int64_t n = std::min(block_size, length - start);
-    const int64_t slot = table[start / block_size] * block_size;
-    prefetch_next<float, D>(keys, values, table, start, length, block_size);
-    score_block_wide<D>(keys + slot * D, q, rows, scores);
-    for (int64_t r = 0; r < rows; ++r) {
-      correction[r] = softmax_scores(scores[r], n, c, running_max[r], running_sum[r],
-                                     probs + r * 16);
-    }
-    accumulate_rows<float, D>(probs, 16, correction, rows, n, values + slot * D, acc);
-  }
-  normalise<D>(acc, running_sum, rows, out);
-}
-#endif
-
-#ifdef NALAR_PAIRS
 // Raw scores of a block of 16 tokens for `rows` query rows, lane t of scores[r] = q_r . k_t
 // (fp32 sums of exact bf16 products). The keys [16, D], read in place, are transposed once per
 // 32 dims into one vector per dim pair (16 tokens' pairs), shared by every row: a row then
@@ -414,6 +335,24 @@ inline void score_block_pairs(const at::BFloat16* keys, const uint32_t* q_pairs,
     }
   }
   for (int64_t r = 0; r < rows; ++r) scores[r] = _mm512_add_ps(even[r], odd[r]);
+}
+
+// Folds a block's raw scores `s` (lanes = its first n tokens) into a row's online softmax:
+// the maximum on raw scores (the scale is positive), exp(scale (s - max)) as 2^(s c - max c)
+// with c = scale log2(e), stored to `probs` [16]. Returns the correction of what was
+// accumulated under the old maximum.
+inline float softmax_scores(__m512 s, int64_t n, float c, float& running_max,
+                            float& running_sum, float* probs) {
+  const __mmask16 valid = _cvtu32_mask16(n >= 16 ? 0xFFFFu : (1u << n) - 1);
+  const float block_max = std::max(running_max, _mm512_mask_reduce_max_ps(valid, s));
+  const __m512 p = _mm512_maskz_mov_ps(valid, nalar_avx512::exp2_nonpositive(
+      _mm512_fmadd_ps(s, _mm512_set1_ps(c), _mm512_set1_ps(-block_max * c))));
+  // Before the first block the maximum is -inf and the correction 2^-inf = 0.
+  const float correction = std::exp2((running_max - block_max) * c);
+  running_sum = running_sum * correction + _mm512_reduce_add_ps(p);
+  running_max = block_max;
+  _mm512_store_ps(probs, p);
+  return correction;
 }
 
 // attend_rows for bf16 caches in blocks of 16 tokens with AVX512-BF16's pair products for the
@@ -476,23 +415,6 @@ RowsFn<at::BFloat16> score_rows_for(int64_t dim) {
   return nullptr;
 }
 
-// The fp32 path of `dim`-wide heads over blocks of `block_size` tokens: whole-block vector
-// scores (attend_rows_wide) where the CPU has AVX-512, the blocks hold 16 tokens and the head
-// is a whole number of 16-dim chunks; nullptr otherwise.
-RowsFn<float> wide_rows_for(int64_t block_size, int64_t dim) {
-#ifdef NALAR_WIDE
-#define NALAR_CASE(D) \
-  if constexpr (D % 16 == 0) {                                          \
-    if (dim == D && block_size == 16) return &attend_rows_wide<D>;     \
-  }
-  NALAR_HEAD_DIMS(NALAR_CASE)
-#undef NALAR_CASE
-#endif
-  (void)block_size;
-  (void)dim;
-  return nullptr;
-}
-
 #ifdef NALAR_TILES
 template <int64_t D>
 struct TileRows {
@@ -539,9 +461,6 @@ void attend_all(const at::Tensor& q, const at::BFloat16* q_bf16,
   float* out_ptr = out.data_ptr<float>();
   RowsFn<T> attend = rows_for<T>(dim);
   bool tiles = false;
-  if constexpr (std::is_same_v<T, float>) {
-    if (RowsFn<float> wide = wide_rows_for(block_size, dim)) attend = wide;
-  }
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     const std::string products = score_products(block_size, dim);
 #ifdef NALAR_TILES
