@@ -144,10 +144,13 @@ def _decode_case(cache, batch: int, context: int, repeats: int) -> dict:
 def decode_attention_from_dram(batch: int, context: int, layers: int, repeats: int,
                                dtype: torch.dtype) -> dict:
     """A step's decode attention in ``dtype`` as a step meets it: ``layers`` layers' caches, each
-    sequence's blocks scattered over its pool, every layer attended once per step, so the KV
-    comes from DRAM rather than from the caches a one-layer loop keeps warm. Milliseconds a
-    step for the native kernel, and the floor: the bytes it reads at the sequential read
-    bandwidth of the same caches (``sum`` over every pool, which is twice the bytes read)."""
+    sequence's blocks scattered over its pool (as a pool that has turned over leaves them),
+    every layer attended once per step, so the KV comes from DRAM rather than from the caches a
+    one-layer loop keeps warm. Milliseconds a step for the native kernel; the same with each
+    sequence's blocks in order (``in_order_step_ms``: each KV head's keys and values of a
+    sequence one contiguous run, as a fresh pool hands them out); and the floor: the bytes it
+    reads at the sequential read bandwidth of the same caches (``sum`` over every pool, which is
+    twice the bytes read)."""
     from workers.attention import metadata, paged
     from workers.kernels import paged_decode
     from workers.kv_cache import PagedKVCache
@@ -161,22 +164,25 @@ def decode_attention_from_dram(batch: int, context: int, layers: int, repeats: i
     for cache in caches:
         cache.keys[0].normal_()
         cache.values[0].normal_()
-    blocks = random.Random(0).sample(range(pool), batch * per_row)
-    tables = [blocks[i * per_row:(i + 1) * per_row] for i in range(batch)]
-    group = metadata.build_metadata(caches[0], tables, [context - 1] * batch, [1] * batch,
-                                    torch.device("cpu"), native_decode=True).decode_groups[0]
     query = torch.randn(batch, HEADS, HEAD_DIM).to(dtype)
 
-    def attend():
-        for cache in caches:
-            paged._attend_decodes_in_place(0, query, group, cache, HEAD_DIM ** -0.5)
+    def step_ms(blocks: list[int]) -> float:
+        tables = [blocks[i * per_row:(i + 1) * per_row] for i in range(batch)]
+        group = metadata.build_metadata(caches[0], tables, [context - 1] * batch, [1] * batch,
+                                        torch.device("cpu"), native_decode=True).decode_groups[0]
+
+        def attend():
+            for cache in caches:
+                paged._attend_decodes_in_place(0, query, group, cache, HEAD_DIM ** -0.5)
+        return common.median_time(attend, repeats) * 1e3
 
     def read():
         for cache in caches:
             cache.keys[0].sum()
             cache.values[0].sum()
 
-    attend_ms = common.median_time(attend, repeats) * 1e3
+    attend_ms = step_ms(random.Random(0).sample(range(pool), batch * per_row))
+    in_order_ms = step_ms(list(range(batch * per_row)))
     read_s = common.median_time(read, repeats)
     nbytes = layers * 2 * batch * per_row * DECODE_BLOCK * KV_HEADS * HEAD_DIM * dtype.itemsize
     bandwidth = sum(c.keys[0].nbytes + c.values[0].nbytes for c in caches) / read_s
@@ -185,6 +191,7 @@ def decode_attention_from_dram(batch: int, context: int, layers: int, repeats: i
              "score_products": (paged_decode().score_products(DECODE_BLOCK, HEAD_DIM)
                                  if dtype == torch.bfloat16 else ""),
              "native_step_ms": attend_ms, "native_gb_per_s": nbytes / attend_ms / 1e6,
+             "in_order_step_ms": in_order_ms, "in_order_gb_per_s": nbytes / in_order_ms / 1e6,
              "sequential_read_gb_per_s": bandwidth / 1e9,
              "read_floor_step_ms": nbytes / bandwidth * 1e3}
     common.log(f"decode attention from DRAM, {layers} layers x {batch} x {context}: {entry}")

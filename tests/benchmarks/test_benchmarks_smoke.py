@@ -231,7 +231,7 @@ def test_kernel_choices_quick(tmp_path):
     dram = result["decode_attention_from_dram"]
     # 2 layers x 2 sequences x 3 blocks of 16 tokens x 3 KV heads x 64 dims, K and V, bf16
     assert dram["kv_bytes"] == 2 * 2 * 2 * 3 * 16 * 3 * 64 * 2
-    assert dram["native_step_ms"] > 0 and dram["read_floor_step_ms"] > 0
+    assert min(dram["native_step_ms"], dram["in_order_step_ms"], dram["read_floor_step_ms"]) > 0
     if prefill_attention() is not None:
         spans = result["prefill_attention"]
         assert set(spans) == {"40+0", "20+30"}
