@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import ray
 from ray import serve
@@ -60,35 +61,47 @@ class TokenRate:
 class TransferCost:
     """Whether fetching KV blocks from another worker beats computing them, from measured
     rates: the moving average of a fetch's seconds per block, against the engine's prefill
-    seconds per token.
+    seconds per token. Once fetches measure slower, one fetch is still tried every
+    :attr:`RETRY_S` (a circuit breaker's half-open state): a fetch that was slow while the
+    holder was busy would otherwise stop fetching for the worker's lifetime, since without
+    fetches the average never moves again.
 
     Args:
         block_manager: the engine's, which measures the prefill rate.
         weight: the newest fetch's share of the average, in (0, 1].
+        clock: seconds, monotonic.
     """
 
     MIN_DEADLINE_S = 0.25
     UNMEASURED_DEADLINE_S = 5.0
+    RETRY_S = 30.0
 
-    def __init__(self, block_manager: BlockManager, weight: float = 0.3):
+    def __init__(self, block_manager: BlockManager, weight: float = 0.3,
+                 clock: Callable[[], float] = time.monotonic):
         self.block_manager = block_manager
         self.weight = weight
+        self.clock = clock
         self.fetch_s_per_block: float | None = None
+        self._last_try = -math.inf
 
     def deadline_s(self, num_blocks: int) -> float | None:
         """How long a fetch of ``num_blocks`` may take: what computing them would (at least
-        :attr:`MIN_DEADLINE_S`); None when the last fetches were slower than computing."""
+        :attr:`MIN_DEADLINE_S`); None when the last fetches were slower than computing and a
+        fetch was tried within :attr:`RETRY_S`."""
         per_token = self.block_manager.recompute_s_per_token
         if per_token is None:
             return self.UNMEASURED_DEADLINE_S
         compute_s = per_token * self.block_manager.block_size * num_blocks
-        if self.fetch_s_per_block is not None and \
-                self.fetch_s_per_block * num_blocks >= compute_s:
+        now = self.clock()
+        if (self.fetch_s_per_block is not None and self.fetch_s_per_block * num_blocks >= compute_s
+                and now - self._last_try < self.RETRY_S):
             return None
+        self._last_try = now
         return max(self.MIN_DEADLINE_S, compute_s)
 
     def observe(self, num_blocks: int, seconds: float) -> None:
         """A fetch brought ``num_blocks`` in ``seconds``, the round trip included."""
+        self._last_try = self.clock()
         if num_blocks:
             sample = seconds / num_blocks
             last = self.fetch_s_per_block

@@ -66,6 +66,95 @@ async def strike(target: chaos.ChaosTarget, name: str) -> chaos.CaseResult:
     return result
 
 
+def token_prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(length)]
+
+
+async def complete(http: httpx.AsyncClient, tokens: list[int], salt: str,
+                   max_tokens: int = 8) -> httpx.Response:
+    body = {"prompt": tokens, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "cache_salt": salt}
+    return await http.post("/v1/completions", json=body)
+
+
+async def stream_to_the_end(http: httpx.AsyncClient, tokens: list[int], salt: str,
+                            started: asyncio.Event) -> tuple[str, list[str]]:
+    """A long streamed completion: (its worker, its SSE data lines); sets ``started`` at the
+    first token."""
+    body = {"prompt": tokens, "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
+            "stream": True, "cache_salt": salt}  # with the prompt, within 128 MiB of fp32 KV
+    lines = []
+    async with http.stream("POST", "/v1/completions", json=body) as answer:
+        assert answer.status_code == 200, await answer.aread()
+        async for line in answer.aiter_lines():
+            if line.startswith("data:"):
+                lines.append(line)
+                started.set()
+        return answer.headers[WORKER_HEADER], lines
+
+
+def replica_pid(worker_id: str) -> int:
+    """The process id of the chaos application's worker replica ``worker_id``."""
+    from cluster.app import WORKER_DEPLOYMENT
+    [name] = [name for name in chaos.replica_actors(chaos.APP, WORKER_DEPLOYMENT)
+              if name.endswith(f"#{worker_id}")]
+    actor = ray.get_actor(name, namespace=chaos.SERVE_NAMESPACE)
+    return ray.get(actor.__ray_call__.remote(lambda replica: os.getpid()), timeout=30)
+
+
+async def transfers(target: chaos.ChaosTarget) -> dict[str, dict]:
+    return {s["worker_id"]: s["kv_transfer"] for s in await chaos.worker_stats(target.workers)}
+
+
+async def test_a_holder_killed_mid_transfer_means_the_prompt_is_computed(target):
+    """A worker fetching a prefix from its holder while the holder is killed: the holder is
+    frozen (SIGSTOP) once it is busy, so the prefix's next request goes to the other worker,
+    whose fetch then waits on it, and killed (SIGKILL) 0.3 s later, within the fetch's
+    deadline (as long as computing the 992 tokens takes on one fp32 thread). The request is
+    answered as a cold one is, with no transferred token; the failed fetch is counted; the
+    holder's own stream ends with an error event; no KV block is left in use. It runs first
+    here, on workers without a fetch history: run after the other cases, it once saw no fetch
+    tried (a worker that has measured fetches slower than computing tries one only every
+    TransferCost.RETRY_S)."""
+    salt = uuid.uuid4().hex
+    shared = token_prompt(21, 992)
+    async with httpx.AsyncClient(base_url=target.base_url, timeout=120) as http:
+        first = await complete(http, shared + token_prompt(22, 32), salt, max_tokens=1)
+        holder = first.headers[WORKER_HEADER]
+        started = asyncio.Event()
+        busy = asyncio.create_task(
+            stream_to_the_end(http, shared + token_prompt(23, 32), salt, started))
+        await asyncio.wait_for(started.wait(), 60)
+        await asyncio.sleep(1.0)  # the holder's load reaches the router
+        before = await transfers(target)
+        pid = await asyncio.to_thread(replica_pid, holder)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            question = shared + token_prompt(24, 32)
+            answer = asyncio.create_task(complete(http, question, salt))
+            await asyncio.sleep(0.3)
+        finally:
+            os.kill(pid, signal.SIGKILL)
+        answer = await answer
+        busy_worker, busy_lines = await asyncio.wait_for(busy, 60)
+        cold = await complete(http, question, uuid.uuid4().hex)
+        after = await transfers(target)
+        pools = await chaos.drained_pools(target.workers, SIZES.recovery_bound_s)
+        while len(after) < target.config.num_workers:  # the next case wants both workers
+            await asyncio.sleep(0.5)
+            after = await transfers(target)
+    worker = answer.headers[WORKER_HEADER]
+    assert answer.status_code == 200 and worker != holder, (answer.status_code, answer.text)
+    assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, answer.text
+    assert answer.json()["choices"][0]["text"] == cold.json()["choices"][0]["text"]
+    assert after[worker]["failed_fetches"] == before[worker]["failed_fetches"] + 1
+    assert after[worker]["imported_blocks"] == before[worker]["imported_blocks"]
+    assert busy_worker == holder and '"error"' in busy_lines[-2], busy_lines[-2:]
+    assert busy_lines[-1] == "data: [DONE]"
+    assert (pools["leaked_blocks"], pools["running"], pools["waiting"]) == (0, 0, 0), pools
+
+
 def all_completed(figures: dict) -> bool:
     return (figures["before"]["completed"], figures["during"]["completed"]) == (
         SIZES.streams, SIZES.during)
@@ -115,92 +204,6 @@ async def test_draft_replica_killed_while_drafting(target):
     assert all_completed(result.figures), result.figures
     assert result.figures["draft_calls_missed"] > 0, result.figures
     assert result.figures["identical_outputs"] == SIZES.streams, result.figures
-
-
-def token_prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(length)]
-
-
-async def complete(http: httpx.AsyncClient, tokens: list[int], salt: str,
-                   max_tokens: int = 8) -> httpx.Response:
-    body = {"prompt": tokens, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "cache_salt": salt}
-    return await http.post("/v1/completions", json=body)
-
-
-async def stream_to_the_end(http: httpx.AsyncClient, tokens: list[int], salt: str,
-                            started: asyncio.Event) -> tuple[str, list[str]]:
-    """A long streamed completion: (its worker, its SSE data lines); sets ``started`` at the
-    first token."""
-    body = {"prompt": tokens, "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
-            "stream": True, "cache_salt": salt}  # with the prompt, within 128 MiB of fp32 KV
-    lines = []
-    async with http.stream("POST", "/v1/completions", json=body) as answer:
-        assert answer.status_code == 200, await answer.aread()
-        async for line in answer.aiter_lines():
-            if line.startswith("data:"):
-                lines.append(line)
-                started.set()
-        return answer.headers[WORKER_HEADER], lines
-
-
-def replica_pid(worker_id: str) -> int:
-    """The process id of the chaos application's worker replica ``worker_id``."""
-    from cluster.app import WORKER_DEPLOYMENT
-    [name] = [name for name in chaos.replica_actors(chaos.APP, WORKER_DEPLOYMENT)
-              if name.endswith(f"#{worker_id}")]
-    actor = ray.get_actor(name, namespace=chaos.SERVE_NAMESPACE)
-    return ray.get(actor.__ray_call__.remote(lambda replica: os.getpid()), timeout=30)
-
-
-async def transfers(target: chaos.ChaosTarget) -> dict[str, dict]:
-    return {s["worker_id"]: s["kv_transfer"] for s in await chaos.worker_stats(target.workers)}
-
-
-async def test_a_holder_killed_mid_transfer_means_the_prompt_is_computed(target):
-    """A worker fetching a prefix from its holder while the holder is killed: the holder is
-    frozen (SIGSTOP) once it is busy, so the prefix's next request goes to the other worker,
-    whose fetch then waits on it, and killed (SIGKILL) 0.3 s later, within the fetch's
-    deadline (as long as computing the 992 tokens takes on one fp32 thread). The request is
-    answered as a cold one is, with no transferred token; the failed fetch is counted; the
-    holder's own stream ends with an error event; no KV block is left in use."""
-    salt = uuid.uuid4().hex
-    shared = token_prompt(21, 992)
-    async with httpx.AsyncClient(base_url=target.base_url, timeout=120) as http:
-        first = await complete(http, shared + token_prompt(22, 32), salt, max_tokens=1)
-        holder = first.headers[WORKER_HEADER]
-        started = asyncio.Event()
-        busy = asyncio.create_task(
-            stream_to_the_end(http, shared + token_prompt(23, 32), salt, started))
-        await asyncio.wait_for(started.wait(), 60)
-        await asyncio.sleep(1.0)  # the holder's load reaches the router
-        before = await transfers(target)
-        pid = await asyncio.to_thread(replica_pid, holder)
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            question = shared + token_prompt(24, 32)
-            answer = asyncio.create_task(complete(http, question, salt))
-            await asyncio.sleep(0.3)
-        finally:
-            os.kill(pid, signal.SIGKILL)
-        answer = await answer
-        busy_worker, busy_lines = await asyncio.wait_for(busy, 60)
-        cold = await complete(http, question, uuid.uuid4().hex)
-        after = await transfers(target)
-        pools = await chaos.drained_pools(target.workers, SIZES.recovery_bound_s)
-        while len(after) < target.config.num_workers:  # the next case wants both workers
-            await asyncio.sleep(0.5)
-            after = await transfers(target)
-    worker = answer.headers[WORKER_HEADER]
-    assert answer.status_code == 200 and worker != holder, (answer.status_code, answer.text)
-    assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, answer.text
-    assert answer.json()["choices"][0]["text"] == cold.json()["choices"][0]["text"]
-    assert after[worker]["failed_fetches"] == before[worker]["failed_fetches"] + 1
-    assert after[worker]["imported_blocks"] == before[worker]["imported_blocks"]
-    assert busy_worker == holder and '"error"' in busy_lines[-2], busy_lines[-2:]
-    assert busy_lines[-1] == "data: [DONE]"
-    assert (pools["leaked_blocks"], pools["running"], pools["waiting"]) == (0, 0, 0), pools
 
 
 # -- the reports' arithmetic (no cluster) ------------------------------------------------------

@@ -88,7 +88,7 @@ async def test_no_fetch_without_a_source_a_tier_or_when_fetching_is_slower():
     worker = fetcher(holder)
     await worker._fetch_prefix(request(None))
     await worker._fetch_prefix(request(KVSource("me", 62)))
-    worker.transfer_cost.fetch_s_per_block = 1.0  # measured: far slower than computing
+    worker.transfer_cost.observe(60, 60.0)  # measured: far slower than computing
     await worker._fetch_prefix(request())
     worker.transfer_cost.fetch_s_per_block = None
     worker.engine.pool.tier = None
@@ -104,6 +104,24 @@ def test_the_fetch_deadline_is_what_computing_would_take():
     assert cost.deadline_s(1) == TransferCost.MIN_DEADLINE_S
     cost.observe(10, 2.0)
     assert cost.deadline_s(10) is None  # 0.2 s per block against 0.16 s computing
+
+
+def test_fetching_measured_slower_is_tried_again_after_a_while():
+    # A fetch slowed by a busy holder must not stop fetching for good: without fetches the
+    # average never moves again.
+    now = [0.0]
+    cost = TransferCost(SimpleNamespace(recompute_s_per_token=0.01, block_size=16),
+                        clock=lambda: now[0])
+    assert cost.deadline_s(10) == pytest.approx(1.6)
+    cost.observe(10, 2.0)  # 0.2 s per block against 0.16 s computing
+    now[0] = TransferCost.RETRY_S - 1
+    assert cost.deadline_s(10) is None
+    now[0] = TransferCost.RETRY_S
+    assert cost.deadline_s(10) == pytest.approx(1.6)  # one try
+    now[0] += 1
+    assert cost.deadline_s(10) is None
+    cost.observe(10, 0.5)  # that try was fast: the average falls below computing
+    assert cost.deadline_s(10) == pytest.approx(1.6)
 
 
 def test_the_tier_load_and_fetch_costs_are_reported_in_tokens_of_work():
