@@ -188,8 +188,10 @@ class NalarWorker:
         try:
             held = await self.async_engine.call(self.engine.held_prefix_blocks, request)
             wanted = request.prompt_digests.digests[held:source.blocks]
-            deadline = self.transfer_cost.deadline_s(len(wanted))
-            if not wanted or deadline is None:
+            if not wanted:
+                return
+            deadline = self.transfer_cost.deadline_s(len(wanted))  # records a try
+            if deadline is None:
                 return
             started = time.perf_counter()
             blocks = await asyncio.wait_for(self._workers().export_kv.remote(

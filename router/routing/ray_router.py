@@ -250,7 +250,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         if not candidate_replicas:
             return []
         holder = _export_target(pending_request)
-        if holder is not None:  # a worker fetching KV: only the named holder will do
+        if holder is not None:  # a worker fetching KV: the named holder, or anyone to refuse
             return [_holder_or_any(candidate_replicas, holder)]
         try:
             ranked = await self._rank(candidate_replicas, pending_request)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import signal
 import time
 import uuid
@@ -23,7 +22,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import ray
-from helpers import PrivateRedis, private_redis_server
+from helpers import PrivateRedis, private_redis_server, random_prompt
 from ray import serve
 
 from bench.client import WORKER_HEADER
@@ -31,6 +30,7 @@ from bench.records import RequestRecord
 from benchmarks import chaos, soak
 
 SIZES = chaos.QUICK
+VOCAB = 40000  # token ids of the holder-kill prompts, within SmolLM2's vocabulary
 
 
 @pytest.fixture(scope="module")
@@ -64,11 +64,6 @@ async def strike(target: chaos.ChaosTarget, name: str) -> chaos.CaseResult:
     assert figures["cached_tokens_before"] >= 7 * 16, figures
     assert figures["cached_tokens_after"] >= figures["cached_tokens_before"], figures
     return result
-
-
-def token_prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(length)]
 
 
 async def complete(http: httpx.AsyncClient, tokens: list[int], salt: str,
@@ -118,20 +113,20 @@ async def test_a_holder_killed_mid_transfer_means_the_prompt_is_computed(target)
     tried (a worker that has measured fetches slower than computing tries one only every
     TransferCost.RETRY_S)."""
     salt = uuid.uuid4().hex
-    shared = token_prompt(21, 992)
+    shared = random_prompt(21, 992, VOCAB)
     async with httpx.AsyncClient(base_url=target.base_url, timeout=120) as http:
-        first = await complete(http, shared + token_prompt(22, 32), salt, max_tokens=1)
+        first = await complete(http, shared + random_prompt(22, 32, VOCAB), salt, max_tokens=1)
         holder = first.headers[WORKER_HEADER]
         started = asyncio.Event()
         busy = asyncio.create_task(
-            stream_to_the_end(http, shared + token_prompt(23, 32), salt, started))
+            stream_to_the_end(http, shared + random_prompt(23, 32, VOCAB), salt, started))
         await asyncio.wait_for(started.wait(), 60)
         await asyncio.sleep(1.0)  # the holder's load reaches the router
         before = await transfers(target)
         pid = await asyncio.to_thread(replica_pid, holder)
         os.kill(pid, signal.SIGSTOP)
         try:
-            question = shared + token_prompt(24, 32)
+            question = shared + random_prompt(24, 32, VOCAB)
             answer = asyncio.create_task(complete(http, question, salt))
             await asyncio.sleep(0.3)
         finally:
