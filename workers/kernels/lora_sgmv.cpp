@@ -231,5 +231,6 @@ void lora_delta(at::Tensor out, const at::Tensor& x, const at::Tensor& rows,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_delta", &lora_delta,
-        "out[rows of adapter g] += (x[rows] @ a[g]^T) @ bt[g], in place");
+        "out[rows of adapter g] += (x[rows] @ a[g]^T) @ bt[g], in place",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -253,8 +253,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack", &pack, "a [N, K] bf16 or fp32 weight packed in groups of output features");
-  m.def("linear", &linear, "x W^T (+ b) over a packed weight");
+  m.def("pack", &pack, "a [N, K] bf16 or fp32 weight packed in groups of output features",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("linear", &linear, "x W^T (+ b) over a packed weight",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("runs_bf16", &runs_bf16, "whether this build and CPU run the bf16 path (AVX-512)");
   m.def("runs_f32", &runs_f32, "whether this build and CPU run the fp32 path (AVX2+FMA)");
   m.attr("f32_features") = Layout<float>::kFeatures;

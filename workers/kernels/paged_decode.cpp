@@ -543,7 +543,8 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over the paged KV cache");
+        "decode attention over the paged KV cache",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("score_products", &score_products, "what bf16 decodes with this block and head size "
         "score with: tiles, pairs, or empty (widened dot products)");
 #define NALAR_DIM(D) D,

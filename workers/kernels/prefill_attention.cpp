@@ -570,5 +570,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("backend") = backend();
   m.attr("head_dims") = std::vector<int64_t>{64, 128, 192, 256};
   m.def("prefill_attention", &prefill_attention,
-        "causal bf16 flash attention of a prefill span over its paged context");
+        "causal bf16 flash attention of a prefill span over its paged context",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -131,6 +131,8 @@ std::vector<at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residual, at::Tens
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm of each row, rounded as transformers' Llama modules");
-  m.def("add_rms_norm", &add_rms_norm, "a residual added, then RMSNorm of each row of the sum");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row, rounded as transformers' Llama modules",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("add_rms_norm", &add_rms_norm, "a residual added, then RMSNorm of each row of the sum",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

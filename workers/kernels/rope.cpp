@@ -168,7 +168,9 @@ std::vector<at::Tensor> rope_store(at::Tensor qkv, at::Tensor cos, at::Tensor si
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rope", &rope, "rotary position embedding, bit-identical to transformers'");
+  m.def("rope", &rope, "rotary position embedding, bit-identical to transformers'",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rope_store", &rope_store,
-        "q and k rotated out of a fused projection, keys and values stored in the paged cache");
+        "q and k rotated out of a fused projection, keys and values stored in the paged cache",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

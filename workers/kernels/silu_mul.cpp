@@ -91,5 +91,6 @@ at::Tensor silu_mul(at::Tensor gate_up) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("silu_mul", &silu_mul, "silu(gate) * up over a fused gate/up projection");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up over a fused gate/up projection",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

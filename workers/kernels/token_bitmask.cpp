@@ -52,5 +52,6 @@ void apply_token_bitmask(at::Tensor logits, at::Tensor rows, at::Tensor masks) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_token_bitmask", &apply_token_bitmask,
-        "-inf for every token a row's packed mask forbids, in place");
+        "-inf for every token a row's packed mask forbids, in place",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -671,15 +671,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("weight_linear", &weight_linear, "x W^T (+ b) over weights in their stored format",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("format"),
         pybind11::arg("out_features"), pybind11::arg("bias"), pybind11::arg("path") = 0,
-        pybind11::arg("products") = 0);
+        pybind11::arg("products") = 0,
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("has_bf16_pairs", [] { return kernels_for(kBest).bf16_tiles[0][0] != nullptr; },
         "whether bf16 pair products (products=2) run here");
   m.def("dequantize", &dequantize, "stored weights (all, or the rows asked for) as float32",
         pybind11::arg("weight"), pybind11::arg("format"), pybind11::arg("out_features"),
         pybind11::arg("in_features"), pybind11::arg("rows") = pybind11::none(),
-        pybind11::arg("path") = 0);
-  m.def("pack", &pack, "GGUF rows packed in groups of 8 features for the int8 kernel");
-  m.def("unpack", &unpack, "packed groups back to GGUF rows");
+        pybind11::arg("path") = 0,
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("pack", &pack, "GGUF rows packed in groups of 8 features for the int8 kernel",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("unpack", &unpack, "packed groups back to GGUF rows",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("row_bytes", &row_bytes, "bytes of one stored row of k weights");
   m.def("paths", &paths, "the paths this build and CPU run, widest first");
 }
