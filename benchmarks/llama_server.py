@@ -291,9 +291,10 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def checkout_env(**extra: str) -> dict[str, str]:
-    """The environment of our subprocesses: this checkout's code first on the path."""
-    path = os.pathsep.join(filter(None, [str(common.REPO_ROOT), os.environ.get("PYTHONPATH")]))
+def checkout_env(root: Path = common.REPO_ROOT, **extra: str) -> dict[str, str]:
+    """The environment of our subprocesses: the code of ``root`` (this checkout unless told)
+    first on the path."""
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "PYTHONPATH": path, **extra}
 
 
@@ -308,6 +309,7 @@ class Server:
         ready_path: answers 200 once it serves.
         log_path: its stdout and stderr.
         env: its environment; ``ray_tmp``: ours' private Ray folder, None for llama-server.
+        cwd: its working directory (ours: the checkout whose code it runs).
     """
 
     name: str
@@ -317,6 +319,7 @@ class Server:
     log_path: Path
     env: dict[str, str] | None = None
     ray_tmp: Path | None = None
+    cwd: Path = common.REPO_ROOT
     process: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
@@ -332,7 +335,7 @@ class Server:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("w") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                            env=self.env, cwd=common.REPO_ROOT,
+                                            env=self.env, cwd=self.cwd,
                                             start_new_session=True)
         started = time.monotonic()
         while time.monotonic() - started < timeout_s:
@@ -384,15 +387,21 @@ def nalar_executable() -> str:
     return str(Path(sys.executable).parent / "nalar")
 
 
-def our_server(pair: str, ggufs: dict[str, Path], extra: list[str], logs: Path) -> Server:
-    """``nalar serve`` for ``pair``, with a Ray temporary folder of its own (short: Ray's
-    socket paths must fit 107 bytes)."""
+def nalar_server(name: str, args: list[str], log_path: Path,
+                 root: Path = common.REPO_ROOT) -> Server:
+    """``nalar serve`` with ``args``, running the code of ``root``, with a Ray temporary folder
+    of its own (short: Ray's socket paths must fit 107 bytes)."""
     port = free_port()
-    args = [arg.format(**{k: str(v) for k, v in ggufs.items()}) for arg in PAIRS[pair]["nalar"]]
     ray_tmp = Path(tempfile.mkdtemp(prefix="nalar-llb-", dir="/tmp"))
-    return Server("ours", [nalar_executable(), "serve", "--port", str(port), *args, *extra],
-                  port, "/v1/models", logs / f"{pair}-ours.log",
-                  env=checkout_env(RAY_TMPDIR=str(ray_tmp)), ray_tmp=ray_tmp)
+    return Server(name, [nalar_executable(), "serve", "--port", str(port), *args], port,
+                  "/v1/models", log_path, env=checkout_env(root, RAY_TMPDIR=str(ray_tmp)),
+                  ray_tmp=ray_tmp, cwd=root)
+
+
+def our_server(pair: str, ggufs: dict[str, Path], extra: list[str], logs: Path) -> Server:
+    """``nalar serve`` for ``pair``."""
+    args = [arg.format(**{k: str(v) for k, v in ggufs.items()}) for arg in PAIRS[pair]["nalar"]]
+    return nalar_server("ours", [*args, *extra], logs / f"{pair}-ours.log")
 
 
 def llama_server(pair: str, root: Path, ggufs: dict[str, Path], threads: int,
