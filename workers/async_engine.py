@@ -1,8 +1,8 @@
 """Streams an :class:`~workers.engine.LLMEngine` to asyncio callers.
 
-The engine's step loop runs in its own thread (torch releases the GIL in its kernels), so the
-replica's event loop stays free to accept requests, stream tokens and answer routing-stats
-calls while a forward pass runs.
+The engine's step loop runs in its own thread (torch and our native kernels release the GIL
+while they compute), so the replica's event loop stays free to accept requests, stream tokens
+and answer routing-stats calls while a forward pass runs.
 """
 
 from __future__ import annotations
