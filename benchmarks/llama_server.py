@@ -440,25 +440,37 @@ def bench(server: Server, workload: str, seed: int, quick: bool, out: Path) -> d
             **{name: report[key] for name, key in METRICS.items()}}
 
 
-def run_pair(pair: str, servers: dict[str, Server], args: argparse.Namespace,
-             runs: Path) -> list[dict[str, Any]]:
-    """Every round of every workload on both servers; the order flips each round."""
-    rounds = []
-    for index in range(args.rounds):
-        order = SERVERS if index % 2 == 0 else SERVERS[::-1]
-        for number, workload in enumerate(args.workloads):
+def alternate(servers: dict[str, Server], workloads: list[str], rounds: int, quick: bool,
+              runs: Path, label: str = "") -> list[dict[str, Any]]:
+    """Every round of every workload on each server, one at a time; the order flips each
+    round, and a round's seed is new and the same for every server. Each run's report is
+    written under ``runs``, its name starting with ``label`` when one is given."""
+    names = tuple(servers)
+    entries = []
+    for index in range(rounds):
+        order = names if index % 2 == 0 else names[::-1]
+        for number, workload in enumerate(workloads):
             seed = 1000 * (index + 1) + number
             entry = {"round": index + 1, "workload": workload, "seed": seed, "order": order}
             for name in order:
-                out = runs / f"{pair}-{workload}-round{index + 1}-{name}.json"
-                entry[name] = bench(servers[name], workload, seed, args.quick, out)
-                common.log(f"{pair} round {index + 1} {workload} {name}: "
+                stem = "-".join(filter(None, [label, workload, f"round{index + 1}", name]))
+                entry[name] = bench(servers[name], workload, seed, quick, runs / f"{stem}.json")
+                common.log(f"{label + ' ' if label else ''}round {index + 1} {workload} {name}: "
                            f"{entry[name]['output_tok_s']:.1f} tok/s, TTFT p50 "
                            f"{entry[name]['ttft_p50_ms']:.0f} ms, TPOT p50 "
-                           f"{entry[name]['tpot_p50_ms']:.1f} ms")
-            entry["ratio"] = {m: common.ratio(entry["ours"][m], entry["llama_server"][m])
-                              for m in METRICS}
-            rounds.append(entry)
+                           f"{entry[name]['tpot_p50_ms']:.1f} ms, ITL p99 "
+                           f"{entry[name]['itl_p99_ms']:.0f} ms")
+            entries.append(entry)
+    return entries
+
+
+def run_pair(pair: str, servers: dict[str, Server], args: argparse.Namespace,
+             runs: Path) -> list[dict[str, Any]]:
+    """Every round of every workload on both servers, with each run's ratio ours / theirs."""
+    rounds = alternate(servers, args.workloads, args.rounds, args.quick, runs, pair)
+    for entry in rounds:
+        entry["ratio"] = {m: common.ratio(entry["ours"][m], entry["llama_server"][m])
+                          for m in METRICS}
     return rounds
 
 

@@ -31,8 +31,7 @@ from benchmarks import common  # noqa: E402
 from benchmarks.llama_server import (  # noqa: E402
     METRICS,
     WORKLOADS,
-    Server,
-    bench,
+    alternate,
     checkout_env,
     median,
     nalar_server,
@@ -65,26 +64,6 @@ def worktree(commit: str) -> Path:
     return path
 
 
-def run_rounds(servers: dict[str, Server], args: argparse.Namespace,
-               runs: Path) -> list[dict[str, Any]]:
-    """Every round of every workload on both servers; the order flips each round."""
-    rounds = []
-    for index in range(args.rounds):
-        order = SIDES if index % 2 == 0 else SIDES[::-1]
-        for number, workload in enumerate(args.workloads):
-            seed = 1000 * (index + 1) + number
-            entry = {"round": index + 1, "workload": workload, "seed": seed, "order": order}
-            for side in order:
-                out = runs / f"{workload}-round{index + 1}-{side}.json"
-                entry[side] = bench(servers[side], workload, seed, False, out)
-                common.log(f"round {index + 1} {workload} {side}: "
-                           f"{entry[side]['output_tok_s']:.1f} tok/s, TPOT p50 "
-                           f"{entry[side]['tpot_p50_ms']:.1f} ms, ITL p99 "
-                           f"{entry[side]['itl_p99_ms']:.1f} ms")
-            rounds.append(entry)
-    return rounds
-
-
 def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Per workload: each side's median figures over rounds, and after / before of those."""
     summary = {}
@@ -110,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         for side, server in servers.items():
             common.log(f"{side}: {server.start(args.start_timeout):.1f} s to start")
-        rounds = run_rounds(servers, args, runs)
+        rounds = alternate(servers, args.workloads, args.rounds, False, runs)
     finally:
         for server in servers.values():
             server.stop()
