@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -54,14 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def worktree(commit: str) -> Path:
-    """A detached worktree of ``commit`` with its kernels built."""
-    path = Path(tempfile.mkdtemp(prefix="nalar-ab-")) / commit
+def add_worktree(commit: str, path: Path) -> None:
+    """A detached worktree of ``commit`` at ``path``, with its kernels built."""
     subprocess.run(["git", "worktree", "add", "--detach", str(path), commit], check=True,
                    cwd=common.REPO_ROOT, capture_output=True)
     subprocess.run([sys.executable, "-m", "workers.kernels"], check=True, cwd=path,
                    env=checkout_env(path), capture_output=True)
-    return path
 
 
 def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -82,11 +81,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop the servers on SIGTERM too
     out = Path(args.out)
     runs = out.with_name(out.stem + "_runs")
-    before = worktree(args.before)
+    before = Path(tempfile.mkdtemp(prefix="nalar-ab-")) / args.before
     extra = shlex.split(args.nalar_args)
     servers = {"before": nalar_server("before", extra, runs / "before.log", before),
                "after": nalar_server("after", extra, runs / "after.log", common.REPO_ROOT)}
     try:
+        add_worktree(args.before, before)
         for side, server in servers.items():
             common.log(f"{side}: {server.start(args.start_timeout):.1f} s to start")
         rounds = alternate(servers, args.workloads, args.rounds, False, runs)
@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for server in servers.values():
             server.stop()
         subprocess.run(["git", "worktree", "remove", "--force", str(before)],
-                       cwd=common.REPO_ROOT, check=False)
+                       cwd=common.REPO_ROOT, check=False, capture_output=True)
+        shutil.rmtree(before.parent, ignore_errors=True)
     result = {"benchmark": "serve_ab", "machine": common.machine_info(), "argv": sys.argv,
               "before": args.before, "commands": {s: shlex.join(v.command)
                                                   for s, v in servers.items()},

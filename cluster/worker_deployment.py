@@ -87,7 +87,8 @@ class TransferCost:
     def deadline_s(self, num_blocks: int) -> float | None:
         """How long a fetch of ``num_blocks`` may take: what computing them would (at least
         :attr:`MIN_DEADLINE_S`); None when the last fetches were slower than computing and a
-        fetch was tried within :attr:`RETRY_S`."""
+        fetch was tried within :attr:`RETRY_S`. Returning a deadline counts as a try: ask
+        only for a fetch that will be made."""
         per_token = self.block_manager.recompute_s_per_token
         if per_token is None:
             return self.UNMEASURED_DEADLINE_S
