@@ -62,6 +62,10 @@ def _serve_parser(commands) -> None:
     serve_cmd.add_argument("--long-prefill-token-threshold", type=int, default=None,
                            help="most tokens a chunked prompt computes per step while others "
                                 "wait (default: half of --max-num-batched-tokens)")
+    serve_cmd.add_argument("--step-time-target-ms", type=float, default=None,
+                           help="while sequences decode, the step time prompt chunks fill up "
+                                "to, by step costs measured on the worker; 0 turns it off "
+                                "(default 250)")
     serve_cmd.add_argument("--scheduling-policy", choices=["fcfs", "prefix"], default="fcfs",
                            help="admission order: arrival (fcfs) or longest cached prefix "
                                 "first, with aging (prefix)")

@@ -38,6 +38,10 @@ class EngineConfig:
         max_num_partial_prefills: most prompts being prefilled in chunks at once (vLLM).
         long_prefill_token_threshold: most tokens a prompt being chunked computes per step
             while other requests wait (vLLM v1); None means half of max_num_batched_tokens.
+        step_time_target_s: while sequences decode, a step takes prompt tokens only up to
+            this many seconds in all, by the step costs measured as it runs
+            (``workers.step_time``); the decodes themselves are never cut. None (the default
+            in the engine) applies only ``max_num_batched_tokens``.
         scheduling_policy: ``fcfs``, or ``prefix`` (longest cached prefix first, with aging);
             see ``workers.scheduler``.
         max_model_len: longest prompt + output in tokens; None uses the model's limit (always
@@ -73,6 +77,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_partial_prefills: int = 1
     long_prefill_token_threshold: int | None = None
+    step_time_target_s: float | None = None
     scheduling_policy: str = "fcfs"
     max_model_len: int | None = None
     num_threads: int | None = None

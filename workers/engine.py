@@ -48,6 +48,7 @@ from workers.sequence import Sequence
 from workers.speculative.build import build_proposer
 from workers.speculative.decoding import SpeculativeDecoding
 from workers.speculative.proposer import Proposer
+from workers.step_time import StepCostModel, StepTimeTarget
 from workers.structured.grammar import GrammarCompiler
 
 log = logging.getLogger(__name__)
@@ -123,11 +124,12 @@ class LLMEngine:
         self.pool = BlockPool(kv_cache.num_blocks, config.block_size)
         self.pool.tier = _second_tier(config, kv_cache)
         self.block_manager = BlockManager(self.pool)
+        self.decode_steps = StepCostModel()
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens,
                                    config.max_num_partial_prefills,
                                    config.long_prefill_token_threshold,
-                                   config.scheduling_policy)
+                                   config.scheduling_policy, step_target=self._step_target())
         model_limit = getattr(model_config, "max_position_embeddings", None) or 1 << 30
         self.max_model_len = min(config.max_model_len or model_limit, model_limit,
                                  kv_cache.num_blocks * config.block_size)
@@ -163,7 +165,8 @@ class LLMEngine:
         self.speculation = None
         if spec.enabled:
             self.speculation = SpeculativeDecoding(proposer or build_proposer(spec), spec,
-                                                   self.vocab_size, self.counters.spec)
+                                                   self.vocab_size, self.counters.spec,
+                                                   self.decode_steps)
         self._generator = torch.Generator()
         if config.seed is None:
             self._generator.seed()  # OS entropy: unseeded requests differ across workers
@@ -171,6 +174,14 @@ class LLMEngine:
             self._generator.manual_seed(config.seed)
         for name, path in config.lora_modules.items():
             self.adapters.load(name, path)
+
+    def _step_target(self) -> StepTimeTarget | None:
+        seconds = self.config.step_time_target_s
+        if seconds is None:
+            return None
+        return StepTimeTarget(seconds, self.decode_steps,
+                              lambda: self.block_manager.recompute_s_per_token,
+                              self.config.block_size)
 
     def adapters_in_use(self) -> set[str]:
         """Names of the adapters some sequence (running, waiting or preempted) is using; safe
@@ -381,8 +392,8 @@ class LLMEngine:
         prompt_tokens = self._count(batch)
         if prompt_tokens >= batch.num_tokens // 2 and prompt_tokens >= self.config.block_size:
             self.block_manager.observe_prefill(batch.num_tokens, elapsed)
-        if self.speculation and all(n == 1 or seq.spec_token_ids for seq, n in _pairs(batch)):
-            self.speculation.observe_step(batch.num_tokens, elapsed)
+        if all(n == 1 or seq.spec_token_ids for seq, n in _pairs(batch)):
+            self.decode_steps.observe(batch.num_tokens, elapsed)
         for seq, num_new in _pairs(batch):
             if not seq.spec_token_ids:  # a verification commits what it accepts, later
                 self.block_manager.commit(seq, num_new)

@@ -12,6 +12,13 @@ out a token budget (``max_num_batched_tokens``) in this order:
    started is finished before new ones start;
 3. waiting requests, in the order of the scheduling policy.
 
+A step-time target (``step_target``, off unless configured) caps the prompt tokens of a step
+that has decodes by seconds rather than tokens: the decodes are scheduled first and uncut, then
+prompt chunks get what the target leaves by the step costs measured on this machine, at least
+one block. Without decodes, a step takes the whole token budget: no stream is waiting on it.
+This is Sarathi-Serve's stall-free batching (Agrawal et al. 2024) with the budget measured
+online (``workers.step_time``).
+
 Chunked prefill without starvation. A prompt longer than what is left of the budget is
 prefilled in chunks. At most ``max_num_partial_prefills`` prompts are mid-prefill at once (vLLM's
 name and default, 1): a waiting prompt that would stay mid-prefill waits while the limit is
@@ -54,6 +61,7 @@ from typing import Literal
 
 from workers.block_manager import BlockManager
 from workers.sequence import Sequence, SequenceStatus
+from workers.step_time import StepTimeTarget
 
 SchedulingPolicy = Literal["fcfs", "prefix"]
 SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "prefix")
@@ -123,6 +131,8 @@ class Scheduler:
             while other requests wait; None means half of ``max_num_batched_tokens``.
         policy: ``fcfs`` or ``prefix`` (see the module docstring).
         aging_steps: steps after which a waiting request outranks fresh ones (``prefix``).
+        step_target: while sequences decode, the prompt tokens a step may add within a
+            step-time target (see the module docstring); None applies the token budget alone.
 
     Raises:
         ValueError: an unknown policy or a non-positive limit.
@@ -131,7 +141,8 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_num_partial_prefills: int = 1,
                  long_prefill_token_threshold: int | None = None,
-                 policy: SchedulingPolicy = "fcfs", aging_steps: int = DEFAULT_AGING_STEPS):
+                 policy: SchedulingPolicy = "fcfs", aging_steps: int = DEFAULT_AGING_STEPS,
+                 step_target: StepTimeTarget | None = None):
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}, "
                              f"not {policy!r}")
@@ -146,6 +157,8 @@ class Scheduler:
                                              or max(1, max_num_batched_tokens // 2))
         self.policy = policy
         self.aging_steps = aging_steps
+        self.step_target = step_target
+        self._limit = max_num_batched_tokens  # this step's token limit
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
@@ -161,6 +174,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         """Pick this step's sequences; may preempt running ones when blocks run out."""
         self._step += 1
+        self._limit = self.max_num_batched_tokens
         batch = ScheduledBatch()
         preempted = self._schedule_running(batch)
         if not preempted:  # the pool is tight: let the preempted ones back first
@@ -176,14 +190,30 @@ class Scheduler:
         self.blocks.free(seq)
 
     def _budget_left(self, batch: ScheduledBatch) -> int:
-        return self.max_num_batched_tokens - batch.num_tokens
+        return self._limit - batch.num_tokens
 
     def _schedule_running(self, batch: ScheduledBatch) -> bool:
         """Decodes first, then partial prefills; returns whether anything was preempted."""
         decodes = [seq for seq in self.running if not _in_prefill(seq)]
         prefills = [seq for seq in self.running if _in_prefill(seq)]
+        preempted = self._schedule_each(decodes, batch)
+        self._limit_prompt_tokens(batch)
+        return self._schedule_each(prefills, batch) or preempted
+
+    def _limit_prompt_tokens(self, batch: ScheduledBatch) -> None:
+        """Lowers this step's token limit to the decodes just scheduled plus the prompt
+        tokens the step-time target leaves beside them (no decodes: no stream to stall)."""
+        if self.step_target is None or not batch.seqs:
+            return
+        prompt_tokens = self.step_target.prompt_tokens(batch.num_tokens)
+        if prompt_tokens is not None:
+            self._limit = min(self._limit, batch.num_tokens + prompt_tokens)
+
+    def _schedule_each(self, seqs: list[Sequence], batch: ScheduledBatch) -> bool:
+        """Adds each running sequence of ``seqs`` with its next tokens, while budget lasts;
+        returns whether anything was preempted."""
         preempted = False
-        for seq in decodes + prefills:
+        for seq in seqs:
             budget = self._budget_left(batch)
             if budget <= 0:
                 break

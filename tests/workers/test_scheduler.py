@@ -18,6 +18,7 @@ from workers.block_manager import BlockManager
 from workers.block_pool import BlockPool
 from workers.scheduler import Scheduler
 from workers.sequence import Sequence
+from workers.step_time import StepCostModel, StepTimeTarget
 
 BLOCK = 4
 ROOT = b"\0" * 32
@@ -144,6 +145,45 @@ def test_preempting_a_sequence_already_in_the_batch_takes_it_out():
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="scheduling policy"):
         make_scheduler(policy="lifo")
+
+
+def target_scheduler(prompt_ms: int, budget: int = 64) -> Scheduler:
+    """A scheduler whose step-time target leaves ``prompt_ms`` prompt tokens beside one decode
+    row: a decode row costs 1 ms, a prompt token 1 ms, the target is ``1 + prompt_ms`` ms."""
+    decode = StepCostModel()
+    for rows in [1, 2, 3, 4] * 3:
+        decode.observe(rows, 0.001 * rows)
+    target = StepTimeTarget(0.001 * (1 + prompt_ms), decode, lambda: 0.001, BLOCK)
+    return make_scheduler(budget=budget, step_target=target)
+
+
+def test_step_time_target_caps_prompt_tokens_only_beside_decodes():
+    scheduler = target_scheduler(prompt_ms=6)
+    scheduler.add(make_seq("first", 20))
+    assert step(scheduler) == [("first", 20)]  # nothing decodes: the whole token budget
+    scheduler.add(make_seq("second", 30, first=100))
+    assert step(scheduler) == [("first", 1), ("second", 6)]
+    assert step(scheduler) == [("first", 1), ("second", 6)]
+
+
+def test_step_time_target_still_gives_prompts_a_block():
+    scheduler = target_scheduler(prompt_ms=0)
+    scheduler.add(make_seq("first", 8))
+    step(scheduler)
+    scheduler.add(make_seq("second", 30, first=100))
+    assert step(scheduler) == [("first", 1), ("second", BLOCK)]
+
+
+def test_step_time_target_never_cuts_decodes():
+    scheduler = target_scheduler(prompt_ms=0)
+    ids = [f"s{i}" for i in range(6)]
+    for i, request_id in enumerate(ids):
+        scheduler.add(make_seq(request_id, 4, first=10 * i + 10))
+    step(scheduler)
+    # six decode rows take 6 ms of a 1 ms target: all six run, and the waiting prompt gets
+    # its one block
+    scheduler.add(make_seq("late", 12, first=500))
+    assert step(scheduler) == [(request_id, 1) for request_id in ids] + [("late", BLOCK)]
 
 
 # ---- engine level --------------------------------------------------------------------------
@@ -335,3 +375,38 @@ def test_a_burst_sharing_a_new_prefix_computes_it_once_and_outputs_equal_cold(
             0 if request.request_id == "b0" else 64)
     assert engine.pool.num_in_use == 0
     engine.pool.check_invariants()
+
+
+def test_outputs_do_not_change_under_a_step_time_target(tiny_qwen, make_engine, monkeypatch):
+    """fp32 greedy outputs are the same when every prompt arriving beside a decode is
+    computed a block a step (a target of a microsecond: min_tokens applies once measured)."""
+    first = greedy("first", random_prompt(60, 40), max_tokens=64, ignore_eos=True)
+    later = [greedy(f"r{i}", random_prompt(61 + i, 40 + 9 * i), max_tokens=12, ignore_eos=True)
+             for i in range(3)]
+    reference = make_engine(tiny_qwen).generate([first, *later])
+    engine = make_engine(tiny_qwen, step_time_target_s=1e-6)
+    prompt_chunks = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        batch = schedule()
+        prompt_chunks.extend(n for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+                             if seq.num_uncomputed_tokens > 1 and seq.request_id != "first")
+        return batch
+
+    monkeypatch.setattr(engine.scheduler, "schedule", recording)
+    chunks = {request.request_id: [] for request in [first, *later]}
+    engine.add_request(first)
+    for _ in range(5):  # its prefill, then decodes: both costs are measured
+        for chunk in engine.step():
+            chunks[chunk.request_id].append(chunk)
+    for request in later:
+        engine.add_request(request)
+    while engine.has_work():
+        for chunk in engine.step():
+            chunks[chunk.request_id].append(chunk)
+    for request_id, expected in reference.items():
+        assert output_ids(chunks[request_id]) == output_ids(expected), request_id
+    assert max(prompt_chunks) == engine.config.block_size
+    assert sum(prompt_chunks) == 40 + 49 + 58
+    assert engine.pool.num_in_use == 0

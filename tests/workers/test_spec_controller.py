@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from contract.request import SpecUsage
-from workers.speculative.controller import DraftLengthController, StepCostModel
+from workers.speculative.controller import DraftLengthController
 
 
 def usage_with(acceptance: list[float], trials: int = 1000) -> SpecUsage:
@@ -25,7 +25,7 @@ def usage_with(acceptance: list[float], trials: int = 1000) -> SpecUsage:
 def trained(step_s: float, per_row_s: float, k_max: int = 4) -> DraftLengthController:
     controller = DraftLengthController(k_max)
     for rows in [1, 2, 3, 5, 1, 4, 2, 5] * 3:
-        controller.observe_step(rows, step_s + per_row_s * (rows - 1))
+        controller.steps.observe(rows, step_s + per_row_s * (rows - 1))
     controller.observe_draft(0.0)
     return controller
 
@@ -39,15 +39,6 @@ def test_expected_tokens_is_leviathan_eq1_per_position():
     # constant alpha: (1 - alpha^(k+1)) / (1 - alpha)
     flat = usage_with([0.6] * 4, trials=100_000)
     assert controller.expected_tokens(flat, 4) == pytest.approx((1 - .6 ** 5) / .4, abs=2e-3)
-
-
-def test_cost_model_recovers_a_linear_step_time():
-    model = StepCostModel()
-    for rows in [1, 4, 2, 8, 3, 6] * 5:
-        model.observe(rows, 0.050 + 0.002 * rows)
-    model.observe(4096, 9.0)  # a prefill step is not fitted
-    assert model.per_row() == pytest.approx(0.002, rel=1e-6)
-    assert model.time(5) == pytest.approx(0.060, rel=1e-6)
 
 
 def test_high_acceptance_and_cheap_rows_draft_the_most():

@@ -26,57 +26,12 @@ exponentially weighted mean per call.
 from __future__ import annotations
 
 from contract.request import SpecUsage
+from workers.step_time import COST_DECAY, StepCostModel
 
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_WEIGHT = 2.0
 """Prior of the conditional acceptance per position: ``PRIOR_WEIGHT`` pseudo-verifications
 at ``PRIOR_ACCEPTANCE``."""
-
-COST_DECAY = 0.97
-"""Weight of the previous estimate per observed step or draft call (about a 33-step window)."""
-
-
-class StepCostModel:
-    """Step time as ``a + b * rows`` seconds, fitted by exponentially weighted least squares.
-
-    Only steps of at most ``max_rows`` query rows (decodes and verification blocks) are fitted:
-    prefill chunks cost differently per row.
-    """
-
-    def __init__(self, max_rows: int = 256):
-        self.max_rows = max_rows
-        self._n = self._x = self._y = self._xx = self._xy = 0.0
-
-    def observe(self, rows: int, seconds: float) -> None:
-        if rows > self.max_rows:
-            return
-        d = COST_DECAY
-        self._n = d * self._n + 1
-        self._x = d * self._x + rows
-        self._y = d * self._y + seconds
-        self._xx = d * self._xx + rows * rows
-        self._xy = d * self._xy + rows * seconds
-
-    @property
-    def known(self) -> bool:
-        return self._n >= 3
-
-    def per_row(self) -> float:
-        """``b``: seconds per extra query row (0 until the fit has spread in rows)."""
-        var = self._xx / self._n - (self._x / self._n) ** 2 if self._n else 0.0
-        if var < 0.25:
-            return 0.0
-        cov = self._xy / self._n - (self._x / self._n) * (self._y / self._n)
-        return max(0.0, cov / var)
-
-    def time(self, rows: int) -> float:
-        """Predicted seconds for a step of ``rows`` query rows."""
-        if not self._n:
-            return 0.0
-        b = self.per_row()
-        mean_x, mean_y = self._x / self._n, self._y / self._n
-        return max(1e-6, mean_y + b * (rows - mean_x))
-
 
 class DraftLengthController:
     """Chooses each speculating request's draft length.
@@ -86,20 +41,19 @@ class DraftLengthController:
         adaptive: False always proposes ``k_max``.
         probe_interval: steps a request stays off before probing again (doubled per failed
             probe, up to 16x).
+        steps: the engine's fitted decode step time (the engine observes it); None makes one
+            of its own.
     """
 
-    def __init__(self, k_max: int, adaptive: bool = True, probe_interval: int = 16):
+    def __init__(self, k_max: int, adaptive: bool = True, probe_interval: int = 16,
+                 steps: StepCostModel | None = None):
         self.k_max = k_max
         self.adaptive = adaptive
         self.probe_interval = probe_interval
-        self.steps = StepCostModel()
+        self.steps = steps or StepCostModel()
         self.draft_call_s = 0.0
         self._draft_calls = 0
         self._off_since: dict[str, tuple[int, int]] = {}  # request id -> (steps off, probes)
-
-    def observe_step(self, rows: int, seconds: float) -> None:
-        """A decode/verify step of ``rows`` query rows took ``seconds``."""
-        self.steps.observe(rows, seconds)
 
     def observe_draft(self, seconds: float) -> None:
         """One batched draft call took ``seconds``."""

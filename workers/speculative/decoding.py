@@ -23,6 +23,7 @@ from workers.speculative.config import SpeculativeConfig
 from workers.speculative.controller import DraftLengthController
 from workers.speculative.proposer import ProposalRequest, Proposer
 from workers.speculative.verify import verify_drafts
+from workers.step_time import StepCostModel
 
 
 class SpeculativeDecoding:
@@ -34,16 +35,17 @@ class SpeculativeDecoding:
         vocab_size: token ids a draft may hold; a draft stops at the first id outside.
         totals: the engine's speculative counts summed over every request (committed tokens
             only), updated in place.
+        steps: the engine's fitted decode step time, which draft lengths are weighed with.
 
     Attributes:
         draft_calls: batched proposer calls made.
     """
 
     def __init__(self, proposer: Proposer, config: SpeculativeConfig, vocab_size: int,
-                 totals: SpecUsage):
+                 totals: SpecUsage, steps: StepCostModel):
         self.proposer = proposer
         self.draft_length = DraftLengthController(config.num_speculative_tokens,
-                                                  config.adaptive)
+                                                  config.adaptive, steps=steps)
         self.vocab_size = vocab_size
         self.totals = totals
         self.draft_calls = 0
@@ -75,10 +77,6 @@ class SpeculativeDecoding:
             if seq.spec_token_ids:
                 drafted.append(seq)
         return drafted
-
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """A decode or verification step of ``num_tokens`` query rows took ``seconds``."""
-        self.draft_length.observe_step(num_tokens, seconds)
 
     def verify(self, seq: Sequence, logits: torch.Tensor, row: SamplingRow,
                generator: torch.Generator, max_model_len: int) -> list[SampledToken]:
