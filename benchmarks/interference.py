@@ -4,7 +4,8 @@ One in-process LLMEngine is stepped in a loop. --streams 4 requests with --strea
 token prompts decode --decode-tokens 400 tokens each; once every stream has --arrive-after
 tokens, a --long-prompt 8000 token request arrives (and decodes --long-output-tokens). Per
 chunked-prefill setting (--chunks: per-step token budgets, ``off`` = a budget the whole prompt
-fits in, i.e. no chunking) the JSON reports:
+fits in, i.e. no chunking; ``B@Tms`` = budget B with a step-time target of T ms,
+``workers.step_time``) the JSON reports:
 
 - the streams' inter-token latency p50 / p99, and the longest stall: the largest gap between
   two consecutive tokens of any stream (it happens once per stream, so p99 alone hides it);
@@ -15,7 +16,7 @@ Goal: at the best chunked setting, longest stall <= 0.3x unchunked while the lon
 prompt's TTFT stays within 1.1x of unchunked. SmolLM2's max_position_embeddings is 8,192, so
 the long prompt plus its output must stay within it.
 
-    .venv/bin/python benchmarks/interference.py [--chunks 256,512,2048,off] [--quick]
+    .venv/bin/python benchmarks/interference.py [--chunks 256,512,2048,2048@250ms,off] [--quick]
 """
 
 from __future__ import annotations
@@ -42,29 +43,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--long-output-tokens", type=int, default=16)
     parser.add_argument("--arrive-after", type=int, default=8,
                         help="stream tokens decoded before the long prompt arrives")
-    parser.add_argument("--chunks", default=f"256,512,2048,{OFF}",
-                        help=f"per-step token budgets; {OFF!r} = no chunking")
+    parser.add_argument("--chunks", default=f"256,512,2048,2048@250ms,{OFF}",
+                        help=f"per-step token budgets; {OFF!r} = no chunking; B@Tms = budget B "
+                             "with a step-time target of T ms")
     args = parser.parse_args(argv)
     if args.quick:
         args.streams, args.stream_prompt, args.decode_tokens = 2, 8, 12
-        args.long_prompt, args.long_output_tokens, args.arrive_after = 64, 2, 2
-        args.chunks, args.kv_cache_mib = f"16,32,{OFF}", 16
+        args.long_prompt, args.long_output_tokens, args.arrive_after = 64, 2, 6
+        args.chunks, args.kv_cache_mib = f"16,32,32@0.001ms,{OFF}", 16
     args.chunks = [c.strip() for c in args.chunks.split(",") if c.strip()]
     if OFF not in args.chunks:
         args.chunks.append(OFF)  # the goal is relative to unchunked
     return args
 
 
-def budget_of(chunk: str, args: argparse.Namespace) -> int:
-    """The per-step token budget of a setting: ``off`` fits the long prompt and every decode."""
-    return args.long_prompt + args.streams if chunk == OFF else int(chunk)
+def setting_of(chunk: str, args: argparse.Namespace) -> tuple[int, float | None]:
+    """A setting's per-step token budget (``off`` fits the long prompt and every decode) and
+    step-time target in seconds (``B@Tms``; None without)."""
+    budget, _, target_ms = chunk.partition("@")
+    tokens = args.long_prompt + args.streams if budget == OFF else int(budget)
+    return tokens, float(target_ms.removesuffix("ms")) / 1000 if target_ms else None
 
 
 def run_setting(loaded, prompts: list[list[int]], long_prompt: list[int], budget: int,
-                args: argparse.Namespace) -> dict:
-    """One engine with the given token budget through the whole scenario."""
+                target_s: float | None, args: argparse.Namespace) -> dict:
+    """One engine with the given token budget and step-time target through the scenario."""
     engine = common.build_engine(loaded, threads=args.threads, max_num_batched_tokens=budget,
-                                 kv_cache_mib=args.kv_cache_mib)
+                                 kv_cache_mib=args.kv_cache_mib, step_time_target_s=target_s)
     warmup = common.EngineRun(engine)
     warmup.add(common.greedy_request("warmup", prompts[0], 2))
     warmup.run()
@@ -83,7 +88,8 @@ def run_setting(loaded, prompts: list[list[int]], long_prompt: list[int], budget
     wall_s = run.run(maybe_arrive)
     streams = common.stream_summary({rid: run.submitted[rid] for rid in stream_ids},
                                     {rid: run.arrivals[rid] for rid in stream_ids})
-    return {"token_budget": budget, "streams_itl": streams["itl"],
+    return {"token_budget": budget, "step_time_target_s": target_s,
+            "streams_itl": streams["itl"],
             "longest_stall_ms": streams["longest_stall_ms"],
             "long_prompt_ttft_ms": _ms(run.ttft_s(LONG_ID)) if LONG_ID in run.submitted
             else None,
@@ -134,10 +140,10 @@ def main(argv: list[str] | None = None) -> dict:
                                       offset=args.streams * args.stream_prompt)[0]
     settings = {}
     for chunk in args.chunks:
-        budget = budget_of(chunk, args)
+        budget, target_s = setting_of(chunk, args)
         common.log(f"chunk {chunk} (token budget {budget}): {args.streams} streams x "
                    f"{args.decode_tokens} tokens, {args.long_prompt}-token prompt arrives")
-        settings[chunk] = run_setting(loaded, prompts, long_prompt, budget, args)
+        settings[chunk] = run_setting(loaded, prompts, long_prompt, budget, target_s, args)
         s = settings[chunk]
         common.log(f"  ITL p50 {s['streams_itl']['p50_ms']:.1f} ms, p99 "
                    f"{s['streams_itl']['p99_ms']:.1f} ms, longest stall "

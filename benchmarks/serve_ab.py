@@ -1,18 +1,20 @@
 """``nalar serve`` at an earlier commit against this checkout, through HTTP, alternating.
 
 Both servers run with the same flags (``--nalar-args``; by default ``nalar serve``'s defaults:
-the embedded Q4_1 GGUF as stored, 2 workers). The earlier one runs from a git worktree of
-``BEFORE`` (its code first on ``PYTHONPATH``, its own kernel builds). Both stay up; one is
-measured at a time with ``benchmarks/llama_server.py``'s ``nalar bench`` workloads, the order
-flipping every round, each round with a new seed that both servers share. What the end-to-end
-path adds per token (Serve's streaming, the worker's event loop) shows here and not in an
-engine-level profile.
+the embedded Q4_1 GGUF as stored, 2 workers), plus each side's own (``--before-args``,
+``--after-args``: with ``BEFORE`` the checkout's own commit, an A/B of a flag). The earlier
+one runs from a git worktree of ``BEFORE`` (its code first on ``PYTHONPATH``, its own kernel
+builds). Both stay up; one is measured at a time with ``benchmarks/llama_server.py``'s
+``nalar bench`` workloads, the order flipping every round, each round with a new seed that both
+servers share. What the end-to-end path adds per token (Serve's streaming, the worker's event
+loop) shows here and not in an engine-level profile.
 
 The JSON holds every run's figures (``llama_server.METRICS``), each side's medians over the
 rounds, the ratio after / before of the medians, and the machine.
 
     .venv/bin/python benchmarks/serve_ab.py BEFORE [--rounds 3]
-        [--workloads single,concurrent16] [--nalar-args "--workers 1"] [--out PATH]
+        [--workloads single,concurrent16] [--nalar-args "--workers 1"]
+        [--before-args "--step-time-target-ms 0"] [--after-args ...] [--out PATH]
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workloads", default="single,concurrent16",
                         help=f"comma-separated, of {', '.join(WORKLOADS)}")
     parser.add_argument("--nalar-args", default="", help="flags of both nalar serve")
+    for side in SIDES:
+        parser.add_argument(f"--{side}-args", default="", help=f"flags of the {side} side only")
     parser.add_argument("--start-timeout", type=float, default=900.0)
     parser.add_argument("--out", default=str(common.OUT_DIR / "serve_ab.json"))
     args = parser.parse_args(argv)
@@ -83,8 +87,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     runs = out.with_name(out.stem + "_runs")
     before = Path(tempfile.mkdtemp(prefix="nalar-ab-")) / args.before
     extra = shlex.split(args.nalar_args)
-    servers = {"before": nalar_server("before", extra, runs / "before.log", before),
-               "after": nalar_server("after", extra, runs / "after.log", common.REPO_ROOT)}
+    servers = {"before": nalar_server("before", extra + shlex.split(args.before_args),
+                                      runs / "before.log", before),
+               "after": nalar_server("after", extra + shlex.split(args.after_args),
+                                     runs / "after.log", common.REPO_ROOT)}
     try:
         add_worktree(args.before, before)
         for side, server in servers.items():

@@ -152,7 +152,7 @@ def test_prefill_quick(tmp_path):
 def test_interference_quick(tmp_path):
     result = run_main(interference, tmp_path)
     settings = result["settings"]
-    assert list(settings) == ["16", "32", "off"]
+    assert list(settings) == ["16", "32", "32@0.001ms", "off"]
     for name, s in settings.items():
         assert s["output_tokens"] == 2 * 12 + 2, name
         assert s["streams_itl"]["count"] == 2 * 11
@@ -162,7 +162,12 @@ def test_interference_quick(tmp_path):
         assert sum(prefill_per_step) == 2 * 8 + 64  # the streams and the long prompt
         assert max(prefill_per_step) <= s["token_budget"]
     assert 64 in [step[2] for step in settings["off"]["steps"]]  # unchunked: one step
-    assert result["goal"]["best"] in ("16", "32")
+    # beside the 2 decodes, the target (far below any step) leaves the long prompt one block
+    # (16 tokens) a step, where the budget alone leaves it 30
+    for name, chunk in (("32@0.001ms", 16), ("32", 30)):
+        after_arrival = settings[name]["steps"][settings[name]["long_arrival_step"]:]
+        assert max(step[2] for step in after_arrival) == chunk, name
+    assert result["goal"]["best"] in ("16", "32", "32@0.001ms")
     assert len(result["goal"]["checks"]) == 2
 
 
