@@ -17,8 +17,6 @@ from workers.speculative.config import SpeculativeConfig
 
 INDEX_ACTOR_NAMESPACE = "nalar"
 """Ray namespace of the embedded index actor, so the driver and Serve replicas find one actor."""
-DEFAULT_STEP_TIME_TARGET_MS = 250.0
-"""While sequences decode, the step time that prompt chunks fill up to (``workers.step_time``)."""
 
 
 def default_num_workers() -> int:
@@ -77,11 +75,12 @@ class ClusterConfig(BaseModel):
     stream it writes (no process is left to send an SSE error event), so on a cluster whose
     worker nodes come and go, pin it to a node whose loss is the cluster's anyway (the head).
 
-    Steps: ``max_num_batched_tokens`` caps a step's tokens; ``step_time_target_ms`` (0: off)
-    caps, while sequences decode, the prompt tokens a step adds beside them by the step costs
-    measured on the worker (``workers.step_time``), so a prompt's arrival holds the running
-    streams for about that long rather than for its whole prefill. The default, 250 ms, was
-    chosen by measurement (docs/performance.md, "A step-time target").
+    Steps: ``max_num_batched_tokens`` caps a step's tokens; ``step_time_target_ms`` (0, the
+    default: off) caps, while sequences decode, the prompt tokens a step adds beside them by
+    the step costs measured on the worker (``workers.step_time``), so a prompt's arrival holds
+    the running streams for about that long rather than for its whole prefill. It is off by
+    default because it costs throughput under a burst (docs/performance.md, "A step-time
+    target").
 
     ``routing`` is the request-routing policy: ``prefix`` (longest cached prefix weighed
     against load, the default), ``round-robin`` or ``power-of-two`` (the less loaded of two
@@ -140,7 +139,7 @@ class ClusterConfig(BaseModel):
     max_num_batched_tokens: int = Field(2048, ge=1)
     max_num_partial_prefills: int = Field(1, ge=1)
     long_prefill_token_threshold: int | None = Field(None, ge=1)
-    step_time_target_ms: float = Field(DEFAULT_STEP_TIME_TARGET_MS, ge=0)
+    step_time_target_ms: float = Field(0.0, ge=0)
     scheduling_policy: Literal["fcfs", "prefix"] = "fcfs"
     max_model_len: int | None = Field(None, ge=2)
     worker_cpus: float = Field(0.5, gt=0)
