@@ -47,6 +47,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -284,6 +285,15 @@ def f32_gguf(root: Path, q4_1: Path) -> Path:
 
 # --- servers ---------------------------------------------------------------------------------
 
+PORT_TRIES = 3
+PORT_TAKEN = re.compile(r"couldn't bind|address already in use|is already in use", re.I)
+"""What llama-server and ``nalar serve`` say when their HTTP port is taken."""
+
+
+class PortTakenError(RuntimeError):
+    """The server exited because its HTTP port was taken."""
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now."""
     with socket.socket() as probe:
@@ -328,10 +338,23 @@ class Server:
 
     def start(self, timeout_s: float) -> float:
         """Starts it and waits until ``ready_path`` answers 200; returns the seconds taken.
+        A port taken between choosing it and the server binding it (Ray's own processes pick
+        ports as they start: seen once, 2026-12-05) is replaced by another, up to
+        ``PORT_TRIES`` times.
 
         Raises:
             RuntimeError: it exited or was not ready within ``timeout_s``.
         """
+        for _ in range(PORT_TRIES - 1):
+            try:
+                return self._start_once(timeout_s)
+            except PortTakenError:
+                common.log(f"{self.name}: port {self.port} was taken; trying another")
+                self.port = free_port()
+                self.command[self.command.index("--port") + 1] = str(self.port)
+        return self._start_once(timeout_s)
+
+    def _start_once(self, timeout_s: float) -> float:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("w") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
@@ -340,8 +363,9 @@ class Server:
         started = time.monotonic()
         while time.monotonic() - started < timeout_s:
             if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited ({self.process.returncode}):\n"
-                                   f"{self.log_tail()}")
+                error = PortTakenError if PORT_TAKEN.search(self.log_tail()) else RuntimeError
+                raise error(f"{self.name} exited ({self.process.returncode}):\n"
+                            f"{self.log_tail()}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(self.url + self.ready_path, timeout=5).status_code == 200:
                     return time.monotonic() - started

@@ -1,8 +1,12 @@
 """How the side-by-side benchmarks (``llama_server.py``, ``serve_ab.py``) alternate servers and
-summarize rounds, without starting any server: ``bench`` is replaced by a recorder."""
+summarize rounds (``bench`` replaced by a recorder), and how a server whose port was taken
+starts on another (a stand-in server, no model)."""
 
 from __future__ import annotations
 
+import sys
+
+import httpx
 import pytest
 
 from benchmarks import llama_server, serve_ab
@@ -38,3 +42,30 @@ def test_serve_ab_reports_after_over_before_of_the_medians():
     summary = serve_ab.summarize(rounds)["single"]
     assert summary["before"]["tpot_p50_ms"] == 12.0 and summary["after"]["tpot_p50_ms"] == 9.0
     assert summary["ratio"]["tpot_p50_ms"] == pytest.approx(0.75)
+
+
+FAILS_ONCE_ON_ITS_PORT = """
+import http.server, pathlib, sys
+marker = pathlib.Path(sys.argv[1])
+if not marker.exists():
+    marker.write_text(sys.argv[-1])
+    print("couldn't bind HTTP server socket, port", sys.argv[-1])
+    sys.exit(1)
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[-1])),
+                       http.server.SimpleHTTPRequestHandler).serve_forever()
+"""
+
+
+def test_a_server_whose_port_was_taken_starts_on_another(tmp_path):
+    marker = tmp_path / "first_port"
+    port = llama_server.free_port()
+    server = llama_server.Server(
+        "fake", [sys.executable, "-c", FAILS_ONCE_ON_ITS_PORT, str(marker), "--port", str(port)],
+        port, "/", tmp_path / "fake.log", cwd=tmp_path)
+    try:
+        server.start(timeout_s=30)
+        assert marker.read_text() == str(port)  # the first try's port
+        assert server.port != port and server.command[-1] == str(server.port)
+        assert httpx.get(server.url + "/", timeout=5).status_code == 200
+    finally:
+        server.stop(grace_s=5)
