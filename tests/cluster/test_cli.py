@@ -79,3 +79,14 @@ def test_quantization_flag_reaches_the_config():
     assert config("--quantization", "none").engine_config().quantization == "none"
     with pytest.raises(SystemExit):  # argparse's choices: exit 2 with a usage line
         config("--quantization", "q3_k")
+
+
+def test_step_time_target_flag_reaches_the_engine_in_seconds():
+    def engine(*argv: str):
+        return serve_config(build_parser().parse_args(["serve", *argv])).engine_config()
+
+    assert engine().step_time_target_s is None  # off by default
+    assert engine("--step-time-target-ms", "0").step_time_target_s is None
+    assert engine("--step-time-target-ms", "250").step_time_target_s == 0.25
+    with pytest.raises(pydantic.ValidationError):
+        engine("--step-time-target-ms", "-5")
