@@ -79,8 +79,8 @@ class ClusterConfig(BaseModel):
     default: off) caps, while sequences decode, the prompt tokens a step adds beside them by
     the step costs measured on the worker (``workers.step_time``), so a prompt's arrival holds
     the running streams for about that long rather than for its whole prefill. It is off by
-    default because it costs throughput under a burst (docs/performance.md, "A step-time
-    target").
+    default because with the default Q4_1 weights it costs throughput under a burst; with
+    dense weights on a CPU it did not (docs/performance.md, "A step-time target").
 
     ``routing`` is the request-routing policy: ``prefix`` (longest cached prefix weighed
     against load, the default), ``round-robin`` or ``power-of-two`` (the less loaded of two
