@@ -75,6 +75,9 @@ class StepTimeTarget:
         prefill_s_per_token: the measured seconds of one prompt token (None until measured).
         min_tokens: prompt tokens a step always gets, so prompts advance however long the
             decodes alone take.
+
+    Raises:
+        ValueError: ``seconds`` is not positive or ``min_tokens`` is below 1.
     """
 
     def __init__(self, seconds: float, decode_steps: StepCostModel,
