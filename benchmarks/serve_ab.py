@@ -2,7 +2,8 @@
 
 Both servers run with the same flags (``--nalar-args``; by default ``nalar serve``'s defaults:
 the embedded Q4_1 GGUF as stored, 2 workers), plus each side's own (``--before-args``,
-``--after-args``: with ``BEFORE`` the checkout's own commit, an A/B of a flag). The earlier
+``--after-args``: with ``BEFORE`` the checkout's own commit, an A/B of a flag). Paths in the
+flags must be absolute: each server runs in its own checkout. The earlier
 one runs from a git worktree of ``BEFORE`` (its code first on ``PYTHONPATH``, its own kernel
 builds). Both stay up; one is measured at a time with ``benchmarks/llama_server.py``'s
 ``nalar bench`` workloads, the order flipping every round, each round with a new seed that both

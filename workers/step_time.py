@@ -1,12 +1,11 @@
 """What an engine step costs on this machine, measured as the engine runs, and how many prompt
 tokens fit beside the running decodes under a step-time target.
 
-A decode step is bound by reading the weights (plus each sequence's KV); a prompt token by
-arithmetic. On a CPU a prompt token costs about as much as a whole small decode step (Q4_1
-SmolLM2 on one Zen 4 core: a decode step of 7 ms, 1.4 ms a prompt token), so a step that
-takes 2,048 prompt tokens beside the decodes holds every running stream for seconds. A token
-budget that suits a GPU (vLLM's ``max_num_batched_tokens``) stalls a CPU's streams 100 times
-longer. :class:`StepTimeTarget` budgets the prompt tokens of a step in seconds instead: the
+On a CPU a prompt token costs a sizeable part of a whole small decode step, so a step that
+takes a GPU-sized token budget of prompt tokens (vLLM's ``max_num_batched_tokens``, 2,048)
+beside the decodes holds every running stream for seconds: 3.8 s in
+``benchmarks/interference.py`` on a 2-core Zen 4 (bf16; docs/performance.md, "A step-time
+target"). :class:`StepTimeTarget` budgets the prompt tokens of a step in seconds instead: the
 decodes always run, and prompt chunks fill what the target leaves (Sarathi-Serve's stall-free
 batching, Agrawal et al. 2024, with its token budget derived from the time-between-tokens
 target by measurement, here online rather than by an offline profile).
