@@ -184,6 +184,9 @@ ENGINE_METRICS: tuple[Series, ...] = (
            "KV blocks dropped from a full second tier (least recently used)."),
     Series("kv_tier_corrupt_blocks", "counter", at("kv_tier", "corrupt_blocks"),
            "Second-tier loads refused for a CRC-32 mismatch (the tokens were recomputed)."),
+    Series("kv_tier_io_errors", "counter", at("kv_tier", "io_errors"),
+           "Second-tier reads and writes the disk failed (the block was not stored, or was "
+           "recomputed)."),
     Series("kv_tier_saved_bytes", "counter", at("kv_tier", "bytes_saved"),
            "Bytes written to the second KV tier."),
     Series("kv_tier_loaded_bytes", "counter", at("kv_tier", "bytes_loaded"),

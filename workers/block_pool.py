@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from contract.kv_events import KVEvent, Medium
-from workers.kv_tier import DiskKVTier
+from workers.kv_tier import DiskKVTier, TierWrite
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -280,9 +280,14 @@ class BlockPool:
         block_id = self._by_digest.get(digest)
         return None if block_id is None else self.blocks[block_id]
 
-    def tier_gained(self, digest: bytes) -> None:
-        """The second tier took ``digest`` (evicted from the pool, or from another worker)."""
-        self._emit("stored", digest, "tier")
+    def tier_wrote(self, digest: bytes, written: TierWrite) -> None:
+        """Tells the index what storing ``digest`` in the second tier did (a block evicted
+        from the pool, or fetched from another worker): the entry it dropped, if any, and
+        whether the tier holds ``digest`` now."""
+        if written.dropped is not None:
+            self.forget_in_tier(written.dropped)
+        if written.stored:
+            self._emit("stored", digest, "tier")
 
     def forget_in_tier(self, digest: bytes) -> None:
         """The second tier lost ``digest`` (dropped, or failed its check)."""
@@ -349,11 +354,9 @@ class BlockPool:
         """Copy an evicted cached block into the second tier, if there is one."""
         if self.tier is None or not block.check:
             return
-        dropped = self.tier.save(block.block_id, block.digest, block.token_ids,
-                                 block.parent_digest, block.check)
-        if dropped is not None:
-            self.forget_in_tier(dropped)
-        self.tier_gained(block.digest)
+        self.tier_wrote(block.digest, self.tier.save(block.block_id, block.digest,
+                                                     block.token_ids, block.parent_digest,
+                                                     block.check))
 
     def _uncache(self, block: Block) -> None:
         """Evict or replace a cached copy: it becomes private (free, if nobody holds it)."""

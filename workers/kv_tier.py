@@ -3,8 +3,8 @@ digest in a bounded store on local disk, least recently used dropped first.
 
 The idea is vLLM's KV offloading connector and SGLang's HiCache: eviction from the working
 pool need not lose a prefix. On a GPU worker the second tier would be host memory; a CPU
-worker's working pool already is host memory, so its second tier is a file on local disk,
-mapped into memory (the kernel's page cache keeps the hot part in RAM, the rest on disk).
+worker's working pool already is host memory, so its second tier is a file on local disk (the
+kernel's page cache keeps the hot part in RAM, the rest on disk).
 
 A hit here is never taken on the digest alone. An entry keeps the block's tokens, the digest its
 chain extends, a check of the whole token prefix it was computed after (a second hash chain,
@@ -12,21 +12,27 @@ independent of the digests: :func:`prefix_check`) and a CRC-32 of its bytes. A l
 fails any of these is dropped and the tokens are computed instead.
 
 The file is preallocated when the tier starts (``posix_fallocate``), so a full disk is found
-then, not as a fault on a later write, and unlinked as soon as it is mapped, so a crashed
-worker leaves nothing behind.
+then, not as a fault on a later write, and unlinked as soon as it is open, so a crashed worker
+leaves nothing behind. Blocks move with ``pwrite`` and ``preadv`` through a one-block staging
+buffer, not through a memory mapping: a disk that fails at run time (an I/O error, a remount
+read-only) then fails a call, which is counted and costs a recompute, where a mapping would
+take the worker down with SIGBUS.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
 import tempfile
 import time
+import weakref
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -83,6 +89,8 @@ class TierCounters:
         loaded_blocks: blocks read back for a hit.
         dropped_blocks: entries dropped to make room (least recently used).
         corrupt_blocks: loads refused because the bytes did not match their CRC-32.
+        io_errors: reads and writes the disk failed (the block was not stored, or was dropped
+            and recomputed).
         save_seconds, load_seconds: time spent writing and reading (CRC included).
         bytes_saved, bytes_loaded: bytes written and read.
     """
@@ -91,12 +99,21 @@ class TierCounters:
     loaded_blocks: int = 0
     dropped_blocks: int = 0
     corrupt_blocks: int = 0
+    io_errors: int = 0
     save_seconds: float = 0.0
     load_seconds: float = 0.0
     bytes_saved: int = 0
     bytes_loaded: int = 0
     load_s_per_block: float | None = field(default=None)
     """Moving average of one block's load, CRC included; None until the first load."""
+
+
+class TierWrite(NamedTuple):
+    """What storing a block did: whether the tier holds it now, and the digest of an entry
+    dropped to make room (None if none was)."""
+
+    stored: bool
+    dropped: bytes | None
 
 
 class DiskKVTier:
@@ -119,13 +136,15 @@ class DiskKVTier:
         self.num_blocks = num_blocks
         layers = len(kv_cache.keys)
         heads, _, head_dim = kv_cache.keys[0].shape
-        block_shape = (layers, 2, heads, kv_cache.block_size, head_dim)
-        self.block_bytes = kv_cache.block_bytes
-        numel = num_blocks * int(np.prod(block_shape))
-        self.slab = _mapped_file(directory, numel, kv_cache.keys[0].dtype).view(
-            num_blocks, *block_shape)
+        self._staging = torch.empty((layers, 2, heads, kv_cache.block_size, head_dim),
+                                    dtype=kv_cache.keys[0].dtype)
+        self._staged = self._staging.view(-1).view(torch.uint8).numpy()
+        self.block_bytes = self._staged.nbytes
+        self._fd = _reserved_file(directory, num_blocks * self.block_bytes)
+        weakref.finalize(self, os.close, self._fd)
         self._entries: OrderedDict[bytes, TierEntry] = OrderedDict()  # oldest first
         self._free_slots = list(range(num_blocks))
+        self._reported_errors: set[tuple[str, int | None]] = set()
         self.counters = TierCounters()
 
     def __contains__(self, digest: bytes) -> bool:
@@ -150,57 +169,63 @@ class DiskKVTier:
         return entry
 
     def save(self, block_id: int, digest: bytes, token_ids: Sequence[int],
-             parent_digest: bytes, check: bytes) -> bytes | None:
+             parent_digest: bytes, check: bytes) -> TierWrite:
         """Copies working-pool block ``block_id`` in under ``digest`` (before the pool hands
-        the block to someone else). Returns the digest of an entry dropped to make room."""
+        the block to someone else)."""
         return self._store(digest, token_ids, parent_digest, check,
-                           lambda slot: self._copy_out(block_id, slot), fetched=False)
+                           lambda: self._staging.copy_(self.kv_cache.layers_block(block_id)),
+                           fetched=False)
 
-    def put(self, block: KVBlock) -> bytes | None:
+    def put(self, block: KVBlock) -> TierWrite:
         """Stores a block fetched from another worker, which the caller has checked against
-        its own prefix (``workers.kv_transfer``). Returns the digest of an entry dropped."""
-        def write(slot: int) -> None:
-            self.slab[slot].view(-1).view(torch.uint8).copy_(torch.from_numpy(block.kv))
+        its own prefix (``workers.kv_transfer``)."""
         return self._store(block.digest, block.token_ids, block.parent_digest, block.check,
-                           write, fetched=True)
+                           lambda: np.copyto(self._staged, block.kv),
+                           fetched=True)
 
     def export(self, digest: bytes) -> KVBlock | None:
         """A copy of the block held under ``digest``, for another worker; None if there is
-        none or its bytes fail their CRC-32 (then it is dropped)."""
+        none, or its bytes cannot be read or fail their CRC-32 (then it is dropped)."""
         entry = self._entries.get(digest)
-        if entry is None or not self._intact(entry):
+        if entry is None or not self._read_intact(entry):
             return None
-        kv = self.slab[entry.slot].view(-1).view(torch.uint8).numpy().copy()
-        return KVBlock(digest, entry.token_ids, entry.parent_digest, entry.check, kv, entry.crc)
+        return KVBlock(digest, entry.token_ids, entry.parent_digest, entry.check,
+                       self._staged.copy(), entry.crc)
 
     def _store(self, digest: bytes, token_ids: Sequence[int], parent_digest: bytes,
-               check: bytes, write: Callable[[int], None], fetched: bool) -> bytes | None:
+               check: bytes, stage: Callable[[], object], fetched: bool) -> TierWrite:
+        """Writes the block ``stage`` puts in the staging buffer into a slot, dropping the
+        least recently used entry when none is free. A digest already held is only marked
+        recently used: its bytes on disk are already this prefix's KV."""
+        if digest in self._entries:
+            self._entries.move_to_end(digest)
+            return TierWrite(True, None)
         started = time.perf_counter()
         dropped = None
-        old = self._entries.pop(digest, None)
-        if old is not None:
-            self._free_slots.append(old.slot)
-        elif not self._free_slots:
+        if not self._free_slots:
             dropped, oldest = self._entries.popitem(last=False)
             self._free_slots.append(oldest.slot)
             self.counters.dropped_blocks += 1
         slot = self._free_slots.pop()
-        write(slot)
+        stage()
+        if not self._transfer(os.pwrite, slot, "write"):
+            self._free_slots.append(slot)
+            return TierWrite(False, dropped)
         self._entries[digest] = TierEntry(digest, tuple(token_ids), parent_digest, check, slot,
-                                          self._crc(slot), fetched)
+                                          zlib.crc32(self._staged), fetched)
         self.counters.saved_blocks += 1
         self.counters.bytes_saved += self.block_bytes
         self.counters.save_seconds += time.perf_counter() - started
-        return dropped
+        return TierWrite(True, dropped)
 
     def load(self, entry: TierEntry, block_id: int) -> bool:
         """Copies ``entry`` into working-pool block ``block_id``; False, with the entry
-        dropped, if it is gone or its bytes fail their CRC-32 (the caller computes the
-        tokens instead)."""
+        dropped, if it is gone, or its bytes cannot be read or fail their CRC-32 (the caller
+        computes the tokens instead)."""
         started = time.perf_counter()
-        if self._entries.get(entry.digest) is not entry or not self._intact(entry):
+        if self._entries.get(entry.digest) is not entry or not self._read_intact(entry):
             return False
-        self._copy_in(entry.slot, block_id)
+        self.kv_cache.layers_block(block_id).copy_(self._staging)
         elapsed = time.perf_counter() - started
         counters = self.counters
         counters.loaded_blocks += 1
@@ -211,15 +236,40 @@ class DiskKVTier:
             + (1 - LOAD_COST_SMOOTHING) * counters.load_s_per_block)
         return True
 
-    def _intact(self, entry: TierEntry) -> bool:
-        """Whether ``entry``'s bytes still match their CRC-32; a corrupt entry is dropped."""
-        if self._crc(entry.slot) == entry.crc:
+    def _read_intact(self, entry: TierEntry) -> bool:
+        """Reads ``entry``'s bytes into the staging buffer: whether they arrived and match
+        their CRC-32. An entry that fails either is dropped."""
+        if not self._transfer(_pread, entry.slot, "read"):
+            fault = "could not be read"
+        elif zlib.crc32(self._staged) != entry.crc:
+            fault = "failed its CRC-32"
+            self.counters.corrupt_blocks += 1
+        else:
             return True
-        log.warning("KV tier: block %s failed its CRC-32; dropped and recomputed",
-                    entry.digest.hex()[:16])
-        self.counters.corrupt_blocks += 1
+        log.warning("KV tier: block %s %s; dropped and recomputed", entry.digest.hex()[:16],
+                    fault)
         self.discard(entry.digest)
         return False
+
+    def _transfer(self, call: Callable[[int, memoryview, int], int], slot: int,
+                  action: str) -> bool:
+        """Moves the staging buffer to (``os.pwrite``) or from (:func:`_pread`) ``slot`` of
+        the file, looping over short transfers; False, counted and logged once per kind of
+        fault, if the disk fails the call."""
+        view, offset = memoryview(self._staged), slot * self.block_bytes
+        try:
+            while view:
+                done = call(self._fd, view, offset)
+                view, offset = view[done:], offset + done
+        except OSError as exc:
+            self.counters.io_errors += 1
+            fault = (action, exc.errno)
+            if fault not in self._reported_errors:
+                self._reported_errors.add(fault)
+                log.warning("KV tier: a %s failed (%s); the block is recomputed when needed",
+                            action, exc)
+            return False
+        return True
 
     def discard(self, digest: bytes) -> None:
         """Forgets ``digest`` (its slot is reused)."""
@@ -232,24 +282,23 @@ class DiskKVTier:
         self._entries.clear()
         self._free_slots = list(range(self.num_blocks))
 
-    def _copy_out(self, block_id: int, slot: int) -> None:
-        self.slab[slot].copy_(self.kv_cache.layers_block(block_id))
 
-    def _copy_in(self, slot: int, block_id: int) -> None:
-        self.kv_cache.layers_block(block_id).copy_(self.slab[slot])
+def _pread(fd: int, view: memoryview, offset: int) -> int:
+    """``os.preadv`` into ``view``; an end of file before it is full is an error."""
+    done = os.preadv(fd, [view], offset)
+    if not done:
+        raise OSError(errno.EIO, "the KV tier's file ended early")
+    return done
 
-    def _crc(self, slot: int) -> int:
-        return zlib.crc32(self.slab[slot].view(torch.uint8).numpy())
 
-
-def _mapped_file(directory: str | None, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A ``[numel]`` tensor backed by a new file in ``directory``, its space reserved, the
-    file already unlinked (the mapping keeps it until the process ends)."""
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+def _reserved_file(directory: str | None, nbytes: int) -> int:
+    """A descriptor of a new file in ``directory`` of ``nbytes`` bytes, its space reserved, the
+    file already unlinked (the descriptor keeps it until it is closed)."""
     fd, path = tempfile.mkstemp(prefix="nalar-kv-tier-", suffix=".bin", dir=directory)
     try:
-        os.posix_fallocate(fd, 0, nbytes)
-        return torch.from_file(path, shared=True, size=numel, dtype=dtype)
-    finally:
-        os.close(fd)
         os.unlink(path)
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd

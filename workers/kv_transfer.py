@@ -75,17 +75,17 @@ def export_blocks(pool: BlockPool, kv_cache: PagedKVCache, digests: list[bytes],
 
 def import_blocks(pool: BlockPool, seq: Sequence, first: int, blocks: list[KVBlock]) -> int:
     """Stores ``blocks``, block ``first`` of ``seq``'s prompt onwards, in the second tier after
-    checking each against ``seq``; returns how many were accepted (the first refusal ends the
-    import)."""
+    checking each against ``seq``; returns how many were accepted (the first refusal, or the
+    first block the tier's disk fails to write, ends the import)."""
     accepted = 0
     for index, block in enumerate(blocks, first):
         if not _matches(pool, seq, index, block):
             break
         if pool.cached_block(block.digest) is None:
-            dropped = pool.tier.put(block)
-            pool.tier_gained(block.digest)
-            if dropped is not None:
-                pool.forget_in_tier(dropped)
+            written = pool.tier.put(block)
+            pool.tier_wrote(block.digest, written)
+            if not written.stored:  # the disk failed: counted by the tier
+                break
         accepted += 1
     return accepted
 

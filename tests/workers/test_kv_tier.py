@@ -1,9 +1,9 @@
 """The second KV tier (``workers.kv_tier``) in the engine: blocks evicted from the working pool
 move to a file on disk under the same digest and come back on a hit, with output equal to
 cold in fp32; a corrupt block is recomputed, a full tier drops its oldest, a disk that cannot
-hold the file means no tier, one that fills or turns read-only later does not reach it; and
-the index hears where the worker holds each digest (its pool, its tier), so that replaying the
-events gives exactly the worker's state."""
+hold the file means no tier, one that turns read-only or fails reads later costs recomputes
+(counted), never a request; and the index hears where the worker holds each digest (its pool,
+its tier), so that replaying the events gives exactly the worker's state."""
 
 from __future__ import annotations
 
@@ -99,8 +99,9 @@ def test_a_corrupt_block_on_disk_is_recomputed_never_used(smollm, make_engine, t
     digests = evict_to_tier(engine)
     engine.drain_events()
     tier = engine.pool.tier
-    slot = tier._entries[digests[1]].slot
-    tier.slab[slot].view(-1)[7] += 1.0  # one value flipped on disk
+    offset = tier._entries[digests[1]].slot * tier.block_bytes + 7
+    byte = os.pread(tier._fd, 1, offset)[0]
+    os.pwrite(tier._fd, bytes([byte ^ 0x10]), offset)  # one bit flipped on disk
 
     output, cached, _ = serve(engine, greedy("again", PROMPT, max_tokens=8, ignore_eos=True))
     assert output == reference
@@ -159,29 +160,54 @@ def test_a_disk_that_cannot_hold_the_tier_means_no_tier(smollm, make_engine, tmp
     assert os.listdir(tmp_path if tmp_path.exists() else tmp_path.parent) == []
 
 
-def test_a_disk_that_fills_or_turns_read_only_at_run_time_does_not_reach_the_tier(
-        smollm, make_engine, tmp_path, monkeypatch):
-    """The file is reserved and mapped at start, then only the mapping is touched: with every
-    file call failing from then on (no space, read-only), blocks still spill and come back,
-    output equal to cold."""
-    import builtins
-    import tempfile
+def reopened(fd: int, flags: int) -> int:
+    """Another descriptor of the (unlinked) file ``fd`` names, opened with ``flags``."""
+    return os.open(f"/proc/self/fd/{fd}", flags)
 
+
+def break_disk(tier, flags: int) -> None:
+    """From now on the tier's file answers only what ``flags`` allows: ``os.O_RDONLY`` as a
+    disk remounted read-only does (writes fail), ``os.O_WRONLY`` as one whose reads fail."""
+    broken = reopened(tier._fd, flags)
+    os.dup2(broken, tier._fd)
+    os.close(broken)
+
+
+def test_a_disk_turned_read_only_at_run_time_costs_spills_not_requests(smollm, make_engine,
+                                                                      tmp_path):
     engine = tier_engine(make_engine, smollm, tmp_path)
     request = greedy("again", PROMPT, max_tokens=8, ignore_eos=True)
     reference = cold(engine, request)
+    tier = engine.pool.tier
+    break_disk(tier, os.O_RDONLY)
+    serve(engine, greedy("warm", PROMPT, max_tokens=4, ignore_eos=True))
+    for n, filler in enumerate(FILLERS):
+        serve(engine, greedy(f"filler-{n}", filler, max_tokens=4, ignore_eos=True))
+    assert len(tier) == 0 and tier.counters.saved_blocks == 0
+    assert tier.counters.io_errors > 0  # every eviction tried, and each failure counted
+    assert assert_index_view_is_the_state(engine, engine.drain_events())["tier"] == set()
 
-    def fails(*args, **kwargs):
-        raise OSError(30, "Read-only file system")
+    output, cached, _ = serve(engine, request)
+    assert output == reference and cached == 0
+    engine.pool.check_invariants()
+    assert engine.pool.num_available == POOL_BLOCKS  # nothing leaked
 
-    for module, name in [(os, "open"), (os, "write"), (os, "pwrite"), (os, "posix_fallocate"),
-                         (os, "ftruncate"), (os, "fsync"), (tempfile, "mkstemp"),
-                         (builtins, "open")]:
-        monkeypatch.setattr(module, name, fails)
-    evict_to_tier(engine)
-    output, cached, _ = serve(engine, greedy("again", PROMPT, max_tokens=8, ignore_eos=True))
-    assert output == reference and cached == 4 * BLOCK
-    assert engine.pool.tier.counters.loaded_blocks == 4
+
+def test_a_disk_whose_reads_fail_costs_recomputes_not_requests(smollm, make_engine, tmp_path):
+    engine = tier_engine(make_engine, smollm, tmp_path)
+    request = greedy("again", PROMPT, max_tokens=8, ignore_eos=True)
+    reference = cold(engine, request)
+    digests = evict_to_tier(engine)
+    events = engine.drain_events()
+    tier = engine.pool.tier
+    break_disk(tier, os.O_WRONLY)
+
+    output, cached, _ = serve(engine, request)
+    assert output == reference and cached == 0
+    assert tier.counters.io_errors == 1 and tier.counters.loaded_blocks == 0
+    assert digests[0] not in tier  # the one it tried is dropped; the index hears of it
+    view = assert_index_view_is_the_state(engine, events + engine.drain_events())
+    assert digests[0] not in view["tier"]
     engine.pool.check_invariants()
 
 
