@@ -93,6 +93,25 @@ def test_dequantize_matches_the_reference(path, fmt):
         native.dequantize(weight.data, int(fmt), 9, 96, torch.tensor([9]), PATHS[path])
 
 
+@pytest.mark.parametrize("path", AVAILABLE)
+@pytest.mark.parametrize("fmt", list(WeightFormat))
+def test_dequantizing_to_bf16_rounds_as_torch_rounds_the_float32_weights(path, fmt):
+    """All features (17: two whole groups and a padded one), and a lookup: bit for bit
+    ``.to(torch.bfloat16)`` of the float32 dequantization, which a bf16 prefill multiplied
+    before."""
+    weight = random_stored(fmt, 17, 96, seed=int(fmt) + 1)
+    float32 = native.dequantize(weight.data, int(fmt), 17, 96, None, PATHS[path])
+    bf16 = native.dequantize(weight.data, int(fmt), 17, 96, None, PATHS[path], torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16
+    assert torch.equal(bf16.view(torch.int16), float32.bfloat16().view(torch.int16))
+    rows = torch.tensor([16, 2, 9])
+    looked_up = native.dequantize(weight.data, int(fmt), 17, 96, rows, PATHS[path],
+                                  torch.bfloat16)
+    assert torch.equal(looked_up.view(torch.int16), float32[rows].bfloat16().view(torch.int16))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        native.dequantize(weight.data, int(fmt), 17, 96, None, PATHS[path], torch.float16)
+
+
 @pytest.mark.parametrize("fmt", list(GGUF_TYPES))
 @pytest.mark.parametrize("out_features", [1, 8, 13])
 def test_packing_keeps_every_byte_of_the_gguf_rows(fmt, out_features):

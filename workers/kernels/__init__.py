@@ -170,8 +170,9 @@ def weight_linear() -> ModuleType | None:
     ``x`` ``[M, K]`` float32 or bfloat16 (K a multiple of 32), the stored weight (a GGUF
     format's packed groups ``[ceil(N / 8), group bytes]`` from ``pack(rows, format, K)``, else
     its rows ``[N, row_bytes(format, K)]`` uint8) and a ``[N]`` bias or None, and returns
-    ``[M, N]`` in x's dtype; ``dequantize(weight, format, N, K, rows, path)`` returns the
-    ``[N, K]`` float32 weights it multiplies (or the features ``rows``); ``unpack`` undoes
+    ``[M, N]`` in x's dtype; ``dequantize(weight, format, N, K, rows, path, dtype)`` returns
+    the ``[N, K]`` weights it multiplies (or the features ``rows``) in float32 or bfloat16
+    (rounded to nearest even, as torch rounds); ``unpack`` undoes
     ``pack``; ``paths()`` lists the SIMD paths this build and CPU run, widest first
     (``avx512``, ``avx2``, ``scalar``; ``path`` 0 picks the first, 1-3 force scalar, avx2,
     avx512). They raise RuntimeError for unknown formats, shapes that do not match the format,

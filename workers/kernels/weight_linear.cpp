@@ -19,6 +19,7 @@
 // dequantize-then-multiply reference).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/csrc/utils/pybind.h>
@@ -33,6 +34,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -565,9 +567,21 @@ at::Tensor unpack(at::Tensor packed, int64_t format, int64_t out_features, int64
   return out;
 }
 
-// Every feature of a packed weight as float32 [N, K] into out, a group at a time.
+// `count` float32 values into out as they are, or as bf16 rounded to nearest even (what
+// torch's .to(bfloat16) does, so a bf16 dequantization equals the float32 one converted).
+inline void store_as(const float* src, float* out, int64_t count) {
+  std::copy(src, src + count, out);
+}
+
+inline void store_as(const float* src, at::BFloat16* out, int64_t count) {
+  at::vec::convert(src, out, count);
+}
+
+// Every feature of a packed weight into out [N, K], a group at a time: float32 straight into
+// out, bf16 through a float32 group (K x 8 floats, in L2) converted as it is finished.
+template <typename Out>
 void dequantize_packed(const uint8_t* w, int64_t format, int64_t n, int64_t k, Path path,
-                       float* out) {
+                       Out* out) {
   using BlockFn = void (*)(const uint8_t*, float*, int64_t);
   BlockFn simd = nullptr;
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -579,13 +593,16 @@ void dequantize_packed(const uint8_t* w, int64_t format, int64_t n, int64_t k, P
 #endif
   const int64_t bytes = int8_dot::group_bytes(format, k), blocks = k / kBlock;
   at::parallel_for(0, int8_dot::groups(n), 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> tail;  // the last group's padding features land here, then are dropped
+    std::vector<float> group;  // a group's float32, where it cannot land in out directly
     for (int64_t g = begin; g < end; ++g) {
       const int64_t features = std::min(kGroup, n - g * kGroup);
-      float* dst = out + g * kGroup * k;
-      if (features < kGroup) {
-        tail.resize(kGroup * k);
-        dst = tail.data();
+      float* dst = nullptr;
+      if constexpr (std::is_same_v<Out, float>) {
+        if (features == kGroup) dst = out + g * kGroup * k;
+      }
+      if (dst == nullptr) {
+        group.resize(kGroup * k);  // the last group's padding features land here, then go
+        dst = group.data();
       }
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* gb = w + g * bytes + b * int8_dot::group_block_bytes(format);
@@ -597,65 +614,87 @@ void dequantize_packed(const uint8_t* w, int64_t format, int64_t n, int64_t k, P
           int8_dot::dequantize_block(format, gb, c, dst + c * k + b * kBlock);
         }
       }
-      if (features < kGroup) std::copy(tail.begin(), tail.begin() + features * k, out + g * kGroup * k);
+      if (dst == group.data()) store_as(dst, out + g * kGroup * k, features * k);
     }
   });
 }
 
-// Features `index` [T] of a weight as float32 [T, K] (an embedding lookup).
+// Features `index` [T] of a weight into out [T, K] (an embedding lookup; all features for a
+// per-row format), a feature at a time through a float32 row.
+template <typename Out>
 void dequantize_features(const uint8_t* w, int64_t format, int64_t k, int64_t bytes,
-                         const Kernels& kern, const int64_t* index, int64_t count, float* out) {
+                         const Kernels& kern, const int64_t* index, int64_t count, Out* out) {
   const int64_t blocks = k / kBlock;
   at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> row_buffer(k);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t f = index[i];
-      float* o = out + i * k;
+      float* o = row_buffer.data();
       if (int8_dot::is_gguf(format)) {
         const uint8_t* group = w + f / kGroup * bytes;
         for (int64_t b = 0; b < blocks; ++b) {
           int8_dot::dequantize_block(format, group + b * int8_dot::group_block_bytes(format),
                                      f % kGroup, o + b * kBlock);
         }
-        continue;
+      } else if (format == kF32) {
+        std::memcpy(o, w + f * bytes, 4 * k);
+      } else {
+        const uint8_t* row = w + f * bytes;
+        kern.blocks[format - kInt8Channel](row + row_header_bytes(format), blocks, o);
+        const float scale = row_scale(format, row);
+        if (scale != 1.f) {
+          for (int64_t j = 0; j < k; ++j) o[j] *= scale;
+        }
       }
-      const uint8_t* row = w + f * bytes;
-      if (format == kF32) {
-        std::memcpy(o, row, 4 * k);
-        continue;
-      }
-      kern.blocks[format - kInt8Channel](row + row_header_bytes(format), blocks, o);
-      const float scale = row_scale(format, row);
-      if (scale != 1.f) {
-        for (int64_t j = 0; j < k; ++j) o[j] *= scale;
-      }
+      store_as(o, out + i * k, k);
     }
   });
 }
 
+// The weight (all features, or those in `index`) into out, by groups where the format packs
+// them, else a feature at a time.
+template <typename Out>
+void dequantize_into(const uint8_t* w, int64_t format, int64_t n, int64_t k, int64_t bytes,
+                     int64_t path, const Kernels& kern, const at::Tensor& index, Out* out) {
+  if (!index.defined() && int8_dot::is_gguf(format)) {
+    const Path resolved = path == kBest ? available_paths().front() : static_cast<Path>(path);
+    dequantize_packed(w, format, n, k, resolved, out);
+    return;
+  }
+  const at::Tensor features = index.defined() ? index : at::arange(n, at::kLong);
+  dequantize_features(w, format, k, bytes, kern, features.data_ptr<int64_t>(), features.numel(),
+                      out);
+}
+
 // weight as weight_linear takes it (N output features of K inputs); rows: int64 [T] feature
-// indices (an embedding lookup), or None for all. Returns [N or T, K] float32: the weights as
-// the kernel multiplies them (per-channel int8 rows times their scale).
+// indices (an embedding lookup), or None for all. Returns [N or T, K] of `dtype` (float32, or
+// bfloat16 rounded to nearest even): the weights as the kernel multiplies them (per-channel
+// int8 rows times their scale).
 at::Tensor dequantize(at::Tensor weight, int64_t format, int64_t out_features, int64_t in_features,
-                      c10::optional<at::Tensor> rows, int64_t path) {
+                      c10::optional<at::Tensor> rows, int64_t path, at::ScalarType dtype) {
   check_weight(weight, format, out_features, in_features);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "weights dequantize to float32 or bfloat16, not ", dtype);
   const Kernels kern = kernels_for(static_cast<Path>(path));  // checks the path
   const uint8_t* w = weight.data_ptr<uint8_t>();
-  if (!rows.has_value() && int8_dot::is_gguf(format)) {
-    auto out = at::empty({out_features, in_features}, at::kFloat);
-    const Path resolved = path == kBest ? available_paths().front() : static_cast<Path>(path);
-    dequantize_packed(w, format, out_features, in_features, resolved, out.data_ptr<float>());
-    return out;
+  at::Tensor index;
+  if (rows.has_value()) {
+    index = rows->to(at::kLong).contiguous();
+    const int64_t* features = index.data_ptr<int64_t>();
+    for (int64_t i = 0; i < index.numel(); ++i) {
+      TORCH_CHECK(features[i] >= 0 && features[i] < out_features, "row ", features[i],
+                  " out of range for ", out_features, " features");
+    }
   }
-  const at::Tensor index = rows.has_value() ? rows->to(at::kLong).contiguous()
-                                            : at::arange(out_features, at::kLong);
-  const int64_t* features = index.data_ptr<int64_t>();
-  for (int64_t i = 0; i < index.numel(); ++i) {
-    TORCH_CHECK(features[i] >= 0 && features[i] < out_features, "row ", features[i],
-                " out of range for ", out_features, " features");
+  auto out = at::empty({index.defined() ? index.numel() : out_features, in_features},
+                       at::TensorOptions().dtype(dtype));
+  if (dtype == at::kBFloat16) {
+    dequantize_into(w, format, out_features, in_features, weight.size(1), path, kern, index,
+                    out.data_ptr<at::BFloat16>());
+  } else {
+    dequantize_into(w, format, out_features, in_features, weight.size(1), path, kern, index,
+                    out.data_ptr<float>());
   }
-  auto out = at::empty({index.numel(), in_features}, at::kFloat);
-  dequantize_features(w, format, in_features, weight.size(1), kern, features, index.numel(),
-                      out.data_ptr<float>());
   return out;
 }
 
@@ -675,10 +714,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("has_bf16_pairs", [] { return kernels_for(kBest).bf16_tiles[0][0] != nullptr; },
         "whether bf16 pair products (products=2) run here");
-  m.def("dequantize", &dequantize, "stored weights (all, or the rows asked for) as float32",
+  m.def("dequantize", &dequantize,
+        "stored weights (all, or the rows asked for) as float32 or bfloat16",
         pybind11::arg("weight"), pybind11::arg("format"), pybind11::arg("out_features"),
         pybind11::arg("in_features"), pybind11::arg("rows") = pybind11::none(),
-        pybind11::arg("path") = 0,
+        pybind11::arg("path") = 0, pybind11::arg("dtype") = at::kFloat,
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("pack", &pack, "GGUF rows packed in groups of 8 features for the int8 kernel",
         pybind11::call_guard<pybind11::gil_scoped_release>());

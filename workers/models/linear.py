@@ -249,7 +249,7 @@ class StoredLinear:
             return self._kernel.weight_linear(x, self.weight.data, self._format,
                                               self._out_features, self.bias, 0,
                                               self._products(x))
-        return F.linear(x, self.weight.dequantize().to(x.dtype), self.bias)
+        return F.linear(x, self.weight.dequantize(dtype=x.dtype), self.bias)
 
     def _products(self, x: torch.Tensor) -> int:
         if self._int8:

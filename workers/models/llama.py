@@ -37,7 +37,7 @@ def _fuse(linears: list[nn.Linear], small_batches: bool) -> Linear | StoredLinea
         return StoredLinear(StoredWeight.concat(stored), bias)
     for linear, weight in zip(linears, stored, strict=True):
         if weight is not None:  # mixed formats: back to the plain path for this group
-            linear.weight.data = weight.dequantize().to(linear.weight.dtype)
+            linear.weight.data = weight.dequantize(dtype=linear.weight.dtype)
             linear.stored_weight = None
     weight = torch.cat([linear.weight.data for linear in linears])
     start = 0
@@ -110,7 +110,7 @@ def _embedding(embed: nn.Embedding):
     if stored is None:
         return embed
     dtype = embed.weight.dtype
-    return lambda ids: stored.dequantize(ids).to(dtype)
+    return lambda ids: stored.dequantize(ids, dtype)
 
 
 class LlamaStyleDecoder:

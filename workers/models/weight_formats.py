@@ -147,11 +147,17 @@ class StoredWeight:
     def nbytes(self) -> int:
         return self.data.numel()
 
-    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """``[out_features, in_features]`` float32, or only the output features ``rows``
-        ``[T]`` (an embedding lookup) as ``[T, in_features]``."""
-        return native().dequantize(self.data, int(self.fmt), self.out_features,
-                                   self.in_features, rows)
+    def dequantize(self, rows: torch.Tensor | None = None,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``[out_features, in_features]`` in ``dtype``, or only the output features ``rows``
+        ``[T]`` (an embedding lookup) as ``[T, in_features]``. bfloat16 comes straight from the
+        kernel, rounded as ``.to(torch.bfloat16)`` rounds the float32 weights (a prefill on a
+        bf16 worker then makes no float32 copy of the layer); other dtypes are converted from
+        float32."""
+        native_dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+        weights = native().dequantize(self.data, int(self.fmt), self.out_features,
+                                      self.in_features, rows, 0, native_dtype)
+        return weights.to(dtype)
 
     @classmethod
     def concat(cls, parts: list[StoredWeight]) -> StoredWeight:
