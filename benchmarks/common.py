@@ -251,6 +251,16 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - begin, result
 
 
+def alternating_times(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
+    """Seconds of ``repeats`` calls of each of ``fns``, one of each in turn (so drift in the
+    machine's speed reaches all alike), after one untimed round that warms them up."""
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats + 1):
+        for name, fn in fns.items():
+            samples[name].append(timed(fn)[0])
+    return {name: times[1:] for name, times in samples.items()}
+
+
 def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
     """Median seconds of ``repeats`` calls after ``warmup`` untimed ones."""
     for _ in range(warmup):

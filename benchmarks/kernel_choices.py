@@ -19,6 +19,11 @@
    AVX512-BF16, ``prefill_backend`` in the JSON) reading the cached context in place against
    torch's flash kernel (two calls and a log-sum-exp merge over a gathered copy when there is
    cached context), trials alternating between the two; fastest and median.
+5. Weights kept as stored (Q4_1, as the embedded GGUF holds them; ``workers.models.linear.
+   StoredLinear``), per ``--stored-rows`` row count in the run's dtype: the native kernel
+   streaming them (int8 activations) against dequantizing the layer and multiplying densely
+   (oneDNN, on AMX tiles where the CPU has them), trials alternating: where
+   ``STREAMED_MAX_ROWS`` should lie on this machine.
 
 Writes JSON; ``--quick`` for a smoke run.
 """
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +83,43 @@ def linear_rows(rows: list[int], repeats: int, dtype: torch.dtype) -> dict:
                     lambda x=x, p=small_packed, n=out_features: small.linear(x, p, n, None),
                     repeats) * 1e3
             common.log(f"{name} {count} rows: {results[f'{name}/{count}']}")
+    return results
+
+
+def stored_rows(rows: list[int], repeats: int, dtype: torch.dtype) -> dict:
+    """Milliseconds per matmul over Q4_1 weights (random, quantized by the ``gguf`` package) for
+    each shape and row count: ``streamed_ms`` through the native kernel, ``dense_ms``
+    dequantized to ``dtype`` then ``F.linear``, trials alternating; None where the kernel could
+    not be built."""
+    import gguf
+
+    from workers import kernels
+    from workers.models.weight_formats import StoredWeight, WeightFormat
+
+    native = kernels.weight_linear()
+    if native is None:
+        return {}
+    results = {}
+    for name, (out_features, in_features) in LINEAR_SHAPES.items():
+        values = torch.randn(out_features, in_features).numpy()
+        rows_bytes = torch.from_numpy(gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q4_1))
+        weight = StoredWeight.from_rows(rows_bytes, WeightFormat.Q4_1, in_features)
+
+        def streamed(x, weight=weight, n=out_features):
+            return native.weight_linear(x, weight.data, int(WeightFormat.Q4_1), n, None, 0, 1)
+
+        def dense(x, weight=weight):
+            return F.linear(x, weight.dequantize(dtype=dtype))
+
+        for count in rows:
+            x = torch.randn(count, in_features, dtype=dtype)
+            times = common.alternating_times({"streamed": lambda x=x: streamed(x),
+                                              "dense": lambda x=x: dense(x)}, repeats)
+            entry = {f"{kind}_ms": statistics.median(samples) * 1e3
+                     for kind, samples in times.items()}
+            entry["dense_over_streamed"] = entry["dense_ms"] / entry["streamed_ms"]
+            results[f"{name}/{count}"] = entry
+            common.log(f"stored Q4_1 {name} {count} rows: {entry}")
     return results
 
 
@@ -233,13 +276,11 @@ def _prefill_case(new: int, cached: int, repeats: int) -> dict:
     def attend(name: str) -> torch.Tensor:
         return kernels[name](0, q, k, v, span, cache, HEAD_DIM ** -0.5)
 
-    samples = {name: [] for name in kernels}
-    for _ in range(repeats + 1):  # the first round warms up
-        for name in kernels:
-            samples[name].append(common.timed(lambda name=name: attend(name))[0])
+    samples = common.alternating_times(
+        {name: lambda name=name: attend(name) for name in kernels}, repeats)
     entry = {}
     for name, times in samples.items():
-        times = sorted(times[1:])
+        times = sorted(times)
         entry[f"{name}_min_ms"] = times[0] * 1e3
         entry[f"{name}_median_ms"] = times[len(times) // 2] * 1e3
     difference = attend("native").float() - attend("flash").float()
@@ -256,6 +297,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="decode attention cases, batch x context tokens")
     parser.add_argument("--prefill-cases", default="32+992,256+0,1024+0,4096+0,8000+0,2048+5952",
                         help="prefill attention cases, new tokens + cached tokens")
+    parser.add_argument("--stored-rows", default="16,32,48,64,96,128,192,256,512")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args(argv)
     cases = [tuple(int(n) for n in case.split("x")) for case in args.decode_cases.split(",")]
@@ -264,12 +306,15 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         cases, prefill_cases = [(2, 40)], [(40, 0), (20, 30)]
     rows = [1, 8, 300] if args.quick else [int(r) for r in args.rows.split(",")]
+    stored = [8, 40] if args.quick else [int(r) for r in args.stored_rows.split(",")]
     tokens, repeats = (64, 2) if args.quick else (args.flash_tokens, args.repeats)
     threads = common.set_threads(args.threads)
     dtype = parse_dtype(args.dtype, torch.device("cpu"))
     result = {"benchmark": "kernel_choices", "machine": common.machine_info(dtype),
               "threads": threads, "quick": args.quick, "dtype": str(dtype),
-              "linear": linear_rows(rows, repeats, dtype), "flash": flash_layouts(tokens, repeats),
+              "linear": linear_rows(rows, repeats, dtype),
+              "stored_q4_1": stored_rows(stored, repeats, dtype),
+              "flash": flash_layouts(tokens, repeats),
               "decode_attention": decode_attention(cases, repeats),
               "decode_attention_from_dram": decode_attention_from_dram(
                   *((2, 40, 2) if args.quick else (16, 512, 30)), repeats, dtype),
