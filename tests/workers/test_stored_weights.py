@@ -161,9 +161,9 @@ def test_stored_formats_are_empty_for_a_dense_model(smollm):
 
 def test_each_row_count_takes_the_measured_products(stored_smollm):
     """The rule of ``workers.models.linear``, checked value for value against the kernel's
-    products: a GGUF weight takes int8 products up to 31 rows and a dequantized temporary from
-    32; the LM head streams at any row count; a per-channel int8 weight takes bf16 pairs (bf16
-    x, where the CPU has them) or float32 up to 31 rows."""
+    products: a GGUF weight takes int8 products up to 47 rows and a dequantized temporary from
+    48; the LM head streams at any row count; a per-channel int8 weight takes bf16 pairs (bf16
+    x, where the CPU has them) or float32 up to 47 rows."""
     native = kernels.weight_linear()
     model = stored_smollm.model
     down = model.model.layers[0].mlp.down_proj.stored_weight  # Q4_1, 576 x 1536
@@ -174,10 +174,10 @@ def test_each_row_count_takes_the_measured_products(stored_smollm):
         return native.weight_linear(x, weight.data, int(weight.fmt), weight.out_features, None,
                                     0, kind)
 
-    x = torch.randn(40, down.in_features, generator=g)
-    for rows in (1, 4, 5, 31):
+    x = torch.randn(56, down.in_features, generator=g)
+    for rows in (1, 4, 5, 31, 32, 47):
         assert torch.equal(layer(x[:rows]), products(x[:rows], down, INT8_PRODUCTS))
-    assert torch.equal(layer(x[:32]), F.linear(x[:32], down.dequantize()))
+    assert torch.equal(layer(x[:48]), F.linear(x[:48], down.dequantize()))
     head = model.lm_head.stored_weight  # Q8_0, 49,152 x 576: past DEQUANTIZED_MAX_WEIGHTS
     h = torch.randn(32, head.in_features, generator=g)
     assert torch.equal(StoredLinear(head)(h), products(h, head, INT8_PRODUCTS))

@@ -70,20 +70,26 @@ block) times the stored integers of a GGUF format, packed in groups of 8 output 
 (``workers/kernels/int8_dot.h``); bf16 x times the weights rounded to bf16 (AVX512-BF16's pair
 products, what the dense bf16 model computes)."""
 
-STREAMED_MAX_ROWS = 32
+STREAMED_MAX_ROWS = 48
 """Stored weights: matmuls with fewer rows than this stream the stored weight through the
 native kernel; from here on (a prefill) the layer's weight is dequantized into a temporary and
 the plain kernel runs (oneDNN, on AMX tiles where the CPU has them).
 
-Below it a GGUF format multiplies with int8 activations, as llama.cpp
-does: SmolLM2's Q4_1 gate/up on an AMD EPYC with AVX512-VNNI, 2 threads, 305 against 551 µs
-for dequantize-then-oneDNN at 32 rows. Each row is computed the same way whatever the step's
-row count, so a decode and a verification of draft tokens agree bit for bit. From 128 rows the
-two were within this machine's noise (1,128 against 1,365 µs at 128 rows, 4,468 against 4,765
-at 512, then 1,740 against 1,701 and 4,886 against 5,083 in a second run; a 1,024-token
-prefill 1,209 and 1,191 tokens/s against 1,319 and 1,201), so prefills keep the dense kernel,
-which AMX speeds up. The other formats stream with bf16 pair products where the CPU has
-AVX512-BF16 (878 against 1,362 µs in float32 for the same layer at 16 rows), else in float32.
+Below it a GGUF format multiplies with int8 activations, as llama.cpp does. Each row is
+computed the same way whatever the step's row count, so a decode and a verification of draft
+tokens agree bit for bit. Where the dense kernel overtakes streaming depends on AMX:
+
+- On an Intel Xeon with AMX (``benchmarks/results/xeon-amx/stored-rows-efd69b3/``, SmolLM2's
+  four Q4_1 projections of a layer, bf16): streaming 1.20x (1 thread) and 1.16x (2 threads)
+  faster at 40 rows, dense 1.05x and 1.04x faster at 48, 2x at 128, 3.7x at 512.
+- On an AMD EPYC with AVX512-VNNI and no AMX, 2 threads, for the gate/up projection alone:
+  streaming 305 against 551 µs at 32 rows, and no slower at any count up to 512 (1,128 against
+  1,365 µs at 128 rows, 4,468 against 4,765 at 512, then 1,740 against 1,701 and 4,886 against
+  5,083 in a second run; a 1,024-token prefill 1,209 and 1,191 tokens/s against 1,319 and
+  1,201), so there the threshold costs nothing either way past 48.
+
+The other formats stream with bf16 pair products where the CPU has AVX512-BF16 (878 against
+1,362 µs in float32 for the same layer at 16 rows), else in float32.
 """
 
 DEQUANTIZED_MAX_WEIGHTS = 8 << 20
