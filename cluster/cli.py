@@ -43,8 +43,11 @@ def _serve_parser(commands) -> None:
                                 "and a step's activations)")
     serve_cmd.add_argument("--kv-tier-mib", type=int, default=0,
                            help="second KV tier per worker, MiB: blocks evicted from the KV "
-                                "cache move to a file on local disk and load back on a hit "
-                                "(default 0: off)")
+                                "cache move there and load back on a hit (default 0: off)")
+    serve_cmd.add_argument("--kv-tier-medium", choices=["auto", "host", "disk"],
+                           default="auto",
+                           help="where the second tier keeps blocks (default auto: host "
+                                "memory on a GPU worker, a file on local disk on a CPU one)")
     serve_cmd.add_argument("--kv-tier-dir", default=None,
                            help="directory of the second KV tier's file (default: the "
                                 "system's temporary directory)")

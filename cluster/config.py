@@ -67,7 +67,8 @@ class ClusterConfig(BaseModel):
     512 MiB on a CPU; on CUDA what is left of ``gpu_memory_utilization`` of the device's memory
     after the weights and a step's activations. Workers sharing a GPU (``worker_gpus`` < 1)
     must fit their utilizations in one device. ``kv_tier_mib`` (0: off) gives each worker a
-    second KV tier of that size, a file in ``kv_tier_dir`` (``workers.kv_tier``).
+    second KV tier of that size (``workers.kv_tier``): host memory on a GPU worker, a file in
+    ``kv_tier_dir`` on a CPU worker, or as ``kv_tier_medium`` says (``host``, ``disk``).
 
     ``worker_resources`` are Ray custom resources each worker replica asks for: giving every
     node one unit of a resource (``{"nalar_target": 1}``) places one worker per node.
@@ -133,6 +134,7 @@ class ClusterConfig(BaseModel):
     block_size: int = Field(16, ge=1)
     kv_cache_mib: int | None = Field(None, ge=1)
     kv_tier_mib: int = Field(0, ge=0)
+    kv_tier_medium: Literal["auto", "host", "disk"] = "auto"
     kv_tier_dir: str | None = None
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     max_num_seqs: int = Field(64, ge=1)
@@ -249,7 +251,8 @@ class ClusterConfig(BaseModel):
             model=self.model, dtype=self.dtype, device=self.device,
             quantization=self.quantization, block_size=self.block_size,
             kv_cache_bytes=None if self.kv_cache_mib is None else self.kv_cache_mib * MiB,
-            kv_tier_bytes=self.kv_tier_mib * MiB, kv_tier_dir=self.kv_tier_dir,
+            kv_tier_bytes=self.kv_tier_mib * MiB, kv_tier_medium=self.kv_tier_medium,
+            kv_tier_dir=self.kv_tier_dir,
             gpu_memory_utilization=self.gpu_memory_utilization, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_partial_prefills=self.max_num_partial_prefills,

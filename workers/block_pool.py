@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from contract.kv_events import KVEvent, Medium
-from workers.kv_tier import DiskKVTier, TierWrite
+from workers.kv_tier import KVTier, TierWrite
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -92,7 +92,7 @@ class BlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._by_digest: dict[bytes, int] = {}
         self._events: list[KVEvent] = []
-        self.tier: DiskKVTier | None = None
+        self.tier: KVTier | None = None
         """The second tier evicted blocks move to (set by the engine); None: they are lost."""
 
     @property

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from workers.speculative.config import SpeculativeConfig
 
@@ -28,6 +29,9 @@ class EngineConfig:
         kv_tier_bytes: size of the second KV tier, in bytes: a file on local disk that blocks
             evicted from the KV cache move to (``workers.kv_tier``); 0 (the default) turns it
             off.
+        kv_tier_medium: where the second tier keeps blocks: ``host`` (memory, page-locked on
+            CUDA), ``disk`` (a file) or ``auto`` (the default: host memory on a GPU worker, a
+            file on a CPU worker).
         kv_tier_dir: where the second tier's file is made; None: the system's temporary
             directory.
         gpu_memory_utilization: on CUDA with an automatic KV budget, the fraction of the
@@ -71,6 +75,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_bytes: int | None = None
     kv_tier_bytes: int = 0
+    kv_tier_medium: Literal["auto", "host", "disk"] = "auto"
     kv_tier_dir: str | None = None
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64

@@ -33,7 +33,7 @@ from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
 from workers.kv_budget import kv_cache_budget
 from workers.kv_cache import PagedKVCache
-from workers.kv_tier import DiskKVTier
+from workers.kv_tier import FileSlots, HostSlots, KVTier
 from workers.kv_transfer import TransferCounters, export_blocks, import_blocks
 from workers.lora.adapter import BaseShapes
 from workers.lora.registry import AdapterRegistry
@@ -575,18 +575,37 @@ class LLMEngine:
         return ids
 
 
-def _second_tier(config: EngineConfig, kv_cache: PagedKVCache) -> DiskKVTier | None:
-    """The second KV tier ``config`` asks for; None when off, or when its file cannot be made
-    (a read-only or full disk: the worker serves without it, and says so)."""
+def _second_tier(config: EngineConfig, kv_cache: PagedKVCache) -> KVTier | None:
+    """The second KV tier ``config`` asks for; None when off, or when its store cannot be had
+    (a read-only or full disk, too little host memory: the worker serves without it, and says
+    so)."""
     num_blocks = config.kv_tier_bytes // kv_cache.block_bytes
     if num_blocks < 1:
         return None
+    device = kv_cache.keys[0].device
+    medium = tier_medium(config.kv_tier_medium, device)
     try:
-        return DiskKVTier(kv_cache, num_blocks, config.kv_tier_dir)
-    except OSError as exc:
-        log.warning("no second KV tier: its %d-byte file in %s could not be made (%s)",
-                    config.kv_tier_bytes, config.kv_tier_dir or "the temporary directory", exc)
+        if medium == "host":
+            slots = HostSlots(num_blocks, kv_cache.block_bytes, pinned=device.type == "cuda")
+        else:
+            slots = FileSlots(num_blocks, kv_cache.block_bytes, config.kv_tier_dir)
+    except (OSError, RuntimeError) as exc:
+        where = ("host memory" if medium == "host"
+                 else f"a file in {config.kv_tier_dir or 'the temporary directory'}")
+        log.warning("no second KV tier: its %d bytes of %s could not be had (%s)",
+                    config.kv_tier_bytes, where, exc)
         return None
+    log.info("second KV tier: %d blocks in %s", num_blocks, medium)
+    return KVTier(kv_cache, slots)
+
+
+def tier_medium(asked: str, device: torch.device) -> str:
+    """Where the second tier keeps blocks: ``asked`` (``host`` or ``disk``), or for ``auto``
+    host memory beside a GPU's KV cache and a file on disk beside a CPU's (whose KV cache
+    already is host memory)."""
+    if asked != "auto":
+        return asked
+    return "host" if device.type == "cuda" else "disk"
 
 
 def _pairs(batch: ScheduledBatch):

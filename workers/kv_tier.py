@@ -1,10 +1,12 @@
 """A worker's second KV tier: cached blocks evicted from the working pool, kept under the same
-digest in a bounded store on local disk, least recently used dropped first.
+digest in a bounded store, least recently used dropped first.
 
 The idea is vLLM's KV offloading connector and SGLang's HiCache: eviction from the working
-pool need not lose a prefix. On a GPU worker the second tier would be host memory; a CPU
-worker's working pool already is host memory, so its second tier is a file on local disk (the
-kernel's page cache keeps the hot part in RAM, the rest on disk).
+pool need not lose a prefix. Where the blocks go (:class:`HostSlots`, :class:`FileSlots`)
+follows the worker's device: a GPU worker keeps them in host memory, page-locked so that a
+block's copy to and from the device is direct; a CPU worker, whose working pool already is
+host memory, keeps them in a file on local disk (the kernel's page cache keeps the hot part in
+RAM, the rest on disk). ``--kv-tier-medium`` chooses otherwise.
 
 A hit here is never taken on the digest alone. An entry keeps the block's tokens, the digest its
 chain extends, a check of the whole token prefix it was computed after (a second hash chain,
@@ -116,34 +118,92 @@ class TierWrite(NamedTuple):
     dropped: bytes | None
 
 
-class DiskKVTier:
-    """A bounded, file-backed store of KV blocks, keyed by digest.
+class HostSlots:
+    """Block slots in host memory: a GPU worker's second tier.
 
     Args:
-        kv_cache: the working pool's KV tensors, which blocks are copied from and to.
-        num_blocks: blocks the tier holds.
+        num_blocks: slots.
+        block_bytes: bytes of one block.
+        pinned: page-lock the memory (where CUDA is), so that copies to and from the device
+            need no bounce buffer.
+
+    Raises:
+        RuntimeError: the memory cannot be had: the caller runs without a second tier.
+    """
+
+    medium = "host"
+
+    def __init__(self, num_blocks: int, block_bytes: int, pinned: bool = False):
+        self.num_blocks, self.block_bytes = num_blocks, block_bytes
+        self._slab = torch.empty((num_blocks, block_bytes), dtype=torch.uint8,
+                                 pin_memory=pinned).numpy()
+
+    def write(self, slot: int, data: memoryview) -> None:
+        """Stores ``data`` (one block's bytes) in ``slot``."""
+        self._slab[slot] = np.frombuffer(data, dtype=np.uint8)
+
+    def read(self, slot: int, out: memoryview) -> None:
+        """Copies ``slot``'s bytes into ``out``."""
+        np.frombuffer(out, dtype=np.uint8)[:] = self._slab[slot]
+
+
+class FileSlots:
+    """Block slots in a file on local disk, preallocated and already unlinked: a CPU worker's
+    second tier.
+
+    Args:
+        num_blocks: slots.
+        block_bytes: bytes of one block.
         directory: where the file is made; None uses the system's temporary directory.
 
     Raises:
         OSError: the file cannot be made or its space reserved (read-only directory, full
-            disk): the caller runs without a second tier.
+            disk), when made; a read or write the disk fails, later.
     """
 
-    def __init__(self, kv_cache: PagedKVCache, num_blocks: int, directory: str | None = None):
-        if num_blocks < 1:
+    medium = "disk"
+
+    def __init__(self, num_blocks: int, block_bytes: int, directory: str | None = None):
+        self.num_blocks, self.block_bytes = num_blocks, block_bytes
+        self._fd = _reserved_file(directory, num_blocks * block_bytes)
+        weakref.finalize(self, os.close, self._fd)
+
+    def write(self, slot: int, data: memoryview) -> None:
+        """Stores ``data`` (one block's bytes) in ``slot``, looping over short writes."""
+        _whole(os.pwrite, self._fd, data, slot * self.block_bytes)
+
+    def read(self, slot: int, out: memoryview) -> None:
+        """Reads ``slot``'s bytes into ``out``, looping over short reads."""
+        _whole(_pread, self._fd, out, slot * self.block_bytes)
+
+
+class KVTier:
+    """A bounded store of KV blocks, keyed by digest, in ``slots``.
+
+    Args:
+        kv_cache: the working pool's KV tensors, which blocks are copied from and to.
+        slots: where the blocks' bytes are kept (:class:`HostSlots` or :class:`FileSlots`),
+            ``kv_cache.block_bytes`` each.
+    """
+
+    def __init__(self, kv_cache: PagedKVCache, slots: HostSlots | FileSlots):
+        if slots.num_blocks < 1:
             raise ValueError("a second KV tier needs room for at least one block")
         self.kv_cache = kv_cache
-        self.num_blocks = num_blocks
+        self.slots = slots
+        self.num_blocks = slots.num_blocks
         layers = len(kv_cache.keys)
         heads, _, head_dim = kv_cache.keys[0].shape
         self._staging = torch.empty((layers, 2, heads, kv_cache.block_size, head_dim),
-                                    dtype=kv_cache.keys[0].dtype)
+                                    dtype=kv_cache.keys[0].dtype,
+                                    pin_memory=kv_cache.keys[0].device.type == "cuda")
         self._staged = self._staging.view(-1).view(torch.uint8).numpy()
         self.block_bytes = self._staged.nbytes
-        self._fd = _reserved_file(directory, num_blocks * self.block_bytes)
-        weakref.finalize(self, os.close, self._fd)
+        if self.block_bytes != slots.block_bytes:
+            raise ValueError(f"slots of {slots.block_bytes} bytes for blocks of "
+                             f"{self.block_bytes}")
         self._entries: OrderedDict[bytes, TierEntry] = OrderedDict()  # oldest first
-        self._free_slots = list(range(num_blocks))
+        self._free_slots = list(range(self.num_blocks))
         self._reported_errors: set[tuple[str, int | None]] = set()
         self.counters = TierCounters()
 
@@ -208,7 +268,7 @@ class DiskKVTier:
             self.counters.dropped_blocks += 1
         slot = self._free_slots.pop()
         stage()
-        if not self._transfer(os.pwrite, slot, "write"):
+        if not self._transfer(self.slots.write, slot, "write"):
             self._free_slots.append(slot)
             return TierWrite(False, dropped)
         self._entries[digest] = TierEntry(digest, tuple(token_ids), parent_digest, check, slot,
@@ -239,7 +299,7 @@ class DiskKVTier:
     def _read_intact(self, entry: TierEntry) -> bool:
         """Reads ``entry``'s bytes into the staging buffer: whether they arrived and match
         their CRC-32. An entry that fails either is dropped."""
-        if not self._transfer(_pread, entry.slot, "read"):
+        if not self._transfer(self.slots.read, entry.slot, "read"):
             fault = "could not be read"
         elif zlib.crc32(self._staged) != entry.crc:
             fault = "failed its CRC-32"
@@ -251,16 +311,12 @@ class DiskKVTier:
         self.discard(entry.digest)
         return False
 
-    def _transfer(self, call: Callable[[int, memoryview, int], int], slot: int,
+    def _transfer(self, move: Callable[[int, memoryview], None], slot: int,
                   action: str) -> bool:
-        """Moves the staging buffer to (``os.pwrite``) or from (:func:`_pread`) ``slot`` of
-        the file, looping over short transfers; False, counted and logged once per kind of
-        fault, if the disk fails the call."""
-        view, offset = memoryview(self._staged), slot * self.block_bytes
+        """Moves the staging buffer to (``slots.write``) or from (``slots.read``) ``slot``;
+        False, counted and logged once per kind of fault, if the disk fails the call."""
         try:
-            while view:
-                done = call(self._fd, view, offset)
-                view, offset = view[done:], offset + done
+            move(slot, memoryview(self._staged))
         except OSError as exc:
             self.counters.io_errors += 1
             fault = (action, exc.errno)
@@ -281,6 +337,14 @@ class DiskKVTier:
         """Forgets every block."""
         self._entries.clear()
         self._free_slots = list(range(self.num_blocks))
+
+
+def _whole(call: Callable[[int, memoryview, int], int], fd: int, view: memoryview,
+           offset: int) -> None:
+    """``call`` (``os.pwrite`` or :func:`_pread`) until all of ``view`` is moved."""
+    while view:
+        done = call(fd, view, offset)
+        view, offset = view[done:], offset + done
 
 
 def _pread(fd: int, view: memoryview, offset: int) -> int:

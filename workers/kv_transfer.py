@@ -60,7 +60,7 @@ def export_blocks(pool: BlockPool, kv_cache: PagedKVCache, digests: list[bytes],
     for digest in digests[:MAX_EXPORT_BLOCKS]:
         block = pool.cached_block(digest)
         if block is not None:
-            kv = block_kv(kv_cache, block.block_id).view(-1).view(torch.uint8).numpy()
+            kv = block_kv(kv_cache, block.block_id).view(-1).view(torch.uint8).cpu().numpy()
             exported.append(KVBlock(digest, block.token_ids, block.parent_digest, block.check,
                                     kv, zlib.crc32(kv)))
             continue
@@ -91,7 +91,8 @@ def import_blocks(pool: BlockPool, seq: Sequence, first: int, blocks: list[KVBlo
 
 
 def block_kv(kv_cache: PagedKVCache, block_id: int) -> torch.Tensor:
-    """A copy of one block's KV: ``[layers, 2, kv_heads, block_size, head_dim]``."""
+    """A copy of one block's KV: ``[layers, 2, kv_heads, block_size, head_dim]``, on the
+    cache's device (the export moves it to host memory, where Ray's object store takes it)."""
     return kv_cache.layers_block(block_id).clone()
 
 

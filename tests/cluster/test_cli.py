@@ -81,6 +81,16 @@ def test_quantization_flag_reaches_the_config():
         config("--quantization", "q3_k")
 
 
+def test_kv_tier_medium_flag_reaches_the_engine():
+    def engine(*argv: str):
+        return serve_config(build_parser().parse_args(["serve", *argv])).engine_config()
+
+    assert engine().kv_tier_medium == "auto"
+    assert engine("--kv-tier-medium", "host").kv_tier_medium == "host"
+    with pytest.raises(SystemExit):
+        engine("--kv-tier-medium", "tape")
+
+
 def test_step_time_target_flag_reaches_the_engine_in_seconds():
     def engine(*argv: str):
         return serve_config(build_parser().parse_args(["serve", *argv])).engine_config()

@@ -38,5 +38,8 @@ def test_the_second_kv_tier_is_off_by_default_and_sized_in_mib():
     engine = ClusterConfig(kv_tier_mib=64, kv_tier_dir="/var/tmp",
                            namespace_secret="s").engine_config()
     assert (engine.kv_tier_bytes, engine.kv_tier_dir) == (64 << 20, "/var/tmp")
+    assert engine.kv_tier_medium == "auto"
     with pytest.raises(ValueError, match="kv_tier_mib"):
         ClusterConfig(kv_tier_mib=-1, namespace_secret="s")
+    with pytest.raises(ValueError, match="kv_tier_medium"):
+        ClusterConfig(kv_tier_medium="tape", namespace_secret="s")

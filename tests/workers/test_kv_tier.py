@@ -1,9 +1,9 @@
 """The second KV tier (``workers.kv_tier``) in the engine: blocks evicted from the working pool
-move to a file on disk under the same digest and come back on a hit, with output equal to
-cold in fp32; a corrupt block is recomputed, a full tier drops its oldest, a disk that cannot
-hold the file means no tier, one that turns read-only or fails reads later costs recomputes
-(counted), never a request; and the index hears where the worker holds each digest (its pool,
-its tier), so that replaying the events gives exactly the worker's state."""
+move to a file on disk (or host memory) under the same digest and come back on a hit, with
+output equal to cold in fp32; a corrupt block is recomputed, a full tier drops its oldest, a
+disk that cannot hold the file means no tier, one that turns read-only or fails reads later
+costs recomputes (counted), never a request; and the index hears where the worker holds each
+digest (its pool, its tier), so that replaying the events gives exactly the worker's state."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ import dataclasses
 import os
 
 import pytest
+import torch
 from helpers import cold, greedy, output_ids, random_prompt, serve
 
 from contract.identity import CacheNamespace, block_digests
 from contract.kv_events import KVEvent
+from workers.engine import tier_medium
 from workers.kv_cache import PagedKVCache
 
 BLOCK = 16
@@ -23,10 +25,11 @@ PROMPT = random_prompt(seed=1, length=4 * BLOCK + 6, vocab=5000)  # 4 full block
 FILLERS = [random_prompt(seed=s, length=5 * BLOCK, vocab=5000) for s in (2, 3, 4)]
 
 
-def tier_engine(make_engine, smollm, tmp_path, tier_blocks: int = 32, **overrides):
+def tier_engine(make_engine, smollm, tmp_path, tier_blocks: int = 32, medium: str = "disk",
+                **overrides):
     per_block = PagedKVCache.bytes_per_block(smollm.model.config, BLOCK, smollm.dtype)
     return make_engine(smollm, num_blocks=POOL_BLOCKS, kv_tier_bytes=tier_blocks * per_block,
-                       kv_tier_dir=str(tmp_path), **overrides)
+                       kv_tier_medium=medium, kv_tier_dir=str(tmp_path), **overrides)
 
 
 def evict_to_tier(engine) -> list[bytes]:
@@ -70,9 +73,12 @@ def assert_index_view_is_the_state(engine, events: list[KVEvent]) -> dict[str, s
     return view
 
 
-def test_an_evicted_prefix_comes_back_from_disk_and_output_equals_cold(smollm, make_engine,
-                                                                       tmp_path):
-    engine = tier_engine(make_engine, smollm, tmp_path)
+@pytest.mark.parametrize("medium", ["disk", "host"])
+def test_an_evicted_prefix_comes_back_from_the_tier_and_output_equals_cold(
+        smollm, make_engine, tmp_path, medium):
+    engine = tier_engine(make_engine, smollm, tmp_path, medium=medium)
+    assert engine.pool.tier.slots.medium == medium
+    assert os.listdir(tmp_path) == []  # a file tier's file is unlinked; a host tier has none
     request = greedy("again", PROMPT, max_tokens=8, ignore_eos=True)
     reference = cold(engine, request)
     digests = evict_to_tier(engine)
@@ -93,15 +99,26 @@ def test_an_evicted_prefix_comes_back_from_disk_and_output_equals_cold(smollm, m
     engine.pool.check_invariants()
 
 
-def test_a_corrupt_block_on_disk_is_recomputed_never_used(smollm, make_engine, tmp_path):
-    engine = tier_engine(make_engine, smollm, tmp_path)
+def flip_stored_bit(tier, digest: bytes, offset: int) -> None:
+    """Flips one bit of ``digest``'s stored bytes, where the tier keeps them."""
+    slot = tier._entries[digest].slot
+    if tier.slots.medium == "host":
+        tier.slots._slab[slot, offset] ^= 0x10
+        return
+    offset += slot * tier.block_bytes
+    byte = os.pread(tier.slots._fd, 1, offset)[0]
+    os.pwrite(tier.slots._fd, bytes([byte ^ 0x10]), offset)
+
+
+@pytest.mark.parametrize("medium", ["disk", "host"])
+def test_a_corrupt_stored_block_is_recomputed_never_used(smollm, make_engine, tmp_path,
+                                                         medium):
+    engine = tier_engine(make_engine, smollm, tmp_path, medium=medium)
     reference = cold(engine, greedy("ref", PROMPT, max_tokens=8, ignore_eos=True))
     digests = evict_to_tier(engine)
     engine.drain_events()
     tier = engine.pool.tier
-    offset = tier._entries[digests[1]].slot * tier.block_bytes + 7
-    byte = os.pread(tier._fd, 1, offset)[0]
-    os.pwrite(tier._fd, bytes([byte ^ 0x10]), offset)  # one bit flipped on disk
+    flip_stored_bit(tier, digests[1], 7)
 
     output, cached, _ = serve(engine, greedy("again", PROMPT, max_tokens=8, ignore_eos=True))
     assert output == reference
@@ -143,6 +160,13 @@ def test_another_namespace_never_hits_the_tier(smollm, make_engine, tmp_path):
     assert cached == 0
 
 
+def test_the_tier_medium_follows_the_device_unless_asked():
+    assert tier_medium("auto", torch.device("cuda", 0)) == "host"
+    assert tier_medium("auto", torch.device("cpu")) == "disk"
+    assert tier_medium("host", torch.device("cpu")) == "host"
+    assert tier_medium("disk", torch.device("cuda", 0)) == "disk"
+
+
 @pytest.mark.parametrize("fault", ["missing directory", "disk full"])
 def test_a_disk_that_cannot_hold_the_tier_means_no_tier(smollm, make_engine, tmp_path,
                                                         monkeypatch, caplog, fault):
@@ -168,8 +192,8 @@ def reopened(fd: int, flags: int) -> int:
 def break_disk(tier, flags: int) -> None:
     """From now on the tier's file answers only what ``flags`` allows: ``os.O_RDONLY`` as a
     disk remounted read-only does (writes fail), ``os.O_WRONLY`` as one whose reads fail."""
-    broken = reopened(tier._fd, flags)
-    os.dup2(broken, tier._fd)
+    broken = reopened(tier.slots._fd, flags)
+    os.dup2(broken, tier.slots._fd)
     os.close(broken)
 
 
