@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
+from workers import huge_pages
+
 
 class PagedKVCache:
     """Per layer, a key and a value tensor of shape
@@ -35,8 +37,10 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.scratch_block = num_blocks
-        self._all = torch.zeros((num_layers, 2, num_kv_heads, (num_blocks + 1) * block_size,
+        self._all = torch.empty((num_layers, 2, num_kv_heads, (num_blocks + 1) * block_size,
                                  head_dim), dtype=dtype, device=device)
+        huge_pages.advise(self._all, collapse=False)  # before the pages exist: huge as made
+        self._all.zero_()
         self.keys = list(self._all[:, 0].unbind(0))  # each [kv_heads, slots, head_dim]
         self.values = list(self._all[:, 1].unbind(0))
 

@@ -9,9 +9,12 @@ of vocabulary logits, not 1,024.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from transformers import PreTrainedModel
 
+from workers import huge_pages
 from workers.attention.kernel_choice import (
     FLASH_PREFILL,
     NATIVE_DECODE,
@@ -27,6 +30,8 @@ from workers.models import compact_model_for
 from workers.models.linear import linear_kernel, packs_small_batches, stored_kernel
 from workers.scheduler import ScheduledBatch
 from workers.stored_weights import stored_formats
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -59,6 +64,9 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = model.device
         self._compact = compact_model_for(model)
+        # The weights in every form a step reads them, on 2 MiB pages (workers.huge_pages).
+        advised = huge_pages.advise_all(huge_pages.tensors_of((model, self._compact)))
+        log.info("weights: %.0f MiB asked onto huge pages", advised / 2**20)
         self.implementation = "compact" if self._compact is not None else "transformers"
         self.linear_kernel = self._linear_kernel(model)
         head_dim = kv_cache.keys[0].shape[-1]

@@ -1,0 +1,103 @@
+"""Backs the large tensors a decode step streams (the weights, the KV cache) with 2 MiB pages.
+
+A decode step reads every weight once, and attention reads each sequence's KV blocks. On 4 KiB
+pages that is a TLB miss every 4 KiB, and under a hypervisor each miss walks two page tables:
+on a KVM guest with AMX, one thread summed 256 MiB of bf16 at 8.4 GB/s on 4 KiB pages and at
+15.8 GB/s on 2 MiB pages (a throwaway loop); the step profiles in docs/performance.md measure
+what it gives a step. Linux's transparent huge pages give those pages without reserving any,
+but where they are set to ``madvise`` (Ubuntu's and Debian's default) only to memory that asks:
+``madvise(MADV_HUGEPAGE)`` marks a range, and ``MADV_COLLAPSE`` (Linux 6.1) turns the pages it
+already has into huge ones now rather than whenever ``khugepaged`` gets to them. Where they are
+``always`` this changes nothing; where ``never``, or off Linux, the calls fail and nothing
+changes either.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import logging
+import sys
+from collections.abc import Iterable, Iterator
+
+import torch
+
+log = logging.getLogger(__name__)
+
+HUGE_PAGE = 2 << 20
+"""Bytes of an x86-64 (and arm64 4K-granule) transparent huge page."""
+MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25
+"""``madvise`` advice values from Linux's ``mman-common.h``."""
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+def advise(tensor: torch.Tensor, collapse: bool = True) -> int:
+    """Asks for huge pages under the whole 2 MiB pages inside ``tensor``'s storage, and with
+    ``collapse`` for the pages it already has to become huge now. Only a strided CPU tensor
+    of at least one huge page is touched.
+
+    Returns:
+        the bytes advised (0 where nothing was, or the kernel refused: nothing changes then).
+    """
+    libc = _libc()
+    if (libc is None or tensor.device.type != "cpu" or tensor.layout != torch.strided
+            or tensor.is_mkldnn):
+        return 0
+    storage = tensor.untyped_storage()
+    start = storage.data_ptr()
+    first = -(-start // HUGE_PAGE) * HUGE_PAGE
+    last = (start + storage.nbytes()) // HUGE_PAGE * HUGE_PAGE
+    if last <= first:
+        return 0
+    span = ctypes.c_size_t(last - first)
+    if libc.madvise(ctypes.c_void_p(first), span, MADV_HUGEPAGE) != 0:
+        log.debug("madvise(MADV_HUGEPAGE) refused (errno %d)", ctypes.get_errno())
+        return 0
+    if collapse and libc.madvise(ctypes.c_void_p(first), span, MADV_COLLAPSE) != 0:
+        log.debug("madvise(MADV_COLLAPSE) refused (errno %d)", ctypes.get_errno())
+    return last - first
+
+
+def advise_all(tensors: Iterable[torch.Tensor]) -> int:
+    """:func:`advise` over ``tensors``, each storage once; the bytes advised in all."""
+    seen: set[int] = set()
+    advised = 0
+    for tensor in tensors:
+        if tensor.layout != torch.strided or tensor.is_mkldnn:
+            continue
+        key = tensor.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            advised += advise(tensor)
+    return advised
+
+
+def tensors_of(root: object) -> Iterator[torch.Tensor]:
+    """Every tensor held by ``root`` (a torch module, or one of our model wrappers) through
+    its attributes, lists, tuples and dicts: the weights in every form a step reads them
+    (parameters, stored bytes, packed copies)."""
+    stack, seen = [root], set()
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            yield obj
+            continue
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.nn.Module):
+            stack.extend(obj.parameters())
+            stack.extend(obj.buffers())
+        elif isinstance(obj, list | tuple):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif type(obj).__module__.startswith("workers."):
+            stack.extend(vars(obj).values() if hasattr(obj, "__dict__") else ())
