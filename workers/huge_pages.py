@@ -79,19 +79,56 @@ def advise_all(tensors: Iterable[torch.Tensor]) -> int:
     return advised
 
 
-def tensors_of(root: object) -> Iterator[torch.Tensor]:
-    """Every tensor held by ``root`` (a torch module, or one of our model wrappers) through
-    its attributes, lists, tuples and dicts: the weights in every form a step reads them
-    (parameters, stored bytes, packed copies)."""
+ARENA_CHUNK = 64 << 20
+"""Bytes a :class:`WeightArena` takes from the system at a time (more for a larger tensor)."""
+
+
+class WeightArena:
+    """Copies of tensors packed one after another into chunks on huge pages, for weights made
+    as many allocations of under 2 MiB each (a layer's projections), which :func:`advise`
+    cannot help: no whole huge page lies inside any of them. A chunk lives while any copy in
+    it does."""
+
+    def __init__(self, chunk_bytes: int = ARENA_CHUNK):
+        self._chunk_bytes = chunk_bytes
+        self._chunk: torch.Tensor | None = None
+        self._used = 0
+
+    def place(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A contiguous copy of ``tensor`` (same dtype and shape) in the arena, 64-byte
+        aligned."""
+        nbytes = tensor.numel() * tensor.element_size()
+        size = -(-nbytes // 64) * 64
+        if self._chunk is None or self._used + size > self._chunk.numel():
+            self._chunk = _huge_empty(max(self._chunk_bytes, size))
+            self._used = 0
+        block = self._chunk[self._used:self._used + nbytes]
+        self._used += size
+        return block.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+
+
+def _huge_empty(nbytes: int) -> torch.Tensor:
+    """``[nbytes]`` uint8 starting on a 2 MiB boundary, asked onto huge pages before any of its
+    pages exist (so the kernel makes them huge as they are first touched)."""
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    advise(raw, collapse=False)
+    start = -raw.data_ptr() % HUGE_PAGE
+    return raw[start:start + nbytes]
+
+
+def objects_of(root: object) -> Iterator[object]:
+    """Every object held by ``root`` (a torch module, or one of our model wrappers) through
+    its attributes, lists, tuples and dicts, ``root`` included, each once; a module's own
+    parameters and buffers, not its submodules' attributes."""
     stack, seen = [root], set()
     while stack:
         obj = stack.pop()
-        if isinstance(obj, torch.Tensor):
-            yield obj
-            continue
         if id(obj) in seen:
             continue
         seen.add(id(obj))
+        yield obj
+        if isinstance(obj, torch.Tensor):
+            continue
         if isinstance(obj, torch.nn.Module):
             stack.extend(obj.parameters())
             stack.extend(obj.buffers())
@@ -99,5 +136,11 @@ def tensors_of(root: object) -> Iterator[torch.Tensor]:
             stack.extend(obj)
         elif isinstance(obj, dict):
             stack.extend(obj.values())
-        elif type(obj).__module__.startswith("workers."):
-            stack.extend(vars(obj).values() if hasattr(obj, "__dict__") else ())
+        elif type(obj).__module__.startswith("workers.") and hasattr(obj, "__dict__"):
+            stack.extend(vars(obj).values())
+
+
+def tensors_of(root: object) -> Iterator[torch.Tensor]:
+    """Every tensor held by ``root`` (:func:`objects_of`): the weights in every form a step
+    reads them (parameters, stored bytes, packed copies)."""
+    return (obj for obj in objects_of(root) if isinstance(obj, torch.Tensor))

@@ -27,7 +27,13 @@ from workers.attention.transformers_adapter import ATTN_IMPLEMENTATION
 from workers.kv_cache import PagedKVCache
 from workers.lora.batch import LoraBatch
 from workers.models import compact_model_for
-from workers.models.linear import linear_kernel, packs_small_batches, stored_kernel
+from workers.models.linear import (
+    Linear,
+    StoredLinear,
+    linear_kernel,
+    packs_small_batches,
+    stored_kernel,
+)
 from workers.scheduler import ScheduledBatch
 from workers.stored_weights import stored_formats
 
@@ -65,8 +71,10 @@ class ModelRunner:
         self.device = model.device
         self._compact = compact_model_for(model)
         # The weights in every form a step reads them, on 2 MiB pages (workers.huge_pages).
+        placed = _place_streamed_weights(self._compact)
         advised = huge_pages.advise_all(huge_pages.tensors_of((model, self._compact)))
-        log.info("weights: %.0f MiB asked onto huge pages", advised / 2**20)
+        log.info("weights: %.0f MiB moved and %.0f MiB asked onto huge pages", placed / 2**20,
+                 advised / 2**20)
         self.implementation = "compact" if self._compact is not None else "transformers"
         self.linear_kernel = self._linear_kernel(model)
         head_dim = kv_cache.keys[0].shape[-1]
@@ -143,3 +151,21 @@ class ModelRunner:
         output = self.model(input_ids=ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
                             use_cache=False, logits_to_keep=sample_index, paged=metadata)
         return output.logits[0].float()
+
+
+def _place_streamed_weights(decoder: object) -> int:
+    """Moves the weights a decode step streams (stored weights, small-batch packed copies)
+    into one :class:`~workers.huge_pages.WeightArena`: each is an allocation of a few MiB at
+    most, which huge pages cannot otherwise reach. Returns the bytes moved (0 without a
+    compact decoder)."""
+    if decoder is None:
+        return 0
+    arena, moved = huge_pages.WeightArena(), 0
+    for obj in list(huge_pages.objects_of(decoder)):
+        if isinstance(obj, StoredLinear):
+            obj.weight.rehome(arena.place(obj.weight.data))
+            moved += obj.weight.nbytes
+        elif isinstance(obj, Linear) and obj.small_packed is not None:
+            obj.small_packed = arena.place(obj.small_packed)
+            moved += obj.small_packed.numel() * obj.small_packed.element_size()
+    return moved

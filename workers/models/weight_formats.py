@@ -147,6 +147,19 @@ class StoredWeight:
     def nbytes(self) -> int:
         return self.data.numel()
 
+    def rehome(self, data: torch.Tensor) -> None:
+        """Points this weight at ``data``, a copy of its bytes elsewhere (on huge pages:
+        ``workers.huge_pages``), so that every holder of it reads the copy and the old bytes
+        are freed. The one change a stored weight takes after it is made.
+
+        Raises:
+            ValueError: ``data`` is not of the weight's shape and dtype.
+        """
+        if data.shape != self.data.shape or data.dtype != self.data.dtype:
+            raise ValueError(f"a weight of {tuple(self.data.shape)} {self.data.dtype} cannot "
+                             f"move to {tuple(data.shape)} {data.dtype}")
+        object.__setattr__(self, "data", data)
+
     def dequantize(self, rows: torch.Tensor | None = None,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``[out_features, in_features]`` in ``dtype``, or only the output features ``rows``
