@@ -1,10 +1,11 @@
 """Where an engine step stands against the hardware: decode step time and prefill tokens/s
 next to limits measured on this machine with the same threads.
 
-- Memory bandwidth: a tensor summed (bytes read / s) and copied (bytes read + written / s),
-  at two sizes: the model's weight bytes (the working set a decode step reads; on a CPU with a
-  large L3 it may partly stay in cache) and --bandwidth-mib (beyond the caches: DRAM). A decode
-  step must read every weight once, so ``weight bytes / read bandwidth`` at the weights' size
+- Memory bandwidth, on huge pages as the engine's weights are: a tensor summed (bytes read /
+  s) and copied (bytes read + written / s), at two sizes: the model's weight bytes (the working
+  set a decode step reads; on a CPU with a large L3 it may partly stay in cache) and
+  --bandwidth-mib (beyond the caches: DRAM). A decode step must read every weight once, so
+  ``weight bytes / read bandwidth`` at the weights' size
   is the floor of a step's time at small batch (the roofline model: Williams et al., 2009).
 - Decode step time of our engine at batch 1, 8, 16 with --context 512 token contexts: median
   over --steps steps in which every sequence decodes one token.
@@ -35,6 +36,8 @@ import statistics
 
 import torch
 import torch.nn.functional as F
+
+from workers import huge_pages
 
 try:
     from benchmarks import common
@@ -77,9 +80,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def memory_bandwidth(nbytes: int, repeats: int) -> dict:
     """Read bandwidth (``sum`` of a fp32 tensor of ``nbytes``) and copy bandwidth (read +
-    write), bytes/s."""
+    write), bytes/s, both tensors on huge pages as the engine's weights and KV cache are
+    (``workers.huge_pages``): on 4 KiB pages a guest's TLB misses can halve the rate, which
+    would put the floor under what the step itself reaches."""
     source = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
-    target = torch.empty_like(source)
+    target = torch.ones_like(source)
+    huge_pages.advise(source)
+    huge_pages.advise(target)
     nbytes = source.numel() * source.element_size()
     read_s = common.median_time(lambda: source.sum(), repeats)
     copy_s = common.median_time(lambda: target.copy_(source), repeats)
