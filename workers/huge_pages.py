@@ -96,7 +96,9 @@ class WeightArena:
 
     def place(self, tensor: torch.Tensor) -> torch.Tensor:
         """A contiguous copy of ``tensor`` (same dtype and shape) in the arena, 64-byte
-        aligned."""
+        aligned; a tensor off the CPU is returned as it is."""
+        if tensor.device.type != "cpu":
+            return tensor
         nbytes = tensor.numel() * tensor.element_size()
         size = -(-nbytes // 64) * 64
         if self._chunk is None or self._used + size > self._chunk.numel():

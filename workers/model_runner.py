@@ -162,7 +162,7 @@ def _place_streamed_weights(decoder: object) -> int:
         return 0
     arena, moved = huge_pages.WeightArena(), 0
     for obj in list(huge_pages.objects_of(decoder)):
-        if isinstance(obj, StoredLinear):
+        if isinstance(obj, StoredLinear) and obj.weight.data.device.type == "cpu":
             obj.weight.rehome(arena.place(obj.weight.data))
             moved += obj.weight.nbytes
         elif isinstance(obj, Linear) and obj.small_packed is not None:

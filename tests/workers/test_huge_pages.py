@@ -82,6 +82,8 @@ def test_the_arena_copies_land_on_huge_pages_unchanged():
     assert huge_bytes_at(placed[1].data_ptr()) > 0
     big = arena.place(torch.ones(3 << 20))  # 12 MiB: a chunk of its own
     assert torch.equal(big, torch.ones(3 << 20))
+    meta = torch.empty(4, device="meta")
+    assert arena.place(meta) is meta  # off the CPU: left where it is
 
 
 def test_a_stored_weight_rehomes_only_to_bytes_of_its_own_shape(stored_weight_q4_1):
