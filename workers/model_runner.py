@@ -160,9 +160,11 @@ def _place_streamed_weights(decoder: object) -> int:
     compact decoder)."""
     if decoder is None:
         return 0
-    arena, moved = huge_pages.WeightArena(), 0
+    arena, moved, rehomed = huge_pages.WeightArena(), 0, set()
     for obj in list(huge_pages.objects_of(decoder)):
-        if isinstance(obj, StoredLinear) and obj.weight.data.device.type == "cpu":
+        if (isinstance(obj, StoredLinear) and id(obj.weight) not in rehomed
+                and obj.weight.data.device.type == "cpu"):
+            rehomed.add(id(obj.weight))  # a weight two layers share moves once
             obj.weight.rehome(arena.place(obj.weight.data))
             moved += obj.weight.nbytes
         elif isinstance(obj, Linear) and obj.small_packed is not None:
