@@ -13,11 +13,11 @@ walks the heap, so it runs at most once per interval, between steps.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import time
 from collections.abc import Callable
+
+from workers.libc import libc
 
 log = logging.getLogger(__name__)
 
@@ -30,11 +30,7 @@ short enough that RSS follows live memory within a couple of soak samples."""
 
 def _glibc_malloc_trim() -> Callable[[int], int] | None:
     """glibc's ``malloc_trim``, or None where the C library has none (musl, macOS)."""
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        return None
+    return getattr(libc(), "malloc_trim", None)
 
 
 class HeapTrimmer:

@@ -15,13 +15,13 @@ changes either.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import functools
 import logging
 import sys
 from collections.abc import Iterable, Iterator
 
 import torch
+
+from workers.libc import libc
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +31,10 @@ MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25
 """``madvise`` advice values from Linux's ``mman-common.h``."""
 
 
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+def _has_storage(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` has an untyped storage of its own bytes (not sparse, not oneDNN's
+    opaque layout)."""
+    return tensor.layout == torch.strided and not tensor.is_mkldnn
 
 
 def advise(tensor: torch.Tensor, collapse: bool = True) -> int:
@@ -46,9 +45,8 @@ def advise(tensor: torch.Tensor, collapse: bool = True) -> int:
     Returns:
         the bytes advised (0 where nothing was, or the kernel refused: nothing changes then).
     """
-    libc = _libc()
-    if (libc is None or tensor.device.type != "cpu" or tensor.layout != torch.strided
-            or tensor.is_mkldnn):
+    c = libc() if sys.platform.startswith("linux") else None
+    if c is None or tensor.device.type != "cpu" or not _has_storage(tensor):
         return 0
     storage = tensor.untyped_storage()
     start = storage.data_ptr()
@@ -57,20 +55,21 @@ def advise(tensor: torch.Tensor, collapse: bool = True) -> int:
     if last <= first:
         return 0
     span = ctypes.c_size_t(last - first)
-    if libc.madvise(ctypes.c_void_p(first), span, MADV_HUGEPAGE) != 0:
+    if c.madvise(ctypes.c_void_p(first), span, MADV_HUGEPAGE) != 0:
         log.debug("madvise(MADV_HUGEPAGE) refused (errno %d)", ctypes.get_errno())
         return 0
-    if collapse and libc.madvise(ctypes.c_void_p(first), span, MADV_COLLAPSE) != 0:
+    if collapse and c.madvise(ctypes.c_void_p(first), span, MADV_COLLAPSE) != 0:
         log.debug("madvise(MADV_COLLAPSE) refused (errno %d)", ctypes.get_errno())
     return last - first
 
 
-def advise_all(tensors: Iterable[torch.Tensor]) -> int:
-    """:func:`advise` over ``tensors``, each storage once; the bytes advised in all."""
-    seen: set[int] = set()
+def advise_all(tensors: Iterable[torch.Tensor], skip: Iterable[int] = ()) -> int:
+    """:func:`advise` over ``tensors``, each storage once, but those starting at an address in
+    ``skip`` (already on huge pages: a :class:`WeightArena`'s chunks); the bytes advised."""
+    seen = set(skip)
     advised = 0
     for tensor in tensors:
-        if tensor.layout != torch.strided or tensor.is_mkldnn:
+        if not _has_storage(tensor):
             continue
         key = tensor.untyped_storage().data_ptr()
         if key not in seen:
@@ -87,12 +86,17 @@ class WeightArena:
     """Copies of tensors packed one after another into chunks on huge pages, for weights made
     as many allocations of under 2 MiB each (a layer's projections), which :func:`advise`
     cannot help: no whole huge page lies inside any of them. A chunk lives while any copy in
-    it does."""
+    it does.
+
+    Attributes:
+        storages: the start address of each chunk's storage (for :func:`advise_all`'s ``skip``).
+    """
 
     def __init__(self, chunk_bytes: int = ARENA_CHUNK):
         self._chunk_bytes = chunk_bytes
         self._chunk: torch.Tensor | None = None
         self._used = 0
+        self.storages: set[int] = set()
 
     def place(self, tensor: torch.Tensor) -> torch.Tensor:
         """A contiguous copy of ``tensor`` (same dtype and shape) in the arena, 64-byte
@@ -102,18 +106,21 @@ class WeightArena:
         nbytes = tensor.numel() * tensor.element_size()
         size = -(-nbytes // 64) * 64
         if self._chunk is None or self._used + size > self._chunk.numel():
-            self._chunk = _huge_empty(max(self._chunk_bytes, size))
+            self._chunk = _huge_zeros(max(self._chunk_bytes, size))
             self._used = 0
+            self.storages.add(self._chunk.untyped_storage().data_ptr())
         block = self._chunk[self._used:self._used + nbytes]
         self._used += size
         return block.view(tensor.dtype).view(tensor.shape).copy_(tensor)
 
 
-def _huge_empty(nbytes: int) -> torch.Tensor:
-    """``[nbytes]`` uint8 starting on a 2 MiB boundary, asked onto huge pages before any of its
-    pages exist (so the kernel makes them huge as they are first touched)."""
+def _huge_zeros(nbytes: int) -> torch.Tensor:
+    """``[nbytes]`` zeroed uint8 starting on a 2 MiB boundary, on huge pages: asked for before
+    any of its pages exist (so the kernel makes them huge as they are first touched), then
+    collapsed (where no free 2 MiB block was at hand at that touch, a page stayed small)."""
     raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
     advise(raw, collapse=False)
+    advise(raw.zero_())
     start = -raw.data_ptr() % HUGE_PAGE
     return raw[start:start + nbytes]
 

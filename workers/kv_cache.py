@@ -40,7 +40,7 @@ class PagedKVCache:
         self._all = torch.empty((num_layers, 2, num_kv_heads, (num_blocks + 1) * block_size,
                                  head_dim), dtype=dtype, device=device)
         huge_pages.advise(self._all, collapse=False)  # before the pages exist: huge as made
-        self._all.zero_()
+        huge_pages.advise(self._all.zero_())  # a page made small (no free 2 MiB then) collapsed
         self.keys = list(self._all[:, 0].unbind(0))  # each [kv_heads, slots, head_dim]
         self.values = list(self._all[:, 1].unbind(0))
 

@@ -71,8 +71,9 @@ class ModelRunner:
         self.device = model.device
         self._compact = compact_model_for(model)
         # The weights in every form a step reads them, on 2 MiB pages (workers.huge_pages).
-        placed = _place_streamed_weights(self._compact)
-        advised = huge_pages.advise_all(huge_pages.tensors_of((model, self._compact)))
+        arena, placed = _place_streamed_weights(self._compact)
+        advised = huge_pages.advise_all(huge_pages.tensors_of((model, self._compact)),
+                                        skip=arena.storages)
         log.info("weights: %.0f MiB moved and %.0f MiB asked onto huge pages", placed / 2**20,
                  advised / 2**20)
         self.implementation = "compact" if self._compact is not None else "transformers"
@@ -153,14 +154,14 @@ class ModelRunner:
         return output.logits[0].float()
 
 
-def _place_streamed_weights(decoder: object) -> int:
+def _place_streamed_weights(decoder: object) -> tuple[huge_pages.WeightArena, int]:
     """Moves the weights a decode step streams (stored weights, small-batch packed copies)
     into one :class:`~workers.huge_pages.WeightArena`: each is an allocation of a few MiB at
-    most, which huge pages cannot otherwise reach. Returns the bytes moved (0 without a
-    compact decoder)."""
-    if decoder is None:
-        return 0
+    most, which huge pages cannot otherwise reach. Returns the arena and the bytes moved
+    (0 without a compact decoder)."""
     arena, moved, rehomed = huge_pages.WeightArena(), 0, set()
+    if decoder is None:
+        return arena, 0
     for obj in list(huge_pages.objects_of(decoder)):
         if (isinstance(obj, StoredLinear) and id(obj.weight) not in rehomed
                 and obj.weight.data.device.type == "cpu"):
@@ -170,4 +171,4 @@ def _place_streamed_weights(decoder: object) -> int:
         elif isinstance(obj, Linear) and obj.small_packed is not None:
             obj.small_packed = arena.place(obj.small_packed)
             moved += obj.small_packed.numel() * obj.small_packed.element_size()
-    return moved
+    return arena, moved

@@ -84,6 +84,10 @@ def test_the_arena_copies_land_on_huge_pages_unchanged():
     assert torch.equal(big, torch.ones(3 << 20))
     meta = torch.empty(4, device="meta")
     assert arena.place(meta) is meta  # off the CPU: left where it is
+    # Two chunks, each already on huge pages: advise_all passes over them.
+    assert len(arena.storages) == 2
+    assert huge_pages.advise_all([placed[0], big], skip=arena.storages) == 0
+    assert huge_pages.advise_all([big]) >= 10 << 20
 
 
 def test_a_stored_weight_rehomes_only_to_bytes_of_its_own_shape(stored_weight_q4_1):
