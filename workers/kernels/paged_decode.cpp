@@ -307,54 +307,42 @@ inline void transpose_16x16(__m512i r[16]) {
   }
 }
 
-// The pair products of one 32-dim chunk for G query rows from row r: the keys' pairs k[p]
-// (transposed) against a broadcast of each row's own pair, two accumulators a row.
-template <int64_t D, int G>
-inline void score_chunk(const __m512i k[16], const uint32_t* q_pairs, int64_t r, int64_t c,
-                        __m512* even, __m512* odd) {
-  constexpr int64_t kPairs = D / 2;
-  __m512 e[G], o[G];
-  for (int i = 0; i < G; ++i) {
-    e[i] = even[r + i];
-    o[i] = odd[r + i];
-  }
-  for (int p = 0; p < 16; p += 2) {
-    for (int i = 0; i < G; ++i) {
-      const uint32_t* q = q_pairs + (r + i) * kPairs + c * 16 + p;
-      e[i] = _mm512_dpbf16_ps(e[i], (__m512bh)_mm512_set1_epi32(q[0]), (__m512bh)k[p]);
-      o[i] = _mm512_dpbf16_ps(o[i], (__m512bh)_mm512_set1_epi32(q[1]), (__m512bh)k[p + 1]);
-    }
-  }
-  for (int i = 0; i < G; ++i) {
-    even[r + i] = e[i];
-    odd[r + i] = o[i];
-  }
-}
-
 // Raw scores of a block of 16 tokens for `rows` query rows, lane t of scores[r] = q_r . k_t
 // (fp32 sums of exact bf16 products). The keys [16, D], read in place, are transposed once per
 // 32 dims into one vector per dim pair (16 tokens' pairs), shared by every row: a row then
 // takes one pair product per dim pair against a broadcast of its own pair, with no horizontal
-// sum. Rows go four at a time, then the remaining one to three together, two accumulators
-// each, so up to eight independent chains hide the product's latency; the accumulators wait in
+// sum. Rows go four at a time (the queries are zero-padded to whole fours), two accumulators
+// each, so eight independent chains hide the product's latency; the accumulators wait in
 // `even`/`odd` between the 32-dim chunks. Rows of the block past the sequence's length are
 // loaded too; the caller masks their lanes.
 template <int64_t D>
 inline void score_block_pairs(const at::BFloat16* keys, const uint32_t* q_pairs, int64_t rows,
                               __m512* scores) {
+  constexpr int64_t kPairs = D / 2;
+  const int64_t padded = (rows + 3) / 4 * 4;
   __m512 even[kMaxRows], odd[kMaxRows];
-  for (int64_t r = 0; r < rows; ++r) even[r] = odd[r] = _mm512_setzero_ps();
-  const int64_t whole = rows / 4 * 4;
+  for (int64_t r = 0; r < padded; ++r) even[r] = odd[r] = _mm512_setzero_ps();
   for (int64_t c = 0; c < D / 32; ++c) {
     __m512i k[16];
     for (int t = 0; t < 16; ++t) k[t] = _mm512_loadu_si512(keys + t * D + c * 32);
     transpose_16x16(k);  // k[p]: dims c * 32 + 2p, 2p + 1 of the 16 tokens
-    for (int64_t r = 0; r < whole; r += 4) score_chunk<D, 4>(k, q_pairs, r, c, even, odd);
-    switch (rows - whole) {
-      case 3: score_chunk<D, 3>(k, q_pairs, whole, c, even, odd); break;
-      case 2: score_chunk<D, 2>(k, q_pairs, whole, c, even, odd); break;
-      case 1: score_chunk<D, 1>(k, q_pairs, whole, c, even, odd); break;
-      default: break;
+    for (int64_t r = 0; r < padded; r += 4) {
+      __m512 e[4], o[4];
+      for (int i = 0; i < 4; ++i) {
+        e[i] = even[r + i];
+        o[i] = odd[r + i];
+      }
+      for (int p = 0; p < 16; p += 2) {
+        for (int i = 0; i < 4; ++i) {
+          const uint32_t* q = q_pairs + (r + i) * kPairs + c * 16 + p;
+          e[i] = _mm512_dpbf16_ps(e[i], (__m512bh)_mm512_set1_epi32(q[0]), (__m512bh)k[p]);
+          o[i] = _mm512_dpbf16_ps(o[i], (__m512bh)_mm512_set1_epi32(q[1]), (__m512bh)k[p + 1]);
+        }
+      }
+      for (int i = 0; i < 4; ++i) {
+        even[r + i] = e[i];
+        odd[r + i] = o[i];
+      }
     }
   }
   for (int64_t r = 0; r < rows; ++r) scores[r] = _mm512_add_ps(even[r], odd[r]);
@@ -370,10 +358,8 @@ inline float softmax_scores(__m512 s, int64_t n, float c, float& running_max,
   const float block_max = std::max(running_max, _mm512_mask_reduce_max_ps(valid, s));
   const __m512 p = _mm512_maskz_mov_ps(valid, nalar_avx512::exp2_nonpositive(
       _mm512_fmadd_ps(s, _mm512_set1_ps(c), _mm512_set1_ps(-block_max * c))));
-  // Before the first block the maximum is -inf and the correction 2^-inf = 0. Past the first
-  // blocks the maximum seldom moves, and 2^0 is exactly 1: no call to exp2 then.
-  const float correction =
-      block_max == running_max ? 1.f : std::exp2((running_max - block_max) * c);
+  // Before the first block the maximum is -inf and the correction 2^-inf = 0.
+  const float correction = std::exp2((running_max - block_max) * c);
   running_sum = running_sum * correction + _mm512_reduce_add_ps(p);
   running_max = block_max;
   _mm512_store_ps(probs, p);
