@@ -19,7 +19,7 @@ from contract.description import WorkerDescription
 from contract.identity import AdapterRef
 from contract.kv_transfer import KVBlock, KVExportRequest
 from contract.load import ReplicaMetadata, RoutingStats
-from contract.request import GenerationChunk, GenerationRequest
+from contract.request import GenerationChunk, GenerationRequest, InvalidRequestError
 from router.errors import OverloadedError
 from router.index import make_index
 from workers.async_engine import AsyncEngine
@@ -110,6 +110,31 @@ class TransferCost:
                 self.weight * sample + (1 - self.weight) * last)
 
 
+class ClientErrorLogFilter(logging.Filter):
+    """Turns Ray Serve's "Request failed." record for a request the worker refused (an
+    :class:`InvalidRequestError` or :class:`OverloadedError`: the client gets its 4xx or 503)
+    into one INFO line without a traceback. Serve logs every exception a replica method raises
+    with ``logger.exception``, so a misspelt schema read as a worker failure with a traceback.
+    Every other record passes as it is."""
+
+    REFUSED = (InvalidRequestError, OverloadedError)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, self.REFUSED):
+            record.msg, record.args = "Request refused (%s): %s", (type(exc).__name__, exc)
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.exc_info = record.exc_text = None
+        return True
+
+    @classmethod
+    def install(cls, logger: logging.Logger) -> None:
+        """Adds the filter to ``logger`` unless it already has one (a process may host more
+        than one replica)."""
+        if not any(isinstance(f, cls) for f in logger.filters):
+            logger.addFilter(cls())
+
+
 def replica_worker_id() -> str:
     """The id the router knows this replica by (Ray Serve gives a replacement a new one)."""
     return serve.get_replica_context().replica_id.unique_id
@@ -127,6 +152,7 @@ class NalarWorker:
 
     async def __init__(self, config: ClusterConfig, draft: DeploymentHandle | None = None):
         started = time.perf_counter()
+        ClientErrorLogFilter.install(logging.getLogger("ray.serve"))  # Serve's replica logger
         self.worker_id = replica_worker_id()
         self.served_model_name = config.served_model_name
         engine_config = config.engine_config()

@@ -181,8 +181,8 @@ def test_bf16_score_products_match_softmax_attention_whatever_a_block_tail_holds
     """bf16, blocks of 16: scores from tile or pair products (whichever this CPU has) against
     float64 attention, for SmolLM2's shape (head size 64, 3 query heads per KV head) and head
     sizes 32 and 128 with 1, 5, 6, 7 and 16 query heads per KV head (the pair path takes query
-    heads in fours, zero-padded); a row alone equals it batched; a stale NaN or inf past a sequence's
-    length in its last block (both paths load all 16 rows) changes nothing."""
+    heads in fours, zero-padded); a row alone equals it batched; a stale NaN or inf past a
+    sequence's length in its last block (both paths load all 16 rows) changes nothing."""
     kernel, block = paged_decode(), 16
     generator = torch.Generator().manual_seed(16)
     keys = torch.randn(KV_HEADS, 12 * block, dim, generator=generator).bfloat16()
