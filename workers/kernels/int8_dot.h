@@ -267,7 +267,10 @@ void dequantize_group_block_avx2(const uint8_t* gb, float* out, int64_t ld) {
 // How far ahead of the block being multiplied its group's bytes are asked for (into L1): the
 // hardware prefetcher alone let a one-row Q4_1 step stream its weights at 8.8 GB/s where a
 // plain read of them ran at 13-15 (one core of an AMX Xeon); 2, 4 and 8 KiB ahead measured
-// alike, 1 KiB less well (benchmarks/step_profile.py --quantization gguf).
+// alike, 1 KiB less well (benchmarks/step_profile.py --quantization gguf). Into L2 instead
+// (prefetcht1, as decode attention asks for its blocks), a lone Q4_1 step on one core of a
+// Zen 4 EPYC took 8.0 and 8.0 ms against 6.8 and 7.0: these requests are a few lines a block,
+// spread over the stream, which L1 keeps up with.
 constexpr int64_t kPrefetchBytes = 4096;
 
 inline __m256i broadcast_quad(const int8_t* p) {
