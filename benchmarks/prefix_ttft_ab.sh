@@ -4,19 +4,24 @@
 # PYTHONPATH, its own kernel builds) with the given `nalar serve` flags on port 8123. MODES,
 # comma-separated: `pool` measures the hit in the KV cache (no eviction); `tier` the hit from
 # the second tier (3,072 tokens evict the prefix first; after a pool run with another seed, so
-# that its misses are not prompts that run served), and keeps the tier's counters from /metrics. Writes
-# OUT/{MODE}_{COMMIT}_round{N}.json (and OUT/tier_metrics_{COMMIT}_round{N}.txt); the servers'
-# logs go to /tmp/prefix-ab-{COMMIT}-{N}.log. Run it from the repository root with nothing else
-# running.
+# that its misses are not prompts that run served), and keeps the tier's counters from
+# /metrics. Writes OUT/{MODE}_{COMMIT}_round{N}.json (and OUT/tier_metrics_{COMMIT}_round{N}.txt);
+# the servers' logs go to /tmp/prefix-ab-{COMMIT}-{N}.log. The worktrees it made are removed at
+# the end. Run it from the repository root with nothing else running.
 #
 #     benchmarks/prefix_ttft_ab.sh BEFORE AFTER OUT ROUNDS MODES [nalar serve flags...]
 set -euo pipefail
 before=$1 after=$2 out=$3 rounds=$4 modes=$5
 shift 5
 root=$(pwd) url=http://127.0.0.1:8123
+tier_counters='loaded_blocks|load_seconds|saved_blocks|save_seconds|io_errors|corrupt_blocks'
 mkdir -p "$out"
+made=()
 for commit in "$before" "$after"; do
-  [ -d "/tmp/wt-$commit" ] || git worktree add -q --detach "/tmp/wt-$commit" "$commit"
+  if [ ! -d "/tmp/wt-$commit" ]; then
+    git worktree add -q --detach "/tmp/wt-$commit" "$commit"
+    made+=("/tmp/wt-$commit")
+  fi
 done
 measure() {  # commit round [nalar serve flags...]
   local commit=$1 round=$2 wt=/tmp/wt-$1 ray_tmp
@@ -34,7 +39,7 @@ measure() {  # commit round [nalar serve flags...]
     [[ ,$modes, == *,pool,* ]] && seed=1
     .venv/bin/python benchmarks/prefix_ttft.py --url $url --trials 5 --evict-tokens 3072 \
       --seed $seed --out "$out/tier_${commit}_round$round.json"
-    curl -s $url/metrics | grep -E '^nalar:kv_tier_(loaded_blocks|load_seconds|saved_blocks|save_seconds|io_errors|corrupt_blocks)' \
+    curl -s $url/metrics | grep -E "^nalar:kv_tier_($tier_counters)" \
       > "$out/tier_metrics_${commit}_round$round.txt"
   fi
   pkill -f "nalar serve --port 8123" || true
@@ -47,4 +52,7 @@ for round in $(seq "$rounds"); do
   for commit in "${order[@]}"; do
     measure "$commit" "$round" "$@"
   done
+done
+for worktree in "${made[@]}"; do
+  git worktree remove --force "$worktree"
 done

@@ -45,8 +45,8 @@ def advise(tensor: torch.Tensor, collapse: bool = True) -> int:
     Returns:
         the bytes advised (0 where nothing was, or the kernel refused: nothing changes then).
     """
-    c = libc() if sys.platform.startswith("linux") else None
-    if c is None or tensor.device.type != "cpu" or not _has_storage(tensor):
+    clib = libc() if sys.platform.startswith("linux") else None
+    if clib is None or tensor.device.type != "cpu" or not _has_storage(tensor):
         return 0
     storage = tensor.untyped_storage()
     start = storage.data_ptr()
@@ -55,10 +55,10 @@ def advise(tensor: torch.Tensor, collapse: bool = True) -> int:
     if last <= first:
         return 0
     span = ctypes.c_size_t(last - first)
-    if c.madvise(ctypes.c_void_p(first), span, MADV_HUGEPAGE) != 0:
+    if clib.madvise(ctypes.c_void_p(first), span, MADV_HUGEPAGE) != 0:
         log.debug("madvise(MADV_HUGEPAGE) refused (errno %d)", ctypes.get_errno())
         return 0
-    if collapse and c.madvise(ctypes.c_void_p(first), span, MADV_COLLAPSE) != 0:
+    if collapse and clib.madvise(ctypes.c_void_p(first), span, MADV_COLLAPSE) != 0:
         log.debug("madvise(MADV_COLLAPSE) refused (errno %d)", ctypes.get_errno())
     return last - first
 

@@ -187,11 +187,12 @@ inline void normalise(const float* acc, const float* running_sum, int64_t rows, 
 }
 
 // The next kPrefetchBlocks blocks' keys and values, asked for while this one is computed.
-// Two blocks ahead, each asked for twice (once as the second block ahead, then as the next),
-// which also covers a request the memory system dropped. One thread, 16 sequences x 512 tokens
-// of bf16 KV over 30 layers, blocks scattered (kernel_choices.py's decode_attention_from_dram),
-// on a Zen 4 EPYC: 31 ms with the next block into L1, 21-23 with the next or the second into
-// L2, 16.5 with both; with blocks in order 15.7, 20-22 and 14.7 (the KV read alone: 6.3 ms).
+// Two blocks ahead, each asked for twice (once as the second block ahead, then as the next);
+// asking for both beat either alone, perhaps because a request the memory system drops gets a
+// second chance. One thread, 16 sequences x 512 tokens of bf16 KV over 30 layers, blocks
+// scattered (kernel_choices.py's decode_attention_from_dram), on a Zen 4 EPYC: 31 ms with the
+// next block into L1, 21-23 with the next or the second alone into L2, 16.5 with both; with
+// blocks in order 15.7, 17-22 and 14.7 (the KV read alone: 6.3 ms).
 constexpr int64_t kPrefetchBlocks = 2;
 
 template <typename T, int64_t D>
