@@ -26,9 +26,9 @@ PROMPT = list(range(2000, 2000 + 16 * 12 + 3))
 
 
 @pytest.fixture(scope="module")
-def embedded_app(ray_session):
-    config = ClusterConfig(num_workers=2, redis_url=None, dtype="float32", quantization="none",
-                           kv_cache_mib=32,
+def embedded_app(ray_session, tiny_model_dir):
+    config = ClusterConfig(model=str(tiny_model_dir), num_workers=2, redis_url=None,
+                           dtype="float32", kv_cache_mib=32,
                            worker_cpus=0.25, worker_threads=1, routing_stats_period_s=0.2,
                            index_actor_name=f"{APP}-index")
     start_index_actor(config)

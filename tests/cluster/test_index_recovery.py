@@ -45,12 +45,13 @@ def private_redis() -> Iterator[PrivateRedis]:
 
 
 @pytest.fixture(scope="module")
-def recovery_config(ray_session, private_redis: PrivateRedis) -> Iterator[ClusterConfig]:
-    """One small fp32 worker against the private Redis. Serve's HTTP proxy is not needed; if
+def recovery_config(ray_session, private_redis: PrivateRedis,
+                    tiny_model_dir) -> Iterator[ClusterConfig]:
+    """One tiny fp32 worker against the private Redis. Serve's HTTP proxy is not needed; if
     Serve is not running yet it starts on a free port (the session ``cluster`` fixture, which
     sorts before this file, otherwise chose it)."""
     serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
-    config = ClusterConfig(num_workers=1, redis_url=private_redis.url,
+    config = ClusterConfig(model=str(tiny_model_dir), num_workers=1, redis_url=private_redis.url,
                            key_prefix=f"nalar-test-{uuid.uuid4().hex[:8]}", dtype="float32",
                            kv_cache_mib=16, worker_cpus=0.25, worker_threads=1,
                            routing_stats_period_s=0.2, worker_ttl_s=TTL_S, speculative="off")

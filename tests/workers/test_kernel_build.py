@@ -1,9 +1,11 @@
 """Where the native kernels are built: a directory named by their content, so two checkouts
-of one version share a build and never rebuild each other's (no compiler runs here)."""
+of one version share a build and never rebuild each other's, and a finished build is loaded
+as it is (no compiler runs here, except for a kernel the install did not build)."""
 
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 from workers import kernels
 
@@ -34,3 +36,27 @@ def test_other_sources_or_flags_build_elsewhere(tmp_path, monkeypatch):
     changed = kernels._staged_sources("nalar_rope_x", "rope", FLAGS)
     assert changed.parent != original.parent
     assert changed.parent.parent == original.parent.parent  # both under the cache's kernels/
+
+
+def test_a_finished_build_is_loaded_without_the_builder(monkeypatch):
+    """Another environment with the same torch (CI's clean checkout has its own venv) loads
+    the finished build as it is: torch's builder, which would recompile because its command
+    names the headers' paths, is not called."""
+    from torch.utils import cpp_extension
+    first = kernels._build.__wrapped__("rms_norm")  # past the per-process cache
+    if first is None:
+        return  # no compiler here: nothing was built to load
+    build_dir = Path(first.__file__).parent
+    assert (build_dir / kernels.FINISHED).is_file()
+
+    def builder(**_):
+        raise AssertionError("the builder ran for a finished build")
+    monkeypatch.setattr(cpp_extension, "load", builder)
+    again = kernels._build.__wrapped__("rms_norm")
+    assert again is not None and Path(again.__file__).parent == build_dir
+
+
+def test_a_build_without_its_marker_is_not_loaded(tmp_path):
+    """A library left by a build that did not finish (no marker) is never loaded."""
+    (tmp_path / "nalar_x.so").write_bytes(b"half a library")
+    assert kernels._load_finished_build("nalar_x", tmp_path) is None
