@@ -6,13 +6,14 @@ the deadline (plain decoding) until Serve's replacement answers, then drafts aga
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import ray
 from ray import serve
 from ray.serve.deployment import Application
 
-from cluster.app import WORKER_DEPLOYMENT, build_app, draft_app
+from cluster.app import SHUTDOWN_POLL_S, WORKER_DEPLOYMENT, build_app, draft_app
 from cluster.cli import build_parser, serve_config
 from cluster.config import ClusterConfig
 from cluster.draft_deployment import DRAFT_DEPLOYMENT
@@ -177,20 +178,28 @@ def test_bad_speculative_settings_are_refused(options):
         ClusterConfig(**options)
 
 
-def test_app_binds_draft_replicas_only_when_remote():
-    def deployments(config: ClusterConfig) -> dict[str, tuple]:
-        """Deployment name -> its init args, over the bound application graph."""
-        seen, todo = {}, [build_app(config)]
-        while todo:
-            deployment = todo.pop()._bound_deployment
-            seen[deployment.name] = deployment.init_args
-            todo.extend(a for a in deployment.init_args if isinstance(a, Application))
-        return seen
+def deployments(config: ClusterConfig) -> dict[str, Any]:
+    """Deployment name -> the deployment, over the bound application graph."""
+    seen, todo = {}, [build_app(config)]
+    while todo:
+        deployment = todo.pop()._bound_deployment
+        seen[deployment.name] = deployment
+        todo.extend(a for a in deployment.init_args if isinstance(a, Application))
+    return seen
 
+
+def test_every_deployment_counts_its_drain_often():
+    graph = deployments(ClusterConfig(speculative="suffix", worker_gpus=0))
+    assert len(graph) == 3
+    for deployment in graph.values():
+        assert deployment._deployment_config.graceful_shutdown_wait_loop_s == SHUTDOWN_POLL_S
+
+
+def test_app_binds_draft_replicas_only_when_remote():
     remote = ClusterConfig(speculative="suffix", worker_gpus=0)
     local = ClusterConfig(speculative="ngram", worker_gpus=0)
-    graph = deployments(remote)
+    graph = {name: d.init_args for name, d in deployments(remote).items()}
     assert graph[DRAFT_DEPLOYMENT] == (remote.speculative_config(), remote.engine_config())
     assert graph[WORKER_DEPLOYMENT][1]._bound_deployment.name == DRAFT_DEPLOYMENT
-    graph = deployments(local)
+    graph = {name: d.init_args for name, d in deployments(local).items()}
     assert DRAFT_DEPLOYMENT not in graph and len(graph[WORKER_DEPLOYMENT]) == 1
