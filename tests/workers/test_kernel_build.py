@@ -7,6 +7,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pytest
+
 from workers import kernels
 
 FLAGS = ["-O3", "-march=native"]
@@ -45,7 +47,7 @@ def test_a_finished_build_is_loaded_without_the_builder(monkeypatch):
     from torch.utils import cpp_extension
     first = kernels._build.__wrapped__("rms_norm")  # past the per-process cache
     if first is None:
-        return  # no compiler here: nothing was built to load
+        pytest.skip("no compiler here: nothing was built to load")
     build_dir = Path(first.__file__).parent
     assert (build_dir / kernels.FINISHED).is_file()
 
