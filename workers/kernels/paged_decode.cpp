@@ -192,7 +192,9 @@ inline void normalise(const float* acc, const float* running_sum, int64_t rows, 
 // second chance. One thread, 16 sequences x 512 tokens of bf16 KV over 30 layers, blocks
 // scattered (kernel_choices.py's decode_attention_from_dram), on a Zen 4 EPYC: 31 ms with the
 // next block into L1, 21-23 with the next or the second alone into L2, 16.5 with both; with
-// blocks in order 15.7, 17-22 and 14.7 (the KV read alone: 6.3 ms).
+// blocks in order 15.7, 17-22 and 14.7 (the KV read alone: 6.3 ms). On an AVX2-only Zen 3
+// EPYC, fp32 KV, where the kernel is bound by its arithmetic, the same change cost 3% on one
+// thread (45.5 against 47.0 ms, scattered) and nothing measurable on two (docs/performance.md).
 constexpr int64_t kPrefetchBlocks = 2;
 
 template <typename T, int64_t D>
