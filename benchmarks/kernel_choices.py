@@ -49,6 +49,9 @@ except ImportError:  # run as a script: benchmarks/ is on sys.path, the repo roo
 LINEAR_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 DECODE_BLOCK, DECODE_POOL_BLOCKS = 16, 4096
+SECTIONS = ("linear", "stored_q4_1", "flash", "decode_attention", "decode_attention_from_dram",
+            "prefill_attention")
+"""What ``--only`` can name: the JSON's keys for the measurements of the docstring's items."""
 
 
 def linear_rows(rows: list[int], repeats: int, dtype: torch.dtype) -> dict:
@@ -185,7 +188,7 @@ def _decode_case(cache, batch: int, context: int, repeats: int) -> dict:
 
 
 def decode_attention_from_dram(batch: int, context: int, layers: int, repeats: int,
-                               dtype: torch.dtype) -> dict:
+                               dtype: torch.dtype, drafts: int = 0) -> dict:
     """A step's decode attention in ``dtype`` as a step meets it: ``layers`` layers' caches, each
     sequence's blocks scattered over its pool (as a pool that has turned over leaves them),
     every layer attended once per step, so the KV comes from DRAM rather than from the caches a
@@ -193,7 +196,8 @@ def decode_attention_from_dram(batch: int, context: int, layers: int, repeats: i
     sequence's blocks in order (``in_order_step_ms``: each KV head's keys and values of a
     sequence one contiguous run, as a fresh pool hands them out); and the floor: the bytes it
     reads at the sequential read bandwidth of the same caches (``sum`` over every pool, which is
-    twice the bytes read)."""
+    twice the bytes read). With ``drafts``, each sequence is a verification block instead: its
+    decode token and that many draft tokens, the last seeing ``context`` tokens."""
     from workers.attention import metadata, paged
     from workers.kernels import paged_decode
     from workers.kv_cache import PagedKVCache
@@ -207,12 +211,15 @@ def decode_attention_from_dram(batch: int, context: int, layers: int, repeats: i
     for cache in caches:
         cache.keys[0].normal_()
         cache.values[0].normal_()
-    query = torch.randn(batch, HEADS, HEAD_DIM).to(dtype)
+    q_len = 1 + drafts
+    query = torch.randn(batch * q_len, HEADS, HEAD_DIM).to(dtype)
 
     def step_ms(blocks: list[int]) -> float:
         tables = [blocks[i * per_row:(i + 1) * per_row] for i in range(batch)]
-        group = metadata.build_metadata(caches[0], tables, [context - 1] * batch, [1] * batch,
-                                        torch.device("cpu"), native_decode=True).decode_groups[0]
+        group = metadata.build_metadata(caches[0], tables, [context - q_len] * batch,
+                                        [q_len] * batch, torch.device("cpu"),
+                                        verify=[drafts > 0] * batch,
+                                        native_decode=True).decode_groups[0]
 
         def attend():
             for cache in caches:
@@ -229,15 +236,16 @@ def decode_attention_from_dram(batch: int, context: int, layers: int, repeats: i
     read_s = common.median_time(read, repeats)
     nbytes = layers * 2 * batch * per_row * DECODE_BLOCK * KV_HEADS * HEAD_DIM * dtype.itemsize
     bandwidth = sum(c.keys[0].nbytes + c.values[0].nbytes for c in caches) / read_s
-    entry = {"batch": batch, "context": context, "layers": layers, "dtype": str(dtype),
-             "kv_bytes": nbytes,
+    entry = {"batch": batch, "context": context, "drafts": drafts, "layers": layers,
+             "dtype": str(dtype), "kv_bytes": nbytes,
              "score_products": (paged_decode().score_products(DECODE_BLOCK, HEAD_DIM)
                                  if dtype == torch.bfloat16 else ""),
              "native_step_ms": attend_ms, "native_gb_per_s": nbytes / attend_ms / 1e6,
              "in_order_step_ms": in_order_ms, "in_order_gb_per_s": nbytes / in_order_ms / 1e6,
              "sequential_read_gb_per_s": bandwidth / 1e9,
              "read_floor_step_ms": nbytes / bandwidth * 1e3}
-    common.log(f"decode attention from DRAM, {layers} layers x {batch} x {context}: {entry}")
+    common.log(f"decode attention from DRAM, {layers} layers x {batch} x {context}"
+               f"{f' (+{drafts} drafts)' if drafts else ''}: {entry}")
     return entry
 
 
@@ -298,30 +306,49 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prefill-cases", default="32+992,256+0,1024+0,4096+0,8000+0,2048+5952",
                         help="prefill attention cases, new tokens + cached tokens")
     parser.add_argument("--stored-rows", default="16,32,48,64,96,128,192,256,512")
+    parser.add_argument("--dram-cases", default="16x512,1x512,1x512+4",
+                        help="decode attention from DRAM over 30 layers, batch x context tokens "
+                             "[+ draft tokens: verification blocks]")
+    parser.add_argument("--only", default=",".join(SECTIONS),
+                        help=f"the sections to run, of {','.join(SECTIONS)}")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args(argv)
     cases = [tuple(int(n) for n in case.split("x")) for case in args.decode_cases.split(",")]
+    dram_cases = [parse_dram_case(case) for case in args.dram_cases.split(",")]
     prefill_cases = [tuple(int(n) for n in case.split("+"))
                      for case in args.prefill_cases.split(",")]
     if args.quick:
         cases, prefill_cases = [(2, 40)], [(40, 0), (20, 30)]
+        dram_cases = [(2, 40, 0), (1, 40, 2)]
     rows = [1, 8, 300] if args.quick else [int(r) for r in args.rows.split(",")]
     stored = [8, 40] if args.quick else [int(r) for r in args.stored_rows.split(",")]
     tokens, repeats = (64, 2) if args.quick else (args.flash_tokens, args.repeats)
     threads = common.set_threads(args.threads)
     dtype = parse_dtype(args.dtype, torch.device("cpu"))
+    layers = 2 if args.quick else 30
+    sections = {
+        "linear": lambda: linear_rows(rows, repeats, dtype),
+        "stored_q4_1": lambda: stored_rows(stored, repeats, dtype),
+        "flash": lambda: flash_layouts(tokens, repeats),
+        "decode_attention": lambda: decode_attention(cases, repeats),
+        "decode_attention_from_dram": lambda: [
+            decode_attention_from_dram(batch, context, layers, repeats, dtype, drafts)
+            for batch, context, drafts in dram_cases],
+        "prefill_attention": lambda: prefill_attention(prefill_cases, min(repeats, 10))}
     result = {"benchmark": "kernel_choices", "machine": common.machine_info(dtype),
               "threads": threads, "quick": args.quick, "dtype": str(dtype),
-              "linear": linear_rows(rows, repeats, dtype),
-              "stored_q4_1": stored_rows(stored, repeats, dtype),
-              "flash": flash_layouts(tokens, repeats),
-              "decode_attention": decode_attention(cases, repeats),
-              "decode_attention_from_dram": decode_attention_from_dram(
-                  *((2, 40, 2) if args.quick else (16, 512, 30)), repeats, dtype),
-              "prefill_backend": prefill_kernel(torch.bfloat16, torch.device("cpu"), HEAD_DIM),
-              "prefill_attention": prefill_attention(prefill_cases, min(repeats, 10))}
+              "prefill_backend": prefill_kernel(torch.bfloat16, torch.device("cpu"), HEAD_DIM)}
+    for name in args.only.split(","):
+        result[name] = sections[name]()
     common.write_json(result, args.out)
     return result
+
+
+def parse_dram_case(case: str) -> tuple[int, int, int]:
+    """``"16x512"`` -> (16, 512, 0); ``"1x512+4"`` -> (1, 512, 4): batch, context, drafts."""
+    shape, _, drafts = case.partition("+")
+    batch, context = shape.split("x")
+    return int(batch), int(context), int(drafts or 0)
 
 
 if __name__ == "__main__":

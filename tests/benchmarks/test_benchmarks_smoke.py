@@ -233,10 +233,15 @@ def test_kernel_choices_quick(tmp_path):
     assert set(cases) == {"float32/2x40", "bfloat16/2x40"}
     assert cases["float32/2x40"]["max_abs_difference"] < 1e-5
     assert cases["bfloat16/2x40"]["max_abs_difference"] < 0.05
-    dram = result["decode_attention_from_dram"]
-    # 2 layers x 2 sequences x 3 blocks of 16 tokens x 3 KV heads x 64 dims, K and V, bf16
-    assert dram["kv_bytes"] == 2 * 2 * 2 * 3 * 16 * 3 * 64 * 2
-    assert min(dram["native_step_ms"], dram["in_order_step_ms"], dram["read_floor_step_ms"]) > 0
+    decodes, verification = result["decode_attention_from_dram"]
+    assert (decodes["batch"], decodes["drafts"], verification["drafts"]) == (2, 0, 2)
+    # 2 layers x 2 sequences (then 1) x 3 blocks of 16 tokens x 3 KV heads x 64 dims, K and V,
+    # in the dtype's bytes: a verification block reads its sequence's blocks as a decode does
+    size = torch.empty(0, dtype=getattr(torch, result["dtype"].removeprefix("torch."))).itemsize
+    assert decodes["kv_bytes"] == 2 * 2 * 2 * 3 * 16 * 3 * 64 * size
+    assert verification["kv_bytes"] == decodes["kv_bytes"] // 2
+    assert all(min(case["native_step_ms"], case["in_order_step_ms"],
+                   case["read_floor_step_ms"]) > 0 for case in (decodes, verification))
     if prefill_attention() is not None:
         spans = result["prefill_attention"]
         assert set(spans) == {"40+0", "20+30"}
