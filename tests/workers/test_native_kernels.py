@@ -124,13 +124,13 @@ def test_native_decode_groups_are_chosen_once_per_step_and_carry_no_mask():
     assert group.lengths.tolist() == [11, 6]
     [group] = gathered.decode_groups
     assert not group.native and group.mask is not None and len(group.padding) == 1 + 6
-    # A verification block (q_len 2) takes the native path a row at a time: each row is a
-    # sequence of its own there, over its own causal length, so it needs no mask either.
+    # A verification block (q_len 2) takes the native path with its sequence's table once:
+    # each row has its own causal length, so it needs no mask either.
     verify = build_metadata(cache, tables, computed, [2, 1], CPU, verify=[True, False])
     assert [(g.q_len, g.native) for g in verify.decode_groups] == [(1, True), (2, True)]
     rows = verify.decode_groups[1]
     assert rows.mask is None and rows.lengths.tolist() == [11, 12]
-    assert rows.block_ids.view(2, -1).tolist() == [[0, 1, 2], [0, 1, 2]]
+    assert rows.block_ids.tolist() == [0, 1, 2]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -205,6 +205,66 @@ def test_bf16_score_products_match_softmax_attention_whatever_a_block_tail_holds
     stale = kernel.paged_decode_attention(query, stale_keys, stale_values, tables, lengths,
                                           block, 0.125)
     assert torch.equal(stale, out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("per_kv", "q_len"), [(3, 5), (1, 16), (5, 3)])
+def test_rows_with_their_own_lengths_equal_each_row_alone(dtype, per_kv, q_len):
+    """Lengths [B, Q]: a sequence's Q tokens (each with its per_kv query heads) share each
+    block's reads, token j seeing its own number of tokens. Every row gets the bits it gets as
+    a sequence of its own, in blocks of 16 (bf16 takes tile or pair products where the CPU has
+    them), with the tokens crossing a block boundary (lengths 30 to 34 of 16-token blocks), and
+    a stale NaN or inf in the last block past the longest changes nothing."""
+    kernel, block, dim = paged_decode(), 16, 64
+    generator = torch.Generator().manual_seed(per_kv * q_len)
+    keys = torch.randn(KV_HEADS, 8 * block, dim, generator=generator).to(dtype)
+    values = torch.randn(KV_HEADS, 8 * block, dim, generator=generator).to(dtype)
+    tables = torch.tensor([[5, 2, 7], [0, 1, 3]])
+    lengths = torch.tensor([[34 - q_len + 1 + j for j in range(q_len)],
+                            [16 - q_len + 1 + j for j in range(q_len)]]).clamp(min=1)
+    query = torch.randn(2, KV_HEADS, q_len * per_kv, dim, generator=generator).to(dtype)
+    shared = kernel.paged_decode_attention(query, keys, values, tables, lengths, block, 0.125)
+    for b in range(2):
+        for j in range(q_len):
+            heads = slice(j * per_kv, (j + 1) * per_kv)
+            alone = kernel.paged_decode_attention(query[b:b + 1, :, heads], keys, values,
+                                                  tables[b:b + 1], lengths[b, j:j + 1], block,
+                                                  0.125)
+            assert torch.equal(shared[b:b + 1, :, heads], alone)
+    keys[:, 7 * block + 2:8 * block] = float("nan")  # sequence 0 reads 2 tokens of block 7
+    values[:, 7 * block + 2:8 * block] = float("inf")
+    stale = kernel.paged_decode_attention(query, keys, values, tables, lengths, block, 0.125)
+    assert torch.equal(stale, shared)
+    with pytest.raises(RuntimeError, match="the rows a multiple of Q"):
+        kernel.paged_decode_attention(query, keys, values, tables,
+                                      torch.ones(2, q_len * per_kv + 1, dtype=torch.long),
+                                      block, 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "q_len"), [(9, 5), (9, 6)])
+def test_a_verification_block_in_blocks_of_16_attends_as_plain_decodes(dtype, heads, q_len):
+    """SmolLM2's shape (9 query heads over 3 KV heads, head size 64, blocks of 16): a decode
+    token and 4 drafts (15 rows a KV head, in one kernel call) and 5 drafts (18 rows, more than
+    the kernel takes: each token then goes as a sequence of its own) get, row for row, the bits
+    of a plain decode at their positions, across a block boundary."""
+    from workers.attention.paged import paged_attention
+    from workers.kv_cache import PagedKVCache
+    cache = PagedKVCache(1, 8, 16, 3, 64, dtype, CPU)
+    generator = torch.Generator().manual_seed(heads + q_len)
+    for tensor in (cache.keys[0], cache.values[0]):
+        tensor.copy_(torch.randn(tensor.shape, generator=generator).to(dtype))
+    table, computed = [4, 0, 6], 29  # rows see 30 to 29 + q_len tokens
+    query = torch.randn(q_len, heads, 64, generator=generator).to(dtype)
+    key = torch.randn(q_len, 3, 64, generator=generator).to(dtype)
+    value = torch.randn(q_len, 3, 64, generator=generator).to(dtype)
+    verified = paged_attention(0, query, key, value, build_metadata(
+        cache, [table], [computed], [q_len], CPU, verify=[True]), scale=0.125)
+    for j in range(q_len):
+        plain = paged_attention(0, query[j:j + 1], key[j:j + 1], value[j:j + 1],
+                                build_metadata(cache, [table], [computed + j], [1], CPU),
+                                scale=0.125)
+        assert torch.equal(verified[j:j + 1], plain)
 
 
 @pytest.mark.skipif(paged_decode() is None or shutil.which("objdump") is None,

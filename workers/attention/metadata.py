@@ -52,10 +52,9 @@ class DecodeGroup:
         lengths: ``[B]`` int64 tokens each sequence's last query row sees (its context); for
             a native group ``[B * q_len]``, the tokens each row sees.
         native: attended by the native kernel in place (the kernel chosen for this cache); it
-            needs no ``mask`` or ``padding``, so they are None. With ``q_len > 1`` each row is
-            handed to the kernel as a sequence of its own (``block_ids`` then holds
-            ``B * q_len`` tables), so a verification row computes exactly what a plain decode
-            of that position would.
+            needs no ``mask`` or ``padding``, so they are None. With ``q_len > 1`` the rows of
+            a sequence share its blocks' reads, each over its own length, and a verification
+            row computes exactly what a plain decode of that position would.
         mask: ``[B, 1, q_len, M * block_size]`` True where query row ``j`` of a sequence may
             attend (its context up to and including its own position); None when
             ``q_len == 1`` and every context fills the padded length exactly.
@@ -149,15 +148,15 @@ def build_metadata(kv_cache: PagedKVCache, block_tables: list[list[int]],
                                  native_prefill=native_prefill)
     if native_decode is None:
         native_decode = decode_kernel(keys.dtype, keys.device, keys.shape[-1]) == NATIVE_DECODE
-    # The native kernel reads each sequence to its own length, so plain decodes need no
-    # grouping by length: one call, in row order. Verification rows, each its own sequence
-    # there, went 281 -> 122 us a layer against the gather path (one sequence of 384 tokens and
-    # 4 drafts, bf16, 1 thread of an AMD EPYC; a plain decode took 65). The gather path pads
-    # each group to its longest context, so it groups contexts of similar length.
+    # The native kernel reads each sequence to its own length, so it needs no grouping by
+    # length: one call per q_len (plain decodes, then verification blocks), in row order. The
+    # gather path pads each group to its longest context, so it groups contexts of similar
+    # length.
     if native_decode:
-        plain = [query for query in short if query.q_len == 1]
-        groups = ([plain] if plain else []) + _group_short_queries(
-            [query for query in short if query.q_len > 1])
+        by_q_len: dict[int, list[_ShortQuery]] = {}
+        for query in short:
+            by_q_len.setdefault(query.q_len, []).append(query)
+        groups = [by_q_len[q_len] for q_len in sorted(by_q_len)]
     else:
         groups = _group_short_queries(short)
     metadata.decode_groups = [_decode_group(group, kv_cache, device, native_decode)
@@ -197,7 +196,7 @@ def _decode_group(group: list[_ShortQuery], kv_cache: PagedKVCache, device: torc
     block_ids = []
     for query in group:
         pad = blocks_per_row - len(query.table)
-        block_ids.extend((query.table + [kv_cache.scratch_block] * pad) * (q_len if native else 1))
+        block_ids.extend(query.table + [kv_cache.scratch_block] * pad)
     mask = padding = None
     if not native and (q_len > 1 or any(query.length != padded_len for query in group)):
         mask = (torch.arange(padded_len) < torch.tensor(visible)[..., None])[:, None].to(device)

@@ -149,15 +149,32 @@ def _attend_gathered(layer: int, query: torch.Tensor, group: DecodeGroup, cache:
 
 def _attend_decodes_in_place(layer: int, query: torch.Tensor, group: DecodeGroup,
                              cache: PagedKVCache, scale: float) -> torch.Tensor:
-    """One query row per sequence, attended by the native kernel over the cache itself; the
-    scratch-block padding of the tables is never read (the kernel stops at each length)."""
-    num_seqs = len(group.rows)
+    """The group's rows attended by the native kernel over the cache itself, in one call; the
+    scratch-block padding of the tables is never read (the kernel stops at each row's length).
+
+    GQA is folded as on the gather path: the query heads of KV head h, for each of a
+    sequence's ``q_len`` tokens, are that head's query rows, ordered (token j, head i) as
+    ``j * per_kv + i``, and all of them share each block's reads (a verification block's
+    tokens read its context once, not once each). Where a block's rows would outnumber the
+    kernel's ``max_rows``, each token goes as a sequence of its own instead.
+    """
+    kernel = paged_decode()
+    q_len = group.q_len
+    num_seqs = len(group.rows) // q_len
     _, heads, head_dim = query.shape
     kv_heads = cache.keys[layer].shape[0]
-    # Fold GQA as the gather path does: the query heads of KV head h are rows of one query.
-    q = query[group.row_index].reshape(num_seqs, kv_heads, heads // kv_heads, head_dim)
-    out = paged_decode().paged_decode_attention(
-        q, cache.keys[layer], cache.values[layer], group.block_ids.view(num_seqs, -1),
-        group.lengths, cache.block_size, scale)
-    return out.view(num_seqs, heads, head_dim)
-
+    per_kv = heads // kv_heads
+    rows = query[group.row_index].view(num_seqs, q_len, kv_heads, per_kv, head_dim)
+    tables = group.block_ids.view(num_seqs, -1)
+    if q_len * per_kv > kernel.max_rows:
+        q = rows.view(num_seqs * q_len, kv_heads, per_kv, head_dim)
+        out = kernel.paged_decode_attention(q, cache.keys[layer], cache.values[layer],
+                                            tables.repeat_interleave(q_len, 0), group.lengths,
+                                            cache.block_size, scale)
+        return out.view(num_seqs * q_len, heads, head_dim)
+    q = rows.transpose(1, 2).reshape(num_seqs, kv_heads, q_len * per_kv, head_dim)
+    out = kernel.paged_decode_attention(q, cache.keys[layer], cache.values[layer], tables,
+                                        group.lengths.view(num_seqs, q_len), cache.block_size,
+                                        scale)
+    out = out.view(num_seqs, kv_heads, q_len, per_kv, head_dim).transpose(1, 2)
+    return out.reshape(num_seqs * q_len, heads, head_dim)

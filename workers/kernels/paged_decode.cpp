@@ -1,11 +1,14 @@
 // Decode attention read straight from the paged KV cache (fp32 or bf16 cache, fp32 arithmetic;
 // CPU).
 //
-// One query token per sequence attends to its first `length` cached tokens, block by block
-// through its block table, with the online softmax of flash attention (Dao et al. 2022): a
-// running maximum and sum per query row, so no score vector over the whole context and no
-// gathered copy of K/V is ever made. Every (sequence, KV head) pair is independent, so a row's
-// result never depends on what else is in the batch.
+// A sequence's query rows attend to its cached tokens, block by block through its block table,
+// with the online softmax of flash attention (Dao et al. 2022): a running maximum and sum per
+// query row, so no score vector over the whole context and no gathered copy of K/V is ever
+// made. The rows of one KV head are the query heads that share it (GQA) and, for a
+// verification block (a decode token and its drafts), those of each of its tokens: every row
+// sees its own number of tokens, and all of them share each block's reads. Every (sequence,
+// KV head) pair is independent, and a row's arithmetic is that of the row alone, so its result
+// never depends on what else is in the batch or the block.
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>  // at::Tensor to and from Python; far lighter than torch/extension.h
 #include <ATen/Parallel.h>
@@ -28,6 +31,8 @@
 #endif
 #if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
 #define NALAR_PAIRS 1
+#endif
+#if defined(NALAR_TILES) || defined(NALAR_PAIRS)
 #include "avx512_exp2.h"
 #endif
 
@@ -35,7 +40,7 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kMaxBlockSize = 256;
-constexpr int64_t kMaxRows = 16;  // query heads per KV head
+constexpr int64_t kMaxRows = 16;  // query rows a KV head of a sequence attends for at once
 
 inline float widen(float x) { return x; }
 
@@ -118,13 +123,13 @@ inline Vec load_widened(const at::BFloat16* p) {
 constexpr int64_t kAccumulators = Vec::size() >= 16 ? 12 : 6;
 
 // acc[g] [D] = acc[g] * correction[g] + probs[g] [n] . v [n, D] for G rows sharing one block's
-// values, in fp32. Tokens outer: each token's values are loaded (and widened) once for the G
+// values, in fp32; row g's probability of token t is probs[g * row_stride + t * token_stride]. Tokens outer: each token's values are loaded (and widened) once for the G
 // rows, and the rows' G x D / W accumulators are independent FMA chains, where a row at a time
 // re-read the block per row and waited on D / W chains' latency. Each row sums in token order,
 // as a row on its own would.
 template <typename T, int64_t D, int64_t G>
-inline void accumulate_group(const float* probs, int64_t probs_stride, const float* correction,
-                             int64_t n, const T* v, float* acc) {
+inline void accumulate_group(const float* probs, int64_t row_stride, int64_t token_stride,
+                             const float* correction, int64_t n, const T* v, float* acc) {
   constexpr int64_t kVectors = D / Vec::size();
   Vec sums[G][kVectors];
   for (int64_t g = 0; g < G; ++g) {
@@ -136,7 +141,7 @@ inline void accumulate_group(const float* probs, int64_t probs_stride, const flo
     Vec values[kVectors];
     for (int64_t j = 0; j < kVectors; ++j) values[j] = load_widened(v + t * D + j * Vec::size());
     for (int64_t g = 0; g < G; ++g) {
-      const Vec p(probs[g * probs_stride + t]);
+      const Vec p(probs[g * row_stride + t * token_stride]);
       for (int64_t j = 0; j < kVectors; ++j) sums[g][j] = at::vec::fmadd(p, values[j], sums[g][j]);
     }
   }
@@ -146,26 +151,28 @@ inline void accumulate_group(const float* probs, int64_t probs_stride, const flo
 }
 
 // accumulate_group over all `rows` rows of a KV head: as many whole groups as fit the
-// registers, then the rest one row at a time. probs[r] starts at probs + r * probs_stride.
+// registers, then the rest one row at a time (the probabilities laid out as accumulate_group's).
 template <typename T, int64_t D>
-inline void accumulate_rows(const float* probs, int64_t probs_stride, const float* correction,
-                            int64_t rows, int64_t n, const T* v, float* acc) {
+inline void accumulate_rows(const float* probs, int64_t row_stride, int64_t token_stride,
+                            const float* correction, int64_t rows, int64_t n, const T* v,
+                            float* acc) {
   static_assert(D % Vec::size() == 0, "head_dim must be a multiple of the vector width");
   constexpr int64_t kGroup = std::clamp<int64_t>(kAccumulators / (D / Vec::size()), 1, 4);
   int64_t r = 0;
   for (; r + kGroup <= rows; r += kGroup) {
-    accumulate_group<T, D, kGroup>(probs + r * probs_stride, probs_stride, correction + r, n, v,
-                                   acc + r * D);
+    accumulate_group<T, D, kGroup>(probs + r * row_stride, row_stride, token_stride,
+                                   correction + r, n, v, acc + r * D);
   }
   for (; r < rows; ++r) {
-    accumulate_group<T, D, 1>(probs + r * probs_stride, probs_stride, correction + r, n, v,
-                              acc + r * D);
+    accumulate_group<T, D, 1>(probs + r * row_stride, row_stride, token_stride, correction + r,
+                              n, v, acc + r * D);
   }
 }
 
 // Folds one block's scaled scores `probs` [n] of a query row into its running maximum and sum
 // (flash attention's online softmax), turning them into exp(score - maximum) in place.
-// Returns the correction of what was accumulated under the old maximum.
+// Returns the correction of what was accumulated under the old maximum: exactly 1 where the
+// row sees none of the block (n = 0, never its first block).
 inline float softmax_block(float* probs, int64_t n, float& running_max, float& running_sum) {
   float block_max = running_max;
   for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, probs[t]);
@@ -184,6 +191,13 @@ inline void normalise(const float* acc, const float* running_sum, int64_t rows, 
       (Vec::loadu(acc + r * D + d) * inv).store(out + r * D + d);
     }
   }
+}
+
+// How many of the n tokens of the block at `start` a row that sees `row_length` tokens attends
+// to. The block's other tokens get probability 0 for that row: they are this step's own later
+// tokens (a verification block's), written before attention, so 0 times their values is 0.
+inline int64_t seen_in_block(int64_t row_length, int64_t start, int64_t n) {
+  return std::clamp<int64_t>(row_length - start, 0, n);
 }
 
 // The next kPrefetchBlocks blocks' keys and values, asked for while this one is computed.
@@ -209,14 +223,15 @@ inline void prefetch_ahead(const T* keys, const T* values, const int64_t* table,
 }
 
 
-// The `rows` query heads sharing one KV head, over the first `length` tokens of one
-// sequence's context, block after block (flash attention's online softmax: a running
-// maximum and sum per row). D is a compile-time head size, so every loop over a head is
-// unrolled into whole vectors.
+// The `rows` query rows of one KV head of one sequence, row r over the first lengths[r] tokens
+// of its context, block after block (flash attention's online softmax: a running maximum and
+// sum per row). D is a compile-time head size, so every loop over a head is unrolled into
+// whole vectors.
 template <typename T, int64_t D>
 void attend_rows(const float* q, const at::BFloat16*, const T* keys, const T* values,
-                 const int64_t* table, int64_t length, int64_t rows, int64_t block_size,
+                 const int64_t* table, const int64_t* lengths, int64_t rows, int64_t block_size,
                  float scale, float* out) {
+  const int64_t length = *std::max_element(lengths, lengths + rows);
   float acc[kMaxRows * D] = {};
   float running_max[kMaxRows], running_sum[kMaxRows] = {}, correction[kMaxRows];
   std::fill(running_max, running_max + rows, -std::numeric_limits<float>::infinity());
@@ -228,24 +243,82 @@ void attend_rows(const float* q, const at::BFloat16*, const T* keys, const T* va
     const float* k = as_float(keys + slot * D, n * D, k_scratch.data());
     for (int64_t r = 0; r < rows; ++r) {
       float* row_probs = probs.data() + r * block_size;
-      for (int64_t t = 0; t < n; ++t) row_probs[t] = dot<D>(q + r * D, k + t * D) * scale;
-      correction[r] = softmax_block(row_probs, n, running_max[r], running_sum[r]);
+      const int64_t seen = seen_in_block(lengths[r], start, n);
+      for (int64_t t = 0; t < seen; ++t) row_probs[t] = dot<D>(q + r * D, k + t * D) * scale;
+      correction[r] = softmax_block(row_probs, seen, running_max[r], running_sum[r]);
+      std::fill(row_probs + seen, row_probs + n, 0.f);
     }
-    accumulate_rows<T, D>(probs.data(), block_size, correction, rows, n, values + slot * D, acc);
+    accumulate_rows<T, D>(probs.data(), block_size, 1, correction, rows, n, values + slot * D,
+                          acc);
   }
   normalise<D>(acc, running_sum, rows, out);
 }
 
 #ifdef NALAR_TILES
+// The online softmax of up to 16 query rows at once, a row per lane, for the tile path, whose
+// block scores come as [token][row]: a block's maxima, probabilities and sums are vector
+// arithmetic over all the rows, where a row at a time cost a scalar loop per row and block
+// (most of a verification block's time at 15 rows). Per lane it is the pair path's
+// softmax_scores: maxima on raw scores, exp(scale (s - max)) as 2^(s c - max c).
+class LaneSoftmax {
+ public:
+  LaneSoftmax(const int64_t* lengths, int64_t rows, float scale)
+      : c_(_mm512_set1_ps(scale * 1.4426950408889634f)) {
+    alignas(64) int32_t seen[16] = {};  // lanes past the rows see no token
+    for (int64_t r = 0; r < rows; ++r) seen[r] = static_cast<int32_t>(lengths[r]);
+    lengths_ = _mm512_load_si512(seen);
+  }
+
+  // Folds a block's raw scores [16 tokens][16 rows] (its first n tokens, the first at position
+  // `start`) into each row's running maximum and sum: probs [16][16] gets the rows'
+  // probabilities (0 for a token a row does not see), correction [16] the factor for what
+  // each row accumulated before.
+  void fold(const float* scores, int64_t start, int64_t n, float* probs, float* correction) {
+    __mmask16 sees[16];
+    __m512 block_max = max_;
+    for (int64_t t = 0; t < n; ++t) {
+      sees[t] = _mm512_cmpgt_epi32_mask(lengths_, _mm512_set1_epi32(static_cast<int32_t>(start + t)));
+      block_max = _mm512_mask_max_ps(block_max, sees[t], block_max, _mm512_load_ps(scores + 16 * t));
+    }
+    const __m512 shift = _mm512_mul_ps(block_max, c_);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+      const __m512 p = _mm512_maskz_mov_ps(sees[t], nalar_avx512::exp2_nonpositive(
+          _mm512_fmsub_ps(_mm512_load_ps(scores + 16 * t), c_, shift)));
+      _mm512_store_ps(probs + 16 * t, p);
+      sum = _mm512_add_ps(sum, p);
+    }
+    // 2^0 is exactly 1, so a row that sees none of the block keeps its sums as they were
+    // (bit for bit: a verification row as a plain decode); before a row's first token its
+    // maximum is -inf and the correction 0.
+    const __mmask16 started = _mm512_cmp_ps_mask(
+        max_, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ);
+    const __m512 factor = _mm512_maskz_mov_ps(started, nalar_avx512::exp2_nonpositive(
+        _mm512_mul_ps(_mm512_sub_ps(max_, block_max), c_)));
+    sum_ = _mm512_fmadd_ps(sum_, factor, sum);
+    max_ = block_max;
+    _mm512_storeu_ps(correction, factor);
+  }
+
+  void sums(float* out) const { _mm512_storeu_ps(out, sum_); }
+
+ private:
+  __m512 c_;
+  __m512i lengths_;
+  __m512 max_ = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 sum_ = _mm512_setzero_ps();
+};
+
 // attend_rows for bf16 caches in blocks of 16 tokens, on AMX tiles: a block's scores for all
 // the rows are one tile product, keys (the A operand: 16 tokens x 32 dims, read in place) by
 // the rows' queries transposed into the B operand's pairs, instead of one dot product and
 // horizontal sum per token and row, and the keys are never widened.
 template <int64_t D>
 void attend_rows_tiles(const float*, const at::BFloat16* q, const at::BFloat16* keys,
-                       const at::BFloat16* values, const int64_t* table, int64_t length,
+                       const at::BFloat16* values, const int64_t* table, const int64_t* lengths,
                        int64_t rows, int64_t block_size, float scale, float* out) {
   static_assert(D % 32 == 0, "tiles take the head in 32-dim chunks");
+  const int64_t length = *std::max_element(lengths, lengths + rows);
   constexpr int64_t kChunks = D / 32;
   // B operand per chunk: row p holds dims (2p, 2p + 1) of each query row in turn.
   alignas(64) uint16_t q_pairs[kChunks * 16 * 32] = {};
@@ -256,10 +329,9 @@ void attend_rows_tiles(const float*, const at::BFloat16* q, const at::BFloat16* 
     }
   }
   float acc[kMaxRows * D] = {};
-  float running_max[kMaxRows], running_sum[kMaxRows] = {}, correction[kMaxRows];
-  std::fill(running_max, running_max + rows, -std::numeric_limits<float>::infinity());
-  alignas(64) float scores[16 * 16];  // [token][row]
-  float probs[kMaxRows * 16];
+  alignas(64) float scores[16 * 16], probs[16 * 16];  // [token][row]
+  float correction[16], running_sum[16];
+  LaneSoftmax softmax(lengths, rows, scale);
   for (int64_t start = 0; start < length; start += block_size) {
     const int64_t n = std::min(block_size, length - start);
     const int64_t slot = table[start / block_size] * block_size;
@@ -272,12 +344,10 @@ void attend_rows_tiles(const float*, const at::BFloat16* q, const at::BFloat16* 
       _tile_dpbf16ps(0, 1, 2);
     }
     _tile_stored(0, scores, 64);
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t t = 0; t < n; ++t) probs[r * 16 + t] = scores[t * 16 + r] * scale;
-      correction[r] = softmax_block(probs + r * 16, n, running_max[r], running_sum[r]);
-    }
-    accumulate_rows<at::BFloat16, D>(probs, 16, correction, rows, n, values + slot * D, acc);
+    softmax.fold(scores, start, n, probs, correction);
+    accumulate_rows<at::BFloat16, D>(probs, 1, 16, correction, rows, n, values + slot * D, acc);
   }
+  softmax.sums(running_sum);
   normalise<D>(acc, running_sum, rows, out);
 }
 #endif
@@ -353,8 +423,8 @@ inline void score_block_pairs(const at::BFloat16* keys, const uint32_t* q_pairs,
 
 // Folds a block's raw scores `s` (lanes = its first n tokens) into a row's online softmax:
 // the maximum on raw scores (the scale is positive), exp(scale (s - max)) as 2^(s c - max c)
-// with c = scale log2(e), stored to `probs` [16]. Returns the correction of what was
-// accumulated under the old maximum.
+// with c = scale log2(e), stored to `probs` [16] (0 in the lanes from n). Returns the
+// correction of what was accumulated under the old maximum (1 where n = 0).
 inline float softmax_scores(__m512 s, int64_t n, float c, float& running_max,
                             float& running_sum, float* probs) {
   const __mmask16 valid = _cvtu32_mask16(n >= 16 ? 0xFFFFu : (1u << n) - 1);
@@ -373,9 +443,10 @@ inline float softmax_scores(__m512 s, int64_t n, float c, float& running_max,
 // scores (score_block_pairs) and a vector softmax over the block's 16 lanes.
 template <int64_t D>
 void attend_rows_pairs(const float*, const at::BFloat16* q, const at::BFloat16* keys,
-                       const at::BFloat16* values, const int64_t* table, int64_t length,
+                       const at::BFloat16* values, const int64_t* table, const int64_t* lengths,
                        int64_t rows, int64_t block_size, float scale, float* out) {
   static_assert(D % 32 == 0, "the head is taken in 32-dim chunks");
+  const int64_t length = *std::max_element(lengths, lengths + rows);
   alignas(64) uint32_t q_pairs[kMaxRows * D / 2] = {};
   std::memcpy(q_pairs, q, rows * D * sizeof(at::BFloat16));
   float acc[kMaxRows * D] = {};
@@ -390,20 +461,20 @@ void attend_rows_pairs(const float*, const at::BFloat16* q, const at::BFloat16* 
     prefetch_ahead<at::BFloat16, D>(keys, values, table, start, length, block_size);
     score_block_pairs<D>(keys + slot * D, q_pairs, rows, scores);
     for (int64_t r = 0; r < rows; ++r) {
-      correction[r] = softmax_scores(scores[r], n, c, running_max[r], running_sum[r],
-                                     probs + r * 16);
+      correction[r] = softmax_scores(scores[r], seen_in_block(lengths[r], start, n), c,
+                                     running_max[r], running_sum[r], probs + r * 16);
     }
-    accumulate_rows<at::BFloat16, D>(probs, 16, correction, rows, n, values + slot * D, acc);
+    accumulate_rows<at::BFloat16, D>(probs, 16, 1, correction, rows, n, values + slot * D, acc);
   }
   normalise<D>(acc, running_sum, rows, out);
 }
 #endif
 
-// Query rows (fp32, and bf16 for the tile path), keys, values, table, length, rows,
-// block_size, scale, out.
+// Query rows (fp32, and bf16 for the tile path), keys, values, table, each row's length,
+// rows, block_size, scale, out.
 template <typename T>
 using RowsFn = void (*)(const float*, const at::BFloat16*, const T*, const T*, const int64_t*,
-                        int64_t, int64_t, int64_t, float, float*);
+                        const int64_t*, int64_t, int64_t, float, float*);
 
 #define NALAR_HEAD_DIMS(X) X(32) X(64) X(80) X(96) X(128) X(256)
 
@@ -460,18 +531,18 @@ std::string score_products(int64_t block_size, int64_t head_dim) {
   return "";
 }
 
+// row_lengths [B, R]: the tokens each query row of each sequence sees.
 template <typename T>
 void attend_all(const at::Tensor& q, const at::BFloat16* q_bf16,
                 const at::Tensor& key_cache, const at::Tensor& value_cache,
-                const at::Tensor& tables, const at::Tensor& lengths, int64_t block_size,
-                float scale, at::Tensor& out) {
+                const at::Tensor& tables, const std::vector<int64_t>& row_lengths,
+                int64_t block_size, float scale, at::Tensor& out) {
   const int64_t batch = q.size(0), kv_heads = q.size(1), rows = q.size(2), dim = q.size(3);
   const int64_t slots = key_cache.size(1), max_blocks = tables.size(1);
   const float* q_ptr = q.data_ptr<float>();
   const T* k_ptr = key_cache.data_ptr<T>();
   const T* v_ptr = value_cache.data_ptr<T>();
   const int64_t* table_ptr = tables.data_ptr<int64_t>();
-  const int64_t* length_ptr = lengths.data_ptr<int64_t>();
   float* out_ptr = out.data_ptr<float>();
   RowsFn<T> attend = rows_for<T>(dim);
   bool tiles = false;
@@ -496,7 +567,8 @@ void attend_all(const at::Tensor& q, const at::BFloat16* q_bf16,
       const int64_t b = item / kv_heads, h = item % kv_heads;
       attend(q_ptr + item * rows * dim, q_bf16 ? q_bf16 + item * rows * dim : nullptr,
              k_ptr + h * slots * dim, v_ptr + h * slots * dim, table_ptr + b * max_blocks,
-             length_ptr[b], rows, block_size, scale, out_ptr + item * rows * dim);
+             row_lengths.data() + b * rows, rows, block_size, scale,
+             out_ptr + item * rows * dim);
     }
 #ifdef NALAR_TILES
     if (tiles) _tile_release();
@@ -505,7 +577,9 @@ void attend_all(const at::Tensor& q, const at::BFloat16* q_bf16,
 }
 
 // query [B, kv_heads, R, D]; key_cache, value_cache [kv_heads, slots, D], float32 or bfloat16
-// (the query's dtype); block_tables [B, M] int64; lengths [B] int64 (each >= 1).
+// (the query's dtype); block_tables [B, M] int64; lengths int64 (each >= 1): [B], the tokens
+// every row of a sequence sees, or [B, Q] with R a multiple of Q, where row r sees
+// lengths[b, r / (R / Q)] (a verification block's Q tokens, each with its R / Q query heads).
 // Returns [B, kv_heads, R, D] in the query's dtype, computed in float32.
 at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache,
                                      at::Tensor value_cache, at::Tensor block_tables,
@@ -522,7 +596,7 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache,
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "contiguous caches");
   TORCH_CHECK(block_size >= 1 && block_size <= kMaxBlockSize, "block_size outside 1..",
               kMaxBlockSize);
-  TORCH_CHECK(query.size(2) <= kMaxRows, "more than ", kMaxRows, " query heads per KV head");
+  TORCH_CHECK(query.size(2) <= kMaxRows, "more than ", kMaxRows, " query rows per KV head");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong,
               "int64 block tables and lengths");
   const auto q = query.to(at::kFloat).contiguous();
@@ -532,11 +606,17 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache,
   TORCH_CHECK(key_cache.size(0) == kv_heads && key_cache.size(2) == dim
               && value_cache.sizes() == key_cache.sizes(), "cache geometry");
   TORCH_CHECK(tables.size(0) == batch && lens.size(0) == batch, "one table per sequence");
+  const int64_t rows = q.size(2), per_sequence = lens.dim() == 2 ? lens.size(1) : 1;
+  TORCH_CHECK(lens.dim() <= 2 && per_sequence >= 1 && rows % per_sequence == 0,
+              "lengths [B] or [B, Q], the rows a multiple of Q");
   const int64_t slots = key_cache.size(1), max_blocks = tables.size(1);
   const int64_t* length_ptr = lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(length_ptr[b] >= 1 && length_ptr[b] <= max_blocks * block_size,
+  std::vector<int64_t> row_lengths(batch * rows);
+  for (int64_t i = 0; i < batch * rows; ++i) {
+    const int64_t length = length_ptr[i / rows * per_sequence + i % rows / (rows / per_sequence)];
+    TORCH_CHECK(length >= 1 && length <= max_blocks * block_size,
                 "length outside the block table");
+    row_lengths[i] = length;
   }
   const int64_t* ids = tables.data_ptr<int64_t>();
   for (int64_t i = 0; i < tables.numel(); ++i) {
@@ -545,12 +625,12 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache,
   auto out = at::empty_like(q);
   const auto scale_f = static_cast<float>(scale);
   if (dtype == at::kFloat) {
-    attend_all<float>(q, nullptr, key_cache, value_cache, tables, lens, block_size, scale_f,
-                      out);
+    attend_all<float>(q, nullptr, key_cache, value_cache, tables, row_lengths, block_size,
+                      scale_f, out);
   } else {
     const auto q_bf16 = query.contiguous();
     attend_all<at::BFloat16>(q, q_bf16.data_ptr<at::BFloat16>(), key_cache, value_cache, tables,
-                             lens, block_size, scale_f, out);
+                             row_lengths, block_size, scale_f, out);
   }
   return out.to(dtype);
 }
@@ -564,4 +644,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #define NALAR_DIM(D) D,
   m.attr("head_dims") = std::vector<int64_t>{NALAR_HEAD_DIMS(NALAR_DIM)};
 #undef NALAR_DIM
+  m.attr("max_rows") = kMaxRows;
 }
