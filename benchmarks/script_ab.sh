@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A benchmark script at an earlier commit and at this checkout, alternating: ROUNDS rounds, each
-# running benchmarks/SCRIPT on both sides at 1 and then 2 threads with the given flags. The
+# running benchmarks/SCRIPT on both sides at 1 and then 2 threads (THREADS="1" for one) with the given flags. The
 # earlier side runs from a worktree of BEFORE on PYTHONPATH (a script's own directory and
 # PYTHONPATH come before the editable install) with its own kernel builds. Writes
 # OUT/<script>_{BEFORE,AFTER}_{1,2}thread_round{N}.json and prints each run's log lines that
@@ -18,7 +18,7 @@ PYTHONPATH=$before .venv/bin/python -m workers.kernels > /dev/null
 for round in $(seq "$rounds"); do
  for side in "$before_commit" "$after"; do
   if [ "$side" = "$before_commit" ]; then root=$before; else root=$PWD; fi
-  for threads in 1 2; do
+  for threads in ${THREADS:-1 2}; do
    PYTHONPATH=$root .venv/bin/python "$root/benchmarks/$script" --threads "$threads" "$@" \
        --out "$out/${name}_${side}_${threads}thread_round$round.json" > "$out/log.txt" 2>&1
    echo "$round $side $threads: $(grep -E "$pattern" "$out/log.txt" | tr '\n' ' ')"
