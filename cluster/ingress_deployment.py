@@ -26,7 +26,7 @@ from contract.request import GenerationChunk, GenerationRequest, InvalidRequestE
 from router.api.admission import RETRY_AFTER_S, Admission
 from router.api.app import build_openai_app
 from router.api.auth import AdminKey, ApiKeys
-from router.errors import OverloadedError, typed_error
+from router.errors import APIError, OverloadedError, retry_after_headers, typed_error
 from router.index import make_index
 from router.routing.replica_keys import REPLICA_MODEL_KEYS
 from router.routing.telemetry import TELEMETRY
@@ -156,6 +156,8 @@ class NalarIngress:
                         with contextlib.suppress(Exception):
                             stream.cancel()
                     continue
+                if streamed and worker_lost(exc):
+                    raise lost_mid_stream(request.request_id, exc) from exc
                 error = serve_error(exc)
                 if error is exc:
                     raise
@@ -186,6 +188,18 @@ def worker_lost(exc: Exception) -> bool:
     """Whether a failed worker call means the worker itself is gone (its actor died or is
     unreachable, its node or process died), not that it refused or failed the request."""
     return isinstance(typed_error(exc), (RayActorError, NodeDiedError, WorkerCrashedError))
+
+
+def lost_mid_stream(request_id: str, exc: Exception) -> APIError:
+    """The answer when a request's worker is lost after its first tokens went out: those
+    tokens cannot be taken back, so it is not sent again here, but the client can send it
+    again at once (503 with ``Retry-After``, which the OpenAI SDKs retry by themselves when the
+    answer is not streamed; an SSE error event with code ``worker_lost`` when it is)."""
+    log.warning("request %s: its worker was lost mid-stream (%s)", request_id,
+                type(typed_error(exc)).__name__)
+    return APIError(503, f"the worker serving request {request_id} was lost mid-stream; "
+                    "send the request again", code="worker_lost",
+                    headers=retry_after_headers(1.0))
 
 
 def serve_error(exc: Exception) -> Exception:

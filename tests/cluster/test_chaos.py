@@ -156,13 +156,16 @@ def all_completed(figures: dict) -> bool:
 
 
 async def test_worker_killed_mid_stream(target):
-    """Streams on the killed worker end with an SSE error event; the others complete."""
+    """Streams on the killed worker end with an SSE error event that says to send the
+    request again (``worker_lost``); the others complete."""
     result = await strike(target, "worker_kill")
     victim = result.figures["worker"]
     on_victim = [r for r in result.before if r.worker == victim]
     elsewhere = [r for r in result.before if r.worker != victim]
     assert on_victim, "the victim served the first accepted stream"
     assert [r.failure for r in on_victim] == ["sse_error"] * len(on_victim)
+    assert all("lost mid-stream; send the request again" in r.error for r in on_victim), [
+        r.error for r in on_victim]
     assert all(r.ok for r in elsewhere), [r.error for r in elsewhere]
     assert result.figures["during"]["cut"] == 0, result.figures
 

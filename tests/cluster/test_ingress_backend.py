@@ -14,7 +14,7 @@ from cluster.dashboard import Dashboard
 from cluster.ingress_deployment import RESENDS_ON_WORKER_LOSS, NalarIngress
 from cluster.metrics import WorkerScrape
 from contract.request import GenerationChunk, GenerationRequest
-from router.errors import OverloadedError
+from router.errors import APIError, OverloadedError
 
 
 class FakeStream:
@@ -105,12 +105,19 @@ async def test_a_worker_lost_before_the_first_chunk_means_the_request_is_sent_ag
     assert dead.cancelled and not alive.cancelled  # an unreachable worker may still run it
 
 
-async def test_a_worker_lost_after_its_first_chunk_ends_the_stream_with_its_error():
+async def test_a_worker_lost_after_its_first_chunk_ends_the_stream_with_a_retryable_error():
+    """Tokens already sent cannot be taken back, so the request is not sent again here; the
+    client is told to send it again: 503 ``worker_lost`` with Retry-After (an SSE error event
+    with that body when streaming)."""
     lost, unused = LostMidStream([chunk()]), FakeStream([chunk("stop")])
     generator = NalarIngress.generate(ingress_over(lost, unused), GenerationRequest("r", [1]))
     assert (await generator.__anext__()).token_ids == [5]
-    with pytest.raises(ActorDiedError):
+    with pytest.raises(APIError) as raised:
         await generator.__anext__()
+    error = raised.value
+    assert (error.status_code, error.code, error.type) == (503, "worker_lost", "server_error")
+    assert error.headers["Retry-After"] == "1" and "send the request again" in error.message
+    assert isinstance(error.__cause__, ActorDiedError)
     assert not unused.read
 
 
