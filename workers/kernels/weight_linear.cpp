@@ -29,6 +29,11 @@
 #include "int8_dot.h"
 #include "stored_blocks.h"
 
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512F__)
+#define NALAR_INT8_TILES 1
+#include "amx_tiles.h"
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -369,10 +374,14 @@ using int8_dot::kGroup;
 constexpr int kInt8Rows = 4;  // rows per group call (its unpacked quants reused across them)
 
 using GroupFn = void (*)(const int8_dot::QuantizedRows&, int64_t, const uint8_t*, float*);
+using PairFn = void (*)(const int8_dot::QuantizedRows&, int64_t, const uint8_t*, const uint8_t*,
+                        float*);
 
-// groups[r - 1] multiplies r rows by one packed group of one format.
+// groups[r - 1] multiplies r rows by one packed group of one format; pair_tiles, where AMX-INT8
+// runs, 16 rows by two groups (int8_dot::group_pair_tiles), bit for bit as groups would.
 struct Int8Kernels {
   GroupFn groups[kInt8Rows];
+  PairFn pair_tiles = nullptr;
 };
 
 #define NALAR_GROUP_TABLE(fn, ...) \
@@ -393,7 +402,15 @@ Int8Kernels int8_kernels_for(Path path) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
     case kAvx512:
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-      if (__builtin_cpu_supports("avx512vnni")) return NALAR_GROUP_TABLE(group_vnni, F);
+      if (__builtin_cpu_supports("avx512vnni")) {
+        Int8Kernels kernels = NALAR_GROUP_TABLE(group_vnni, F);
+#ifdef NALAR_INT8_TILES
+        if (__builtin_cpu_supports("amx-int8") && nalar_tiles::granted()) {
+          kernels.pair_tiles = int8_dot::group_pair_tiles<F>;
+        }
+#endif
+        return kernels;
+      }
 #endif
       [[fallthrough]];
     case kAvx2:
@@ -417,30 +434,71 @@ Int8Kernels int8_kernels(int64_t format, Path path) {
   TORCH_CHECK(false, "int8 activations need a Q8_0, Q4_0 or Q4_1 weight, got format ", format);
 }
 
+// sums [rows][stride] (features col0 on, `cols` of them) plus the bias into y's rows r0 on.
+template <typename Out>
+void store_rows(const float* sums, int64_t stride, int64_t rows, int64_t r0, int64_t col0,
+                int64_t cols, int64_t n_out, const float* bias, Out* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const float b = bias != nullptr ? bias[col0 + c] : 0.f;
+      y[(r0 + r) * n_out + col0 + c] = static_cast<Out>(sums[r * stride + c] + b);
+    }
+  }
+}
+
+// One group's rows from `first_row` on, kInt8Rows at a time.
+template <typename Out>
+void group_rows(const int8_dot::QuantizedRows& x, const uint8_t* group, int64_t g,
+                int64_t first_row, int64_t n_out, const Int8Kernels& kern, const float* bias,
+                Out* y) {
+  alignas(32) float sums[kInt8Rows * kGroup];
+  const int64_t col0 = g * kGroup, cols = std::min(kGroup, n_out - col0);
+  for (int64_t r0 = first_row; r0 < x.rows; r0 += kInt8Rows) {
+    const int64_t rows = std::min<int64_t>(kInt8Rows, x.rows - r0);
+    kern.groups[rows - 1](x, r0, group, sums);
+    store_rows(sums, kGroup, rows, r0, col0, cols, n_out, bias, y);
+  }
+}
+
 // Groups are read once, in order, each group's blocks consecutively: one stream the hardware
 // prefetcher follows (the feature-at-a-time layout read 4 streams and needed software
-// prefetching).
+// prefetching). Where AMX-INT8 runs and a step has 16 rows or more, groups go in pairs, 16
+// rows at a time on tiles, the rows past the last 16 (and an odd last group) as before.
 template <typename Out>
 void run_int8(const int8_dot::QuantizedRows& x, const uint8_t* w, int64_t format, int64_t n_out,
               const Int8Kernels& kern, const float* bias, Out* y) {
   const int64_t bytes = int8_dot::group_bytes(format, x.k);
   const int64_t macs_per_group = kGroup * x.k * x.rows;
   const int64_t grain = std::max<int64_t>(1, kMacsPerTask / std::max<int64_t>(macs_per_group, 1));
-  at::parallel_for(0, int8_dot::groups(n_out), grain, [&](int64_t begin, int64_t end) {
-    alignas(32) float sums[kInt8Rows * kGroup];
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t col0 = g * kGroup, cols = std::min(kGroup, n_out - col0);
-      for (int64_t r0 = 0; r0 < x.rows; r0 += kInt8Rows) {
-        const int64_t rows = std::min<int64_t>(kInt8Rows, x.rows - r0);
-        kern.groups[rows - 1](x, r0, w + g * bytes, sums);
-        for (int64_t r = 0; r < rows; ++r) {
-          for (int64_t c = 0; c < cols; ++c) {
-            const float b = bias != nullptr ? bias[col0 + c] : 0.f;
-            y[(r0 + r) * n_out + col0 + c] = static_cast<Out>(sums[r * kGroup + c] + b);
-          }
+#ifdef NALAR_INT8_TILES
+  if (kern.pair_tiles != nullptr && x.rows >= int8_dot::kTileRows) {
+    const int64_t groups = int8_dot::groups(n_out), tiled_rows = x.rows / 16 * 16;
+    at::parallel_for(0, (groups + 1) / 2, std::max<int64_t>(1, grain / 2),
+                     [&](int64_t begin, int64_t end) {
+      nalar_tiles::configure(int8_dot::kTileCount, int8_dot::kTileShapeRows,
+                              int8_dot::kTileShapeBytes);
+      alignas(64) float sums[int8_dot::kTileRows * 2 * kGroup];
+      for (int64_t pair = begin; pair < end; ++pair) {
+        const int64_t g = 2 * pair, col0 = g * kGroup;
+        if (g + 1 == groups) {
+          group_rows(x, w + g * bytes, g, 0, n_out, kern, bias, y);
+          continue;
         }
+        for (int64_t r0 = 0; r0 < tiled_rows; r0 += int8_dot::kTileRows) {
+          kern.pair_tiles(x, r0, w + g * bytes, w + (g + 1) * bytes, sums);
+          store_rows(sums, 2 * kGroup, int8_dot::kTileRows, r0, col0,
+                     std::min(2 * kGroup, n_out - col0), n_out, bias, y);
+        }
+        group_rows(x, w + g * bytes, g, tiled_rows, n_out, kern, bias, y);
+        group_rows(x, w + (g + 1) * bytes, g + 1, tiled_rows, n_out, kern, bias, y);
       }
-    }
+      _tile_release();
+    });
+    return;
+  }
+#endif
+  at::parallel_for(0, int8_dot::groups(n_out), grain, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) group_rows(x, w + g * bytes, g, 0, n_out, kern, bias, y);
   });
 }
 
@@ -712,6 +770,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("out_features"), pybind11::arg("bias"), pybind11::arg("path") = 0,
         pybind11::arg("products") = 0,
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("has_int8_tiles", [] { return int8_kernels(kQ4_1, kBest).pair_tiles != nullptr; },
+        "whether GGUF formats take AMX-INT8 tiles at 16 rows and more here");
   m.def("has_bf16_pairs", [] { return kernels_for(kBest).bf16_tiles[0][0] != nullptr; },
         "whether bf16 pair products (products=2) run here");
   m.def("dequantize", &dequantize,

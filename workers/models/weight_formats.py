@@ -73,8 +73,10 @@ def native():
                            "--quantization none")
     path = module.paths()[0]
     if path == "avx512":
+        tiles = (", and AMX-INT8 tiles from 16 rows a step" if module.has_int8_tiles()
+                 else "")
         log.info("stored weights: the avx512 kernels serve (int8 dot products with VNNI "
-                 "where the CPU has it)")
+                 "where the CPU has it%s)", tiles)
     else:
         log.warning("stored weights: no AVX-512 on this CPU or in this build; the %s kernels "
                     "serve instead", path)
