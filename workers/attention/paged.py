@@ -164,10 +164,10 @@ def _attend_decodes_in_place(layer: int, query: torch.Tensor, group: DecodeGroup
     _, heads, head_dim = query.shape
     kv_heads = cache.keys[layer].shape[0]
     per_kv = heads // kv_heads
-    rows = query[group.row_index].view(num_seqs, q_len, kv_heads, per_kv, head_dim)
+    rows = query[group.row_index].reshape(num_seqs, q_len, kv_heads, per_kv, head_dim)
     tables = group.block_ids.view(num_seqs, -1)
     if q_len * per_kv > kernel.max_rows:
-        q = rows.view(num_seqs * q_len, kv_heads, per_kv, head_dim)
+        q = rows.reshape(num_seqs * q_len, kv_heads, per_kv, head_dim)
         out = kernel.paged_decode_attention(q, cache.keys[layer], cache.values[layer],
                                             tables.repeat_interleave(q_len, 0), group.lengths,
                                             cache.block_size, scale)

@@ -471,22 +471,23 @@ void run_int8(const int8_dot::QuantizedRows& x, const uint8_t* w, int64_t format
   const int64_t macs_per_group = kGroup * x.k * x.rows;
   const int64_t grain = std::max<int64_t>(1, kMacsPerTask / std::max<int64_t>(macs_per_group, 1));
 #ifdef NALAR_INT8_TILES
-  if (kern.pair_tiles != nullptr && x.rows >= int8_dot::kTileRows) {
-    const int64_t groups = int8_dot::groups(n_out), tiled_rows = x.rows / 16 * 16;
+  constexpr int64_t kTile = int8_dot::kTileRows;
+  if (kern.pair_tiles != nullptr && x.rows >= kTile) {
+    const int64_t groups = int8_dot::groups(n_out), tiled_rows = x.rows / kTile * kTile;
     at::parallel_for(0, (groups + 1) / 2, std::max<int64_t>(1, grain / 2),
                      [&](int64_t begin, int64_t end) {
       nalar_tiles::configure(int8_dot::kTileCount, int8_dot::kTileShapeRows,
                               int8_dot::kTileShapeBytes);
-      alignas(64) float sums[int8_dot::kTileRows * 2 * kGroup];
+      alignas(64) float sums[kTile * 2 * kGroup];
       for (int64_t pair = begin; pair < end; ++pair) {
         const int64_t g = 2 * pair, col0 = g * kGroup;
         if (g + 1 == groups) {
           group_rows(x, w + g * bytes, g, 0, n_out, kern, bias, y);
           continue;
         }
-        for (int64_t r0 = 0; r0 < tiled_rows; r0 += int8_dot::kTileRows) {
+        for (int64_t r0 = 0; r0 < tiled_rows; r0 += kTile) {
           kern.pair_tiles(x, r0, w + g * bytes, w + (g + 1) * bytes, sums);
-          store_rows(sums, 2 * kGroup, int8_dot::kTileRows, r0, col0,
+          store_rows(sums, 2 * kGroup, kTile, r0, col0,
                      std::min(2 * kGroup, n_out - col0), n_out, bias, y);
         }
         group_rows(x, w + g * bytes, g, tiled_rows, n_out, kern, bias, y);
