@@ -33,6 +33,10 @@ expiry costs ``index_retry_s`` (1 s) without the index, during which routing sta
 prefix-aware from the router's own record of the prefixes it sent."""
 
 
+INDEX_RETRY_S = 1.0
+"""Seconds a router goes without the index after a failed lookup before asking it again."""
+
+
 @dataclass(frozen=True)
 class Lookup:
     """The index's answer for one request.
@@ -66,7 +70,7 @@ class IndexLookup:
 
     def __init__(self, index: Any | None, telemetry: RoutingTelemetry,
                  timeout_s: float = DEFAULT_LOOKUP_DEADLINE_S,
-                 first_timeout_s: float = 1.0, retry_s: float = 1.0,
+                 first_timeout_s: float = 1.0, retry_s: float = INDEX_RETRY_S,
                  clock: Callable[[], float] = time.time):
         self.index = index
         self._telemetry = telemetry

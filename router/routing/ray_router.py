@@ -24,7 +24,12 @@ from contract.kv_transfer import KVExportRequest, KVSource
 from contract.load import ReplicaMetadata, RoutingStats
 from contract.request import GenerationRequest
 from router.routing import replica_keys, telemetry
-from router.routing.index_lookup import DEFAULT_LOOKUP_DEADLINE_S, IndexLookup, Lookup
+from router.routing.index_lookup import (
+    DEFAULT_LOOKUP_DEADLINE_S,
+    INDEX_RETRY_S,
+    IndexLookup,
+    Lookup,
+)
 from router.routing.ledger import SentEntry, SentLedger
 from router.routing.policies import DEFAULT_BLOCK_SIZE, PrefixPolicy, ReplicaView, make_policy
 from router.routing.request_input import RoutingInput, routing_input
@@ -137,7 +142,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         block_size: int = DEFAULT_BLOCK_SIZE,
         index_timeout_s: float = DEFAULT_LOOKUP_DEADLINE_S,
         index_first_timeout_s: float = 1.0,
-        index_retry_s: float = 1.0,
+        index_retry_s: float = INDEX_RETRY_S,
         worker_ttl_s: float = 30.0,
         sent_max_age_s: float = 60.0,
         record_max_blocks: int = DEFAULT_MAX_ENTRIES,

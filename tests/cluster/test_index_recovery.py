@@ -31,6 +31,7 @@ from cluster.config import ClusterConfig
 from contract.identity import CacheIdentity, CacheNamespace, block_digests, prompt_digests
 from contract.request import GenerationRequest, SamplingParams
 from router.index.redis_index import RedisIndex
+from router.routing.index_lookup import INDEX_RETRY_S
 
 APP = "nalar-index-recovery-test"
 PREFIX_BLOCKS = 8
@@ -111,6 +112,9 @@ async def test_index_heals_after_redis_restarts_empty(
             # 2. The worker's next heartbeat (or, had one failed in the outage, its resync)
             # puts its blocks back; then the router credits them again.
             await wait_for(credited, HEAL_S, "the index held the worker's blocks again")
+            # The router asks the index again only this long after its last failed lookup;
+            # a heartbeat that heals the index sooner would leave the next request unasked.
+            await asyncio.sleep(INDEX_RETRY_S)
             after = await generate(handle, identity, prompt(6))
         assert during == [(worker, PREFIX_BLOCKS * block)] * 5  # served, from the engine's cache
         router_lines = [r for r in caplog.records if r.name.startswith(f"{ROUTER_LOGGER}.")]
