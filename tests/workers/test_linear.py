@@ -14,6 +14,7 @@ from workers.models import linear as linear_module
 from workers.models.linear import (
     PACKED_MAX_ROWS,
     PACKED_MAX_ROWS_AVX2,
+    PACKED_MAX_ROWS_BF16_PAIRS,
     PRIMITIVE_CACHE_CAPACITY,
     PRIMITIVE_CACHES,
     Linear,
@@ -48,12 +49,14 @@ def _bf16(*shape: int, seed: int) -> torch.Tensor:
 
 @needs_packed
 @pytest.mark.parametrize(("n", "k", "rows"), [(960, 576, 1), (37, 64, 5), (3072, 576, 4),
-                                              (576, 1536, 7), (16, 2, 3), (100, 30, 2)])
+                                              (576, 1536, 7), (16, 2, 3), (100, 30, 2),
+                                              (200, 96, 13)])
 def test_packed_kernel_is_the_float32_product_rounded_once_and_batch_invariant(n, k, rows):
-    """Against float64: the kernel sums bf16 products in float32 and rounds to bf16 once, so
-    it is within one bf16 ulp (2^-8 relative, checked against the output's scale). Feature
-    counts off the 16-wide groups and the 64-wide panels, a bias, and each row alone equal to
-    the same row in the batch, bit for bit."""
+    """Against float64: the kernel sums bf16 products in float32 (FMAs over widened weights,
+    or AVX512-BF16 pair products) and rounds to bf16 once, so it is within one bf16 ulp (2^-8
+    relative, checked against the output's scale). Feature counts off the 16-wide groups and
+    the 64-wide panels, a bias, rows over more than one pass, and each row alone equal to the
+    same row in the batch, bit for bit."""
     weight, x, bias = _bf16(n, k, seed=n), _bf16(rows, k, seed=k), _bf16(n, seed=rows)
     weights = packed.pack(weight)
     assert weights.shape == ((n + 15) // 16, k // 2, 32)
@@ -84,7 +87,9 @@ def test_packed_kernel_refuses_what_it_cannot_multiply():
 
 
 @pytest.mark.parametrize(("dtype", "inputs", "tag"), [
-    pytest.param(torch.bfloat16, 64, "packed-bf16", marks=needs_packed),
+    pytest.param(torch.bfloat16, 64,
+                 "packed-bf16-pairs" if packed is not None and packed.bf16_pairs
+                 else "packed-bf16", marks=needs_packed),
     pytest.param(torch.float32, 63, "packed-fp32", marks=needs_packed_f32)])
 def test_linear_takes_the_packed_kernel_below_its_rows_and_onednn_from_there(dtype, inputs, tag):
     """bf16 inputs go in pairs; fp32 ones may be any count."""
@@ -100,13 +105,24 @@ def test_linear_takes_the_packed_kernel_below_its_rows_and_onednn_from_there(dty
 
 
 @needs_packed_f32
-def test_the_fp32_row_threshold_follows_the_kernels_vector_width():
-    """The 8-wide (AVX2) path keeps matmuls up to 31 rows, where oneDNN has no AVX-512."""
+def test_the_row_thresholds_follow_the_kernels_path():
+    """The 8-wide fp32 (AVX2) path keeps matmuls up to 31 rows, where oneDNN has no AVX-512;
+    bf16 pair products keep them up to 127."""
     width = packed.pack(_f32(3, 5, seed=7)).shape[2]
     assert width == packed.f32_features in (8, 16)
     assert packed_max_rows(torch.float32) == (PACKED_MAX_ROWS_AVX2 if width == 8
                                               else PACKED_MAX_ROWS)
-    assert packed_max_rows(torch.bfloat16) == PACKED_MAX_ROWS
+    assert packed_max_rows(torch.bfloat16) == (PACKED_MAX_ROWS_BF16_PAIRS if packed.bf16_pairs
+                                               else PACKED_MAX_ROWS)
+    assert (PACKED_MAX_ROWS, PACKED_MAX_ROWS_AVX2, PACKED_MAX_ROWS_BF16_PAIRS) == (5, 32, 128)
+
+
+@needs_packed
+def test_pair_products_serve_where_the_cpu_has_avx512_bf16_and_no_amx():
+    """The build's choice (-march=native) against the CPU's own flags."""
+    with open("/proc/cpuinfo") as cpuinfo:
+        flags = next(line for line in cpuinfo if line.startswith("flags")).split()
+    assert packed.bf16_pairs == ("avx512_bf16" in flags and "amx_bf16" not in flags)
 
 
 @needs_packed

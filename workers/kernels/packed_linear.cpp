@@ -11,19 +11,23 @@
 // bf16: the weights are packed once in groups of 16 output features, an input pair's 16
 // features in one 64-byte line ([N / 16][K / 2][16][2]). Each line is widened in registers
 // (bf16 is fp32's top half: a shift gives the even input's weights, a mask the odd one's) and
-// multiplied in fp32 FMAs into 16 outputs at a time, with no horizontal sums. AVX512-BF16's
-// pair product was measured and not used: on that Xeon it ran at 1.6 G instructions/s against
-// 6.6 G for FMAs, half the products per second.
+// multiplied in fp32 FMAs into 16 outputs at a time, with no horizontal sums. On an AMX Xeon
+// AVX512-BF16's pair product ran at 1.6 G instructions/s against 6.6 G for FMAs, half the
+// products per second, so it keeps FMAs. On a CPU with AVX512-BF16 and no AMX (AMD Zen 4) the
+// same line is the pair product's operand as it is: one dpbf16ps against a broadcast input pair
+// makes a group's 32 products, where the widening path needs two FMAs, a shift and a mask. The
+// layer then ran compute-bound at about 30 products a cycle from 16 rows on, and faster than
+// oneDNN's prepacked matmul up to 128 rows.
 // fp32: groups of one vector's width of output features (8 with AVX2, 16 with AVX-512), each
 // input's features in one vector ([N / W][K][W]), one FMA per input and group.
 //
 // Groups are read in panels of 4, which stay in L2 while the rows pass over them a few at a
 // time (as many as the registers hold sums for), so each weight comes from memory once a call.
 // Every output sums its products in input order in fp32 whatever the call's row count, so a
-// row's result is the same alone or in a batch. From 8 rows on oneDNN was faster in bf16 (on
-// AMX tiles where the CPU has them), and in fp32 within 5% at 8 rows and faster at 16 (Zen 4,
-// AVX-512); with AVX2 (Zen 3) this kernel was faster up to 16 rows and even at 32. The caller
-// keeps the crossover per path.
+// row's result is the same alone or in a batch. From 8 rows on oneDNN was faster over FMAs in
+// bf16 (on AMX tiles where the CPU has them), and in fp32 within 5% at 8 rows and faster at 16
+// (Zen 4, AVX-512); with AVX2 (Zen 3) this kernel was faster up to 16 rows and even at 32. The
+// caller keeps the crossover per path.
 #include <ATen/ATen.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/csrc/utils/pybind.h>  // at::Tensor to and from Python; far lighter than torch/extension.h
@@ -37,6 +41,11 @@
 #include <optional>
 #include <type_traits>
 #include <utility>
+
+// bf16 weights by pair products where the CPU has AVX512-BF16 and no AMX (see above).
+#if defined(__AVX512BF16__) && !defined(__AMX_BF16__)
+#define NALAR_PAIR_PRODUCTS
+#endif
 
 namespace {
 
@@ -53,17 +62,29 @@ struct Layout;
 
 template <>
 struct Layout<uint32_t> {  // bf16 pairs, AVX-512
+#ifdef NALAR_PAIR_PRODUCTS
+  // 24 sums, 4 lines and a broadcast: a verification block's 5 rows take one pass (at 4 rows
+  // a pass, 5 rows took 1.45x as long as 4 on SmolLM2's gate/up; 8 rows a pass was no faster)
+  static constexpr int64_t kFeatures = 16, kInputs = 2, kRows = 6;
+  using Input = uint32_t;  // x as bf16 pairs, multiplied by dpbf16ps
+#else
   static constexpr int64_t kFeatures = 16, kInputs = 2, kRows = 4;
+  using Input = float;  // x widened, multiplied by FMAs
+#endif
 };
 
 template <>
 struct Layout<float> {
   static constexpr int64_t kFeatures = Vec::size(), kInputs = 1, kRows = Vec::size() >= 16 ? 4 : 2;
+  using Input = float;
 };
 
-// sums [R][G * features] = x [R rows of K fp32, ldx apart] . panel [G][steps][features].
+template <typename W>
+using Input = typename Layout<W>::Input;
+
+// sums [R][G * features] = x [R rows of K inputs, ldx apart] . panel [G][steps][features].
 template <typename W, int R, int G>
-void panel_product(const float* x, int64_t ldx, const W* w, int64_t steps, float* sums) {
+void panel_product(const Input<W>* x, int64_t ldx, const W* w, int64_t steps, float* sums) {
   constexpr int64_t F = Layout<W>::kFeatures;
   if constexpr (std::is_same_v<W, float>) {
     Vec acc[R][G];
@@ -87,6 +108,16 @@ void panel_product(const float* x, int64_t ldx, const W* w, int64_t steps, float
     for (int r = 0; r < R; ++r) {
       for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
     }
+#ifdef NALAR_PAIR_PRODUCTS
+    for (int64_t p = 0; p < steps; ++p) {
+      __m512bh lines[G];
+      for (int g = 0; g < G; ++g) lines[g] = (__m512bh)_mm512_loadu_si512(w + (g * steps + p) * F);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh input = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * ldx + p]));
+        for (int g = 0; g < G; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], input, lines[g]);
+      }
+    }
+#else
     const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
     for (int64_t p = 0; p < steps; ++p) {
       for (int g = 0; g < G; ++g) {
@@ -101,6 +132,7 @@ void panel_product(const float* x, int64_t ldx, const W* w, int64_t steps, float
         }
       }
     }
+#endif
     for (int r = 0; r < R; ++r) {
       for (int g = 0; g < G; ++g) _mm512_storeu_ps(sums + (r * G + g) * F, acc[r][g]);
     }
@@ -109,7 +141,7 @@ void panel_product(const float* x, int64_t ldx, const W* w, int64_t steps, float
 }
 
 template <typename W>
-using PanelFn = void (*)(const float*, int64_t, const W*, int64_t, float*);
+using PanelFn = void (*)(const Input<W>*, int64_t, const W*, int64_t, float*);
 
 template <typename W, int R, int... G>
 constexpr std::array<PanelFn<W>, sizeof...(G)> panels_of(std::integer_sequence<int, G...>) {
@@ -129,12 +161,14 @@ PanelFn<W> panel_for(int64_t rows, int64_t groups) {
   return kPanels[rows - 1][groups - 1];
 }
 
-// y [M, N] = x [M, K] fp32 . packed weight + bias, each output rounded once to Out.
+// y [M, N] = x [M, K] . packed weight + bias, each output rounded once to Out. x holds K
+// inputs a row as Input<W>: fp32, or bf16 pairs for pair products.
 template <typename W, typename Out>
-void run_panels(const float* x, int64_t m, int64_t k, const W* w, int64_t n,
+void run_panels(const Input<W>* x, int64_t m, int64_t k, const W* w, int64_t n,
                 const float* bias, Out* y) {
   constexpr int64_t F = Layout<W>::kFeatures, kRows = Layout<W>::kRows;
   const int64_t groups = (n + F - 1) / F, steps = k / Layout<W>::kInputs;
+  const int64_t ldx = std::is_same_v<Input<W>, float> ? k : steps;
   const int64_t panels = (groups + kPanel - 1) / kPanel;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float sums[kRows * kPanel * F];
@@ -143,7 +177,7 @@ void run_panels(const float* x, int64_t m, int64_t k, const W* w, int64_t n,
       const int64_t col0 = g0 * F, cols = std::min(g * F, n - col0);
       for (int64_t r0 = 0; r0 < m; r0 += kRows) {
         const int64_t rows = std::min(kRows, m - r0);
-        panel_for<W>(rows, g)(x + r0 * k, k, w + g0 * steps * F, steps, sums);
+        panel_for<W>(rows, g)(x + r0 * ldx, ldx, w + g0 * steps * F, steps, sums);
         for (int64_t r = 0; r < rows; ++r) {
           for (int64_t c = 0; c < cols; ++c) {
             const float b = bias != nullptr ? bias[col0 + c] : 0.f;
@@ -240,14 +274,20 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   const float* bias_values = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   auto out = at::empty({m, n}, x.options());
   if (m == 0) return out;
-  const auto xf = x.to(at::kFloat).contiguous();
+  const auto* w = reinterpret_cast<const uint32_t*>(packed.data_ptr());
   if (f32) {
+    const auto xf = x.contiguous();
     run_panels(xf.data_ptr<float>(), m, k, packed.data_ptr<float>(), n, bias_values,
                out.data_ptr<float>());
   } else {
-    run_panels(xf.data_ptr<float>(), m, k,
-               reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>()), n,
-               bias_values, out.data_ptr<at::BFloat16>());
+#ifdef NALAR_PAIR_PRODUCTS
+    const auto xb = x.contiguous();  // bf16 pairs, read as they are
+    const auto* inputs = reinterpret_cast<const uint32_t*>(xb.data_ptr());
+#else
+    const auto xb = x.to(at::kFloat).contiguous();
+    const float* inputs = xb.data_ptr<float>();
+#endif
+    run_panels(inputs, m, k, w, n, bias_values, out.data_ptr<at::BFloat16>());
   }
   return out;
 }
@@ -260,4 +300,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("runs_bf16", &runs_bf16, "whether this build and CPU run the bf16 path (AVX-512)");
   m.def("runs_f32", &runs_f32, "whether this build and CPU run the fp32 path (AVX2+FMA)");
   m.attr("f32_features") = Layout<float>::kFeatures;
+  m.attr("bf16_pairs") = std::is_same_v<Input<uint32_t>, uint32_t>;
 }

@@ -59,6 +59,16 @@ EPYC (Zen 3, AVX2 only), one thread: 0.24 against 0.54 ms at 1 row, 0.49 against
 against 0.54 at 8, 0.80 against 0.93 at 16, 1.69 against 1.71 at 32 and 3.12 against 3.13 at 64
 (``benchmarks/results/epyc-avx2-fp32/packed-f32-62b52c9/``)."""
 
+PACKED_MAX_ROWS_BF16_PAIRS = 128
+"""bf16 matmuls with fewer rows than this use the packed kernel where it multiplies by
+AVX512-BF16's pair products (a CPU without AMX). On a Zen 4 EPYC, SmolLM2's gate/up projection
+with its weights warm in cache, two threads: 0.025 against 0.056 ms for oneDNN prepacked at 1
+row, 0.054 against 0.070 at 5, 0.136 against 0.162 at 16, 0.52 against 0.55 at 64, 1.04
+against 1.07 at 128 and 1.58 against 1.66 at 192, where the down projection turned (0.83
+against 0.78 ms); from memory, as in a step, streaming each weight once gains more
+(``benchmarks/results/epyc-avx512bf16/bf16-pairs-<commit>/``). Every row below it is computed
+the same way, so a verification block and a plain decode agree bit for bit."""
+
 PACKED_MAX_BYTES = 4 << 30
 """Models with more linear-layer weight bytes than this get no packed copy: the copy holds the
 weights a third time (beside the plain and the oneDNN-prepacked ones), which a model of up to
@@ -133,11 +143,14 @@ def _packed_kernel(dtype: torch.dtype, device: torch.device):
 
 def packed_max_rows(dtype: torch.dtype) -> int:
     """Rows below which :class:`Linear` takes the packed kernel for weights of ``dtype``:
-    :data:`PACKED_MAX_ROWS_AVX2` for fp32 on the kernel's 8-wide path, else
+    :data:`PACKED_MAX_ROWS_AVX2` for fp32 on the kernel's 8-wide path,
+    :data:`PACKED_MAX_ROWS_BF16_PAIRS` for bf16 where it multiplies by pair products, else
     :data:`PACKED_MAX_ROWS`."""
     kernel = kernels.packed_linear()
-    if dtype == torch.float32 and kernel is not None and kernel.f32_features == 8:
+    if kernel is not None and dtype == torch.float32 and kernel.f32_features == 8:
         return PACKED_MAX_ROWS_AVX2
+    if kernel is not None and dtype == torch.bfloat16 and kernel.bf16_pairs:
+        return PACKED_MAX_ROWS_BF16_PAIRS
     return PACKED_MAX_ROWS
 
 
@@ -159,13 +172,16 @@ def packs_small_batches(model: torch.nn.Module) -> bool:
 def linear_kernel(dtype: torch.dtype, device: torch.device, small_batches: bool) -> str:
     """The kernels :class:`Linear` uses below :data:`PREPACKED_MAX_ROWS` rows for weights of
     ``dtype`` on ``device``: ``onednn-prepacked`` or ``aten`` (``F.linear``), after
-    ``packed-bf16<R+`` or ``packed-fp32<R+`` where ``small_batches``
-    (:func:`packs_small_batches`), R being :func:`packed_max_rows`. The fp32 path's vector
-    width (8 or 16 features) does not change any sum's order, only the row threshold."""
+    ``packed-bf16<R+``, ``packed-bf16-pairs<R+`` (pair products, which round otherwise) or
+    ``packed-fp32<R+`` where ``small_batches`` (:func:`packs_small_batches`), R being
+    :func:`packed_max_rows`. The fp32 path's vector width (8 or 16 features) does not change
+    any sum's order, only the row threshold."""
     name = "onednn-prepacked" if _prepacking_pays(dtype, device) else "aten"
     if not small_batches:
         return name
-    packed = "packed-bf16" if dtype == torch.bfloat16 else "packed-fp32"
+    packed = "packed-fp32"
+    if dtype == torch.bfloat16:
+        packed = "packed-bf16-pairs" if kernels.packed_linear().bf16_pairs else "packed-bf16"
     return f"{packed}<{packed_max_rows(dtype)}+{name}"
 
 
