@@ -61,12 +61,14 @@ against 0.54 at 8, 0.80 against 0.93 at 16, 1.69 against 1.71 at 32 and 3.12 aga
 
 PACKED_MAX_ROWS_BF16_PAIRS = 128
 """bf16 matmuls with fewer rows than this use the packed kernel where it multiplies by
-AVX512-BF16's pair products (a CPU without AMX). On a Zen 4 EPYC, SmolLM2's gate/up projection
-with its weights warm in cache, two threads: 0.025 against 0.056 ms for oneDNN prepacked at 1
-row, 0.054 against 0.070 at 5, 0.136 against 0.162 at 16, 0.52 against 0.55 at 64, 1.04
-against 1.07 at 128 and 1.58 against 1.66 at 192, where the down projection turned (0.83
-against 0.78 ms); from memory, as in a step, streaming each weight once gains more
-(``benchmarks/results/epyc-avx512bf16/bf16-pairs-<commit>/``). Every row below it is computed
+AVX512-BF16's pair products (a CPU without AMX). On a Zen 4 EPYC, two threads, SmolLM2's
+gate/up projection with its weights warm in cache, oneDNN prepacked against the kernel (two
+rounds): 0.048/0.022 and 0.051/0.024 ms at 1 row, 0.066/0.042 and 0.074/0.045 at 5,
+0.157/0.129 and 0.158/0.131 at 16, 0.534/0.504 and 0.542/0.550 at 64, 1.063/1.045 and
+1.103/1.063 at 128 (the down projection 0.528/0.558 and 0.521/0.553 there). A decode step
+reads the weights from memory, where streaming each once gains more: its linear layers at 16
+sequences took 17.2 and 16.5 ms against 20.5 and 21.7 with oneDNN
+(``benchmarks/results/epyc-avx512bf16/bf16-pairs-85daadf/``). Every row below it is computed
 the same way, so a verification block and a plain decode agree bit for bit."""
 
 PACKED_MAX_BYTES = 4 << 30
