@@ -111,7 +111,9 @@ void panel_product(const Input<W>* x, int64_t ldx, const W* w, int64_t steps, fl
 #ifdef NALAR_PAIR_PRODUCTS
     for (int64_t p = 0; p < steps; ++p) {
       __m512bh lines[G];
-      for (int g = 0; g < G; ++g) lines[g] = (__m512bh)_mm512_loadu_si512(w + (g * steps + p) * F);
+      for (int g = 0; g < G; ++g) {
+        lines[g] = (__m512bh)_mm512_loadu_si512(w + (g * steps + p) * F);
+      }
       for (int r = 0; r < R; ++r) {
         const __m512bh input = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * ldx + p]));
         for (int g = 0; g < G; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], input, lines[g]);
@@ -274,12 +276,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   const float* bias_values = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   auto out = at::empty({m, n}, x.options());
   if (m == 0) return out;
-  const auto* w = reinterpret_cast<const uint32_t*>(packed.data_ptr());
   if (f32) {
     const auto xf = x.contiguous();
     run_panels(xf.data_ptr<float>(), m, k, packed.data_ptr<float>(), n, bias_values,
                out.data_ptr<float>());
   } else {
+    const auto* w = reinterpret_cast<const uint32_t*>(packed.data_ptr());
 #ifdef NALAR_PAIR_PRODUCTS
     const auto xb = x.contiguous();  // bf16 pairs, read as they are
     const auto* inputs = reinterpret_cast<const uint32_t*>(xb.data_ptr());
