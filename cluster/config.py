@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field, SecretStr, field_validator, model_validat
 from workers import devices
 from workers.config import EngineConfig, MiB
 from workers.speculative.config import SpeculativeConfig
+from workers.step_time import AUTO
 
 INDEX_ACTOR_NAMESPACE = "nalar"
 """Ray namespace of the embedded index actor, so the driver and Serve replicas find one actor."""
@@ -76,12 +77,14 @@ class ClusterConfig(BaseModel):
     stream it writes (no process is left to send an SSE error event), so on a cluster whose
     worker nodes come and go, pin it to a node whose loss is the cluster's anyway (the head).
 
-    Steps: ``max_num_batched_tokens`` caps a step's tokens; ``step_time_target_ms`` (0, the
-    default: off) caps, while sequences decode, the prompt tokens a step adds beside them by
-    the step costs measured on the worker (``workers.step_time``), so a prompt's arrival holds
-    the running streams for about that long rather than for its whole prefill. It is off by
-    default because with the default Q4_1 weights it costs throughput under a burst; with
-    dense weights on a CPU it did not (docs/performance.md, "A step-time target").
+    Steps: ``max_num_batched_tokens`` caps a step's tokens; ``step_time_target_ms`` caps,
+    while sequences decode, the prompt tokens a step adds beside them by the step costs
+    measured on the worker (``workers.step_time``), so a prompt's arrival holds the running
+    streams for about that long rather than for its whole prefill; 0 turns it off. None, the
+    default, chooses by the worker's weights (``workers.step_time.auto_target_s``): 250 ms on
+    a CPU with dense weights, where it cost no throughput and halved the ITL tail under a
+    burst, and off for weights kept as stored (the default Q4_1), where it cost 17-20% of the
+    throughput (docs/performance.md, "A step-time target").
 
     ``routing`` is the request-routing policy: ``prefix`` (longest cached prefix weighed
     against load, the default), ``round-robin`` or ``power-of-two`` (the less loaded of two
@@ -141,7 +144,7 @@ class ClusterConfig(BaseModel):
     max_num_batched_tokens: int = Field(2048, ge=1)
     max_num_partial_prefills: int = Field(1, ge=1)
     long_prefill_token_threshold: int | None = Field(None, ge=1)
-    step_time_target_ms: float = Field(0.0, ge=0)
+    step_time_target_ms: float | None = Field(None, ge=0)
     scheduling_policy: Literal["fcfs", "prefix"] = "fcfs"
     max_model_len: int | None = Field(None, ge=2)
     worker_cpus: float = Field(0.5, gt=0)
@@ -257,7 +260,8 @@ class ClusterConfig(BaseModel):
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_partial_prefills=self.max_num_partial_prefills,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
-            step_time_target_s=self.step_time_target_ms / 1000 or None,
+            step_time_target_s=(AUTO if self.step_time_target_ms is None
+                                else self.step_time_target_ms / 1000 or None),
             scheduling_policy=self.scheduling_policy,
             max_model_len=self.max_model_len, num_threads=self.threads_per_worker(),
             speculative=self.speculative_config(), lora_modules=self.lora_modules,

@@ -45,7 +45,8 @@ class EngineConfig:
         step_time_target_s: while sequences decode, a step takes prompt tokens only up to
             this many seconds in all, by the step costs measured as it runs
             (``workers.step_time``); the decodes themselves are never cut. None (the default
-            in the engine) applies only ``max_num_batched_tokens``.
+            in the engine) applies only ``max_num_batched_tokens``; ``auto`` (the server's
+            default) chooses by the weights and device (``workers.step_time.auto_target_s``).
         scheduling_policy: ``fcfs``, or ``prefix`` (longest cached prefix first, with aging);
             see ``workers.scheduler``.
         max_model_len: longest prompt + output in tokens; None uses the model's limit (always
@@ -82,7 +83,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_partial_prefills: int = 1
     long_prefill_token_threshold: int | None = None
-    step_time_target_s: float | None = None
+    step_time_target_s: float | Literal["auto"] | None = None
     scheduling_policy: str = "fcfs"
     max_model_len: int | None = None
     num_threads: int | None = None

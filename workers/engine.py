@@ -48,7 +48,7 @@ from workers.sequence import Sequence
 from workers.speculative.build import build_proposer
 from workers.speculative.decoding import SpeculativeDecoding
 from workers.speculative.proposer import Proposer
-from workers.step_time import StepCostModel, StepTimeTarget
+from workers.step_time import AUTO, StepCostModel, StepTimeTarget, auto_target_s
 from workers.structured.grammar import GrammarCompiler
 
 log = logging.getLogger(__name__)
@@ -177,6 +177,8 @@ class LLMEngine:
 
     def _step_target(self) -> StepTimeTarget | None:
         seconds = self.config.step_time_target_s
+        if seconds == AUTO:
+            seconds = auto_target_s(self.loaded.device.type, self.loaded.quantization)
         if seconds is None:
             return None
         return StepTimeTarget(seconds, self.decode_steps,

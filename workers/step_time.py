@@ -18,6 +18,25 @@ from collections.abc import Callable
 COST_DECAY = 0.97
 """Weight of the previous estimate per observed step (about a 33-step window)."""
 
+AUTO = "auto"
+"""The step-time target chosen by :func:`auto_target_s` for the worker's weights and device."""
+
+DENSE_CPU_TARGET_S = 0.25
+"""``auto``'s target on a CPU worker with dense weights. Through HTTP on a Zen 4 EPYC (dense
+bf16, 2 workers of one thread, 16 concurrent requests, three rounds alternating, twice): output
+tokens/s 1.02x and 1.07x with it than without, ITL p99 0.49x and 0.48x. A dense decode step is
+bound by reading the weights, so prompt tokens that share it ride along nearly free. Weights
+kept as stored (Q4_1) are not: their step is bound by arithmetic, as the prompt tokens are, and
+the same target cost them 0.80-0.83x the throughput (docs/performance.md, "A step-time
+target")."""
+
+
+def auto_target_s(device: str, quantization: str) -> float | None:
+    """The step-time target ``auto`` stands for, in seconds: :data:`DENSE_CPU_TARGET_S` on a
+    CPU (``device``) with dense weights (``quantization`` ``none``), else None (off: not
+    measured on a GPU)."""
+    return DENSE_CPU_TARGET_S if device == "cpu" and quantization == "none" else None
+
 
 class StepCostModel:
     """Decode step time as ``a + b * rows`` seconds, fitted by exponentially weighted least

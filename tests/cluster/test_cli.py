@@ -95,7 +95,7 @@ def test_step_time_target_flag_reaches_the_engine_in_seconds():
     def engine(*argv: str):
         return serve_config(build_parser().parse_args(["serve", *argv])).engine_config()
 
-    assert engine().step_time_target_s is None  # off by default
+    assert engine().step_time_target_s == "auto"  # chosen by the worker's weights
     assert engine("--step-time-target-ms", "0").step_time_target_s is None
     assert engine("--step-time-target-ms", "250").step_time_target_s == 0.25
     with pytest.raises(pydantic.ValidationError):

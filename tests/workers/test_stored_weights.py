@@ -25,6 +25,7 @@ from workers.models.llama import _fuse
 from workers.models.weight_formats import StoredWeight, WeightFormat, quantize_int8_per_channel
 from workers.speculative.config import SpeculativeConfig
 from workers.speculative.ngram import NgramProposer
+from workers.step_time import DENSE_CPU_TARGET_S, auto_target_s
 from workers.stored_weights import (
     _attach,
     attach_int8_weights,
@@ -213,3 +214,15 @@ def test_projections_of_mixed_formats_fuse_as_one_dense_weight(stored_smollm):
     x = torch.randn(3, 576, generator=torch.Generator().manual_seed(2))
     assert torch.equal(fused(x), torch.cat([StoredLinear(q4_1)(x), StoredLinear(first36)(x)],
                                            dim=1))
+
+
+def test_the_auto_step_time_target_is_on_for_dense_weights_and_off_for_stored(
+        stored_smollm, tiny_qwen, make_engine):
+    """The server's default: 250 ms on a CPU with dense weights, where it cost no throughput,
+    none for weights kept as stored, whose steps are bound by arithmetic."""
+    dense = make_engine(tiny_qwen, num_blocks=16, step_time_target_s="auto")
+    stored = make_engine(stored_smollm, num_blocks=16, step_time_target_s="auto")
+    assert dense.scheduler.step_target.seconds == DENSE_CPU_TARGET_S == 0.25
+    assert stored.scheduler.step_target is None
+    assert make_engine(tiny_qwen, num_blocks=16).scheduler.step_target is None  # engine: off
+    assert auto_target_s("cuda", "none") is None and auto_target_s("cpu", "int8") is None
