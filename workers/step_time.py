@@ -23,8 +23,8 @@ AUTO = "auto"
 
 DENSE_CPU_TARGET_S = 0.25
 """``auto``'s target on a CPU worker with dense weights. Through HTTP on a Zen 4 EPYC (dense
-bf16, 2 workers of one thread, 16 concurrent requests, three rounds alternating, twice): output
-tokens/s 1.02x and 1.07x with it than without, ITL p99 0.49x and 0.48x. A dense decode step is
+bf16, 2 workers of one thread, 16 concurrent requests, three rounds alternating, twice), with
+it against without: output tokens/s 1.02x and 1.07x, ITL p99 0.49x and 0.48x. A dense decode step is
 bound by reading the weights, so prompt tokens that share it ride along nearly free. Weights
 kept as stored (Q4_1) are not: their step is bound by arithmetic, as the prompt tokens are, and
 the same target cost them 0.80-0.83x the throughput (docs/performance.md, "A step-time

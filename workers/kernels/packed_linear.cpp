@@ -15,9 +15,10 @@
 // AVX512-BF16's pair product ran at 1.6 G instructions/s against 6.6 G for FMAs, half the
 // products per second, so it keeps FMAs. On a CPU with AVX512-BF16 and no AMX (AMD Zen 4) the
 // same line is the pair product's operand as it is: one dpbf16ps against a broadcast input pair
-// makes a group's 32 products, where the widening path needs two FMAs, a shift and a mask. The
-// layer then ran compute-bound at about 30 products a cycle from 16 rows on, and faster than
-// oneDNN's prepacked matmul up to 128 rows.
+// makes a group's 32 products, where the widening path needs two FMAs, a shift and a mask. One
+// core then made about 110 G products a second from 16 rows on (SmolLM2's gate/up, warm in
+// cache), faster than oneDNN's prepacked matmul up to 32 rows and within 5% either way at 64
+// and 128.
 // fp32: groups of one vector's width of output features (8 with AVX2, 16 with AVX-512), each
 // input's features in one vector ([N / W][K][W]), one FMA per input and group.
 //
@@ -63,8 +64,9 @@ struct Layout;
 template <>
 struct Layout<uint32_t> {  // bf16 pairs, AVX-512
 #ifdef NALAR_PAIR_PRODUCTS
-  // 24 sums, 4 lines and a broadcast: a verification block's 5 rows take one pass (at 4 rows
-  // a pass, 5 rows took 1.45x as long as 4 on SmolLM2's gate/up; 8 rows a pass was no faster)
+  // 24 sums, 4 lines and a broadcast: a verification block's 5 rows take one pass (in a
+  // throwaway sweep at 4 rows a pass, 5 rows took 1.48x as long as 4 on SmolLM2's gate/up, one
+  // thread; at 6 rows a pass, 1.26x; 8 rows a pass was no faster than 6)
   static constexpr int64_t kFeatures = 16, kInputs = 2, kRows = 6;
   using Input = uint32_t;  // x as bf16 pairs, multiplied by dpbf16ps
 #else

@@ -151,9 +151,15 @@ def packed_max_rows(dtype: torch.dtype) -> int:
     kernel = kernels.packed_linear()
     if kernel is not None and dtype == torch.float32 and kernel.f32_features == 8:
         return PACKED_MAX_ROWS_AVX2
-    if kernel is not None and dtype == torch.bfloat16 and kernel.bf16_pairs:
+    if dtype == torch.bfloat16 and _bf16_pair_products():
         return PACKED_MAX_ROWS_BF16_PAIRS
     return PACKED_MAX_ROWS
+
+
+def _bf16_pair_products() -> bool:
+    """Whether the packed kernel multiplies bf16 weights by pair products on this CPU."""
+    kernel = kernels.packed_linear()
+    return kernel is not None and kernel.bf16_pairs
 
 
 def packs_small_batches(model: torch.nn.Module) -> bool:
@@ -183,7 +189,7 @@ def linear_kernel(dtype: torch.dtype, device: torch.device, small_batches: bool)
         return name
     packed = "packed-fp32"
     if dtype == torch.bfloat16:
-        packed = "packed-bf16-pairs" if kernels.packed_linear().bf16_pairs else "packed-bf16"
+        packed = "packed-bf16-pairs" if _bf16_pair_products() else "packed-bf16"
     return f"{packed}<{packed_max_rows(dtype)}+{name}"
 
 
