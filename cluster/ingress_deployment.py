@@ -28,6 +28,7 @@ from router.api.app import build_openai_app
 from router.api.auth import AdminKey, ApiKeys
 from router.errors import APIError, OverloadedError, retry_after_headers, typed_error
 from router.index import make_index
+from router.routing.finished_requests import FINISHED_REQUESTS
 from router.routing.replica_keys import REPLICA_MODEL_KEYS
 from router.routing.telemetry import TELEMETRY
 from workers.model_loader import load_tokenizer
@@ -139,6 +140,8 @@ class NalarIngress:
                 async for chunk in stream:
                     timer.chunk(len(chunk.token_ids))
                     finished = chunk.is_last
+                    if finished:  # before Serve's own word, which can come later
+                        FINISHED_REQUESTS.finished(request.request_id)
                     streamed = True
                     yield chunk
                 return

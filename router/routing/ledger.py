@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from router.routing.request_input import RoutingInput
@@ -117,8 +117,10 @@ class SentLedger:
         return leading_run(digests, self._digests_in_flight.get(worker_id, ()))
 
     def outstanding(self, worker_id: str, snapshot_at: float | None,
-                    listed: Mapping[str, int] | None = None) -> int:
-        """Tokens sent to ``worker_id`` that the worker's last snapshot does not count.
+                    listed: Mapping[str, int] | None = None,
+                    finished: Container[str] = ()) -> int:
+        """Tokens sent to ``worker_id`` that the worker's last snapshot does not count, of
+        requests not known to have finished (by request id, ``finished``).
 
         With the snapshot's per-request breakdown (``listed``), an entry counts until the
         snapshot lists its request: a replica may accept a request well before its engine
@@ -128,7 +130,8 @@ class SentLedger:
         """
         entries = self._by_worker.get(worker_id, {}).values()
         return sum(entry.tokens for entry in entries
-                   if not _counted_by_snapshot(entry, snapshot_at, listed))
+                   if not _counted_by_snapshot(entry, snapshot_at, listed)
+                   and not _finished(entry, finished))
 
     def adapters_in_flight(self, worker_id: str,
                            listed: Mapping[str, int] | None = None) -> dict[str, int]:
@@ -165,6 +168,10 @@ def _digests(entry: SentEntry) -> bool:
     """Whether ``entry`` pins prompt blocks: a prompt shorter than one block has no digests,
     and must neither make nor, on removal, look up a worker's count of blocks in flight."""
     return entry.plan is not None and bool(entry.plan.digests)
+
+
+def _finished(entry: SentEntry, finished: Container[str]) -> bool:
+    return entry.plan is not None and entry.plan.request_id in finished
 
 
 def _counted_by_snapshot(entry: SentEntry, snapshot_at: float | None,

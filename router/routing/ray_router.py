@@ -10,6 +10,7 @@ its fallback while the index is down or late) and every decision in the telemetr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import importlib
 import logging
@@ -23,7 +24,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from contract.kv_transfer import KVExportRequest, KVSource
 from contract.load import ReplicaMetadata, RoutingStats
 from contract.request import GenerationRequest
-from router.routing import replica_keys, telemetry
+from router.routing import finished_requests, replica_keys, telemetry
 from router.routing.index_lookup import (
     DEFAULT_LOOKUP_DEADLINE_S,
     INDEX_RETRY_S,
@@ -198,6 +199,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._index_lag_s = index_lag_s
         # Request id → when it finished; reports older than that still list it.
         self._finished: dict[str, float] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one routing runs on
+        finished_requests.FINISHED_REQUESTS.listen(self)
         self._model_key = model_key
         self._worker_model_keys: dict[str, str] = {}
         # Request key → the pending request's future this router watches (one per attempt).
@@ -251,6 +254,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         fewest ongoing requests that is not full; a one-replica first tier keeps that choice
         ours, the second tier is the fallback when the best is full. Never raises.
         """
+        self._loop = asyncio.get_running_loop()
         self._enable_backoff(pending_request)
         if not candidate_replicas:
             return []
@@ -401,7 +405,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         if stats.requests is not None:
             queued = sum(tokens for rid, tokens in stats.requests.items()
                          if rid not in self._finished)
-        return queued + self._ledger.outstanding(worker_id, stats.time, stats.requests)
+        return queued + self._ledger.outstanding(worker_id, stats.time, stats.requests,
+                                                 self._finished)
 
     # ---- model keys ----------------------------------------------------------------------
 
@@ -538,6 +543,19 @@ class PrefixAwareRequestRouter(RequestRouter):
             self._remember_prefix(entry)
         except Exception:
             logger.exception("on_request_routed failed; load accounting may drift briefly.")
+
+    def request_finished(self, request_id: str) -> None:
+        """The ingress has request ``request_id``'s last chunk; its work stops counting as load
+        from now, before Ray Serve's completion reaches this router
+        (:mod:`~router.routing.finished_requests`). Callable from any thread; never raises."""
+        loop = self._loop
+        if loop is None:
+            return  # this router has routed nothing yet
+        with contextlib.suppress(RuntimeError):  # a closed loop: the router is gone
+            loop.call_soon_threadsafe(self._mark_finished, request_id)
+
+    def _mark_finished(self, request_id: str) -> None:
+        self._finished[request_id] = self._get_curr_time_s()
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         """Ray Serve hook: the request finished (or was rejected or cancelled). Never raises."""

@@ -15,6 +15,7 @@ from cluster.ingress_deployment import RESENDS_ON_WORKER_LOSS, NalarIngress
 from cluster.metrics import WorkerScrape
 from contract.request import GenerationChunk, GenerationRequest
 from router.errors import APIError, OverloadedError
+from router.routing.finished_requests import FINISHED_REQUESTS
 
 
 class FakeStream:
@@ -82,6 +83,25 @@ async def test_a_finished_stream_is_not_cancelled():
                                                   GenerationRequest("r", [1]))]
     assert [c.finish_reason for c in got] == [None, "stop"]
     assert not stream.cancelled
+
+
+class Listener:
+    """A router's side of ``FINISHED_REQUESTS``."""
+
+    def __init__(self):
+        self.told: list[str] = []
+
+    def request_finished(self, request_id: str) -> None:
+        self.told.append(request_id)
+
+
+async def test_routers_hear_of_the_last_chunk_before_the_client_gets_it():
+    listener = Listener()
+    FINISHED_REQUESTS.listen(listener)
+    stream = FakeStream([chunk(), chunk("stop")])
+    told = [list(listener.told) async for _ in NalarIngress.generate(
+        ingress_over(stream), GenerationRequest("r-7", [1]))]
+    assert told == [[], ["r-7"]]
 
 
 class LostMidStream(FakeStream):

@@ -8,6 +8,7 @@ Cases R4, R5, R6 and R7 are from ``shared/cases/routing.md``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import random
@@ -25,6 +26,7 @@ from contract.identity import PromptDigests
 from contract.kv_transfer import KVExportRequest
 from contract.request import GenerationRequest, SamplingParams
 from router.index import HeldPrefix
+from router.routing.finished_requests import FINISHED_REQUESTS
 from router.routing.ray_router import PrefixAwareRequestRouter
 from router.routing.replica_keys import REPLICA_MODEL_KEYS
 from router.routing.request_input import routing_input
@@ -325,6 +327,22 @@ async def test_back_to_back_requests_spread_with_stale_zero_stats():
     prs = [pending(gen_request(200, salt=str(i))) for i in range(3)]
     chosen = await asyncio.gather(*(route(router, replicas, pr) for pr in prs))
     assert sorted(chosen) == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("ingress_told", [False, True])
+async def test_a_request_the_ingress_saw_finish_stops_counting_as_load(ingress_told):
+    # Ray Serve's completion can reach the router after the client has its answer and has sent
+    # the same prompt again (CI saw it); the index has not heard of the prompt yet.
+    router = make_router(FakeIndex({}))
+    replicas = [FakeReplica(w, {"queued_tokens": 0, "time": 0.0}) for w in "ab"]
+    first = gen_request(200, salt="turn")
+    holder = await route(router, replicas, pending(first))
+    if ingress_told:  # the ingress runs on another thread than the router's loop
+        await asyncio.to_thread(FINISHED_REQUESTS.finished, first.request_id)
+    repeat = dataclasses.replace(first, request_id="r-repeat")
+    # Untold, the holder still has the first's 200 + 16 tokens ahead, so its 8 uncached
+    # tokens cost more than the whole prompt on the idle other worker; told, 8 against 200.
+    assert (await route(router, replicas, pending(repeat)) == holder) == ingress_told
 
 
 async def test_own_accounting_shifts_choice_away_from_hit():
