@@ -336,15 +336,23 @@ void group_avx2(const QuantizedRows& x, int64_t r0, const uint8_t* group, float*
 
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512F__)
 // Tiles as group_pair_tiles configures them (amx_tiles.h's configure): the int32 products
-// [16 rows x 16 features], the rows' int8 x [16 rows x 32 inputs], and the two groups' quants
-// in the layout tile products take [8 input quads x 16 features x 4 bytes].
-constexpr int kTileRows = 16;  // rows per tile product
+// [rows x 16 features], the rows' int8 x [rows x 32 inputs], and the two groups' quants in the
+// layout tile products take [8 input quads x 16 features x 4 bytes]; rows is kTileRows, or
+// fewer for a step with fewer rows (tile_shape_rows).
+constexpr int kTileRows = 16;  // the most rows of one tile product
 constexpr int kTileCount = 3;
-constexpr uint8_t kTileShapeRows[kTileCount] = {16, 16, 8};
 constexpr uint16_t kTileShapeBytes[kTileCount] = {64, 32, 64};
 
-// The int32 dot products of block b for 16 rows (r0 on) and two groups' block bytes `gb`,
-// into dots [16 rows][16 features], on tiles 0 (products), 1 (x) and 2 (quants).
+struct TileShapeRows {
+  uint8_t rows[kTileCount];
+};
+
+inline TileShapeRows tile_shape_rows(int rows) {
+  return {{static_cast<uint8_t>(rows), static_cast<uint8_t>(rows), 8}};
+}
+
+// The int32 dot products of block b for the tiles' rows (r0 on) and two groups' block bytes
+// `gb`, into dots [rows][16 features], on tiles 0 (products), 1 (x) and 2 (quants).
 template <int64_t F>
 inline void tile_dots(const QuantizedRows& x, int64_t r0, int64_t b, const uint8_t* const* gb,
                       uint8_t* quants, int32_t* dots) {
@@ -365,10 +373,11 @@ inline void tile_dots(const QuantizedRows& x, int64_t r0, int64_t b, const uint8
   _tile_stored(0, dots, 64);
 }
 
-// acc[r] (16 features) += block b's dots of row r0 + r, scaled as group_avx2 scales them.
+// acc[r] (16 features) += block b's dots of row r0 + r, r < rows, scaled as group_avx2 scales
+// them.
 template <int64_t F>
-inline void scale_dots(const QuantizedRows& x, int64_t r0, int64_t b, const uint8_t* const* gb,
-                       const int32_t* dots, __m512* acc) {
+inline void scale_dots(const QuantizedRows& x, int64_t r0, int rows, int64_t b,
+                       const uint8_t* const* gb, const int32_t* dots, __m512* acc) {
   constexpr int32_t offset = unsigned_offset(F);
   const int64_t blocks = x.k / kBlock;
   const auto halves = [&](int64_t at) {
@@ -379,7 +388,7 @@ inline void scale_dots(const QuantizedRows& x, int64_t r0, int64_t b, const uint
   };
   const __m512 d = halves(0);
   const __m512 m = F == kQ4_1 ? halves(16) : _mm512_setzero_ps();
-  for (int r = 0; r < kTileRows; ++r) {
+  for (int r = 0; r < rows; ++r) {
     const int64_t i = (r0 + r) * blocks + b;
     __m512i dot = _mm512_load_si512(dots + 16 * r);
     if constexpr (offset != 0) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(offset * x.qsum[i]));
@@ -389,26 +398,27 @@ inline void scale_dots(const QuantizedRows& x, int64_t r0, int64_t b, const uint
   }
 }
 
-// 16 rows (r0 on) times two packed groups (16 features) on AMX-INT8 tiles. Per block of 32
-// inputs, one tile product of the rows' int8 x (read in place) by the two groups' unsigned
-// quants gives the same int32 dot products as group_avx2's dpbusd (a quant vector is already
-// half a tile row: 4 inputs of 8 features), where group_avx2 takes 8 dot-product instructions
-// per row. They are then scaled exactly as group_avx2 scales them, a lane per feature, so
-// every row's result is bit for bit the VNNI path's. sums [16 rows][16 features]. (Two sets of
-// tiles, one block's products running while the other's were scaled, measured no faster.)
+// `rows` rows (r0 on; at most kTileRows, the tiles configured with tile_shape_rows(rows)) times
+// two packed groups (16 features) on AMX-INT8 tiles. Per block of 32 inputs, one tile product
+// of the rows' int8 x (read in place) by the two groups' unsigned quants gives the same int32
+// dot products as group_avx2's dpbusd (a quant vector is already half a tile row: 4 inputs of
+// 8 features), where group_avx2 takes 8 dot-product instructions per row. They are then scaled
+// exactly as group_avx2 scales them, a lane per feature, so every row's result is bit for bit
+// the VNNI path's. sums [rows][16 features]. (Two sets of tiles, one block's products running
+// while the other's were scaled, measured no faster.)
 template <int64_t F>
-void group_pair_tiles(const QuantizedRows& x, int64_t r0, const uint8_t* group0,
+void group_pair_tiles(const QuantizedRows& x, int64_t r0, int rows, const uint8_t* group0,
                       const uint8_t* group1, float* sums) {
   alignas(64) uint8_t quants[8 * 64];
   alignas(64) int32_t dots[kTileRows * 16];
   __m512 acc[kTileRows];
-  for (int r = 0; r < kTileRows; ++r) acc[r] = _mm512_setzero_ps();
+  for (int r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < x.k / kBlock; ++b) {
     const uint8_t* gb[2] = {group0 + b * group_block_bytes(F), group1 + b * group_block_bytes(F)};
     tile_dots<F>(x, r0, b, gb, quants, dots);
-    scale_dots<F>(x, r0, b, gb, dots, acc);
+    scale_dots<F>(x, r0, rows, b, gb, dots, acc);
   }
-  for (int r = 0; r < kTileRows; ++r) _mm512_storeu_ps(sums + 16 * r, acc[r]);
+  for (int r = 0; r < rows; ++r) _mm512_storeu_ps(sums + 16 * r, acc[r]);
 }
 #endif
 

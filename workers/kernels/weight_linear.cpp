@@ -374,11 +374,11 @@ using int8_dot::kGroup;
 constexpr int kInt8Rows = 4;  // rows per group call (its unpacked quants reused across them)
 
 using GroupFn = void (*)(const int8_dot::QuantizedRows&, int64_t, const uint8_t*, float*);
-using PairFn = void (*)(const int8_dot::QuantizedRows&, int64_t, const uint8_t*, const uint8_t*,
-                        float*);
+using PairFn = void (*)(const int8_dot::QuantizedRows&, int64_t, int, const uint8_t*,
+                        const uint8_t*, float*);
 
 // groups[r - 1] multiplies r rows by one packed group of one format; pair_tiles, where AMX-INT8
-// runs, 16 rows by two groups (int8_dot::group_pair_tiles), bit for bit as groups would.
+// runs, up to 16 rows by two groups (int8_dot::group_pair_tiles), bit for bit as groups would.
 struct Int8Kernels {
   GroupFn groups[kInt8Rows];
   PairFn pair_tiles = nullptr;
@@ -460,10 +460,15 @@ void group_rows(const int8_dot::QuantizedRows& x, const uint8_t* group, int64_t 
   }
 }
 
+// Fewest rows a step takes on AMX-INT8 tiles. A tile product costs the same for any number of
+// rows up to 16, and the scaling after it is per row, so tiles pay from well under 16 rows.
+constexpr int64_t kMinTileRows = 4;
+
 // Groups are read once, in order, each group's blocks consecutively: one stream the hardware
 // prefetcher follows (the feature-at-a-time layout read 4 streams and needed software
-// prefetching). Where AMX-INT8 runs and a step has 16 rows or more, groups go in pairs, 16
-// rows at a time on tiles, the rows past the last 16 (and an odd last group) as before.
+// prefetching). Where AMX-INT8 runs and a step has kMinTileRows rows or more, groups go in
+// pairs on tiles, 16 rows at a time (or all of them in one tile, when fewer), the rows past the
+// last 16 (and an odd last group) as before.
 template <typename Out>
 void run_int8(const int8_dot::QuantizedRows& x, const uint8_t* w, int64_t format, int64_t n_out,
               const Int8Kernels& kern, const float* bias, Out* y) {
@@ -471,23 +476,23 @@ void run_int8(const int8_dot::QuantizedRows& x, const uint8_t* w, int64_t format
   const int64_t macs_per_group = kGroup * x.k * x.rows;
   const int64_t grain = std::max<int64_t>(1, kMacsPerTask / std::max<int64_t>(macs_per_group, 1));
 #ifdef NALAR_INT8_TILES
-  constexpr int64_t kTile = int8_dot::kTileRows;
-  if (kern.pair_tiles != nullptr && x.rows >= kTile) {
-    const int64_t groups = int8_dot::groups(n_out), tiled_rows = x.rows / kTile * kTile;
+  if (kern.pair_tiles != nullptr && x.rows >= kMinTileRows) {
+    const int tile = static_cast<int>(std::min<int64_t>(int8_dot::kTileRows, x.rows));
+    const int64_t groups = int8_dot::groups(n_out), tiled_rows = x.rows / tile * tile;
     at::parallel_for(0, (groups + 1) / 2, std::max<int64_t>(1, grain / 2),
                      [&](int64_t begin, int64_t end) {
-      nalar_tiles::configure(int8_dot::kTileCount, int8_dot::kTileShapeRows,
+      nalar_tiles::configure(int8_dot::kTileCount, int8_dot::tile_shape_rows(tile).rows,
                               int8_dot::kTileShapeBytes);
-      alignas(64) float sums[kTile * 2 * kGroup];
+      alignas(64) float sums[int8_dot::kTileRows * 2 * kGroup];
       for (int64_t pair = begin; pair < end; ++pair) {
         const int64_t g = 2 * pair, col0 = g * kGroup;
         if (g + 1 == groups) {
           group_rows(x, w + g * bytes, g, 0, n_out, kern, bias, y);
           continue;
         }
-        for (int64_t r0 = 0; r0 < tiled_rows; r0 += kTile) {
-          kern.pair_tiles(x, r0, w + g * bytes, w + (g + 1) * bytes, sums);
-          store_rows(sums, 2 * kGroup, kTile, r0, col0,
+        for (int64_t r0 = 0; r0 < tiled_rows; r0 += tile) {
+          kern.pair_tiles(x, r0, tile, w + g * bytes, w + (g + 1) * bytes, sums);
+          store_rows(sums, 2 * kGroup, tile, r0, col0,
                      std::min(2 * kGroup, n_out - col0), n_out, bias, y);
         }
         group_rows(x, w + g * bytes, g, tiled_rows, n_out, kern, bias, y);
@@ -772,7 +777,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("products") = 0,
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("has_int8_tiles", [] { return int8_kernels(kQ4_1, kBest).pair_tiles != nullptr; },
-        "whether GGUF formats take AMX-INT8 tiles at 16 rows and more here");
+        "whether GGUF formats take AMX-INT8 tiles here (from int8_tile_min_rows rows on)");
+  m.attr("int8_tile_min_rows") = kMinTileRows;
   m.def("has_bf16_pairs", [] { return kernels_for(kBest).bf16_tiles[0][0] != nullptr; },
         "whether bf16 pair products (products=2) run here");
   m.def("dequantize", &dequantize,
