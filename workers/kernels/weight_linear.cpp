@@ -461,8 +461,11 @@ void group_rows(const int8_dot::QuantizedRows& x, const uint8_t* group, int64_t 
 }
 
 // Fewest rows a step takes on AMX-INT8 tiles. A tile product costs the same for any number of
-// rows up to 16, and the scaling after it is per row, so tiles pay from well under 16 rows.
-constexpr int64_t kMinTileRows = 4;
+// rows up to 16, but each block's quants are first unpacked and stored for it, so a tile pass
+// has a fixed cost: SmolLM2's four Q4_1 projections took about 0.3 ms on one thread from 4 rows
+// to 8, where VNNI grows from 0.18 ms at 4 rows; tiles were faster from 12 rows (0.38-0.46
+// against 0.48-0.52 ms) and mixed at 10 (results/xeon-amx/int8-short-tiles-513d5aa/).
+constexpr int64_t kMinTileRows = 12;
 
 // Groups are read once, in order, each group's blocks consecutively: one stream the hardware
 // prefetcher follows (the feature-at-a-time layout read 4 streams and needed software
