@@ -73,8 +73,8 @@ def native():
                            "--quantization none")
     path = module.paths()[0]
     if path == "avx512":
-        tiles = (", and AMX-INT8 tiles from 16 rows a step" if module.has_int8_tiles()
-                 else "")
+        tiles = (f", and AMX-INT8 tiles from {module.int8_tile_min_rows} rows a step"
+                 if module.has_int8_tiles() else "")
         log.info("stored weights: the avx512 kernels serve (int8 dot products with VNNI "
                  "where the CPU has it%s)", tiles)
     else:
