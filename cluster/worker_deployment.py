@@ -355,11 +355,17 @@ class NalarWorker:
 
     def _tier_tokens(self, seconds_per_block: float | None, rate: float) -> int | None:
         """What moving a KV block in (fetching it, or loading it from the second tier) costs
-        here, in tokens of work at ``rate`` tokens per second; None without a second tier or
-        a measurement."""
+        here, in tokens of work at ``rate`` tokens per second, at least 1; None without a
+        second tier or a measurement.
+
+        Never 0: rounded down to nothing, a worker that would fetch a whole prefix scored the
+        same as the worker holding it, and such a tie goes to the worker chosen less recently,
+        so an idle client's repeated prompt went to the other worker to be fetched (CI,
+        ``tests/cluster/test_routing_metrics_e2e.py``). A block moved in always costs some
+        work, of this worker and of its holder."""
         if self.engine.pool.tier is None or seconds_per_block is None:
             return None
-        return round(seconds_per_block * rate)
+        return max(1, round(seconds_per_block * rate))
 
     def record_replica_metadata(self) -> dict:
         """Static facts the router reads once (:class:`~contract.load.ReplicaMetadata`): the

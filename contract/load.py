@@ -56,12 +56,12 @@ class RoutingStats:
             in tokens of work: the larger of its estimate (``LLMEngine.adapter_slots_busy``)
             and its measured mean wait times its measured tokens per second.
         kv_fetch_tokens_per_block: what fetching one KV block from another worker costs
-            there, in tokens of work: its measured seconds per fetched block times its
-            measured tokens per second; None when it cannot fetch (no second tier) or has
-            not measured it yet.
+            there, in tokens of work (at least 1): its measured seconds per fetched block
+            times its measured tokens per second; None when it cannot fetch (no second tier)
+            or has not measured it yet.
         kv_tier_load_tokens_per_block: what loading one KV block from its own second tier
-            costs there, in tokens of work (seconds per block times tokens per second); None
-            without a second tier or a load measured.
+            costs there, in tokens of work (seconds per block times tokens per second, at
+            least 1); None without a second tier or a load measured.
     """
 
     queued_tokens: int = 0

@@ -7,9 +7,10 @@ chunks the ingress reads. Through ``nalar serve`` on an idle 2-core host it came
 millisecond after the ingress had the last chunk (a throwaway instrumentation, 40 requests: p50
 1.1 ms, the most 3.1 ms; one came before). Until then the router counts the request as work
 still ahead on its worker, so a client that sends its next request at once, sharing the prompt,
-can see it routed away from the only worker holding that prefix: the likely cause of two CI
-failures of ``tests/cluster/test_routing_metrics_e2e.py``. The ingress knows first, so it says
-so here.
+could see it routed away from the only worker holding that prefix. That was not seen to happen
+(the CI failures that led here had another cause: a fetch cost reported as 0 tokens, see
+``NalarWorker._tier_tokens``), but nothing ordered it: the ingress knows first, so it says so
+here.
 
 Its own module because Ray Serve ships the router's module by value: a registry kept there
 would be a separate copy in the router class's globals.

@@ -130,6 +130,10 @@ def test_the_tier_load_and_fetch_costs_are_reported_in_tokens_of_work():
     worker.engine = SimpleNamespace(pool=SimpleNamespace(tier=tier))
     assert worker._tier_tokens(worker._tier_load_s_per_block(), 1500.0) == 3
     assert worker._tier_tokens(None, 1500.0) is None  # not measured yet
+    # A fetch faster than half a token's work still costs one: at 0 an idle worker that would
+    # fetch a whole prefix tied with its holder, and took the repeat from it.
+    assert worker._tier_tokens(0.0002, 1500.0) == 1
+    assert worker._tier_tokens(0.002, 0.0) == 1  # no rate measured yet
     worker.engine.pool.tier = None  # no tier: nothing to load, nothing to fetch into
     assert worker._tier_load_s_per_block() is None
     assert worker._tier_tokens(0.002, 1500.0) is None

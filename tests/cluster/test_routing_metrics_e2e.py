@@ -42,10 +42,9 @@ async def test_metrics_count_decisions_and_credited_blocks(cluster):
             second = await client.post("/v1/chat/completions", json=body)
             assert second.status_code == 200, second.text
             # Before the index hears, the router's record of what it sent keeps the repeat
-            # with its prefix. CI saw it go to the other worker twice (not reproduced here).
-            # The likely cause: Serve's completion can reach the router after the client has
-            # its answer, and until then the finished request counted as work ahead on the
-            # holder; the ingress now tells the router first (router.routing.finished_requests).
+            # with its prefix. CI saw it go to the other worker: the other reported fetching a
+            # block as 0 tokens of work, so fetching the whole prefix there tied with the
+            # holder, and the tie went to the worker chosen less recently (now at least 1).
             assert second.headers["x-nalar-worker"] == holder
             assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
             after = routing_samples((await client.get("/metrics")).text)
