@@ -371,29 +371,21 @@ void run(const Problem& p, const Kernels& kern, int64_t n_out, const float* bias
 
 using int8_dot::kGroup;
 
-// Most rows per group call (its unpacked quants reused across them): 6 where VNNI runs, so a
-// lone request's verification block (a decode token and 4 drafts) takes one pass over each
-// weight group, not two; 4 elsewhere, where AVX2's 16 vector registers hold no more.
-constexpr int kInt8Rows = 6;
+constexpr int kInt8Rows = 4;  // rows per group call (its unpacked quants reused across them)
 
 using GroupFn = void (*)(const int8_dot::QuantizedRows&, int64_t, const uint8_t*, float*);
 using PairFn = void (*)(const int8_dot::QuantizedRows&, int64_t, int, const uint8_t*,
                         const uint8_t*, float*);
 
-// groups[r - 1] multiplies r rows (r <= rows_per_call) by one packed group of one format;
-// pair_tiles, where AMX-INT8 runs, up to 16 rows by two groups (int8_dot::group_pair_tiles),
-// bit for bit as groups would.
+// groups[r - 1] multiplies r rows by one packed group of one format; pair_tiles, where AMX-INT8
+// runs, up to 16 rows by two groups (int8_dot::group_pair_tiles), bit for bit as groups would.
 struct Int8Kernels {
   GroupFn groups[kInt8Rows];
-  int rows_per_call;
   PairFn pair_tiles = nullptr;
 };
 
 #define NALAR_GROUP_TABLE(fn, ...) \
-  {{fn<__VA_ARGS__, 1>, fn<__VA_ARGS__, 2>, fn<__VA_ARGS__, 3>, fn<__VA_ARGS__, 4>}, 4}
-#define NALAR_GROUP_TABLE6(fn, ...)                                                          \
-  {{fn<__VA_ARGS__, 1>, fn<__VA_ARGS__, 2>, fn<__VA_ARGS__, 3>, fn<__VA_ARGS__, 4>,         \
-    fn<__VA_ARGS__, 5>, fn<__VA_ARGS__, 6>}, 6}
+  {{fn<__VA_ARGS__, 1>, fn<__VA_ARGS__, 2>, fn<__VA_ARGS__, 3>, fn<__VA_ARGS__, 4>}}
 
 template <int64_t F, int R>
 void group_vnni(const int8_dot::QuantizedRows& x, int64_t r0, const uint8_t* g, float* sums) {
@@ -411,7 +403,7 @@ Int8Kernels int8_kernels_for(Path path) {
     case kAvx512:
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
       if (__builtin_cpu_supports("avx512vnni")) {
-        Int8Kernels kernels = NALAR_GROUP_TABLE6(group_vnni, F);
+        Int8Kernels kernels = NALAR_GROUP_TABLE(group_vnni, F);
 #ifdef NALAR_INT8_TILES
         if (__builtin_cpu_supports("amx-int8") && nalar_tiles::granted()) {
           kernels.pair_tiles = int8_dot::group_pair_tiles<F>;
@@ -454,15 +446,15 @@ void store_rows(const float* sums, int64_t stride, int64_t rows, int64_t r0, int
   }
 }
 
-// One group's rows from `first_row` on, kern.rows_per_call at a time.
+// One group's rows from `first_row` on, kInt8Rows at a time.
 template <typename Out>
 void group_rows(const int8_dot::QuantizedRows& x, const uint8_t* group, int64_t g,
                 int64_t first_row, int64_t n_out, const Int8Kernels& kern, const float* bias,
                 Out* y) {
   alignas(32) float sums[kInt8Rows * kGroup];
   const int64_t col0 = g * kGroup, cols = std::min(kGroup, n_out - col0);
-  for (int64_t r0 = first_row; r0 < x.rows; r0 += kern.rows_per_call) {
-    const int64_t rows = std::min<int64_t>(kern.rows_per_call, x.rows - r0);
+  for (int64_t r0 = first_row; r0 < x.rows; r0 += kInt8Rows) {
+    const int64_t rows = std::min<int64_t>(kInt8Rows, x.rows - r0);
     kern.groups[rows - 1](x, r0, group, sums);
     store_rows(sums, kGroup, rows, r0, col0, cols, n_out, bias, y);
   }
