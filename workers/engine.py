@@ -104,8 +104,9 @@ class LLMEngine:
             ``suffix``; the ``model`` proposer must be given).
 
     Raises:
-        ValueError: an invalid speculative configuration, or the ``model`` proposer asked for
-            without being given.
+        ValueError: an invalid speculative configuration, the ``model`` proposer asked for
+            without being given, or a ``step_time_target_s`` that is neither seconds, None nor
+            ``auto``.
     """
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
@@ -177,7 +178,10 @@ class LLMEngine:
 
     def _step_target(self) -> StepTimeTarget | None:
         seconds = self.config.step_time_target_s
-        if seconds == AUTO:
+        if isinstance(seconds, str):
+            if seconds != AUTO:
+                raise ValueError(f"step_time_target_s is seconds, None or {AUTO!r}; got "
+                                 f"{seconds!r}")
             seconds = auto_target_s(self.loaded.device.type, self.loaded.quantization)
         if seconds is None:
             return None

@@ -226,3 +226,5 @@ def test_the_auto_step_time_target_is_on_for_dense_weights_and_off_for_stored(
     assert stored.scheduler.step_target is None
     assert make_engine(tiny_qwen, num_blocks=16).scheduler.step_target is None  # engine: off
     assert auto_target_s("cuda", "none") is None and auto_target_s("cpu", "int8") is None
+    with pytest.raises(ValueError, match="'fast'"):
+        make_engine(tiny_qwen, num_blocks=16, step_time_target_s="fast")
