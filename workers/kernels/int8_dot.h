@@ -246,8 +246,9 @@ void dequantize_group_block_avx2(const uint8_t* gb, float* out, int64_t ld) {
     _mm256_store_ps(m, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 16))));
   }
   for (int c = 0; c < 8; ++c) {
-    const int half = c / 4, which = c % 4;
-    const __m256i bytes = _mm256_permute2x128_si256(u[which], u[4 + which], half ? 0x31 : 0x20);
+    // the selector must be an immediate whether or not the compiler unrolls this loop
+    const __m256i bytes = c < 4 ? _mm256_permute2x128_si256(u[c], u[4 + c], 0x20)
+                                : _mm256_permute2x128_si256(u[c - 4], u[c], 0x31);
     const __m256 dv = _mm256_set1_ps(d[c]);
     const __m256 mv = _mm256_set1_ps(F == kQ4_1 ? m[c] : -8.f * d[c]);
     for (int q = 0; q < 4; ++q) {
