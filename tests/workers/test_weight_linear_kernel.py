@@ -41,8 +41,9 @@ def _half_bytes(values: torch.Tensor) -> torch.Tensor:
 
 
 def random_stored(fmt: WeightFormat, out_features: int, in_features: int,
-                  seed: int) -> StoredWeight:
-    """A weight of random stored bytes with sane scales (no fp16 NaN or infinity)."""
+                  seed: int, quant_byte: int | None = None) -> StoredWeight:
+    """A weight of random stored bytes with sane scales (no fp16 NaN or infinity); a GGUF
+    format's quant bytes all ``quant_byte`` where it is given."""
     g = torch.Generator().manual_seed(seed)
     blocks = in_features // BLOCK
     if fmt == WeightFormat.F32:
@@ -57,8 +58,9 @@ def random_stored(fmt: WeightFormat, out_features: int, in_features: int,
         if fmt == WeightFormat.Q4_1:
             parts.append(_half_bytes(torch.randn(out_features, blocks, generator=g) * 0.1))
         quant_bytes = 32 if fmt == WeightFormat.Q8_0 else 16
-        parts.append(torch.randint(0, 256, (out_features, blocks, quant_bytes), generator=g,
-                                   dtype=torch.uint8))
+        quants = torch.randint(0, 256, (out_features, blocks, quant_bytes), generator=g,
+                               dtype=torch.uint8)
+        parts.append(quants.fill_(quant_byte) if quant_byte is not None else quants)
         data = torch.cat(parts, dim=2).reshape(out_features, -1)
     return StoredWeight.from_rows(data, fmt, in_features)
 
@@ -174,6 +176,24 @@ def test_every_path_agrees_with_the_widest_on_one_layer():
                    for p in AVAILABLE]
         for result in results[1:]:
             assert torch.equal(result, results[0])
+
+
+@pytest.mark.parametrize("fmt,quant_byte", [(WeightFormat.Q4_0, 0xFF), (WeightFormat.Q4_1, 0xFF),
+                                             (WeightFormat.Q8_0, 0x80), (WeightFormat.Q8_0, 0x7F)])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_int8_paths_do_not_overflow_at_the_largest_products(fmt, quant_byte, sign):
+    """Every quant at its largest magnitude (4-bit 15; Q8_0 -128 or 127) times activations
+    that all round to +-127: the AVX2 path sums a 4-bit block's byte products in int16 (at
+    most 8 x 3,810), which must neither wrap nor saturate, so every path agrees bit for bit
+    and within the rounding bound."""
+    weight = random_stored(fmt, 16, 256, seed=5, quant_byte=quant_byte)
+    x = torch.full((5, 256), sign)
+    reference = reference_weight(weight)
+    results = [native.weight_linear(x, weight.data, int(fmt), 16, None, PATHS[p], INT8)
+               for p in AVAILABLE]
+    assert ((results[0] - x @ reference.T).abs() <= int8_error_bound(x, reference)).all()
+    for result in results[1:]:
+        assert torch.equal(result, results[0])
 
 
 @pytest.mark.skipif(native is None or not native.has_int8_tiles(),

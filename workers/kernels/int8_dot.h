@@ -16,7 +16,7 @@
 // of all 8 features: quant vector j holds in lane c the inputs 4j..4j+3 of feature c. Q8_0 has
 // 8 such vectors (its int8 q stored as the unsigned q + 128); Q4_0 and Q4_1 have 4, whose low
 // nibbles are inputs 4j..4j+3 and high nibbles inputs 16+4j..16+4j+3 (GGUF's nibble order).
-// A lane's 4 bytes then take one dot-product instruction (VNNI dpbusd, or maddubs + madd)
+// A lane's 4 bytes then take one dot-product instruction (VNNI dpbusd, or maddubs)
 // against 4 inputs of x broadcast to every lane: about a fifth of the instructions per weight
 // of a feature-at-a-time dot product, which made the kernel compute-bound at 6-10 GB/s
 // (SmolLM2 on one core of an AMD EPYC; see benchmarks/step_profile.py). The group is the
@@ -280,14 +280,41 @@ inline __m256i broadcast_quad(const int8_t* p) {
   return _mm256_set1_epi32(quad);
 }
 
+// A block's 8 lane-wise dot products of 4 bytes: quant vectors w times row x's 32 int8 q. With
+// VNNI, dpbusd takes the unsigned quants as they are. Without it, maddubs multiplies unsigned
+// by signed bytes into int16 pairs. A 4-bit pair is at most 2 x 15 x 127 = 3,810, so the
+// block's 8 pair vectors are summed in int16 (at most 30,480) and widened once, where a
+// madd per vector took twice the instructions; the sum is exact, so every path still agrees
+// bit for bit. Q8_0's pairs (up to 2 x 128 x 127) would overflow that, and its 0-255 quants
+// overflow maddubs itself, so it takes its signed q as |q| with q's sign moved onto x, as
+// llama.cpp's AVX2 path does, and widens each pair vector.
+template <int64_t F, bool kVnni>
+inline __m256i block_dot(const __m256i* w, const int8_t* xq) {
+  __m256i dots[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  // two short chains
+  for (int j = 0; j < 8; ++j) {
+    const __m256i xv = broadcast_quad(xq + 4 * j);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    if constexpr (kVnni) {
+      dots[j & 1] = _mm256_dpbusd_epi32(dots[j & 1], w[j], xv);
+      continue;
+    }
+#endif
+    if constexpr (F == kQ8_0) {
+      const __m256i pairs =
+          _mm256_maddubs_epi16(_mm256_sign_epi8(w[j], w[j]), _mm256_sign_epi8(xv, w[j]));
+      dots[j & 1] = _mm256_add_epi32(dots[j & 1], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+    } else {
+      dots[j & 1] = _mm256_add_epi16(dots[j & 1], _mm256_maddubs_epi16(w[j], xv));
+    }
+  }
+  if constexpr (kVnni || F == kQ8_0) return _mm256_add_epi32(dots[0], dots[1]);
+  return _mm256_madd_epi16(_mm256_add_epi16(dots[0], dots[1]), _mm256_set1_epi16(1));
+}
+
 // The group of 8 features times R rows: per block, the quant vectors are read and unpacked
-// once for all R rows; each row adds 8 lane-wise dot products of 4 bytes. With VNNI, dpbusd
-// takes the unsigned quants as they are; without it, maddubs (unsigned times signed bytes,
-// into int16 pairs that would overflow for Q8_0's 0-255) gets Q8_0's signed q as |q| and
-// moves q's sign onto x, as llama.cpp's AVX2 path does.
+// once for all R rows; each row adds 8 lane-wise dot products of 4 bytes (block_dot).
 template <int64_t F, int R, bool kVnni>
 void group_avx2(const QuantizedRows& x, int64_t r0, const uint8_t* group, float* sums) {
-  constexpr int kVectors = 8;  // 4 consecutive inputs each: 32 per block
   const int64_t blocks = x.k / kBlock;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -301,29 +328,12 @@ void group_avx2(const QuantizedRows& x, int64_t r0, const uint8_t* group, float*
     if constexpr (F == kQ4_1) {
       m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 16)));
     }
-    __m256i w[kVectors];
+    __m256i w[8];  // 4 consecutive inputs each: 32 per block
     load_quants<F, !kVnni>(gb, w);  // maddubs needs Q8_0's q signed
     for (int r = 0; r < R; ++r) {
       const int8_t* xq = x.q.data() + (r0 + r) * x.k + b * kBlock;
       const int64_t i = (r0 + r) * blocks + b;
-      __m256i dots[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  // two short chains
-      for (int j = 0; j < kVectors; ++j) {
-        const __m256i xv = broadcast_quad(xq + 4 * j);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-        if constexpr (kVnni) {
-          dots[j & 1] = _mm256_dpbusd_epi32(dots[j & 1], w[j], xv);
-          continue;
-        }
-#endif
-        __m256i pairs;
-        if constexpr (F == kQ8_0) {
-          pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w[j], w[j]), _mm256_sign_epi8(xv, w[j]));
-        } else {
-          pairs = _mm256_maddubs_epi16(w[j], xv);
-        }
-        dots[j & 1] = _mm256_add_epi32(dots[j & 1], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-      }
-      __m256i dot = _mm256_add_epi32(dots[0], dots[1]);
+      __m256i dot = block_dot<F, kVnni>(w, xq);
       constexpr int32_t offset = F == kQ8_0 && !kVnni ? 0 : unsigned_offset(F);
       if constexpr (offset != 0) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(offset * x.qsum[i]));
       const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x.scale[i]));
