@@ -290,6 +290,9 @@ inline __m256i broadcast_quad(const int8_t* p) {
 // llama.cpp's AVX2 path does, and widens each pair vector.
 template <int64_t F, bool kVnni>
 inline __m256i block_dot(const __m256i* w, const int8_t* xq) {
+#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+  static_assert(!kVnni, "dpbusd needs a build with AVX512-VNNI");
+#endif
   __m256i dots[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  // two short chains
   for (int j = 0; j < 8; ++j) {
     const __m256i xv = broadcast_quad(xq + 4 * j);
