@@ -122,9 +122,10 @@ class Probe:
                 "error": payload.get("error")}
 
     async def stream(self, client: httpx.AsyncClient, key: str, ids: list[int],
-                     started: asyncio.Event) -> dict:
+                     started: asyncio.Queue) -> dict:
         """One streamed completion: how it ended (``completed``, ``error_event``, ``http_error``,
-        ``broken_stream``), its worker and tokens received."""
+        ``broken_stream``), its worker and tokens received. Its worker is put on ``started``
+        at its first token."""
         body = {"prompt": ids, "max_tokens": STREAM_TOKENS, "temperature": 0,
                 "ignore_eos": True, "stream": True}
         outcome = {"worker": None, "chunks": 0, "ended": "broken_stream", "detail": None}
@@ -149,7 +150,8 @@ class Probe:
                         outcome.update(ended="error_event", detail=event["error"])
                         continue
                     outcome["chunks"] += 1
-                    started.set()
+                    if outcome["chunks"] == 1:
+                        started.put_nowait(outcome["worker"])
                     if any(c.get("finish_reason") for c in event.get("choices", [])):
                         outcome["ended"] = "finished"
         except httpx.HTTPError as exc:
@@ -223,9 +225,9 @@ async def fetch_from_a_busy_holder(client, probe: Probe, holders: dict) -> dict:
     """A long stream on a held prefix keeps its holder busy; the same prefix sent meanwhile
     goes to the worker on the other node, which fetches the prefix across nodes."""
     key, (ids, holder) = next(iter(holders.items()))
-    started = asyncio.Event()
+    started: asyncio.Queue = asyncio.Queue()
     busy = asyncio.create_task(probe.stream(client, key, ids + [20], started))
-    await asyncio.wait_for(started.wait(), REQUEST_TIMEOUT_S)
+    await asyncio.wait_for(started.get(), REQUEST_TIMEOUT_S)
     answer = await probe.complete(client, key, ids + [21, 22, 23, 24])
     await busy
     return {"holder": holder, **answer}
@@ -233,13 +235,14 @@ async def fetch_from_a_busy_holder(client, probe: Probe, holders: dict) -> dict:
 
 async def remove_a_node(cluster, nodes, client, probe: Probe, holders: dict,
                         placement: dict, config: ClusterConfig) -> dict:
-    """Streams on both workers; remove the node of one of them once tokens flow."""
-    victim_worker = next(iter({h for _, h in holders.values()}))
-    victim_node = next(n for n in nodes if n.node_id == placement[victim_worker])
-    started = asyncio.Event()
+    """Streams on both workers; remove the node of the first worker whose stream delivers a
+    token (chosen then, not before: the router may send every stream to one worker, and a
+    removed node with no stream in flight tests nothing)."""
+    started: asyncio.Queue = asyncio.Queue()
     tasks = [asyncio.create_task(probe.stream(client, key, ids + [11, 12], started))
              for key, (ids, _) in holders.items() for _ in range(2)]
-    await asyncio.wait_for(started.wait(), REQUEST_TIMEOUT_S)
+    victim_worker = await asyncio.wait_for(started.get(), REQUEST_TIMEOUT_S)
+    victim_node = next(n for n in nodes if n.node_id == placement[victim_worker])
     cluster.remove_node(victim_node, allow_graceful=False)
     removed_at = time.monotonic()
     done, pending = await asyncio.wait(tasks, timeout=REQUEST_TIMEOUT_S)

@@ -13,7 +13,7 @@ def usage_with(acceptance: list[float], trials: int = 1000) -> SpecUsage:
     """The engine's per-position counts after ``trials`` verifications of
     ``len(acceptance)`` drafts each, with conditional acceptance ``acceptance[i]`` at position
     i: every position is verified each time; a draft is committed only after all before it."""
-    usage = SpecUsage()
+    usage = SpecUsage(verification_steps=trials)
     survival = 1.0
     for alpha in acceptance:
         survival *= alpha
@@ -74,6 +74,20 @@ def test_an_off_request_probes_again_with_growing_intervals():
     assert choices == [0, 0, 0, 4, 0, 0, 0, 0, 0, 0, 4, 0, 0, 0]
     controller.forget("a")
     assert [controller.choose("a", usage, 1, 1) for _ in range(4)] == [0, 0, 0, 4]
+
+
+def test_an_unmeasured_request_probes_at_once_and_a_probe_without_draft_is_no_failure():
+    """Regression: a request shorter than the probe interval was never measured once the
+    engine's costs said the prior does not pay (a 32-token request in CI never speculated)."""
+    controller = trained(step_s=0.05, per_row_s=0.03)
+    controller.probe_interval = 3
+    fresh = SpecUsage()
+    assert controller.choose("a", fresh, 1, 1) == 4
+    for _ in range(2):
+        controller.no_draft("a")  # the proposer had nothing: the interval does not double
+        assert [controller.choose("a", fresh, 1, 1) for _ in range(4)] == [0, 0, 0, 4]
+    # this probe drafted and failed: the interval doubles
+    assert [controller.choose("a", usage_with([0.2] * 4), 1, 1) for _ in range(7)] == [0] * 6 + [4]
 
 
 def test_measured_engine_counts_give_the_committed_length():

@@ -16,7 +16,10 @@ request's drafts, ``t_row`` the measured marginal cost of one more query row and
 request's share of the draft call. The controller picks ``k`` in ``[0, k_max]`` maximising
 ``E(k) / time(k)``. ``k = 0`` (no speculation) is chosen when nothing beats plain decoding;
 such a request probes again with ``k_max`` after ``probe_interval`` steps (doubling while
-probes keep failing), since acceptance changes along a request (a model starts copying).
+probes keep failing), since acceptance changes along a request (a model starts copying). A
+request that has not verified a draft yet probes at once: the prior is no measurement of it,
+and a request shorter than ``probe_interval`` tokens would otherwise never be measured. A
+probe the proposer had no draft for measured nothing, so it does not double the interval.
 
 Costs are measured on this machine as the engine runs: step time is fitted as ``a + b * rows``
 over recent decode/verify steps (exponentially weighted least squares), draft time as an
@@ -80,12 +83,20 @@ class DraftLengthController:
         if best_k:
             self._off_since.pop(request_id, None)
             return best_k
-        off, probes = self._off_since.get(request_id, (0, 0))
+        unmeasured = (self.probe_interval, 0) if not usage.verification_steps else (0, 0)
+        off, probes = self._off_since.get(request_id, unmeasured)
         if off >= self.probe_interval << min(probes, 4):
             self._off_since[request_id] = (0, probes + 1)
             return self.k_max
         self._off_since[request_id] = (off + 1, probes)
         return 0
+
+    def no_draft(self, request_id: str) -> None:
+        """The proposer had no draft for ``request_id``'s step: a probe then measured
+        nothing and does not count as a failed one."""
+        off, probes = self._off_since.get(request_id, (0, 0))
+        if off == 0 and probes:
+            self._off_since[request_id] = (0, probes - 1)
 
     def forget(self, request_id: str) -> None:
         self._off_since.pop(request_id, None)

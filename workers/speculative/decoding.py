@@ -76,6 +76,8 @@ class SpeculativeDecoding:
             seq.spec_token_ids = self._draft_prefix(tokens[:ask.k])
             if seq.spec_token_ids:
                 drafted.append(seq)
+            else:
+                self.draft_length.no_draft(seq.request_id)
         return drafted
 
     def verify(self, seq: Sequence, logits: torch.Tensor, row: SamplingRow,
