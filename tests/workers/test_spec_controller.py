@@ -43,37 +43,48 @@ def test_expected_tokens_is_leviathan_eq1_per_position():
 
 def test_high_acceptance_and_cheap_rows_draft_the_most():
     controller = trained(step_s=0.05, per_row_s=0.001)
-    assert controller.choose("a", usage_with([0.9] * 4), 1, 1) == 4
+    assert controller.choose("a", usage_with([0.9] * 4), 1) == 4
 
 
 def test_speculation_turns_off_when_rows_cost_more_than_acceptance_saves():
     # each extra row costs 60% of a step; at alpha 0.3 nothing beats plain decoding
     controller = trained(step_s=0.05, per_row_s=0.03)
     usage = usage_with([0.3] * 4)
-    assert controller.choose("a", usage, 1, 1) == 0
+    assert controller.choose("a", usage, 1) == 0
     # the same acceptance pays when rows are nearly free
-    assert trained(step_s=0.05, per_row_s=0.0005).choose("a", usage, 1, 1) > 0
+    assert trained(step_s=0.05, per_row_s=0.0005).choose("a", usage, 1) > 0
+
+
+def test_drafts_that_pay_alone_do_not_pay_for_fifteen_other_decodes():
+    """The objective is the step's committed tokens per second: at 16 decodes, four draft
+    rows at acceptance 0.5 delay fifteen sequences for about half a token more."""
+    controller = trained(step_s=0.05, per_row_s=0.004)
+    usage = usage_with([0.5] * 4)
+    assert controller.choose("a", usage, 1) > 0
+    assert controller.choose("a", usage, 16) == 0
+    # a request that copies its prompt still drafts in the batch
+    assert controller.choose("a", usage_with([0.95] * 4), 16) == 4
 
 
 def test_draft_cost_counts_not_only_acceptance():
     usage = usage_with([0.5] * 4)
     cheap = trained(step_s=0.05, per_row_s=0.002)
-    assert cheap.choose("a", usage, 1, 1) > 0
+    assert cheap.choose("a", usage, 1) > 0
     slow = trained(step_s=0.05, per_row_s=0.002)
     for _ in range(50):
         slow.observe_draft(0.2)  # drafting costs four steps
-    assert slow.choose("a", usage, 1, 1) == 0
+    assert slow.choose("a", usage, 1) == 0
 
 
 def test_an_off_request_probes_again_with_growing_intervals():
     controller = trained(step_s=0.05, per_row_s=0.03)
     controller.probe_interval = 3
     usage = usage_with([0.2] * 4)
-    choices = [controller.choose("a", usage, 1, 1) for _ in range(14)]
+    choices = [controller.choose("a", usage, 1) for _ in range(14)]
     # off for 3 steps, probe with k_max; then off for 6, probe again
     assert choices == [0, 0, 0, 4, 0, 0, 0, 0, 0, 0, 4, 0, 0, 0]
     controller.forget("a")
-    assert [controller.choose("a", usage, 1, 1) for _ in range(4)] == [0, 0, 0, 4]
+    assert [controller.choose("a", usage, 1) for _ in range(4)] == [0, 0, 0, 4]
 
 
 def test_an_unmeasured_request_probes_at_once_and_a_probe_without_draft_is_no_failure():
@@ -82,12 +93,12 @@ def test_an_unmeasured_request_probes_at_once_and_a_probe_without_draft_is_no_fa
     controller = trained(step_s=0.05, per_row_s=0.03)
     controller.probe_interval = 3
     fresh = SpecUsage()
-    assert controller.choose("a", fresh, 1, 1) == 4
+    assert controller.choose("a", fresh, 1) == 4
     for _ in range(2):
         controller.no_draft("a")  # the proposer had nothing: the interval does not double
-        assert [controller.choose("a", fresh, 1, 1) for _ in range(4)] == [0, 0, 0, 4]
+        assert [controller.choose("a", fresh, 1) for _ in range(4)] == [0, 0, 0, 4]
     # this probe drafted and failed: the interval doubles
-    assert [controller.choose("a", usage_with([0.2] * 4), 1, 1) for _ in range(7)] == [0] * 6 + [4]
+    assert [controller.choose("a", usage_with([0.2] * 4), 1) for _ in range(7)] == [0] * 6 + [4]
 
 
 def test_measured_engine_counts_give_the_committed_length():
@@ -99,9 +110,9 @@ def test_measured_engine_counts_give_the_committed_length():
     assert controller.expected_tokens(usage, 4) == pytest.approx(
         1 + (265 + 1) / 356 + (227 + .75) / 356 + (201 + .64) / 356 + (177 + .57) / 356,
         abs=1e-2)
-    assert controller.choose("a", usage, 1, 1) == 4
+    assert controller.choose("a", usage, 1) == 4
 
 
 def test_not_adaptive_or_unmeasured_always_drafts_k_max():
-    assert DraftLengthController(3, adaptive=False).choose("a", usage_with([0.0]), 1, 1) == 3
-    assert DraftLengthController(3).choose("a", usage_with([0.0]), 1, 1) == 3
+    assert DraftLengthController(3, adaptive=False).choose("a", usage_with([0.0]), 1) == 3
+    assert DraftLengthController(3).choose("a", usage_with([0.0]), 1) == 3

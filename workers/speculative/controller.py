@@ -10,11 +10,15 @@ step commits in expectation
 (Leviathan et al. 2023, eq. 1, with per-position instead of a single acceptance rate). The
 engine counts, per position, how often a draft there was verified and how often it was
 committed; a draft is committed only when every draft before it was, so that ratio estimates
-the survival ``S_i = prod_{j<=i} alpha_j`` directly. One verification
-takes ``t_step + k * t_row + t_draft`` seconds, where ``t_step`` is the step time without this
-request's drafts, ``t_row`` the measured marginal cost of one more query row and ``t_draft`` the
-request's share of the draft call. The controller picks ``k`` in ``[0, k_max]`` maximising
-``E(k) / time(k)``. ``k = 0`` (no speculation) is chosen when nothing beats plain decoding;
+the survival ``S_i = prod_{j<=i} alpha_j`` directly. The step takes
+``t_step + k * t_row + t_draft`` seconds, where ``t_step`` is the step time of its ``n``
+decodes without this request's drafts, ``t_row`` the measured marginal cost of one more query
+row and ``t_draft`` the request's share of the draft call. Those seconds delay every decode in
+the step, not only this one, so the controller picks ``k`` in ``[0, k_max]`` maximising the
+step's committed tokens per second, ``(n - 1 + E(k)) / time(k)``: the batch's goodput, as
+SmartSpec does (Liu et al. 2024), rather than the request's own rate, which at 16 decodes
+would buy one request's drafts with fifteen others' time. Alone (``n = 1``) the two are the
+same. ``k = 0`` (no speculation) is chosen when nothing beats plain decoding;
 such a request probes again with ``k_max`` after ``probe_interval`` steps (doubling while
 probes keep failing), since acceptance changes along a request (a model starts copying). A
 request that has not verified a draft yet probes at once: the prior is no measurement of it,
@@ -64,22 +68,22 @@ class DraftLengthController:
         self.draft_call_s = d * self.draft_call_s + (1 - d) * seconds
         self._draft_calls += 1
 
-    def choose(self, request_id: str, usage: SpecUsage, batch_rows: int,
-               num_speculating: int) -> int:
+    def choose(self, request_id: str, usage: SpecUsage, num_decodes: int) -> int:
         """Draft length for this request's next step.
 
         Args:
             request_id: the sequence.
             usage: its acceptance so far (per position).
-            batch_rows: query rows the step has without this request's drafts.
-            num_speculating: requests sharing the draft call.
+            num_decodes: sequences decoding in the step, this one included: one query row
+                each without drafts, each committing at least one token, and sharing the
+                draft call.
 
         Returns:
             k in ``[0, k_max]``.
         """
         if not self.adaptive or not self.steps.known:
             return self.k_max
-        best_k = self._best_k(usage, batch_rows, num_speculating)
+        best_k = self._best_k(usage, num_decodes)
         if best_k:
             self._off_since.pop(request_id, None)
             return best_k
@@ -105,13 +109,14 @@ class DraftLengthController:
         """E(k): expected committed tokens of a step verifying ``k`` drafts."""
         return 1.0 + sum(_survival(usage, k))
 
-    def _best_k(self, usage: SpecUsage, batch_rows: int, num_speculating: int) -> int:
-        base = self.steps.time(batch_rows)
+    def _best_k(self, usage: SpecUsage, num_decodes: int) -> int:
+        base = self.steps.time(num_decodes)
         per_row = self.steps.per_row()
-        draft = self.draft_call_s / max(1, num_speculating)
-        best_k, best_rate = 0, 1.0 / base
+        draft = self.draft_call_s / max(1, num_decodes)
+        others = max(0, num_decodes - 1)
+        best_k, best_rate = 0, (others + 1.0) / base
         for k in range(1, self.k_max + 1):
-            rate = self.expected_tokens(usage, k) / (base + k * per_row + draft)
+            rate = (others + self.expected_tokens(usage, k)) / (base + k * per_row + draft)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k

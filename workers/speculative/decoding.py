@@ -59,8 +59,7 @@ class SpeculativeDecoding:
             # A draft past max_tokens or the context limit could never be committed.
             room = min(seq.sampling.max_tokens - seq.num_output_tokens,
                        max_model_len - seq.num_tokens) - 1
-            k = min(room, self.draft_length.choose(seq.request_id, seq.spec, len(decodes),
-                                                   len(decodes)))
+            k = min(room, self.draft_length.choose(seq.request_id, seq.spec, len(decodes)))
             for usage in (seq.spec, self.totals):
                 usage.k_decisions[k] = usage.k_decisions.get(k, 0) + 1
             if k > 0:
