@@ -214,7 +214,7 @@ def model_digest(model: PreTrainedModel) -> str:
     hasher.update(str(model.dtype).encode())
     for name, tensor in sorted(model.state_dict().items()):
         hasher.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-        hasher.update(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        hasher.update(tensor.detach().contiguous().cpu().view(torch.uint8).numpy())  # no copy
     return hasher.hexdigest()
 
 
