@@ -150,7 +150,7 @@ def tiny_model(dtype: str):
 @functools.cache
 def embedded_tokenizer():
     """SmolLM2's tokenizer, loaded once per process (tokenizers are not mutated)."""
-    from workers.model_loader import load_tokenizer
+    from workers.model_source import load_tokenizer
     return load_tokenizer("embedded")
 
 

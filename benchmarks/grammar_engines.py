@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
-    from workers.model_loader import load_tokenizer
+    from workers.model_source import load_tokenizer
 
     tokenizer = load_tokenizer("embedded")
     vocab_size = len(tokenizer)

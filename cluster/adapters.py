@@ -21,7 +21,7 @@ from ray.exceptions import RayTaskError
 
 from contract.identity import AdapterRef
 from router.errors import APIError, OverloadedError, invalid_request, overloaded, typed_error
-from workers.lora.adapter import AdapterError
+from workers.lora.errors import AdapterError
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from router.index import make_index
 from router.routing.finished_requests import FINISHED_REQUESTS
 from router.routing.replica_keys import REPLICA_MODEL_KEYS
 from router.routing.telemetry import TELEMETRY
-from workers.model_loader import load_tokenizer
+from workers.model_source import load_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -106,7 +106,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from workers.model_loader import load_tokenizer
+    from workers.model_source import load_tokenizer
 
     path = tmp_path_factory.mktemp("tiny-llama")
     tokenizer = load_tokenizer("embedded")

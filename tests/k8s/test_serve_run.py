@@ -25,7 +25,7 @@ from helpers import free_port
 from transformers import AutoModelForCausalLM
 
 from router.index.redis_index import delete_key_prefix
-from workers.model_loader import load_tokenizer
+from workers.model_source import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVE_CLI = Path(sys.executable).with_name("serve")

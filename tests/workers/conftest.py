@@ -18,7 +18,8 @@ from tiny_models import build_tiny_qwen2, reference_attention
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.kv_cache import PagedKVCache
-from workers.model_loader import LoadedModel, load_model, load_tokenizer, model_digest
+from workers.model_loader import LoadedModel, load_model, model_digest
+from workers.model_source import load_tokenizer
 
 BLOCK_SIZE = 16
 

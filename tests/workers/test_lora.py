@@ -24,7 +24,8 @@ from tiny_models import build_tiny_qwen2, reference_attention
 
 from contract.identity import AdapterRef, CacheNamespace
 from contract.request import InvalidRequestError
-from workers.lora.adapter import AdapterError, BaseShapes, load_adapter
+from workers.lora.adapter import BaseShapes, load_adapter
+from workers.lora.errors import AdapterError
 from workers.model_loader import load_model
 from workers.speculative.config import SpeculativeConfig
 

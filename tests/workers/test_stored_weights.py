@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from helpers import greedy, output_ids
 
 from workers import kernels
-from workers.model_loader import LoadedModel, embedded_gguf_path, load_model, model_digest
+from workers.model_loader import LoadedModel, load_model, model_digest
+from workers.model_source import embedded_gguf_path
 from workers.models.linear import (
     BF16_PAIR_PRODUCTS,
     FLOAT32_PRODUCTS,

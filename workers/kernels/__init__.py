@@ -65,7 +65,7 @@ def _staged_sources(name: str, stem: str, flags: list[str]) -> Path:
     each other's kernels at every start, one minute each, since both wrote one build
     directory; a content-addressed copy gives every version its own and shares it between
     checkouts."""
-    from workers.model_loader import cache_root
+    from workers.model_source import cache_root
     sources = [KERNELS / f"{stem}.cpp", *sorted(KERNELS.glob("*.h"))]
     hasher = hashlib.sha256(f"{torch.__version__}|{' '.join(flags)}".encode())
     for source in sources:

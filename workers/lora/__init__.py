@@ -5,6 +5,7 @@ Sheng et al., 2023).
 
 - :mod:`workers.lora.adapter`: reading a PEFT adapter directory, checking it against the base
   model, and the digest of its content that enters the cache identity.
+- :mod:`workers.lora.errors`: the error of an adapter that cannot be served.
 - :mod:`workers.lora.batch`: one step's rows grouped by adapter, and the deltas they add.
 - :mod:`workers.lora.registry`: the adapters an engine holds, by name.
 """

@@ -39,6 +39,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from contract.identity import AdapterRef
+from workers.lora.errors import AdapterError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -54,10 +55,6 @@ _MODULE_NAMES = frozenset(name for names in FUSED_PROJECTIONS.values() for name 
 _TENSOR_NAME = re.compile(
     r"^(?:base_model\.model\.)?(?P<module>model\.layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\."
     r"(?P<proj>[a-z_]+))\.lora_(?P<ab>[AB])\.weight$")
-
-
-class AdapterError(ValueError):
-    """An adapter that cannot be served on this base model; the message names the reason."""
 
 
 class _PeftLoraConfig(BaseModel):

@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from workers.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterError
+from workers.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
+from workers.lora.errors import AdapterError
 
 
 def checked_adapter_dir(path: str, allowed: list[str]) -> Path:

@@ -31,7 +31,8 @@ import torch
 
 from contract.identity import AdapterRef
 from contract.request import InvalidRequestError
-from workers.lora.adapter import AdapterError, BaseShapes, LoraAdapter, load_adapter
+from workers.lora.adapter import BaseShapes, LoraAdapter, load_adapter
+from workers.lora.errors import AdapterError
 from workers.lora.paths import checked_adapter_dir
 
 log = logging.getLogger(__name__)

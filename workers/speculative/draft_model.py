@@ -24,7 +24,8 @@ from contract.request import GenerationRequest, InvalidRequestError, SamplingPar
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.kv_budget import CPU_KV_CACHE_BYTES
-from workers.model_loader import LoadedModel, load_model, load_tokenizer, resolve_source
+from workers.model_loader import LoadedModel, load_model
+from workers.model_source import load_tokenizer, resolve_source
 from workers.speculative.config import SpeculativeConfig
 from workers.speculative.proposer import ProposalRequest
 
