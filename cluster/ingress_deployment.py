@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ray import serve
 from ray.exceptions import NodeDiedError, RayActorError, RayTaskError, WorkerCrashedError
+from ray.serve import context as serve_context
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
@@ -131,6 +132,7 @@ class NalarIngress:
             InvalidRequestError: the worker refused the request (400), as the worker raised it.
         """
         timer = self.dashboard.timer()
+        _own_internal_request_id(request.request_id)
         for attempt in range(RESENDS_ON_WORKER_LOSS + 1):
             stream = None
             finished = streamed = False
@@ -225,3 +227,18 @@ def serve_error(exc: Exception) -> Exception:
     if isinstance(cause, (InvalidRequestError, OverloadedError)):
         return cause
     return exc
+
+
+def _own_internal_request_id(request_id: str) -> None:
+    """Gives the worker calls made from here on in this task a Serve internal request id of
+    their own, derived from the HTTP request's and ``request_id``.
+
+    Every handle call made while serving one HTTP request inherits that request's internal id,
+    and Serve's request router indexes the calls waiting for a replica by it. Two calls in
+    flight at once (the prompts of a batch) shared one, and one of them was never routed: a
+    batch of three prompts hung with two answered. Resends of one call keep the id, as Serve's
+    own retries do.
+    """
+    context = serve_context._get_serve_request_context()
+    serve_context._serve_request_context.set(dataclasses.replace(
+        context, _internal_request_id=f"{context._internal_request_id}:{request_id}"))

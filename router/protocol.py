@@ -536,8 +536,9 @@ class ChatCompletionRequest(_GenerationBody):
 class CompletionRequest(_GenerationBody):
     """Body of ``POST /v1/completions``.
 
-    ``prompt`` is one string or one list of token ids; batches (a list of strings or of token
-    lists) are refused, one prompt per request.
+    ``prompt`` is one string, one list of token ids, or a batch of up to
+    :data:`MAX_BATCH_PROMPTS` of either kind (a list of strings, or of token-id lists): each
+    prompt of a batch is served as a request of its own (:meth:`batch`).
     """
 
     prompt: Any
@@ -549,18 +550,24 @@ class CompletionRequest(_GenerationBody):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, prompt: Any) -> str | list[int]:
+    def _prompt(cls, prompt: Any) -> str | list[int] | list[str] | list[list[int]]:
         if prompt is None:
             raise PydanticCustomError("missing_required_parameter", "prompt is required")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise PydanticCustomError("invalid_value", "prompt must not be empty")
-            return prompt
-        if not isinstance(prompt, list):
+        if not isinstance(prompt, list) or not prompt or not isinstance(prompt[0], (str, list)):
+            return _one_prompt(prompt)
+        if len(prompt) > MAX_BATCH_PROMPTS:
             raise PydanticCustomError(
-                "invalid_type", "prompt must be a string or a list of token ids"
-            )
-        return _token_id_prompt(prompt)
+                "invalid_value", f"a batch prompt holds at most {MAX_BATCH_PROMPTS} prompts")
+        if len({type(item) for item in prompt}) > 1:
+            raise PydanticCustomError(
+                "invalid_type", "a batch prompt is a list of strings or a list of token-id lists")
+        return [_one_prompt(item) for item in prompt]
+
+    def batch(self) -> list[CompletionRequest] | None:
+        """One request per prompt of a batch prompt, in order; None for a single prompt."""
+        if isinstance(self.prompt, str) or not isinstance(self.prompt[0], (str, list)):
+            return None
+        return [self.model_copy(update={"prompt": prompt}) for prompt in self.prompt]
 
     @field_validator(*_COMPLETION_UNSUPPORTED)
     @classmethod
@@ -573,16 +580,28 @@ class CompletionRequest(_GenerationBody):
         return self.logprobs
 
 
+MAX_BATCH_PROMPTS = 128
+"""Prompts one completion request may batch (each with its ``n`` choices)."""
+
+
+def _one_prompt(prompt: Any) -> str | list[int]:
+    """Checks one prompt: a non-empty string or token-id list."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise PydanticCustomError("invalid_value", "prompt must not be empty")
+        return prompt
+    if not isinstance(prompt, list):
+        raise PydanticCustomError("invalid_type", "prompt must be a string or a list of token ids")
+    return _token_id_prompt(prompt)
+
+
 def _token_id_prompt(prompt: list[Any]) -> list[int]:
     """Checks a list prompt is one sequence of token ids (range is checked by the app)."""
     if not prompt:
         raise PydanticCustomError("invalid_value", "prompt must not be empty")
     if any(isinstance(item, (str, list)) for item in prompt):
         raise PydanticCustomError(
-            "unsupported_value",
-            "batch prompts (a list of strings or of token-id lists) are not supported; "
-            "send one prompt per request",
-        )
+            "invalid_type", "a batch prompt is a list of strings or a list of token-id lists")
     # bool is an int subclass, but true/false are not token ids.
     if not all(isinstance(item, int) and not isinstance(item, bool) for item in prompt):
         raise PydanticCustomError("invalid_type", "a list prompt must hold integer token ids")

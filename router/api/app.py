@@ -51,6 +51,7 @@ from router.api.formats import ChatFormat, CompletionFormat, Format
 from router.api.jobs import Job, JobBuilder, resolve_model
 from router.api.stream import collect, next_chunk, sse_events
 from router.api.token_strings import TokenStrings
+from router.api.usage import Tally
 from router.errors import APIError, from_backend_exception, install_error_handlers, invalid_request
 from router.protocol import (
     ChatCompletionRequest,
@@ -100,11 +101,15 @@ def build_openai_app(backend: ServingBackend, admission: Admission | None = None
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        """Text completion of one prompt (a string or token ids), SSE when ``stream``."""
+        """Text completion of a prompt (a string or token ids), SSE when ``stream``; or of a
+        batch of prompts, answered at once."""
+        authorization = request.headers.get("authorization")
+        batch = body.batch()
+        if batch is not None:
+            return await ingress.serve_batch(batch, authorization, request.receive)
         admitted = ingress.admit(body)
         return await ingress.serve(
-            admitted,
-            lambda: ingress.jobs.completion_job(body, request.headers.get("authorization")),
+            admitted, lambda: ingress.jobs.completion_job(body, authorization),
             CompletionFormat, request.receive)
 
     @app.get("/v1/models")
@@ -236,3 +241,59 @@ class _Ingress:
         finally:
             if not streaming:
                 await close_stream(chunks)
+
+    async def serve_batch(self, bodies: list[CompletionRequest], authorization: str | None,
+                          receive: Receive) -> Response:
+        """A batch prompt, as vLLM and OpenAI serve one: each prompt a request of its own
+        (admitted, tokenized and routed by its own prefix), all at once, in one JSON answer
+        whose choice ``p * n + i`` is prompt ``p``'s choice ``i``, with the usage summed.
+        Streaming a batch is refused. The first failure answers for the whole batch; the
+        other prompts are cancelled, which frees their KV blocks.
+
+        Raises:
+            APIError: 400 for ``stream``, else as :meth:`serve` for any one prompt.
+        """
+        if bodies[0].stream:
+            raise invalid_request("a batch prompt cannot be streamed; send one prompt per "
+                                  "request to stream", "stream")
+        try:
+            answers = await unless_disconnected(receive, self._collect_all(bodies, authorization))
+        except ClientDisconnected:
+            logger.info("a batch of %d prompts: client disconnected; cancelled", len(bodies))
+            return Response(status_code=499)  # nobody is listening; the status is for logs
+        (job, _, _), n = answers[0], bodies[0].n or 1
+        tally = Tally.merged([tally for _, _, tally in answers], n)
+        body = CompletionFormat(job, self.token_strings).response(tally)
+        workers = ",".join(dict.fromkeys(worker for _, worker, _ in answers))
+        return JSONResponse(body.model_dump(mode="json", serialize_as_any=True),
+                            headers={WORKER_HEADER: workers})
+
+    async def _collect_all(self, bodies: list[CompletionRequest],
+                           authorization: str | None) -> list[tuple[Job, str, Tally]]:
+        """Every prompt of a batch run at once; on the first failure (or a cancellation)
+        the others are cancelled before it is raised."""
+        tasks = [asyncio.create_task(self._collect(body, authorization)) for body in bodies]
+        try:
+            return await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    async def _collect(self, body: CompletionRequest,
+                       authorization: str | None) -> tuple[Job, str, Tally]:
+        """One prompt of a batch run to its end: its job, its worker, what it produced."""
+        admitted = self.admit(body)
+        request_id, headers = "batch", {}
+        try:
+            job = await self.jobs.completion_job(body, authorization)
+            request_id = job.request.request_id
+            admitted.start(job.request, self.backend.generate)
+            first = await next_chunk(admitted)
+            headers[WORKER_HEADER] = first.worker_id or "unknown"
+            return job, headers[WORKER_HEADER], await collect(job, first, admitted)
+        except Exception as exc:
+            raise from_backend_exception(exc, request_id, headers) from exc
+        finally:
+            await close_stream(admitted)

@@ -133,6 +133,19 @@ class Tally:
         choice.finish_reason = chunk.finish_reason or choice.finish_reason
         choice.spec = chunk.spec or choice.spec  # a choice's counts so far ride on its last chunk
 
+    @classmethod
+    def merged(cls, tallies: list[Tally], n: int) -> Tally:
+        """The tallies of a batch prompt's requests (``n`` choices each) as one: prompt and
+        cached tokens summed, and request ``p``'s choice ``i`` as choice ``p * n + i``."""
+        merged = cls(prompt_tokens=sum(t.prompt_tokens for t in tallies),
+                     cached_tokens=sum(t.cached_tokens for t in tallies),
+                     tier_tokens=sum(t.tier_tokens for t in tallies),
+                     transfer_tokens=sum(t.transfer_tokens for t in tallies))
+        for p, tally in enumerate(tallies):
+            for i, choice in tally.choices.items():
+                merged.choices[p * n + i] = choice
+        return merged
+
     def usage(self) -> Usage:
         """The OpenAI ``usage`` object: the prompt once, the output tokens of every choice,
         and the prefix-cache hit as ``cached_tokens``; when a choice speculated, also the draft

@@ -165,3 +165,23 @@ def test_nalar_chat_prints_reply_cached_tokens_and_ttft(cluster, capsys):
     # The second run reuses at least the chat template's default system prompt block.
     assert "cached 0 " in out.split("--")[1]
     assert "cached 0 " not in out.split("--")[-1]
+
+
+async def test_a_batch_prompt_is_answered_as_its_prompts_are_alone(cluster):
+    """Regression: the prompts of a batch are worker calls in flight at once within one HTTP
+    request; they shared Serve's internal request id, by which its router indexes the calls
+    waiting for a replica, and a batch of three never answered."""
+    prompts = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time"]
+    body = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=cluster.base_url) as client:
+        batch = await asyncio.wait_for(
+            post(client, "/v1/completions", {"prompt": prompts, **body}), 60)
+        alone = [await post(client, "/v1/completions", {"prompt": p, **body}) for p in prompts]
+    assert batch.status_code == 200, batch.text
+    answer = batch.json()
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in answer["choices"]] == [
+        r.json()["choices"][0]["text"] for r in alone]
+    assert answer["usage"]["prompt_tokens"] == sum(r.json()["usage"]["prompt_tokens"]
+                                                   for r in alone)
+    assert answer["usage"]["completion_tokens"] == 18

@@ -32,6 +32,7 @@ from contract.identity import CacheNamespace, tenant_from_api_key
 from contract.request import (
     GenerationChunk,
     GenerationRequest,
+    InvalidRequestError,
     TokenLogprob,
 )
 from router.api.app import build_openai_app
@@ -88,6 +89,47 @@ async def test_completion_of_a_string_prompt(client, backend, tokenizer):
                                 "finish_reason": "stop"}]
     assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
     assert backend.requests[0].token_ids == tokenizer.encode("Once upon")
+
+
+def by_prompt_length(request):
+    """A reply naming the prompt's length, so a batch's choices tell their prompts apart."""
+    if len(request.token_ids) == 4:
+        raise InvalidRequestError("this prompt is refused", "prompt")
+    return [chunk(request), chunk(request, f"len{len(request.token_ids)}", "stop", completion=1)]
+
+
+async def test_a_batch_prompt_is_a_request_per_prompt_answered_together(client, backend):
+    backend.script = by_prompt_length
+    body = {"prompt": [[5, 6], [7, 8, 9], [1]], "max_tokens": 3}
+    response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert [(c["index"], c["text"]) for c in answer["choices"]] == [
+        (0, "len2"), (1, "len3"), (2, "len1")]
+    assert answer["usage"]["prompt_tokens"] == 6 and answer["usage"]["completion_tokens"] == 3
+    assert answer["usage"]["prompt_tokens_details"] == {"cached_tokens": 48}
+    assert sorted(r.token_ids for r in backend.requests) == [[1], [5, 6], [7, 8, 9]]
+    assert sorted(backend.closed) == sorted(r.request_id for r in backend.requests)
+    assert response.headers[WORKER_HEADER] == "worker-7"
+
+
+async def test_a_batch_prompt_with_n_numbers_each_prompts_choices_after_the_last(client,
+                                                                                backend):
+    backend.script = two_choices
+    response = await client.post("/v1/completions", json={"prompt": [[5, 6], [7]], "n": 2})
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in answer["choices"]] == [
+        (0, "ABC", "stop"), (1, "xy", "length"), (2, "ABC", "stop"), (3, "xy", "length")]
+    assert answer["usage"]["prompt_tokens"] == 3 and answer["usage"]["completion_tokens"] == 10
+
+
+async def test_one_refused_prompt_refuses_the_batch_and_frees_the_others(client, backend):
+    backend.script = by_prompt_length
+    response = await client.post("/v1/completions",
+                                 json={"prompt": [[5, 6], [1, 2, 3, 4]], "max_tokens": 3})
+    assert_error(response, 400, "prompt", "invalid_value")
+    assert sorted(backend.closed) == sorted(r.request_id for r in backend.requests)
 
 
 async def test_token_id_prompt_is_passed_as_is(client, backend):
