@@ -559,8 +559,7 @@ class CompletionRequest(_GenerationBody):
             raise PydanticCustomError(
                 "invalid_value", f"a batch prompt holds at most {MAX_BATCH_PROMPTS} prompts")
         if len({type(item) for item in prompt}) > 1:
-            raise PydanticCustomError(
-                "invalid_type", "a batch prompt is a list of strings or a list of token-id lists")
+            raise PydanticCustomError("invalid_type", _MIXED_BATCH)
         return [_one_prompt(item) for item in prompt]
 
     def batch(self) -> list[CompletionRequest] | None:
@@ -582,6 +581,7 @@ class CompletionRequest(_GenerationBody):
 
 MAX_BATCH_PROMPTS = 128
 """Prompts one completion request may batch (each with its ``n`` choices)."""
+_MIXED_BATCH = "a batch prompt is a list of strings or a list of token-id lists"
 
 
 def _one_prompt(prompt: Any) -> str | list[int]:
@@ -600,8 +600,7 @@ def _token_id_prompt(prompt: list[Any]) -> list[int]:
     if not prompt:
         raise PydanticCustomError("invalid_value", "prompt must not be empty")
     if any(isinstance(item, (str, list)) for item in prompt):
-        raise PydanticCustomError(
-            "invalid_type", "a batch prompt is a list of strings or a list of token-id lists")
+        raise PydanticCustomError("invalid_type", _MIXED_BATCH)
     # bool is an int subclass, but true/false are not token ids.
     if not all(isinstance(item, int) and not isinstance(item, bool) for item in prompt):
         raise PydanticCustomError("invalid_type", "a list prompt must hold integer token ids")

@@ -7,7 +7,9 @@ transformers and saved as safetensors under the local cache, so later starts ski
 
 The ingress needs the tokenizer only. With :mod:`workers.model_loader` (transformers' modeling
 code, our weight formats and kernels) the ingress module took 4.2-4.3 s to import and 439 MiB
-of memory on an AMX Xeon VM; from here 2.7-2.8 s and 323 MiB (three runs each). Transformers
+of memory on an AMX Xeon VM; from here 2.7-2.8 s and 323 MiB (three runs each, timed by hand:
+``import cluster.ingress_deployment`` in a fresh interpreter, with its wall time and
+``resource.getrusage``'s peak RSS). Transformers
 itself still imports torch for a tokenizer where torch is installed. The modeling code is
 imported only when a GGUF file must be converted, which a worker on the same machine has
 usually done already.
