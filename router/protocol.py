@@ -118,7 +118,9 @@ _TOKEN_ID_KEY = re.compile(r"\s*-?[0-9]{1,18}\s*")
 """A ``logit_bias`` key: a decimal token id (ASCII digits only: ``int()`` also takes "²" as a
 digit, and no string past 4300 digits)."""
 
-_UNPAIRED_SURROGATE = re.compile("[\ud800-\udfff]")
+UNPAIRED_SURROGATE = re.compile("[\ud800-\udfff]")
+"""A UTF-16 surrogate in a decoded JSON string: JSON's paired escapes decode to one character,
+so any surrogate left is unpaired, and no UTF-8 text can carry it."""
 
 
 def _quoted(text: str, limit: int = 40) -> str:
@@ -450,7 +452,7 @@ class _GenerationBody(_StrictModel):
     @classmethod
     def _encodable_model(cls, model: str | None) -> str | None:
         # The name is echoed by a 404, which could not be encoded.
-        if model is not None and _UNPAIRED_SURROGATE.search(model):
+        if model is not None and UNPAIRED_SURROGATE.search(model):
             raise PydanticCustomError(
                 "invalid_value", "model must be text without unpaired UTF-16 surrogates")
         return model

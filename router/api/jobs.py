@@ -27,7 +27,12 @@ from contract.identity import (
 from contract.request import GenerationRequest
 from router.api.auth import bearer_key
 from router.api.backend import ServingBackend
-from router.api.prompts import chat_template_ids, check_template_kwargs, checked_ids
+from router.api.prompts import (
+    chat_template_ids,
+    check_template_kwargs,
+    checked_ids,
+    refuse_unpaired_surrogates,
+)
 from router.api.sampling import chat_max_tokens, fit_context, sampling_params
 from router.api.tools import ToolUse, template_conversation, tool_use
 from router.errors import APIError, invalid_request
@@ -118,6 +123,7 @@ class JobBuilder:
         messages, tool_options = template_conversation(body, tools, template)
 
         def tokenize() -> list[int]:
+            refuse_unpaired_surrogates(messages, "messages")
             return chat_template_ids(self.backend.tokenizer, messages,
                                      {**options, **tool_options})
         return await self._job(body, tokenize, "messages", max_tokens, max_param,
@@ -132,6 +138,7 @@ class JobBuilder:
         prompt = body.prompt
         if isinstance(prompt, str):
             def tokenize() -> list[int]:
+                refuse_unpaired_surrogates(prompt, "prompt")
                 return list(self.backend.tokenizer.encode(prompt))
         else:
             def tokenize() -> list[int]:

@@ -9,6 +9,33 @@ from typing import Any
 from jinja2 import TemplateError
 
 from router.errors import invalid_request
+from router.protocol import UNPAIRED_SURROGATE
+
+
+def refuse_unpaired_surrogates(value: Any, param: str) -> None:
+    """Refuses a request text the tokenizer could not encode, with a message that says why
+    (the tokenizer's own says only that its input has the wrong type): case R6.
+
+    Args:
+        value: a string, or lists and dicts holding strings (the messages), at any depth.
+        param: the request field to name.
+
+    Raises:
+        APIError: 400 ``invalid_value`` naming ``param``, with the surrogate's code and its
+            offset in its string, when a string holds an unpaired UTF-16 surrogate.
+    """
+    if isinstance(value, str):
+        found = UNPAIRED_SURROGATE.search(value)
+        if found:
+            raise invalid_request(
+                f"the {param} holds an unpaired UTF-16 surrogate (\\u{ord(found.group()):04x} at "
+                f"character {found.start()}), which no UTF-8 text can carry", param)
+    elif isinstance(value, dict):
+        for item in value.values():
+            refuse_unpaired_surrogates(item, param)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            refuse_unpaired_surrogates(item, param)
 
 
 def chat_template_ids(tokenizer: Any, messages: list[dict[str, Any]],
