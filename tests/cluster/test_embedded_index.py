@@ -1,7 +1,7 @@
 """The default path of ``nalar serve``: no Redis, the embedded index in one shared Ray actor.
 
-A second, small application on the session's Ray cluster, driven through a worker handle (the
-prefix-aware router runs inside it) rather than HTTP.
+The side application (``side_app`` in conftest.py: two tiny workers on the embedded index),
+driven through a worker handle (the prefix-aware router runs inside it) rather than HTTP.
 """
 
 from __future__ import annotations
@@ -10,31 +10,17 @@ import asyncio
 import gc
 import time
 
-import pytest
 import ray
 from ray import serve
 
-from cluster.app import WORKER_DEPLOYMENT, build_app
+from cluster.app import WORKER_DEPLOYMENT
 from cluster.config import INDEX_ACTOR_NAMESPACE, ClusterConfig
 from cluster.runtime import start_index_actor
 from contract.identity import CacheNamespace, block_digests, prompt_digests
 from contract.request import GenerationRequest, SamplingParams
 from router.index import ActorIndex
 
-APP = "nalar-embedded-test"
 PROMPT = list(range(2000, 2000 + 16 * 12 + 3))
-
-
-@pytest.fixture(scope="module")
-def embedded_app(ray_session, tiny_model_dir):
-    config = ClusterConfig(model=str(tiny_model_dir), num_workers=2, redis_url=None,
-                           dtype="float32", kv_cache_mib=32,
-                           worker_cpus=0.25, worker_threads=1, routing_stats_period_s=0.2,
-                           index_actor_name=f"{APP}-index")
-    start_index_actor(config)
-    serve.run(build_app(config), name=APP, route_prefix=None)
-    yield config
-    serve.delete(APP)
 
 
 async def generate(handle, request_id: str, prompt: list[int], identity) -> tuple[str, int]:
@@ -48,12 +34,12 @@ async def generate(handle, request_id: str, prompt: list[int], identity) -> tupl
     return worker, cached
 
 
-async def test_embedded_index_routes_a_shared_prefix_to_its_holder(embedded_app):
-    handle = serve.get_deployment_handle(WORKER_DEPLOYMENT, APP)
+async def test_embedded_index_routes_a_shared_prefix_to_its_holder(side_app):
+    handle = serve.get_deployment_handle(WORKER_DEPLOYMENT, side_app.name)
     identity = (await handle.describe.remote()).identity
     digests = block_digests(identity.with_namespace(CacheNamespace()).root_digest, PROMPT,
                             identity.block_size)
-    index = ActorIndex(embedded_app.index_actor_name, namespace=INDEX_ACTOR_NAMESPACE)
+    index = ActorIndex(side_app.config.index_actor_name, namespace=INDEX_ACTOR_NAMESPACE)
 
     holder, cold_cached = await generate(handle, "first", PROMPT, identity)
     deadline = time.monotonic() + 30
@@ -74,7 +60,7 @@ def test_the_driver_keeps_the_index_actor_it_starts(ray_session):
     collected the actor within half a second, the first worker to call created it anew as
     its owner, and killing that worker (a user's trial of ``nalar serve``) took the index
     with it. Still there 1.5 s on, the same actor."""
-    config = ClusterConfig(redis_url=None, index_actor_name=f"{APP}-kept-index")
+    config = ClusterConfig(redis_url=None, index_actor_name="nalar-embedded-test-kept-index")
     start_index_actor(config)
     gc.collect()
     first = ray.get_actor(config.index_actor_name, namespace=INDEX_ACTOR_NAMESPACE)

@@ -1,10 +1,13 @@
-"""Draft replicas on the session's Ray cluster: exact ngram proposals through a handle and
-through :class:`~workers.speculative.remote.RemoteProposer`; a killed replica means no drafts within
-the deadline (plain decoding) until Serve's replacement answers, then drafts again. Also the
-``nalar serve`` flags and configuration that select and place the proposer (no Ray)."""
+"""Draft replicas on the session's Ray cluster (the side application's, ``side_app`` in
+conftest.py): exact ngram proposals through a handle and through
+:class:`~workers.speculative.remote.RemoteProposer`; a worker's engine drafting through them;
+a killed replica means no drafts within the deadline (plain decoding) until Serve's
+replacement answers, then drafts again. Also the ``nalar serve`` flags and configuration that
+select and place the proposer (no Ray)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -13,17 +16,16 @@ import ray
 from ray import serve
 from ray.serve.deployment import Application
 
-from cluster.app import SHUTDOWN_POLL_S, WORKER_DEPLOYMENT, build_app, draft_app
+from cluster.app import SHUTDOWN_POLL_S, WORKER_DEPLOYMENT, build_app
 from cluster.cli import build_parser, serve_config
 from cluster.config import ClusterConfig
 from cluster.draft_deployment import DRAFT_DEPLOYMENT
-from cluster.runtime import start_index_actor
 from contract.request import GenerationRequest, SamplingParams
+from workers.engine import LLMEngine
 from workers.speculative.ngram import NgramProposer
 from workers.speculative.proposer import ProposalRequest
 from workers.speculative.remote import RemoteProposer
 
-APP = "nalar-draft-test"
 RECOVERY_S = 30.0
 
 # (request_id, token_ids, num_prompt_tokens, k, scope): a copy to find, a longer one (under
@@ -41,14 +43,9 @@ def requests() -> list[ProposalRequest]:
 
 
 @pytest.fixture(scope="module")
-def draft_handle(cluster):
-    """Draft replicas beside the session's cluster (which starts Serve and its HTTP proxy on
-    the cluster's port; a ``serve.run`` before it would start the proxy on the default)."""
-    config = ClusterConfig(speculative="ngram", speculative_remote=True, ngram_min=1,
-                           ngram_max=3, draft_cpus=0.1)
-    serve.run(draft_app(config), name=APP, route_prefix=None)
-    yield serve.get_deployment_handle(DRAFT_DEPLOYMENT, APP)
-    serve.delete(APP)
+def draft_handle(side_app):
+    """The side application's draft deployment (one ngram replica, n-grams of 1 to 3)."""
+    return serve.get_deployment_handle(DRAFT_DEPLOYMENT, side_app.name)
 
 
 def test_expected_proposals_are_the_local_ngram_ones():
@@ -68,12 +65,33 @@ def test_remote_proposer_one_call_per_step(draft_handle):
     assert (proposer.calls, proposer.timeouts, proposer.failures) == (3, 0, 0)
 
 
-def test_killed_replica_means_no_drafts_then_recovery(draft_handle):
+async def test_worker_engine_drafts_through_the_draft_replica(side_app, draft_handle):
+    """The engine thread inside a worker replica calls the draft deployment: drafts are
+    proposed and verified, and the greedy output equals the model's without speculation
+    (an engine in this process, on the same weights)."""
+    prompt = list(range(2324, 2336)) * 4
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    worker = serve.get_deployment_handle(WORKER_DEPLOYMENT, side_app.name)
+    request = GenerationRequest("spec-remote", prompt, params)
+    chunks = [chunk async for chunk in worker.options(stream=True).generate.remote(request)]
+    plain = LLMEngine(side_app.config.model_copy(update={"speculative": "off"}).engine_config())
+    expected = plain.generate([GenerationRequest("plain", prompt, params)])["plain"]
+    spec = chunks[-1].spec
+    assert [t for c in chunks for t in c.token_ids] == [t for c in expected for t in c.token_ids]
+    assert chunks[-1].completion_tokens == 24
+    assert spec is not None and spec.proposed_tokens > 0 and spec.verification_steps > 0
+    stats = await asyncio.to_thread(
+        lambda: worker.broadcast("engine_stats").results(timeout_s=30))
+    assert sum(s["draft_calls"] for s in stats) > 0
+    assert all((s["draft_timeouts"], s["draft_failures"]) == (0, 0) for s in stats)
+
+
+def test_killed_replica_means_no_drafts_then_recovery(side_app, draft_handle):
     deadline_s = 0.3
     proposer = RemoteProposer(draft_handle, deadline_s=deadline_s)
     assert proposer.propose(requests()) == EXPECTED
     replica = draft_handle.describe.remote().result(timeout_s=30)["replica_id"]
-    actor = ray.get_actor(f"SERVE_REPLICA::{APP}#{DRAFT_DEPLOYMENT}#{replica}",
+    actor = ray.get_actor(f"SERVE_REPLICA::{side_app.name}#{DRAFT_DEPLOYMENT}#{replica}",
                           namespace="serve")
     ray.kill(actor, no_restart=True)
     _wait_until_dead(actor)  # ray.kill returns before the actor is gone
@@ -107,36 +125,6 @@ def _wait_until_dead(actor, timeout_s: float = 10.0) -> None:
         except Exception:  # noqa: BLE001 - any failure means the actor is gone
             return
         time.sleep(0.05)
-
-
-@pytest.fixture(scope="module")
-def remote_worker(cluster):
-    """One worker whose engine drafts through a RemoteProposer on one ngram draft replica
-    (beside the session's cluster, as :func:`draft_handle`)."""
-    config = ClusterConfig(num_workers=1, redis_url=None, dtype="float32", quantization="none",
-                           kv_cache_mib=16,
-                           worker_cpus=0.25, worker_threads=1, speculative="ngram",
-                           speculative_remote=True, draft_deadline_s=2.0,
-                           adaptive_speculation=False, index_actor_name=f"{APP}-index")
-    start_index_actor(config)
-    serve.run(build_app(config), name=f"{APP}-worker", route_prefix=None)
-    yield serve.get_deployment_handle(WORKER_DEPLOYMENT, f"{APP}-worker")
-    serve.delete(f"{APP}-worker")
-
-
-async def test_worker_engine_drafts_through_the_draft_replica(remote_worker):
-    """The engine thread inside a worker replica calls the draft deployment; a repeated
-    pattern is copied, so drafts are proposed and accepted."""
-    prompt = list(range(2000, 2012)) * 4
-    request = GenerationRequest("spec-remote", prompt,
-                                SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    chunks = [chunk async for chunk in remote_worker.options(stream=True).generate.remote(request)]
-    spec = chunks[-1].spec
-    assert chunks[-1].completion_tokens == 24
-    assert spec is not None and spec.proposed_tokens > 0 and spec.accepted_tokens > 0
-    stats = await remote_worker.engine_stats.remote()
-    assert stats["draft_calls"] > 0
-    assert (stats["draft_timeouts"], stats["draft_failures"]) == (0, 0)
 
 
 # -- configuration and flags (no Ray) ---------------------------------------------------------
