@@ -196,6 +196,29 @@ def test_int8_paths_do_not_overflow_at_the_largest_products(fmt, quant_byte, sig
         assert torch.equal(result, results[0])
 
 
+@pytest.mark.skipif(native is None or "avx512" not in AVAILABLE, reason="no AVX-512 here")
+@pytest.mark.parametrize("fmt", list(GGUF_TYPES))
+@pytest.mark.parametrize("rows,out_features", [(1, 16), (1, 99), (5, 258), (8, 99), (9, 24),
+                                               (11, 258)])
+def test_int8_vnni_pairs_agree_bit_for_bit_with_the_avx2_path(fmt, rows, out_features):
+    """Under int8_tile_min_rows rows, AVX512-VNNI takes groups in pairs with 512-bit dot
+    products, 8 rows at a time: the same integers, scaled in the same order, so every row
+    equals the AVX2 path's and the row alone (an odd last group takes one group at a time).
+    Without VNNI the avx512 path is the register path, and equal all the same."""
+    weight = random_stored(fmt, out_features, 576, seed=rows)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g)
+    bias = torch.randn(out_features, generator=g)
+    wide = native.weight_linear(x, weight.data, int(fmt), out_features, bias, PATHS["avx512"],
+                                INT8)
+    avx2 = native.weight_linear(x, weight.data, int(fmt), out_features, bias, PATHS["avx2"],
+                                INT8)
+    assert torch.equal(wide, avx2)
+    alone = native.weight_linear(x[-1:], weight.data, int(fmt), out_features, bias,
+                                 PATHS["avx512"], INT8)
+    assert torch.equal(alone[0], wide[-1])
+
+
 @pytest.mark.skipif(native is None or not native.has_int8_tiles(),
                     reason="no AMX-INT8 here")
 @pytest.mark.parametrize("fmt", list(GGUF_TYPES))

@@ -348,6 +348,78 @@ void group_avx2(const QuantizedRows& x, int64_t r0, const uint8_t* group, float*
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+// The most rows of one group_pair_vnni call: R accumulators beside the 8 quant vectors and a
+// few temporaries in the 32 vector registers.
+constexpr int kVnniPairRows = 8;
+
+// Two groups (16 features) times R rows with 512-bit dpbusd: each group block's quant vectors
+// are unpacked as group_avx2 unpacks them, the two groups' side by side in one 512-bit vector,
+// so each row takes 8 dot-product instructions for 16 features where group_avx2 takes 8 for 8.
+// Per lane the arithmetic is group_avx2's with VNNI, in the same order, so every row's result
+// is bit for bit that path's (and the tiles'). sums [R][16 features].
+template <int64_t F, int R>
+void group_pair_vnni_rows(const QuantizedRows& x, int64_t r0, const uint8_t* group0,
+                          const uint8_t* group1, float* sums) {
+  constexpr int32_t offset = unsigned_offset(F);
+  const int64_t blocks = x.k / kBlock;
+  const auto halves = [](const uint8_t* a, const uint8_t* b) {
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
+  };
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* gb0 = group0 + b * group_block_bytes(F);
+    const uint8_t* gb1 = group1 + b * group_block_bytes(F);
+    for (int64_t line = 0; line < group_block_bytes(F); line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(gb0) + kPrefetchBytes + line, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(gb1) + kPrefetchBytes + line, _MM_HINT_T0);
+    }
+    const __m512 d = halves(gb0, gb1);
+    const __m512 m = F == kQ4_1 ? halves(gb0 + 16, gb1 + 16) : _mm512_setzero_ps();
+    __m256i w0[8], w1[8];
+    load_quants<F, false>(gb0, w0);
+    load_quants<F, false>(gb1, w1);
+    __m512i w[8];
+    for (int j = 0; j < 8; ++j) w[j] = _mm512_inserti64x4(_mm512_castsi256_si512(w0[j]), w1[j], 1);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xq = x.q.data() + (r0 + r) * x.k + b * kBlock;
+      const int64_t i = (r0 + r) * blocks + b;
+      __m512i dots[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+      for (int j = 0; j < 8; ++j) {
+        int32_t quad;
+        std::memcpy(&quad, xq + 4 * j, 4);
+        dots[j & 1] = _mm512_dpbusd_epi32(dots[j & 1], w[j], _mm512_set1_epi32(quad));
+      }
+      __m512i dot = _mm512_add_epi32(dots[0], dots[1]);
+      if constexpr (offset != 0) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(offset * x.qsum[i]));
+      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(x.scale[i]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+      if constexpr (F == kQ4_1) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.sum[i]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(sums + 16 * r, acc[r]);
+}
+
+// group_pair_vnni_rows for `rows` rows, 1 to kVnniPairRows (r0 on).
+template <int64_t F>
+void group_pair_vnni(const QuantizedRows& x, int64_t r0, int rows, const uint8_t* group0,
+                     const uint8_t* group1, float* sums) {
+  switch (rows) {
+    case 1: return group_pair_vnni_rows<F, 1>(x, r0, group0, group1, sums);
+    case 2: return group_pair_vnni_rows<F, 2>(x, r0, group0, group1, sums);
+    case 3: return group_pair_vnni_rows<F, 3>(x, r0, group0, group1, sums);
+    case 4: return group_pair_vnni_rows<F, 4>(x, r0, group0, group1, sums);
+    case 5: return group_pair_vnni_rows<F, 5>(x, r0, group0, group1, sums);
+    case 6: return group_pair_vnni_rows<F, 6>(x, r0, group0, group1, sums);
+    case 7: return group_pair_vnni_rows<F, 7>(x, r0, group0, group1, sums);
+    default: return group_pair_vnni_rows<F, kVnniPairRows>(x, r0, group0, group1, sums);
+  }
+}
+#endif
+
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512F__)
 // Tiles as group_pair_tiles configures them (amx_tiles.h's configure): the int32 products
 // [rows x 16 features], the rows' int8 x [rows x 32 inputs], and the two groups' quants in the

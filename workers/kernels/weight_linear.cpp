@@ -33,6 +33,9 @@
 #define NALAR_INT8_TILES 1
 #include "amx_tiles.h"
 #endif
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define NALAR_VNNI 1
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -376,12 +379,16 @@ constexpr int kInt8Rows = 4;  // rows per group call (its unpacked quants reused
 using GroupFn = void (*)(const int8_dot::QuantizedRows&, int64_t, const uint8_t*, float*);
 using PairFn = void (*)(const int8_dot::QuantizedRows&, int64_t, int, const uint8_t*,
                         const uint8_t*, float*);
+constexpr int64_t kMaxPairRows = 16;  // the most rows of one PairFn call (a tile's)
 
-// groups[r - 1] multiplies r rows by one packed group of one format; pair_tiles, where AMX-INT8
-// runs, up to 16 rows by two groups (int8_dot::group_pair_tiles), bit for bit as groups would.
+// groups[r - 1] multiplies r rows by one packed group of one format. Two groups at once, bit
+// for bit as groups would: pair_tiles, where AMX-INT8 runs, up to 16 rows
+// (int8_dot::group_pair_tiles); pair_vnni, where AVX512-VNNI runs, up to 8
+// (int8_dot::group_pair_vnni).
 struct Int8Kernels {
   GroupFn groups[kInt8Rows];
   PairFn pair_tiles = nullptr;
+  PairFn pair_vnni = nullptr;
 };
 
 #define NALAR_GROUP_TABLE(fn, ...) \
@@ -401,9 +408,10 @@ Int8Kernels int8_kernels_for(Path path) {
   switch (path) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
     case kAvx512:
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#ifdef NALAR_VNNI
       if (__builtin_cpu_supports("avx512vnni")) {
         Int8Kernels kernels = NALAR_GROUP_TABLE(group_vnni, F);
+        kernels.pair_vnni = int8_dot::group_pair_vnni<F>;
 #ifdef NALAR_INT8_TILES
         if (__builtin_cpu_supports("amx-int8") && nalar_tiles::granted()) {
           kernels.pair_tiles = int8_dot::group_pair_tiles<F>;
@@ -467,41 +475,66 @@ void group_rows(const int8_dot::QuantizedRows& x, const uint8_t* group, int64_t 
 // against 0.48-0.52 ms) and mixed at 10 (results/xeon-amx/int8-short-tiles-513d5aa/).
 constexpr int64_t kMinTileRows = 12;
 
+// Groups in pairs, two groups' 16 features at once: `pair` over `step` rows at a time up to
+// `paired_rows`, then the rows past those, and an odd last group, one group at a time.
+template <typename Out>
+void pair_of_groups(const int8_dot::QuantizedRows& x, const uint8_t* w, int64_t bytes,
+                    int64_t pair_index, PairFn pair, int64_t step, int64_t paired_rows,
+                    int64_t n_out, const Int8Kernels& kern, const float* bias, Out* y) {
+  const int64_t g = 2 * pair_index, col0 = g * kGroup;
+  if (g + 1 == int8_dot::groups(n_out)) {
+    group_rows(x, w + g * bytes, g, 0, n_out, kern, bias, y);
+    return;
+  }
+  alignas(64) float sums[kMaxPairRows * 2 * kGroup];
+  for (int64_t r0 = 0; r0 < paired_rows; r0 += step) {
+    const int rows = static_cast<int>(std::min(step, paired_rows - r0));
+    pair(x, r0, rows, w + g * bytes, w + (g + 1) * bytes, sums);
+    store_rows(sums, 2 * kGroup, rows, r0, col0, std::min(2 * kGroup, n_out - col0), n_out,
+               bias, y);
+  }
+  group_rows(x, w + g * bytes, g, paired_rows, n_out, kern, bias, y);
+  group_rows(x, w + (g + 1) * bytes, g + 1, paired_rows, n_out, kern, bias, y);
+}
+
 // Groups are read once, in order, each group's blocks consecutively: one stream the hardware
 // prefetcher follows (the feature-at-a-time layout read 4 streams and needed software
-// prefetching). Where AMX-INT8 runs and a step has kMinTileRows rows or more, groups go in
-// pairs on tiles, 16 rows at a time (or all of them in one tile, when fewer), the rows past the
-// last 16 (and an odd last group) as before.
+// prefetching); two streams where groups go in pairs. Where AMX-INT8 runs and a step has
+// kMinTileRows rows or more, pairs go on tiles, 16 rows at a time (or all of them in one tile,
+// when fewer), the rows past the last 16 one group at a time. Else, where AVX512-VNNI runs,
+// pairs go through 512-bit dot products, 8 rows at a time.
 template <typename Out>
 void run_int8(const int8_dot::QuantizedRows& x, const uint8_t* w, int64_t format, int64_t n_out,
               const Int8Kernels& kern, const float* bias, Out* y) {
   const int64_t bytes = int8_dot::group_bytes(format, x.k);
   const int64_t macs_per_group = kGroup * x.k * x.rows;
   const int64_t grain = std::max<int64_t>(1, kMacsPerTask / std::max<int64_t>(macs_per_group, 1));
+  [[maybe_unused]] const int64_t pairs = (int8_dot::groups(n_out) + 1) / 2;
+  [[maybe_unused]] const int64_t pair_grain = std::max<int64_t>(1, grain / 2);
 #ifdef NALAR_INT8_TILES
+  static_assert(int8_dot::kTileRows <= kMaxPairRows);
   if (kern.pair_tiles != nullptr && x.rows >= kMinTileRows) {
     const int tile = static_cast<int>(std::min<int64_t>(int8_dot::kTileRows, x.rows));
-    const int64_t groups = int8_dot::groups(n_out), tiled_rows = x.rows / tile * tile;
-    at::parallel_for(0, (groups + 1) / 2, std::max<int64_t>(1, grain / 2),
-                     [&](int64_t begin, int64_t end) {
+    const int64_t tiled_rows = x.rows / tile * tile;
+    at::parallel_for(0, pairs, pair_grain, [&](int64_t begin, int64_t end) {
       nalar_tiles::configure(int8_dot::kTileCount, int8_dot::tile_shape_rows(tile).rows,
                               int8_dot::kTileShapeBytes);
-      alignas(64) float sums[int8_dot::kTileRows * 2 * kGroup];
       for (int64_t pair = begin; pair < end; ++pair) {
-        const int64_t g = 2 * pair, col0 = g * kGroup;
-        if (g + 1 == groups) {
-          group_rows(x, w + g * bytes, g, 0, n_out, kern, bias, y);
-          continue;
-        }
-        for (int64_t r0 = 0; r0 < tiled_rows; r0 += tile) {
-          kern.pair_tiles(x, r0, tile, w + g * bytes, w + (g + 1) * bytes, sums);
-          store_rows(sums, 2 * kGroup, tile, r0, col0,
-                     std::min(2 * kGroup, n_out - col0), n_out, bias, y);
-        }
-        group_rows(x, w + g * bytes, g, tiled_rows, n_out, kern, bias, y);
-        group_rows(x, w + (g + 1) * bytes, g + 1, tiled_rows, n_out, kern, bias, y);
+        pair_of_groups(x, w, bytes, pair, kern.pair_tiles, tile, tiled_rows, n_out, kern, bias, y);
       }
       _tile_release();
+    });
+    return;
+  }
+#endif
+#ifdef NALAR_VNNI
+  static_assert(int8_dot::kVnniPairRows <= kMaxPairRows);
+  if (kern.pair_vnni != nullptr) {
+    at::parallel_for(0, pairs, pair_grain, [&](int64_t begin, int64_t end) {
+      for (int64_t pair = begin; pair < end; ++pair) {
+        pair_of_groups(x, w, bytes, pair, kern.pair_vnni, int8_dot::kVnniPairRows, x.rows,
+                       n_out, kern, bias, y);
+      }
     });
     return;
   }
