@@ -38,9 +38,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Receive
 
+from contract.request import GenerationChunk
 from router.api.admission import Admission, AdmittedStream, requested_work, shutting_down
 from router.api.auth import ApiKeyGuard
 from router.api.backend import WORKER_HEADER, ServingBackend
+from router.api.batch import BatchTally, MergedChunks
 from router.api.disconnect import (
     ClientDisconnected,
     ClosingStreamingResponse,
@@ -51,7 +53,6 @@ from router.api.formats import ChatFormat, CompletionFormat, Format
 from router.api.jobs import Job, JobBuilder, resolve_model
 from router.api.stream import collect, next_chunk, sse_events
 from router.api.token_strings import TokenStrings
-from router.api.usage import Tally
 from router.errors import APIError, from_backend_exception, install_error_handlers, invalid_request
 from router.protocol import (
     ChatCompletionRequest,
@@ -66,6 +67,9 @@ logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 5.0
 """``GET /health`` answers 503 when the backend does not say it is ready within this time."""
+
+_Started = tuple[Job, GenerationChunk, AdmittedStream]
+"""One prompt of a batch once started: its job, its first chunk, the rest of its stream."""
 
 
 def build_openai_app(backend: ServingBackend, admission: Admission | None = None) -> FastAPI:
@@ -245,55 +249,75 @@ class _Ingress:
     async def serve_batch(self, bodies: list[CompletionRequest], authorization: str | None,
                           receive: Receive) -> Response:
         """A batch prompt, as vLLM and OpenAI serve one: each prompt a request of its own
-        (admitted, tokenized and routed by its own prefix), all at once, in one JSON answer
-        whose choice ``p * n + i`` is prompt ``p``'s choice ``i``, with the usage summed.
-        Streaming a batch is refused. The first failure answers for the whole batch; the
+        (admitted, tokenized and routed by its own prefix), all at once. Choice ``p * n + i``
+        is prompt ``p``'s choice ``i``, in one JSON answer with the usage summed, or streamed
+        (:mod:`router.api.batch`): events in the order the prompts' tokens arrive, the summed
+        usage last when asked for. A failure before any prompt's first token answers for the
+        whole batch, and one after it ends the stream with an error event; either way the
         other prompts are cancelled, which frees their KV blocks.
 
         Raises:
-            APIError: 400 for ``stream``, else as :meth:`serve` for any one prompt.
+            APIError: as :meth:`serve` for any one prompt.
         """
-        if bodies[0].stream:
-            raise invalid_request("a batch prompt cannot be streamed; send one prompt per "
-                                  "request to stream", "stream")
         try:
-            answers = await unless_disconnected(receive, self._collect_all(bodies, authorization))
+            started = await unless_disconnected(receive, self._all(
+                bodies, lambda body: self._start(body, authorization)))
         except ClientDisconnected:
             logger.info("a batch of %d prompts: client disconnected; cancelled", len(bodies))
             return Response(status_code=499)  # nobody is listening; the status is for logs
-        (job, _, _), n = answers[0], bodies[0].n or 1
-        tally = Tally.merged([tally for _, _, tally in answers], n)
-        body = CompletionFormat(job, self.token_strings).response(tally)
-        workers = ",".join(dict.fromkeys(worker for _, worker, _ in answers))
-        return JSONResponse(body.model_dump(mode="json", serialize_as_any=True),
-                            headers={WORKER_HEADER: workers})
+        jobs, firsts, streams = (list(column) for column in zip(*started, strict=True))
+        n = bodies[0].n or 1
+        fmt = CompletionFormat(jobs[0], self.token_strings)
+        headers = {WORKER_HEADER: ",".join(dict.fromkeys(
+            first.worker_id or "unknown" for first in firsts))}
+        chunks = MergedChunks(firsts, streams, n)
+        tally = BatchTally([len(job.request.token_ids) for job in jobs], n)
+        if jobs[0].stream:
+            events = sse_events(jobs[0], fmt, await anext(chunks), chunks, tally)
+            return ClosingStreamingResponse(events, chunks, headers=headers)
+        try:
+            await unless_disconnected(receive, collect(jobs[0], await anext(chunks), chunks,
+                                                       tally))
+        except ClientDisconnected:
+            logger.info("a batch of %d prompts: client disconnected; cancelled", len(bodies))
+            return Response(status_code=499)
+        except Exception as exc:
+            raise from_backend_exception(exc, jobs[0].request.request_id, headers) from exc
+        finally:
+            await close_stream(chunks)
+        body = fmt.response(tally.merged()).model_dump(mode="json", serialize_as_any=True)
+        return JSONResponse(body, headers=headers)
 
-    async def _collect_all(self, bodies: list[CompletionRequest],
-                           authorization: str | None) -> list[tuple[Job, str, Tally]]:
-        """Every prompt of a batch run at once; on the first failure (or a cancellation)
-        the others are cancelled before it is raised."""
-        tasks = [asyncio.create_task(self._collect(body, authorization)) for body in bodies]
+    @staticmethod
+    async def _all(bodies: list[CompletionRequest],
+                   one: Callable[[CompletionRequest], Awaitable[_Started]]) -> list[_Started]:
+        """``one`` over every prompt of a batch at once; on the first failure (or a
+        cancellation) the others are cancelled, and the streams of those already started
+        closed, before it is raised."""
+        tasks = [asyncio.create_task(one(body)) for body in bodies]
         try:
             return await asyncio.gather(*tasks)
         except BaseException:
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+            for outcome in outcomes:
+                if isinstance(outcome, tuple):
+                    await close_stream(outcome[2])
             raise
 
-    async def _collect(self, body: CompletionRequest,
-                       authorization: str | None) -> tuple[Job, str, Tally]:
-        """One prompt of a batch run to its end: its job, its worker, what it produced."""
+    async def _start(self, body: CompletionRequest, authorization: str | None) -> _Started:
+        """One prompt of a batch admitted, tokenized and started, up to its first chunk (which
+        names its worker); its stream is closed if that fails."""
         admitted = self.admit(body)
-        request_id, headers = "batch", {}
+        request_id = "batch"
         try:
             job = await self.jobs.completion_job(body, authorization)
             request_id = job.request.request_id
             admitted.start(job.request, self.backend.generate)
-            first = await next_chunk(admitted)
-            headers[WORKER_HEADER] = first.worker_id or "unknown"
-            return job, headers[WORKER_HEADER], await collect(job, first, admitted)
-        except Exception as exc:
-            raise from_backend_exception(exc, request_id, headers) from exc
-        finally:
+            return job, await next_chunk(admitted), admitted
+        except BaseException as exc:
             await close_stream(admitted)
+            if isinstance(exc, Exception):
+                raise from_backend_exception(exc, request_id, {}) from exc
+            raise

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
@@ -17,6 +18,9 @@ from router.api.disconnect import close_stream
 from router.api.formats import Format
 from router.api.jobs import Job
 from router.api.usage import Tally
+
+if TYPE_CHECKING:
+    from router.api.batch import BatchTally
 from router.errors import APIError, from_backend_exception, retry_after_headers
 
 DONE_EVENT = "data: [DONE]\n\n"
@@ -44,10 +48,12 @@ def finish_reason(reason: str | None) -> str:
                    code="request_aborted", headers=retry_after_headers(1.0))
 
 
-async def collect(job: Job, first: GenerationChunk,
-                  chunks: AsyncIterator[GenerationChunk]) -> Tally:
-    """Reads the backend's stream to its end (non-streaming answers)."""
-    tally = Tally(prompt_tokens=len(job.request.token_ids))
+async def collect(job: Job, first: GenerationChunk, chunks: AsyncIterator[GenerationChunk],
+                  tally: Tally | BatchTally | None = None) -> Tally | BatchTally:
+    """Reads the backend's stream to its end (non-streaming answers) into ``tally`` (by
+    default a new one for ``job``'s request), which it returns."""
+    if tally is None:
+        tally = Tally(prompt_tokens=len(job.request.token_ids))
     chunk = first
     while True:
         tally.add(chunk)
@@ -59,14 +65,17 @@ async def collect(job: Job, first: GenerationChunk,
 
 
 async def sse_events(job: Job, fmt: Format, first: GenerationChunk,
-                     chunks: AsyncIterator[GenerationChunk]) -> AsyncIterator[str]:
+                     chunks: AsyncIterator[GenerationChunk],
+                     tally: Tally | BatchTally | None = None) -> AsyncIterator[str]:
     """The SSE events of a streaming answer; always ends with ``data: [DONE]``.
 
     With ``job.continuous_usage`` every event carries the usage so far: the prompt and its
     cached tokens from the first event on (0 completion tokens on the role events), and the
-    output tokens of all choices streamed up to and including that event.
+    output tokens of all choices streamed up to and including that event. ``tally`` counts
+    the usage (by default, of ``job``'s request alone; a batch prompt's counts all of its).
     """
-    tally = Tally(prompt_tokens=len(job.request.token_ids))
+    if tally is None:
+        tally = Tally(prompt_tokens=len(job.request.token_ids))
     tally.admit(first)
 
     def sse(event: BaseModel) -> str:

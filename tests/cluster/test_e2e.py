@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -170,13 +171,23 @@ def test_nalar_chat_prints_reply_cached_tokens_and_ttft(cluster, capsys):
 async def test_a_batch_prompt_is_answered_as_its_prompts_are_alone(cluster):
     """Regression: the prompts of a batch are worker calls in flight at once within one HTTP
     request; they shared Serve's internal request id, by which its router indexes the calls
-    waiting for a replica, and a batch of three never answered."""
+    waiting for a replica, and a batch of three never answered. Streamed, each choice's
+    deltas make the same texts."""
     prompts = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time"]
     body = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
     async with httpx.AsyncClient(base_url=cluster.base_url) as client:
         batch = await asyncio.wait_for(
             post(client, "/v1/completions", {"prompt": prompts, **body}), 60)
+        streamed = await asyncio.wait_for(
+            post(client, "/v1/completions", {"prompt": prompts, "stream": True, **body}), 60)
         alone = [await post(client, "/v1/completions", {"prompt": p, **body}) for p in prompts]
+    texts = ["", "", ""]
+    for line in streamed.text.splitlines():
+        if line.startswith("data: {"):
+            [choice] = json.loads(line[len("data: "):])["choices"]
+            texts[choice["index"]] += choice["text"]
+    assert texts == [r.json()["choices"][0]["text"] for r in alone], streamed.text
+    assert streamed.text.endswith("data: [DONE]\n\n")
     assert batch.status_code == 200, batch.text
     answer = batch.json()
     assert [c["index"] for c in answer["choices"]] == [0, 1, 2]

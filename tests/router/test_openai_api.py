@@ -5,6 +5,7 @@ streamed usage have their own files."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import Any
@@ -130,6 +131,59 @@ async def test_one_refused_prompt_refuses_the_batch_and_frees_the_others(client,
                                  json={"prompt": [[5, 6], [1, 2, 3, 4]], "max_tokens": 3})
     assert_error(response, 400, "prompt", "invalid_value")
     assert sorted(backend.closed) == sorted(r.request_id for r in backend.requests)
+
+
+async def test_a_streamed_batch_prompt_numbers_each_prompts_choices_and_sums_usage(client,
+                                                                                  backend):
+    backend.script = two_choices
+    body = {"prompt": [[5, 6], [7]], "n": 2, "stream": True,
+            "stream_options": {"include_usage": True}}
+    response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    *chunks, usage_chunk, done = sse_events(response)
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    for event in chunks:
+        [choice] = event["choices"]
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+        if choice["finish_reason"]:
+            finishes[choice["index"]] = choice["finish_reason"]
+    assert texts == {0: "ABC", 1: "xy", 2: "ABC", 3: "xy"}
+    assert finishes == {0: "stop", 1: "length", 2: "stop", 3: "length"}
+    assert len({event["id"] for event in chunks}) == 1
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == {
+        "prompt_tokens": 3, "completion_tokens": 10, "total_tokens": 13,
+        "prompt_tokens_details": {"cached_tokens": 32}}
+    assert done == "[DONE]" and response.headers[WORKER_HEADER] == "worker-7"
+    assert sorted(backend.closed) == sorted(r.request_id for r in backend.requests)
+
+
+async def test_a_streamed_batch_refused_before_its_first_token_is_one_error(client, backend):
+    backend.script = by_prompt_length
+    response = await client.post("/v1/completions", json={
+        "prompt": [[5, 6], [1, 2, 3, 4]], "max_tokens": 3, "stream": True})
+    assert_error(response, 400, "prompt", "invalid_value")
+    assert sorted(backend.closed) == sorted(r.request_id for r in backend.requests)
+
+
+async def test_a_streamed_batch_prompt_failing_mid_stream_ends_with_an_error_event(client,
+                                                                                 backend):
+    held = asyncio.Event()  # the healthy prompt waits here until the stream has ended
+
+    def one_fails(request):
+        if len(request.token_ids) == 1:
+            return [chunk(request), chunk(request, "a", completion=1),
+                    RuntimeError("the worker died")]
+        return [chunk(request), chunk(request, "b", completion=1), held,
+                chunk(request, "c", "stop", completion=2)]
+
+    backend.script = one_fails
+    response = await client.post("/v1/completions", json={
+        "prompt": [[5, 6], [7]], "max_tokens": 3, "stream": True})
+    *events, error, done = sse_events(response)
+    assert error["error"]["type"] == "server_error", error
+    assert sorted(backend.closed) == sorted(r.request_id for r in backend.requests)
+    assert len(backend.requests) == 2 and not held.is_set()
 
 
 async def test_token_id_prompt_is_passed_as_is(client, backend):

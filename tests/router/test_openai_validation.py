@@ -101,7 +101,6 @@ INVALID = [
     (COMPLETIONS, {"prompt": [1, [2]]}, 400, "prompt", "invalid_type"),
     (COMPLETIONS, {"prompt": ["a", ""]}, 400, "prompt", "invalid_value"),
     (COMPLETIONS, {"prompt": ["a"] * 129}, 400, "prompt", "invalid_value"),
-    (COMPLETIONS, {"prompt": ["a", "b"], "stream": True}, 400, "stream", "invalid_value"),
     (COMPLETIONS, {"prompt": [1, True]}, 400, "prompt", "invalid_type"),
     (COMPLETIONS, {"prompt": [1, 49152]}, 400, "prompt", "invalid_value"),
     (COMPLETIONS, {"prompt": [-1, 5]}, 400, "prompt", "invalid_value"),
