@@ -272,12 +272,16 @@ class _Ingress:
             first.worker_id or "unknown" for first in firsts))}
         chunks = MergedChunks(firsts, streams, n)
         tally = BatchTally([len(job.request.token_ids) for job in jobs], n)
+        try:
+            first = await anext(chunks)  # a prompt's first chunk, already read: at once
+        except BaseException:
+            await close_stream(chunks)
+            raise
         if jobs[0].stream:
-            events = sse_events(jobs[0], fmt, await anext(chunks), chunks, tally)
+            events = sse_events(jobs[0], fmt, first, chunks, tally)
             return ClosingStreamingResponse(events, chunks, headers=headers)
         try:
-            await unless_disconnected(receive, collect(jobs[0], await anext(chunks), chunks,
-                                                       tally))
+            await unless_disconnected(receive, collect(jobs[0], first, chunks, tally))
         except ClientDisconnected:
             logger.info("a batch of %d prompts: client disconnected; cancelled", len(bodies))
             return Response(status_code=499)

@@ -52,7 +52,7 @@ class MergedChunks:
                 if chunk.is_last:
                     return
                 chunk = await next_chunk(stream)
-        except Exception as exc:  # raised by __anext__, where the merged stream's reader is
+        except Exception as exc:  # handed to __anext__, which raises it to our reader
             self._arrivals.put_nowait((p, exc))
 
     def __aiter__(self) -> MergedChunks:
@@ -81,9 +81,9 @@ class MergedChunks:
 
 
 class BatchTally:
-    """What a streamed batch has produced so far, as :class:`~router.api.usage.Tally` counts
-    one request's: fed the merged stream's chunks (choice ``p * n + i``), it keeps one tally
-    per prompt and reports their sum.
+    """What a batch prompt's requests have produced so far, as :class:`~router.api.usage.Tally`
+    counts one request's: fed the merged stream's chunks (choice ``p * n + i``), it keeps one
+    tally per prompt and reports their sum.
 
     Args:
         prompt_tokens: each prompt's length, in tokens.

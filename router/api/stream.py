@@ -18,10 +18,10 @@ from router.api.disconnect import close_stream
 from router.api.formats import Format
 from router.api.jobs import Job
 from router.api.usage import Tally
+from router.errors import APIError, from_backend_exception, retry_after_headers
 
 if TYPE_CHECKING:
     from router.api.batch import BatchTally
-from router.errors import APIError, from_backend_exception, retry_after_headers
 
 DONE_EVENT = "data: [DONE]\n\n"
 
