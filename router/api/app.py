@@ -261,7 +261,7 @@ class _Ingress:
         """
         try:
             started = await unless_disconnected(receive, self._all(
-                bodies, lambda body: self._start(body, authorization)))
+                bodies, lambda p, body: self._start(p, body, authorization)))
         except ClientDisconnected:
             logger.info("a batch of %d prompts: client disconnected; cancelled", len(bodies))
             return Response(status_code=499)  # nobody is listening; the status is for logs
@@ -294,11 +294,12 @@ class _Ingress:
 
     @staticmethod
     async def _all(bodies: list[CompletionRequest],
-                   one: Callable[[CompletionRequest], Awaitable[_Started]]) -> list[_Started]:
-        """``one`` over every prompt of a batch at once; on the first failure (or a
-        cancellation) the others are cancelled, and the streams of those already started
-        closed, before it is raised."""
-        tasks = [asyncio.create_task(one(body)) for body in bodies]
+                   one: Callable[[int, CompletionRequest], Awaitable[_Started]],
+                   ) -> list[_Started]:
+        """``one`` over every prompt of a batch (its index, its body) at once; on the first
+        failure (or a cancellation) the others are cancelled, and the streams of those
+        already started closed, before it is raised."""
+        tasks = [asyncio.create_task(one(p, body)) for p, body in enumerate(bodies)]
         try:
             return await asyncio.gather(*tasks)
         except BaseException:
@@ -310,9 +311,11 @@ class _Ingress:
                     await close_stream(outcome[2])
             raise
 
-    async def _start(self, body: CompletionRequest, authorization: str | None) -> _Started:
-        """One prompt of a batch admitted, tokenized and started, up to its first chunk (which
-        names its worker); its stream is closed if that fails."""
+    async def _start(self, p: int, body: CompletionRequest,
+                     authorization: str | None) -> _Started:
+        """Prompt ``p`` of a batch admitted, tokenized and started, up to its first chunk
+        (which names its worker); its stream is closed if that fails, and the error's message
+        names the prompt."""
         admitted = self.admit(body)
         request_id = "batch"
         try:
@@ -322,6 +325,8 @@ class _Ingress:
             return job, await next_chunk(admitted), admitted
         except BaseException as exc:
             await close_stream(admitted)
-            if isinstance(exc, Exception):
-                raise from_backend_exception(exc, request_id, {}) from exc
-            raise
+            if not isinstance(exc, Exception):
+                raise
+            error = from_backend_exception(exc, request_id, {})
+            error.message = f"prompt {p} of the batch: {error.message}"
+            raise error from exc

@@ -118,12 +118,14 @@ class JobBuilder:
                                   "(the last message is continued, not answered)",
                                   "continue_final_message")
         check_template_kwargs(self.backend.tokenizer, body.chat_template_kwargs)
+        sent = body.model_dump(include={"messages", "tools"}, exclude_none=True)
+        for param in ("messages", "tools"):
+            refuse_unpaired_surrogates(sent.get(param), param)
         template = str(getattr(self.backend.tokenizer, "chat_template", None) or "")
         tools = tool_use(body, template)
         messages, tool_options = template_conversation(body, tools, template)
 
         def tokenize() -> list[int]:
-            refuse_unpaired_surrogates(messages, "messages")
             return chat_template_ids(self.backend.tokenizer, messages,
                                      {**options, **tool_options})
         return await self._job(body, tokenize, "messages", max_tokens, max_param,

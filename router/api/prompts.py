@@ -12,30 +12,35 @@ from router.errors import invalid_request
 from router.protocol import UNPAIRED_SURROGATE
 
 
-def refuse_unpaired_surrogates(value: Any, param: str) -> None:
+def refuse_unpaired_surrogates(value: Any, param: str, path: str | None = None) -> None:
     """Refuses a request text the tokenizer could not encode, with a message that says why
-    (the tokenizer's own says only that its input has the wrong type): case R6.
+    (the tokenizer's own says only that its input has the wrong type) and where: case R6.
 
     Args:
-        value: a string, or lists and dicts holding strings (the messages), at any depth.
+        value: a string, or lists and dicts holding strings (keys included), at any depth.
         param: the request field to name.
+        path: where ``value`` lies in the request (default: ``param``), as
+            ``messages[1].content`` names it.
 
     Raises:
-        APIError: 400 ``invalid_value`` naming ``param``, with the surrogate's code and its
-            offset in its string, when a string holds an unpaired UTF-16 surrogate.
+        APIError: 400 ``invalid_value`` naming ``param``, whose message names the string's
+            place, the surrogate's code and its offset in the string, when a string holds an
+            unpaired UTF-16 surrogate.
     """
+    path = param if path is None else path
     if isinstance(value, str):
         found = UNPAIRED_SURROGATE.search(value)
         if found:
             raise invalid_request(
-                f"the {param} holds an unpaired UTF-16 surrogate (\\u{ord(found.group()):04x} at "
+                f"{path} holds an unpaired UTF-16 surrogate (\\u{ord(found.group()):04x} at "
                 f"character {found.start()}), which no UTF-8 text can carry", param)
     elif isinstance(value, dict):
-        for item in value.values():
-            refuse_unpaired_surrogates(item, param)
+        for key, item in value.items():
+            refuse_unpaired_surrogates(key, param, f"a key of {path}")
+            refuse_unpaired_surrogates(item, param, f"{path}.{key}")
     elif isinstance(value, list | tuple):
-        for item in value:
-            refuse_unpaired_surrogates(item, param)
+        for i, item in enumerate(value):
+            refuse_unpaired_surrogates(item, param, f"{path}[{i}]")
 
 
 def chat_template_ids(tokenizer: Any, messages: list[dict[str, Any]],

@@ -129,7 +129,8 @@ async def test_one_refused_prompt_refuses_the_batch_and_frees_the_others(client,
     backend.script = by_prompt_length
     response = await client.post("/v1/completions",
                                  json={"prompt": [[5, 6], [1, 2, 3, 4]], "max_tokens": 3})
-    assert_error(response, 400, "prompt", "invalid_value")
+    error = assert_error(response, 400, "prompt", "invalid_value")
+    assert error["message"] == "prompt 1 of the batch: this prompt is refused"
     assert sorted(backend.closed) == sorted(r.request_id for r in backend.requests)
 
 

@@ -161,18 +161,25 @@ async def test_a_request_is_validated_once_at_the_ingress(client, backend, monke
 
 
 @pytest.mark.parametrize(("path", "field", "param", "where"), [
-    (COMPLETIONS, '"prompt": "\\udc00 x"', "prompt", "\\udc00 at character 0"),
+    (COMPLETIONS, '"prompt": "\\udc00 x"', "prompt", "prompt holds an unpaired UTF-16 "
+     "surrogate (\\udc00 at character 0)"),
     ("/v1/chat/completions",
      '"messages": [{"role": "user", "content": [{"type": "text", "text": "a \\ud83d\\ude00 '
-     '\\ud800 lone"}]}]', "messages", "\\ud800 at character 4"),
+     '\\ud800 lone"}]}]', "messages", "messages[0].content holds an unpaired UTF-16 "
+     "surrogate (\\ud800 at character 4)"),
+    ("/v1/chat/completions",
+     '"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", '
+     '"function": {"name": "f", "description": "x\\udbff", "parameters": {}}}]', "tools",
+     "tools[0].function.description holds an unpaired UTF-16 surrogate (\\udbff at "
+     "character 1)"),
 ])
 async def test_text_the_tokenizer_rejects_is_a_400(client, backend, path, field, param, where):
     # Case R6: a lone UTF-16 surrogate is valid JSON but no tokenizer can encode it; a pair
-    # (the emoji) decodes to one character and is fine.
+    # (the emoji) decodes to one character and is fine. The message names the string's place.
     response = await client.post(path, content=("{" + field + ', "max_tokens": 2}').encode(),
                                  headers={"content-type": "application/json"})
     error = assert_error(response, 400, param, "invalid_value")
-    assert f"unpaired UTF-16 surrogate ({where})" in error["message"], error
+    assert error["message"].startswith(where), error
     assert backend.requests == []
     ok = await client.post(COMPLETIONS, json={"prompt": "fine", "max_tokens": 2})
     assert ok.status_code == 200

@@ -118,6 +118,8 @@ def test_max_tokens_cuts_a_constrained_output_at_a_prefix_of_the_grammar(engine,
     (StructuredOutput("json", json.dumps({"type": "string", "minLength": 5, "maxLength": 2})),
      r"Unsatisfiable schema: minLength \(5\) is greater than maxLength"),
     (StructuredOutput("grammar", "start: A\nA: /a/ & /b/"), "admits no output"),
+    (StructuredOutput("regex", "a\ud800"), r"unpaired UTF-16 surrogate \('\\ud800'\)"),
+    (StructuredOutput("grammar", 'start: "a\udc00"'), "unpaired UTF-16 surrogate"),
 ])
 def test_a_bad_constraint_is_refused_and_others_are_served(engine, smollm, spec, reason):
     prompt = chat(smollm.tokenizer, "Hi")

@@ -61,8 +61,8 @@ class GrammarCompiler:
             if grammar is not None:
                 self._grammars.move_to_end(key)
                 return grammar
-        grammar = _grammar_text(structured)
         param = structured.param or _PARAMS[structured.kind]
+        grammar = _grammar_text(structured, param)
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
         if error:
             raise InvalidRequestError(f"invalid {structured.kind} constraint: {error}", param)
@@ -187,8 +187,25 @@ _PARAMS = {"json": "response_format", "regex": "structured_outputs",
            "choice": "structured_outputs", "grammar": "structured_outputs"}
 
 
-def _grammar_text(structured: StructuredOutput) -> str:
-    """llguidance's grammar for one constraint (unchecked)."""
+def _grammar_text(structured: StructuredOutput, param: str) -> str:
+    """llguidance's grammar for one constraint (unchecked).
+
+    Raises:
+        InvalidRequestError: naming ``param``, for a constraint llguidance cannot read: one
+            holding an unpaired UTF-16 surrogate (valid in JSON, but no UTF-8 text can carry
+            it), which llguidance's converters fail on instead of reporting.
+    """
+    try:
+        return _converted(structured)
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"invalid {structured.kind} constraint: it holds an unpaired UTF-16 surrogate "
+            f"({exc.object[exc.start:exc.end]!a}), which no UTF-8 text can carry",
+            param) from exc
+
+
+def _converted(structured: StructuredOutput) -> str:
+    """:func:`_grammar_text`'s conversion, by the constraint's kind."""
     if structured.kind == "json":
         return llguidance.LLMatcher.grammar_from_json_schema(structured.spec)
     if structured.kind == "regex":
