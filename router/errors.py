@@ -186,6 +186,11 @@ def from_validation_errors(errors: Sequence[Mapping[str, Any]]) -> APIError:
         if kind == "missing":
             return invalid_request("the request body is missing (send a JSON object)",
                                    code="missing_required_parameter")
+        if kind == "string_unicode":  # pydantic's answer to an object key it cannot decode
+            name = ascii(error.get("input"))
+            return invalid_request(
+                f"a field name holds an unpaired UTF-16 surrogate ({name[:40]}), which no "
+                "UTF-8 text can carry")
         return invalid_request("the request body must be a JSON object "
                                "(Content-Type: application/json)", code="invalid_type")
     return invalid_request(_message(kind, param, error.get("msg", "")), param, _code(kind))

@@ -448,14 +448,18 @@ class _GenerationBody(_StrictModel):
                     {"key": _quoted(key)})
         return bias
 
-    @field_validator("model")
+    @field_validator("model", "stop", "request_id", "cache_salt", mode="before")
     @classmethod
-    def _encodable_model(cls, model: str | None) -> str | None:
-        # The name is echoed by a 404, which could not be encoded.
-        if model is not None and UNPAIRED_SURROGATE.search(model):
+    def _encodable(cls, value: Any, info: ValidationInfo) -> Any:
+        # Texts that are echoed (the model by a 404, the request_id in the answer's id), hashed
+        # as UTF-8 (the cache_salt) or matched against decoded output (a stop string, which
+        # could never match one): none can hold what UTF-8 cannot carry.
+        texts = value if isinstance(value, list) else [value]
+        if any(isinstance(text, str) and UNPAIRED_SURROGATE.search(text) for text in texts):
             raise PydanticCustomError(
-                "invalid_value", "model must be text without unpaired UTF-16 surrogates")
-        return model
+                "invalid_value", "{name} must be text without unpaired UTF-16 surrogates",
+                {"name": info.field_name})
+        return value
 
     def logit_bias_ids(self) -> dict[int, float]:
         """``logit_bias`` with integer token ids."""

@@ -325,6 +325,15 @@ REGRESSIONS = [
      "messages[0].content", "unsupported_content_type"),
     (CHAT, {"messages": HELLO, "model": "gpt-\ud800"}, 400, "model", "invalid_value"),
     (COMPLETIONS, {"prompt": "x", "model": "\udc00"}, 400, "model", "invalid_value"),
+    # texts accepted with a surrogate (a stop string that could never match) or refused in
+    # pydantic's internal words ("unable to parse raw data as a unicode string")
+    (COMPLETIONS, {"prompt": "x", "stop": ["ok", "a\ud800"]}, 400, "stop", "invalid_value"),
+    (CHAT, {"messages": HELLO, "stop": "\udfff"}, 400, "stop", "invalid_value"),
+    (COMPLETIONS, {"prompt": "x", "request_id": "r\ud800"}, 400, "request_id",
+     "invalid_value"),
+    (CHAT, {"messages": HELLO, "cache_salt": "\udc00"}, 400, "cache_salt", "invalid_value"),
+    # an unknown field whose name holds one was answered as a body that is not an object
+    (COMPLETIONS, {"prompt": "x", "x\ud800": 1}, 400, None, "invalid_value"),
 ]
 
 
