@@ -19,6 +19,9 @@ from router.api.stream import next_chunk
 from router.api.usage import Tally
 from router.protocol import Usage
 
+AHEAD_PER_PROMPT = 4
+"""Chunks each prompt's stream may be read ahead of the merged stream's reader."""
+
 
 class MergedChunks:
     """The chunk streams of a batch's prompts as one stream (an async iterator).
@@ -38,8 +41,10 @@ class MergedChunks:
         self._streams = streams
         self._n = n
         self._unfinished = len(streams)
+        # Bounded: a client that reads slowly holds the prompts' streams back, as it holds one
+        # request's, rather than have every chunk of a large batch wait here in memory.
         self._arrivals: asyncio.Queue[tuple[int, GenerationChunk | BaseException]] = (
-            asyncio.Queue())
+            asyncio.Queue(maxsize=AHEAD_PER_PROMPT * len(streams)))
         self._readers = [asyncio.create_task(self._read(p, first, stream))
                          for p, (first, stream) in enumerate(zip(firsts, streams, strict=True))]
 
@@ -48,12 +53,12 @@ class MergedChunks:
         chunk = first
         try:
             while True:
-                self._arrivals.put_nowait((p, chunk))
+                await self._arrivals.put((p, chunk))
                 if chunk.is_last:
                     return
                 chunk = await next_chunk(stream)
         except Exception as exc:  # handed to __anext__, which raises it to our reader
-            self._arrivals.put_nowait((p, exc))
+            await self._arrivals.put((p, exc))
 
     def __aiter__(self) -> MergedChunks:
         return self

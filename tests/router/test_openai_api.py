@@ -159,6 +159,26 @@ async def test_a_streamed_batch_prompt_numbers_each_prompts_choices_and_sums_usa
     assert sorted(backend.closed) == sorted(r.request_id for r in backend.requests)
 
 
+async def test_a_batch_prompt_longer_than_its_read_ahead_arrives_whole(client, backend):
+    """Each prompt's stream is read at most a few chunks ahead of the merged stream's reader
+    (a bounded queue): 3 prompts of 40 chunks each still arrive whole, streamed or not."""
+    def forty(request):
+        tag = str(len(request.token_ids))
+        return [chunk(request), *(chunk(request, tag, completion=i) for i in range(1, 40)),
+                chunk(request, tag, "stop", completion=40)]
+
+    backend.script = forty
+    body = {"prompt": [[5], [6, 7], [8, 9, 10]], "max_tokens": 40}
+    answer = (await client.post("/v1/completions", json=body)).json()
+    assert [c["text"] for c in answer["choices"]] == ["1" * 40, "2" * 40, "3" * 40]
+    streamed = await client.post("/v1/completions", json={**body, "stream": True})
+    texts = ["", "", ""]
+    for event in sse_events(streamed)[:-1]:
+        [choice] = event["choices"]
+        texts[choice["index"]] += choice["text"]
+    assert texts == ["1" * 40, "2" * 40, "3" * 40]
+
+
 async def test_a_streamed_batch_refused_before_its_first_token_is_one_error(client, backend):
     backend.script = by_prompt_length
     response = await client.post("/v1/completions", json={
