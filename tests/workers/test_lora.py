@@ -368,12 +368,17 @@ def test_runtime_paths_must_stay_under_the_allowed_directories(tiny_case, tmp_pa
         str(leaky): "outside the allowed",
         f"{allowed}/../{inside.name}": "without '..'",
         "all": "absolute path",
+        f"{inside}\x00x": "NUL",  # os.path.realpath raised ValueError on it (a 500)
     }
     for path, reason in refused.items():
         with pytest.raises(AdapterError, match=reason):
             checked_adapter_dir(path, [str(allowed)])
     with pytest.raises(AdapterError, match="--lora-dir"):
         checked_adapter_dir(str(inside), [])
+    # A file given as the adapter's directory: reading it raised NotADirectoryError (a 500).
+    config_file = checked_adapter_dir(str(inside / "adapter_config.json"), [str(allowed)])
+    with pytest.raises(AdapterError, match="no adapter_config.json in"):
+        load_adapter("file", config_file, tiny_shapes(), 64)
 
 
 

@@ -192,7 +192,7 @@ def _read_config(directory: Path) -> _PeftLoraConfig:
     try:
         raw = json.loads((directory / CONFIG_FILE).read_text())
         config = _PeftLoraConfig.model_validate(raw)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, NotADirectoryError) as exc:  # a missing path, or a file's
         raise AdapterError(f"no {CONFIG_FILE} in {directory}") from exc
     except (json.JSONDecodeError, UnicodeDecodeError, ValidationError) as exc:
         raise AdapterError(f"malformed {CONFIG_FILE}: {exc}") from exc

@@ -20,13 +20,15 @@ def checked_adapter_dir(path: str, allowed: list[str]) -> Path:
     ``allowed``.
 
     Raises:
-        AdapterError: no directory is allowed, ``path`` is relative or has a ``..`` component,
-            or it (or a file in it, through a symlink) resolves outside every allowed
-            directory.
+        AdapterError: no directory is allowed, ``path`` holds a NUL character, is relative or
+            has a ``..`` component, or it (or a file in it, through a symlink) resolves
+            outside every allowed directory.
     """
     if not allowed:
         raise AdapterError("loading adapters by path is off: start nalar serve with "
                            "--lora-dir DIR to allow the adapters under DIR")
+    if "\x00" in path:  # no file name holds one; os.path.realpath raises ValueError on it
+        raise AdapterError(f"lora_path holds a NUL character: {path!r}")
     given = Path(path)
     if not given.is_absolute() or ".." in given.parts:
         raise AdapterError(f"lora_path must be an absolute path without '..': {path!r}")
