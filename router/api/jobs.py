@@ -31,7 +31,9 @@ from router.api.prompts import (
     chat_template_ids,
     check_template_kwargs,
     checked_ids,
-    refuse_unpaired_surrogates,
+    longest_token_characters,
+    refuse_beyond_context,
+    text_characters,
 )
 from router.api.sampling import chat_max_tokens, fit_context, sampling_params
 from router.api.tools import ToolUse, template_conversation, tool_use
@@ -102,6 +104,13 @@ class JobBuilder:
         tokenizer after the app is built (``serve.ingress`` wants the app up front)."""
         return len(self.backend.tokenizer)
 
+    @functools.cached_property
+    def longest_token(self) -> int:
+        """The most characters one token's text holds (read on first use, as
+        :attr:`vocab_size`)."""
+        with self._tokenizer_lock:
+            return longest_token_characters(self.backend.tokenizer)
+
     async def chat_job(self, body: ChatCompletionRequest, authorization: str | None) -> Job:
         """Validates a chat request and tokenizes it through the chat template, tools and
         tool turns included (:mod:`router.api.tools`).
@@ -119,8 +128,8 @@ class JobBuilder:
                                   "continue_final_message")
         check_template_kwargs(self.backend.tokenizer, body.chat_template_kwargs)
         sent = body.model_dump(include={"messages", "tools"}, exclude_none=True)
-        for param in ("messages", "tools"):
-            refuse_unpaired_surrogates(sent.get(param), param)
+        characters = sum(text_characters(sent.get(param), param)
+                         for param in ("messages", "tools"))
         template = str(getattr(self.backend.tokenizer, "chat_template", None) or "")
         tools = tool_use(body, template)
         messages, tool_options = template_conversation(body, tools, template)
@@ -129,7 +138,7 @@ class JobBuilder:
             return chat_template_ids(self.backend.tokenizer, messages,
                                      {**options, **tool_options})
         return await self._job(body, tokenize, "messages", max_tokens, max_param,
-                               authorization, "chatcmpl", tools)
+                               authorization, "chatcmpl", characters, tools)
 
     async def completion_job(self, body: CompletionRequest, authorization: str | None) -> Job:
         """Validates a text-completion request and tokenizes its prompt.
@@ -139,23 +148,31 @@ class JobBuilder:
         """
         prompt = body.prompt
         if isinstance(prompt, str):
+            characters = text_characters(prompt, "prompt")
+
             def tokenize() -> list[int]:
-                refuse_unpaired_surrogates(prompt, "prompt")
                 return list(self.backend.tokenizer.encode(prompt))
         else:
+            characters = 0  # token ids: counted as they are checked
+
             def tokenize() -> list[int]:
                 return checked_ids(prompt, self.vocab_size, "prompt")
         return await self._job(body, tokenize, "prompt", body.max_tokens, "max_tokens",
-                               authorization, "cmpl")
+                               authorization, "cmpl", characters)
 
     async def _job(self, body: ChatCompletionRequest | CompletionRequest,
                    tokenize: Callable[[], list[int]], prompt_param: str,
                    max_tokens: int | None, max_param: str, authorization: str | None,
-                   id_prefix: str, tools: ToolUse | None = None) -> Job:
-        """Checks what needs no tokens first (cheap refusals), then tokenizes and hashes."""
+                   id_prefix: str, characters: int, tools: ToolUse | None = None) -> Job:
+        """Checks what needs no tokens first (cheap refusals: a text of ``characters`` too
+        long for the context whatever its tokenization among them), then tokenizes and
+        hashes."""
         adapter = resolve_model(body.model, self.backend.served_model_name,
                                 self.backend.adapters)
         check_stream_options(body)
+        if body.truncate_prompt_tokens is None:  # else its last tokens may well fit
+            refuse_beyond_context(characters, self.longest_token, self.backend.max_model_len,
+                                  prompt_param)
         if body.stop_token_ids:
             checked_ids(body.stop_token_ids, self.vocab_size, "stop_token_ids")
         checked_ids(list(body.logit_bias_ids()), self.vocab_size, "logit_bias")

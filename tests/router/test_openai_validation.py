@@ -185,6 +185,35 @@ async def test_text_the_tokenizer_rejects_is_a_400(client, backend, path, field,
     assert ok.status_code == 200
 
 
+@pytest.mark.parametrize(("path", "body", "param"), [
+    (COMPLETIONS, lambda text: {"prompt": text}, "prompt"),
+    ("/v1/chat/completions",
+     lambda text: {"messages": [{"role": "user", "content": text}]}, "messages"),
+])
+async def test_a_text_too_long_for_any_tokenization_is_refused_before_tokenizing(
+        client, backend, monkeypatch, path, body, param):
+    """More characters than the context's tokens of the longest token's text can hold: a
+    400 at once, the tokenizer never called (a 20 MB prompt took 26 s to tokenize, holding
+    back every other request's tokenizing); with truncate_prompt_tokens it is tokenized and
+    served."""
+    from router.api.prompts import longest_token_characters
+
+    longest = longest_token_characters(backend.tokenizer)
+    text = "ab " * (MAX_MODEL_LEN * longest // 3 + 1)
+    called = []
+    monkeypatch.setattr(backend.tokenizer, "encode", lambda *a, **k: called.append(1))
+    monkeypatch.setattr(backend.tokenizer, "apply_chat_template",
+                        lambda *a, **k: called.append(1))
+    error = assert_error(await client.post(path, json=body(text)), 400, param,
+                         "context_length_exceeded")
+    assert f"make at least {-(-len(text) // longest)} tokens" in error["message"], error
+    assert called == [] and backend.requests == []
+    monkeypatch.undo()
+    truncated = await client.post(path, json={**body(text), "truncate_prompt_tokens": 8})
+    assert truncated.status_code == 200, truncated.text
+    assert len(backend.requests[0].token_ids) == 8
+
+
 async def test_prompt_exactly_filling_the_context_with_output_is_accepted(client, backend):
     response = await client.post(COMPLETIONS, json={"prompt": [1] * 100, "max_tokens": 28})
     assert response.status_code == 200, response.text
