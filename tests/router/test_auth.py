@@ -76,6 +76,18 @@ async def test_v1_routes_refuse_a_missing_or_unknown_key(client, backend, keys, 
 
 
 @pytest.mark.parametrize("method,path,body", V1_ROUTES)
+async def test_the_admin_key_is_no_api_key(client, backend, keys, method, path, body):
+    """Where API keys are configured, the operator's admin key (which loads adapters) is
+    refused on the other /v1 routes like any key not listed (docs/api.md, LoRA adapters)."""
+    from router.api.auth import AdminKey
+
+    backend.admin_key = AdminKey("admin-secret")
+    response = await call(client, method, path, body, "admin-secret")
+    assert_error(response, 401, None, "invalid_api_key")
+    assert backend.requests == []
+
+
+@pytest.mark.parametrize("method,path,body", V1_ROUTES)
 @pytest.mark.parametrize("key", [KEY_A, KEY_B, FILE_KEY])
 async def test_v1_routes_serve_each_accepted_key(client, backend, keys, method, path, body, key):
     response = await call(client, method, path, body, key)
