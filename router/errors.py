@@ -254,7 +254,23 @@ def install_error_handlers(app: FastAPI) -> None:
         return APIError(500, "internal server error", code="internal_error").response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.detail == _BODY_NOT_PARSED:
+            return _unreadable_body(request.headers.get("content-encoding")).response()
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return APIError(exc.status_code, str(exc.detail), code=code,
                         headers=exc.headers).response()
+
+
+_BODY_NOT_PARSED = "There was an error parsing the body"
+"""FastAPI's 400 detail for a body its JSON decoder raised on with anything but a JSON syntax
+error: bytes that are not UTF-8 (a compressed body among them), or nesting too deep."""
+
+
+def _unreadable_body(content_encoding: str | None) -> APIError:
+    """The 400 for a body FastAPI could not decode, saying what to send instead."""
+    if content_encoding and content_encoding.lower() != "identity":
+        return invalid_request(f"Content-Encoding {content_encoding!r} is not supported: send "
+                               "the JSON body uncompressed", code="invalid_json")
+    return invalid_request("the request body is not valid JSON: it is not UTF-8 text, or it "
+                           "nests too deeply", code="invalid_json")

@@ -146,6 +146,9 @@ def build_openai_app(backend: ServingBackend, admission: Admission | None = None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed "
                                  "successfully.")
 
+    # HEAD too, as load balancers' health checks send it (the server drops the body); not in
+    # the schema, where it would repeat GET's operation.
+    @app.head("/health", response_model=None, include_in_schema=False)
     @app.get("/health", response_model=None)
     async def health() -> Response:
         """200 when the cluster can serve, else 503 (``shutting_down`` while draining)."""

@@ -537,6 +537,8 @@ async def test_models(client):
 async def test_health(client, backend, ready, status):
     backend.ready = ready
     assert (await client.get("/health")).status_code == status
+    head = await client.head("/health")  # load balancers' checks send HEAD
+    assert (head.status_code, head.content) == (status, b"")
 
 
 async def test_unknown_route_is_openai_shaped(client):

@@ -3,6 +3,8 @@ error naming the parameter the client sent, and reaches no worker."""
 
 from __future__ import annotations
 
+import gzip
+
 import pytest
 from helpers import count_calls
 from openai_fakes import (
@@ -238,3 +240,19 @@ async def test_malformed_json_code(client):
     response = await client.post(COMPLETIONS, content=b'{"prompt": ',
                                  headers={"content-type": "application/json"})
     assert_error(response, 400, None, "invalid_json")
+
+
+@pytest.mark.parametrize(("content", "encoding", "says"), [
+    (gzip.compress(b'{"prompt": "x"}'), "gzip", "Content-Encoding 'gzip' is not supported"),
+    (b'{"prompt": "\xff\xfe"}', None, "not UTF-8 text, or it nests too deeply"),
+    (b"[" * 100_000 + b"]" * 100_000, None, "not UTF-8 text, or it nests too deeply"),
+])
+async def test_a_body_fastapi_cannot_decode_says_why(client, backend, content, encoding, says):
+    """FastAPI answers these with "There was an error parsing the body" and no code."""
+    headers = {"content-type": "application/json"}
+    if encoding:
+        headers["content-encoding"] = encoding
+    error = assert_error(await client.post(COMPLETIONS, content=content, headers=headers), 400,
+                         None, "invalid_json")
+    assert says in error["message"], error
+    assert backend.requests == []
