@@ -286,10 +286,28 @@ def test_digest_covers_content_and_config_not_the_path(adapter_dir, tiny_case):
     (dict(modules_to_save=["lm_head"]), "modules_to_save"),
     (dict(r=5), "rank 4 in adapter_model.safetensors, 5 in adapter_config.json"),
     (dict(lora_alpha="many"), "malformed adapter_config.json"),
+    (dict(lora_alpha=float("inf")), "gives a scaling of inf"),  # written as Infinity
+    (dict(lora_alpha=float("nan")), "gives a scaling of nan"),
 ])
 def test_unsupported_or_inconsistent_configs_are_refused(adapter_dir, change, reason):
     edit_config(adapter_dir, **change)
     with pytest.raises(AdapterError, match=reason):
+        load(adapter_dir)
+
+
+def test_weights_that_are_not_finite_or_overflow_when_scaled_are_refused(adapter_dir):
+    """Such an adapter loaded, and its requests sampled from NaN logits (a user's trial saw
+    every token at -ln V)."""
+    edit_config(adapter_dir, lora_alpha=1e300)  # finite, but its deltas overflow
+    with pytest.raises(AdapterError, match="scaled by lora_alpha / r, overflow torch.bfloat16"):
+        load_adapter("x", adapter_dir, tiny_shapes(), 64, torch.bfloat16)
+    edit_config(adapter_dir, lora_alpha=8)
+    weights = adapter_dir / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    name = next(iter(tensors))
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, weights)
+    with pytest.raises(AdapterError, match="NaN or infinite"):
         load(adapter_dir)
 
 

@@ -254,6 +254,8 @@ def _checked_pair(module: str, pair: dict[str, torch.Tensor], shapes: BaseShapes
         raise AdapterError(f"{module}: rank {rank} exceeds --max-lora-rank {max_rank}")
     if not (a.is_floating_point() and b.is_floating_point()):
         raise AdapterError(f"{module}: LoRA weights must be floating point")
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        raise AdapterError(f"{module}: LoRA weights hold NaN or infinite values")
     return a, b
 
 
@@ -271,7 +273,10 @@ def _scaling(config: _PeftLoraConfig, module: str, rank: int) -> float:
         raise AdapterError(f"{module}: rank {rank} in {WEIGHTS_FILE}, {expected_rank} in "
                            f"{CONFIG_FILE}")
     alpha = _pattern_value(config.alpha_pattern, module, config.lora_alpha)
-    return alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
+    scaling = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
+    if not math.isfinite(scaling):  # JSON's parser takes Infinity and NaN; 1e309 is inf
+        raise AdapterError(f"{module}: lora_alpha {alpha} gives a scaling of {scaling}")
+    return scaling
 
 
 def _fuse(modules: dict[str, tuple[torch.Tensor, torch.Tensor]], scalings: dict[str, float],
@@ -302,7 +307,11 @@ def _fused_delta(parts: list[tuple[str, tuple[torch.Tensor, torch.Tensor] | None
             a[col:col + rank] = pair[0]
             bt[col:col + rank, row:row + out] = pair[1].float().t() * scaling
         row, col = row + out, col + rank
-    return LoraDelta(a.to(dtype), bt.to(dtype))
+    a, bt = a.to(dtype), bt.to(dtype)
+    if not torch.isfinite(bt).all():
+        raise AdapterError(f"the {'/'.join(name for name, _p, _s in parts)} deltas, scaled by "
+                           f"lora_alpha / r, overflow {dtype}")
+    return LoraDelta(a, bt)
 
 
 def _digest(config: _PeftLoraConfig, modules: dict[str, tuple[torch.Tensor, torch.Tensor]],
