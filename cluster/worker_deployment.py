@@ -26,6 +26,7 @@ from workers.async_engine import AsyncEngine
 from workers.block_manager import BlockManager
 from workers.engine import LLMEngine
 from workers.lora.admission import AdapterAdmission
+from workers.lora.errors import AdapterError
 from workers.lora.registry import AdapterSlotsFull
 from workers.speculative.remote import RemoteProposer
 
@@ -112,12 +113,13 @@ class TransferCost:
 
 class ClientErrorLogFilter(logging.Filter):
     """Turns Ray Serve's "Request failed." record for a request the worker refused (an
-    :class:`InvalidRequestError` or :class:`OverloadedError`: the client gets its 4xx or 503)
-    into one INFO line without a traceback. Serve logs every exception a replica method raises
-    with ``logger.exception``, so a misspelt schema read as a worker failure with a traceback.
-    Every other record passes as it is."""
+    :class:`InvalidRequestError`, an :class:`OverloadedError` or an adapter's
+    :class:`AdapterError`: the client gets its 4xx or 503) into one INFO line without a
+    traceback. Serve logs every exception a replica method raises with ``logger.exception``,
+    so a misspelt schema read as a worker failure with a traceback, and each refused adapter
+    load as one on every worker. Every other record passes as it is."""
 
-    REFUSED = (InvalidRequestError, OverloadedError)
+    REFUSED = (InvalidRequestError, OverloadedError, AdapterError)
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None

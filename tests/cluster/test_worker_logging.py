@@ -6,6 +6,7 @@ import sys
 from cluster.worker_deployment import ClientErrorLogFilter
 from contract.request import InvalidRequestError
 from router.errors import OverloadedError
+from workers.lora.errors import AdapterError
 
 
 def failed_record(exc: BaseException) -> logging.LogRecord:
@@ -19,7 +20,7 @@ def failed_record(exc: BaseException) -> logging.LogRecord:
 
 def test_a_refused_request_is_logged_as_one_info_line_without_traceback():
     for exc in (InvalidRequestError("Invalid type: objekt", "response_format"),
-                OverloadedError("queue full")):
+                OverloadedError("queue full"), AdapterError("DoRA (use_dora) is not supported")):
         record = failed_record(exc)
         assert ClientErrorLogFilter().filter(record)
         assert record.levelno == logging.INFO and record.exc_info is None
