@@ -559,7 +559,7 @@ class CompletionRequest(_GenerationBody):
     def _prompt(cls, prompt: Any) -> str | list[int] | list[str] | list[list[int]]:
         if prompt is None:
             raise PydanticCustomError("missing_required_parameter", "prompt is required")
-        if not isinstance(prompt, list) or not prompt or not isinstance(prompt[0], (str, list)):
+        if not _is_batch(prompt):
             return _one_prompt(prompt)
         if len(prompt) > MAX_BATCH_PROMPTS:
             raise PydanticCustomError(
@@ -570,7 +570,7 @@ class CompletionRequest(_GenerationBody):
 
     def batch(self) -> list[CompletionRequest] | None:
         """One request per prompt of a batch prompt, in order; None for a single prompt."""
-        if isinstance(self.prompt, str) or not isinstance(self.prompt[0], (str, list)):
+        if not _is_batch(self.prompt):
             return None
         return [self.model_copy(update={"prompt": prompt}) for prompt in self.prompt]
 
@@ -588,6 +588,11 @@ class CompletionRequest(_GenerationBody):
 MAX_BATCH_PROMPTS = 128
 """Prompts one completion request may batch (each with its ``n`` choices)."""
 _MIXED_BATCH = "a batch prompt is a list of strings or a list of token-id lists"
+
+
+def _is_batch(prompt: Any) -> bool:
+    """Whether ``prompt`` is a batch: a list whose first item is a prompt of its own."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
 
 
 def _one_prompt(prompt: Any) -> str | list[int]:

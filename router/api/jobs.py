@@ -33,7 +33,8 @@ from router.api.prompts import (
     checked_ids,
     longest_token_characters,
     refuse_beyond_context,
-    text_characters,
+    refuse_unpaired_surrogates,
+    rendered_characters,
 )
 from router.api.sampling import chat_max_tokens, fit_context, sampling_params
 from router.api.tools import ToolUse, template_conversation, tool_use
@@ -128,8 +129,9 @@ class JobBuilder:
                                   "continue_final_message")
         check_template_kwargs(self.backend.tokenizer, body.chat_template_kwargs)
         sent = body.model_dump(include={"messages", "tools"}, exclude_none=True)
-        characters = sum(text_characters(sent.get(param), param)
-                         for param in ("messages", "tools"))
+        for param in ("messages", "tools"):
+            refuse_unpaired_surrogates(sent.get(param), param)
+        characters = rendered_characters(sent["messages"])
         template = str(getattr(self.backend.tokenizer, "chat_template", None) or "")
         tools = tool_use(body, template)
         messages, tool_options = template_conversation(body, tools, template)
@@ -148,7 +150,8 @@ class JobBuilder:
         """
         prompt = body.prompt
         if isinstance(prompt, str):
-            characters = text_characters(prompt, "prompt")
+            refuse_unpaired_surrogates(prompt, "prompt")
+            characters = len(prompt)
 
             def tokenize() -> list[int]:
                 return list(self.backend.tokenizer.encode(prompt))

@@ -13,9 +13,9 @@ from router.errors import invalid_request
 from router.protocol import UNPAIRED_SURROGATE
 
 
-def text_characters(value: Any, param: str, path: str | None = None) -> int:
-    """The characters of every string in a request's text, once each is known to be one the
-    tokenizer can encode (its own error says only that its input has the wrong type): case R6.
+def refuse_unpaired_surrogates(value: Any, param: str, path: str | None = None) -> None:
+    """Refuses a request text the tokenizer could not encode, with a message that says why
+    (the tokenizer's own says only that its input has the wrong type) and where: case R6.
 
     Args:
         value: a string, or lists and dicts holding strings (keys included), at any depth.
@@ -35,14 +35,21 @@ def text_characters(value: Any, param: str, path: str | None = None) -> int:
             raise invalid_request(
                 f"{path} holds an unpaired UTF-16 surrogate (\\u{ord(found.group()):04x} at "
                 f"character {found.start()}), which no UTF-8 text can carry", param)
-        return len(value)
-    if isinstance(value, dict):
-        return sum(text_characters(key, param, f"a key of {path}")
-                   + text_characters(item, param, f"{path}.{key}")
-                   for key, item in value.items())
-    if isinstance(value, list | tuple):
-        return sum(text_characters(item, param, f"{path}[{i}]") for i, item in enumerate(value))
-    return 0
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            refuse_unpaired_surrogates(key, param, f"a key of {path}")
+            refuse_unpaired_surrogates(item, param, f"{path}.{key}")
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            refuse_unpaired_surrogates(item, param, f"{path}[{i}]")
+
+
+def rendered_characters(messages: list[dict[str, Any]]) -> int:
+    """Characters a chat template renders of ``messages`` at the least: their contents, less
+    the whitespace at either end (templates may trim it); not the keys, roles or ids, which a
+    template may leave out."""
+    return sum(len(message["content"].strip()) for message in messages
+               if isinstance(message.get("content"), str))
 
 
 @functools.lru_cache(maxsize=4)

@@ -201,7 +201,7 @@ async def test_a_text_too_long_for_any_tokenization_is_refused_before_tokenizing
     from router.api.prompts import longest_token_characters
 
     longest = longest_token_characters(backend.tokenizer)
-    text = "ab " * (MAX_MODEL_LEN * longest // 3 + 1)
+    text = "ab " * (MAX_MODEL_LEN * longest // 3 + 1) + "ab"  # no whitespace at its ends
     called = []
     monkeypatch.setattr(backend.tokenizer, "encode", lambda *a, **k: called.append(1))
     monkeypatch.setattr(backend.tokenizer, "apply_chat_template",
