@@ -83,6 +83,10 @@ def _serve_parser(commands) -> None:
                                 "(prefix, the default), round-robin, or power-of-two choices")
     serve_cmd.add_argument("--worker-threads", type=int, default=None,
                            help="torch threads per worker (default: cores / --workers)")
+    serve_cmd.add_argument("--no-borrow-idle-cores", action="store_false", default=None,
+                           dest="borrow_idle_cores",
+                           help="never compute a long prompt on the cores of the host's idle "
+                                "workers too; each worker keeps to its --worker-threads")
     serve_cmd.add_argument("--drain-timeout", type=float, default=None, dest="drain_timeout_s",
                            help="on SIGTERM or Ctrl-C, seconds requests in flight get to finish "
                                 "(new ones get 503) before they end with an error (default 30)")

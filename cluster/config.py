@@ -71,6 +71,10 @@ class ClusterConfig(BaseModel):
     second KV tier of that size (``workers.kv_tier``): host memory on a GPU worker, a file in
     ``kv_tier_dir`` on a CPU worker, or as ``kv_tier_medium`` says (``host``, ``disk``).
 
+    Each worker computes on ``worker_threads`` threads (default: the cores shared evenly);
+    with ``borrow_idle_cores`` a step of many prompt tokens also takes the cores of the host's
+    workers that are idle then (``workers.host_cores``).
+
     ``worker_resources`` are Ray custom resources each worker replica asks for: giving every
     node one unit of a resource (``{"nalar_target": 1}``) places one worker per node.
     ``ingress_resources`` do the same for the ingress replica. A lost ingress cuts every
@@ -150,6 +154,7 @@ class ClusterConfig(BaseModel):
     worker_cpus: float = Field(0.5, gt=0)
     worker_gpus: float = Field(default_factory=default_worker_gpus, ge=0)
     worker_threads: int | None = Field(None, ge=1)
+    borrow_idle_cores: bool = True
     worker_resources: dict[str, float] = Field(default_factory=dict)
     ingress_resources: dict[str, float] = Field(default_factory=dict)
     worker_max_ongoing_requests: int = Field(128, ge=1)
@@ -264,6 +269,7 @@ class ClusterConfig(BaseModel):
                                 else self.step_time_target_ms / 1000 or None),
             scheduling_policy=self.scheduling_policy,
             max_model_len=self.max_model_len, num_threads=self.threads_per_worker(),
+            borrow_idle_cores=self.borrow_idle_cores,
             speculative=self.speculative_config(), lora_modules=self.lora_modules,
             max_lora_rank=self.max_lora_rank, max_loras=self.max_loras,
             max_cpu_loras=self.max_cpu_loras, lora_dirs=self.lora_dirs)

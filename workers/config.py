@@ -52,6 +52,9 @@ class EngineConfig:
         max_model_len: longest prompt + output in tokens; None uses the model's limit (always
             capped by what the KV budget holds, so a lone request can always finish).
         num_threads: torch CPU threads; None leaves torch's default.
+        borrow_idle_cores: on a CPU with ``num_threads`` set, a step of many prompt tokens
+            also computes on the cores of the host's workers that are idle then
+            (``workers.host_cores``). Off in the engine; ``nalar serve`` turns it on.
         seed: seeds the generator of unseeded sampled requests; None (the default) seeds it
             from OS entropy, so unseeded requests differ across workers and restarts. Set
             it only for reproducible tests.
@@ -87,6 +90,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     max_model_len: int | None = None
     num_threads: int | None = None
+    borrow_idle_cores: bool = False
     seed: int | None = None
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     lora_modules: dict[str, str] = field(default_factory=dict)

@@ -10,6 +10,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +32,7 @@ from workers.block_pool import BlockPool
 from workers.choices import Choices
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
+from workers.host_cores import BORROW_MIN_PROMPT_TOKENS, HostCores
 from workers.kv_budget import kv_cache_budget
 from workers.kv_cache import PagedKVCache
 from workers.kv_tier import FileSlots, HostSlots, KVTier
@@ -143,6 +145,7 @@ class LLMEngine:
         # runner fuses the model's weights.
         check_supported(model_config, self.max_model_len, self.loaded.model)
         self.runner = ModelRunner(self.loaded.model, kv_cache)
+        self.host_cores = _host_cores(config, self.loaded.device)
         refusal = (None if self.runner.implementation == "compact" else
                    f"LoRA adapters need a Llama-style model; "
                    f"{type(self.loaded.model).__name__} runs on transformers' modules")
@@ -347,6 +350,7 @@ class LLMEngine:
         for seq in self._choices.of(request_id):
             seq.finish("abort")
             chunk = self._finish(seq, "")
+        self._claim_cores()
         return chunk
 
     def has_work(self) -> bool:
@@ -362,6 +366,7 @@ class LLMEngine:
                 sequence in this step's batch is aborted (its blocks freed) and named in the
                 error; every other request is untouched and the engine keeps serving.
         """
+        self._claim_cores()
         drafted = self._propose()
         try:
             batch = self.scheduler.schedule()
@@ -375,6 +380,20 @@ class LLMEngine:
         finally:
             for seq in drafted:
                 seq.spec_token_ids = []
+            self._claim_cores()
+
+    def _claim_cores(self) -> None:
+        """Claim this worker's share of the host's cores while it has work, lend it while
+        it has none (:class:`~workers.host_cores.HostCores`)."""
+        if self.host_cores is not None:
+            self.host_cores.busy(self.has_work())
+
+    def _threads_for(self, prompt_tokens: int) -> AbstractContextManager:
+        """A step of ``prompt_tokens`` prompt tokens computes on the idle workers' cores
+        too when it has at least :data:`~workers.host_cores.BORROW_MIN_PROMPT_TOKENS`."""
+        if self.host_cores is None or prompt_tokens < BORROW_MIN_PROMPT_TOKENS:
+            return nullcontext()
+        return self.host_cores.borrowing()
 
     def _propose(self) -> list[Sequence]:
         """Drafts for the running decodes (:meth:`SpeculativeDecoding.propose`); returns the
@@ -392,10 +411,12 @@ class LLMEngine:
         num_logits = [1 + len(seq.spec_token_ids) if seq.spec_token_ids
                       else int(seq.num_computed_tokens + num_new == seq.num_tokens)
                       for seq, num_new in _pairs(batch)]
+        prompt_tokens = _prompt_tokens(batch)
         started = time.perf_counter()
-        logits = self.runner.execute(batch, num_logits)
+        with self._threads_for(prompt_tokens):
+            logits = self.runner.execute(batch, num_logits)
         elapsed = time.perf_counter() - started
-        prompt_tokens = self._count(batch)
+        self._count(batch, prompt_tokens)
         if prompt_tokens >= batch.num_tokens // 2 and prompt_tokens >= self.config.block_size:
             self.block_manager.observe_prefill(batch.num_tokens, elapsed)
         if all(n == 1 or seq.spec_token_ids for seq, n in _pairs(batch)):
@@ -560,18 +581,12 @@ class LLMEngine:
                 f"{param}: token id {bad} is outside the vocabulary [0, {self.vocab_size})",
                 param)
 
-    def _count(self, batch: ScheduledBatch) -> int:
-        """Counts the step; returns its prompt tokens."""
+    def _count(self, batch: ScheduledBatch, prompt_tokens: int) -> None:
+        """Counts the step, of which ``prompt_tokens`` are prompt tokens."""
         self.counters.steps += 1
         self.counters.batch_sizes[len(batch.seqs)] += 1
-        prompt_tokens = 0
-        for seq, num_new in _pairs(batch):
-            start = seq.num_computed_tokens
-            prompt_part = max(0, min(start + num_new, seq.num_prompt_tokens) - start)
-            prompt_tokens += prompt_part
-            self.counters.decode_tokens += num_new - prompt_part
+        self.counters.decode_tokens += batch.num_tokens - prompt_tokens
         self.counters.prefill_tokens += prompt_tokens
-        return prompt_tokens
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -605,6 +620,18 @@ def _second_tier(config: EngineConfig, kv_cache: PagedKVCache) -> KVTier | None:
     return KVTier(kv_cache, slots)
 
 
+def _host_cores(config: EngineConfig, device: torch.device) -> HostCores | None:
+    """This worker's claim on the host's cores when ``config.borrow_idle_cores`` (a CPU
+    worker with a set thread count); None where it is off or its directory is unusable."""
+    if not (config.borrow_idle_cores and config.num_threads and device.type == "cpu"):
+        return None
+    try:
+        return HostCores(config.num_threads)
+    except OSError as exc:
+        log.warning("idle workers' cores will not be borrowed: %s", exc)
+        return None
+
+
 def tier_medium(asked: str, device: torch.device) -> str:
     """Where the second tier keeps blocks: ``asked`` (``host`` or ``disk``), or for ``auto``
     host memory beside a GPU's KV cache and a file on disk beside a CPU's (whose KV cache
@@ -612,6 +639,12 @@ def tier_medium(asked: str, device: torch.device) -> str:
     if asked != "auto":
         return asked
     return "host" if device.type == "cuda" else "disk"
+
+
+def _prompt_tokens(batch: ScheduledBatch) -> int:
+    """The prompt tokens ``batch`` computes (the rest are decode and draft tokens)."""
+    return sum(max(0, min(seq.num_computed_tokens + num_new, seq.num_prompt_tokens)
+                   - seq.num_computed_tokens) for seq, num_new in _pairs(batch))
 
 
 def _pairs(batch: ScheduledBatch):

@@ -1,0 +1,108 @@
+"""Borrowing the cores of a host's idle workers: the claims each worker keeps, what a step may
+borrow, and an engine whose long prefill runs on the borrowed threads with the same output."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import greedy, output_ids
+
+from workers.host_cores import BORROW_MIN_PROMPT_TOKENS, DIRECTORY_VARIABLE, HostCores
+
+
+@pytest.fixture()
+def other_worker() -> Iterator[int]:
+    """The pid of a live process standing in for another worker of the host."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield process.pid
+    process.kill()
+    process.wait()
+
+
+@pytest.fixture()
+def restore_threads() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def claim_file(directory: Path, pid: int, threads: int) -> Path:
+    path = directory / str(pid)
+    path.write_bytes(b"%8d" % threads)
+    return path
+
+
+def read_claim(cores: HostCores) -> int:
+    return int((cores.directory / str(os.getpid())).read_bytes())
+
+
+def test_a_step_borrows_an_idle_workers_share_and_gives_it_back(tmp_path, other_worker,
+                                                                 restore_threads):
+    torch.set_num_threads(1)
+    cores = HostCores(1, tmp_path, cores=3)
+    claim_file(tmp_path, other_worker, 0)
+    cores.busy(True)
+    assert read_claim(cores) == 1
+    with cores.borrowing() as threads:
+        assert threads == 3 and torch.get_num_threads() == 3
+        assert read_claim(cores) == 3
+    assert torch.get_num_threads() == 1 and read_claim(cores) == 1
+    cores.busy(False)
+    assert read_claim(cores) == 0
+    cores.close()
+    assert not (tmp_path / str(os.getpid())).exists()
+
+
+def test_a_busy_workers_share_is_not_borrowed(tmp_path, other_worker, restore_threads):
+    torch.set_num_threads(1)
+    cores = HostCores(1, tmp_path, cores=3)
+    claim_file(tmp_path, other_worker, 1)
+    assert cores.spare() == 1
+    claim_file(tmp_path, other_worker, 2)  # it borrowed the third core first
+    with cores.borrowing() as threads:
+        assert threads == 1 and torch.get_num_threads() == 1
+
+
+def test_a_dead_workers_claim_is_removed_and_other_files_ignored(tmp_path):
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True, check=True)
+    stale = claim_file(tmp_path, int(finished.stdout), 4)
+    (tmp_path / "notes.txt").write_text("not a claim")
+    cores = HostCores(2, tmp_path, cores=4)
+    assert cores.spare() == 2
+    assert not stale.exists()
+    with pytest.raises(ValueError):
+        HostCores(0, tmp_path)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to borrow one")
+def test_an_engines_long_prefill_borrows_and_its_output_is_unchanged(
+        tiny_qwen, make_engine, tmp_path, monkeypatch, restore_threads):
+    """The prefill step runs on both cores of a 2-core host while the other worker idles,
+    the decode steps on one, and the greedy tokens equal an engine that never borrows."""
+    monkeypatch.setenv(DIRECTORY_VARIABLE, str(tmp_path))
+    prompt = [(7 * i) % 900 + 5 for i in range(BORROW_MIN_PROMPT_TOKENS + 40)]
+    outputs = {}
+    for borrow in (False, True):
+        engine = make_engine(tiny_qwen, num_threads=1, borrow_idle_cores=borrow)
+        threads_per_step = []
+        execute = engine.runner.execute
+
+        def counting(batch, num_logits, execute=execute, threads_per_step=threads_per_step):
+            threads_per_step.append(torch.get_num_threads())
+            return execute(batch, num_logits)
+
+        engine.runner.execute = counting
+        outputs[borrow] = output_ids(
+            engine.generate([greedy("r", prompt, 6, ignore_eos=True)])["r"])
+        assert threads_per_step == ([2] + [1] * 5 if borrow else [1] * 6)
+        if borrow:
+            assert read_claim(engine.host_cores) == 0  # idle again: its share is lent
+            engine.host_cores.close()
+    assert outputs[True] == outputs[False] and len(outputs[True]) == 6

@@ -1,0 +1,135 @@
+"""The cores of one host, shared by the workers on it: a worker about to run a long step borrows
+the threads of workers that sit idle.
+
+Each worker computes on cores ÷ workers threads (``cluster.config.threads_per_worker``): on a
+2-core host with the default 2 workers, a lone request's prefill runs on one core while the
+other idles. Giving every worker all the cores instead made 16 concurrent requests slower
+(docs/performance.md, "Worker threads"). So each worker keeps its share, and a step with many
+prompt tokens also takes the share of every worker that has nothing to run at that moment.
+Decode steps do not borrow: through HTTP a lone request's decode ran slower on two threads than
+on one, its tokens also needing the ingress and Ray on the other core.
+
+Each worker process keeps one file in a host-wide directory, named by its pid: the threads it
+computes on now (0 while idle). A worker that dies leaves its file behind; the next reader that
+finds no such process removes it. Workers of any application on the host count, since they
+share the cores. A claim is a best effort, not a lock: a worker that wakes up while its share is
+lent computes beside the borrower until the borrower's step ends (one step).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DIRECTORY_VARIABLE = "NALAR_HOST_CORES_DIR"
+"""Overrides where the host's claims are kept (default: ``/dev/shm/nalar-host-cores``, else the
+system's temporary directory)."""
+
+BORROW_MIN_PROMPT_TOKENS = 128
+"""A step borrows idle workers' cores only when it computes at least this many prompt tokens:
+one that long is bound by arithmetic and splits well over threads."""
+
+_CLAIM_BYTES = 8
+
+
+def default_directory() -> Path:
+    """Where the workers of this host keep their claims: :data:`DIRECTORY_VARIABLE`, else
+    ``/dev/shm`` (memory, per host or container), else the temporary directory."""
+    if os.environ.get(DIRECTORY_VARIABLE):
+        return Path(os.environ[DIRECTORY_VARIABLE])
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return base / "nalar-host-cores"
+
+
+class HostCores:
+    """This worker's claim on the host's cores, and what it may borrow of the others'.
+
+    Args:
+        base_threads: the threads this worker computes on when it borrows nothing (its share).
+        directory: where the host's workers keep their claims (:func:`default_directory`).
+        cores: the host's cores; None counts those this process may run on.
+
+    Raises:
+        ValueError: ``base_threads`` is below 1.
+        OSError: the directory cannot be made or written.
+    """
+
+    def __init__(self, base_threads: int, directory: Path | None = None,
+                 cores: int | None = None):
+        if base_threads < 1:
+            raise ValueError(f"base_threads must be at least 1, got {base_threads}")
+        self.base_threads = base_threads
+        self.cores = cores or len(os.sched_getaffinity(0))
+        self.directory = directory or default_directory()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._path = self.directory / str(os.getpid())
+        self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._claimed: int | None = None
+        self.claim(0)
+
+    def busy(self, has_work: bool) -> None:
+        """Claim this worker's share while it has work; lend it while it has none."""
+        self.claim(self.base_threads if has_work else 0)
+
+    def claim(self, threads: int) -> None:
+        """Record that this worker computes on ``threads`` threads now (a write only when
+        the claim changes)."""
+        if threads != self._claimed:
+            os.pwrite(self._fd, b"%*d" % (_CLAIM_BYTES, threads), 0)
+            self._claimed = threads
+
+    def spare(self) -> int:
+        """Cores that no worker of the host claims now, this worker's share aside."""
+        claimed = self.base_threads
+        for entry in os.scandir(self.directory):
+            if entry.name != self._path.name:
+                claimed += _claim_of(entry)
+        return max(0, self.cores - claimed)
+
+    @contextmanager
+    def borrowing(self) -> Iterator[int]:
+        """Run the block on this worker's share plus every spare core, claimed meanwhile;
+        yields the threads it runs on."""
+        threads = self.base_threads + self.spare()
+        if threads == self.base_threads:
+            yield threads
+            return
+        self.claim(threads)
+        torch.set_num_threads(threads)
+        try:
+            yield threads
+        finally:
+            torch.set_num_threads(self.base_threads)
+            self.claim(self.base_threads)
+
+    def close(self) -> None:
+        """Withdraw this worker's claim (its file) from the host."""
+        os.close(self._fd)
+        self._path.unlink(missing_ok=True)
+
+
+def _claim_of(entry: os.DirEntry) -> int:
+    """Threads claimed by the worker whose file ``entry`` is; 0 for a worker that is gone
+    (its file is removed) or a file that is no claim."""
+    try:
+        os.kill(int(entry.name), 0)
+    except ValueError:
+        return 0
+    except ProcessLookupError:
+        Path(entry.path).unlink(missing_ok=True)
+        return 0
+    except PermissionError:
+        pass  # alive, another user's
+    try:
+        with open(entry.path, "rb") as claim:
+            return int(claim.read(_CLAIM_BYTES) or 0)
+    except (OSError, ValueError):
+        return 0
