@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +14,12 @@ import pytest
 import torch
 from helpers import greedy, output_ids
 
-from workers.host_cores import BORROW_MIN_PROMPT_TOKENS, DIRECTORY_VARIABLE, HostCores
+from workers.host_cores import (
+    BORROW_MIN_PROMPT_TOKENS,
+    DIRECTORY_VARIABLE,
+    IDLE_GRACE_S,
+    HostCores,
+)
 
 
 @pytest.fixture()
@@ -32,14 +38,15 @@ def restore_threads() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def claim_file(directory: Path, pid: int, threads: int) -> Path:
+def claim_file(directory: Path, pid: int, threads: int, share: int = 1,
+               idle_for_s: float = IDLE_GRACE_S) -> Path:
     path = directory / str(pid)
-    path.write_bytes(b"%8d" % threads)
+    path.write_bytes(b"%d %d %f" % (threads, share, time.monotonic() - idle_for_s))
     return path
 
 
 def read_claim(cores: HostCores) -> int:
-    return int((cores.directory / str(os.getpid())).read_bytes())
+    return int((cores.directory / str(os.getpid())).read_bytes().split()[0])
 
 
 def test_a_step_borrows_an_idle_workers_share_and_gives_it_back(tmp_path, other_worker,
@@ -59,11 +66,16 @@ def test_a_step_borrows_an_idle_workers_share_and_gives_it_back(tmp_path, other_
     assert not (tmp_path / str(os.getpid())).exists()
 
 
-def test_a_busy_workers_share_is_not_borrowed(tmp_path, other_worker, restore_threads):
+def test_a_busy_or_just_idle_workers_share_is_not_borrowed(tmp_path, other_worker,
+                                                            restore_threads):
     torch.set_num_threads(1)
     cores = HostCores(1, tmp_path, cores=3)
     claim_file(tmp_path, other_worker, 1)
     assert cores.spare() == 1
+    claim_file(tmp_path, other_worker, 0, share=2, idle_for_s=IDLE_GRACE_S / 10)
+    assert cores.spare() == 0  # between two requests: its next one is likely on its way
+    claim_file(tmp_path, other_worker, 0, share=2)
+    assert cores.spare() == 2
     claim_file(tmp_path, other_worker, 2)  # it borrowed the third core first
     with cores.borrowing() as threads:
         assert threads == 1 and torch.get_num_threads() == 1
