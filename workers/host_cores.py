@@ -10,15 +10,14 @@ Decode steps do not borrow: through HTTP a lone request's decode ran slower on t
 on one, its tokens also needing the ingress and Ray on the other core.
 
 Each worker process keeps one file in a host-wide directory, named by its pid: the threads it
-computes on now (0 while idle), its share, and since when. A worker idle for less than
-:data:`IDLE_GRACE_S` still counts as holding its share: under a steady load a worker is idle only
-between one request's end and the next one's arrival, and a step that borrowed its core then
-would share that core with it for the whole step (16 concurrent requests without the grace:
-TTFT p50 1.55x). A worker that dies leaves its file behind; the next reader that finds no such
-process removes it. Workers of any application on the host count, since they share the cores;
-a worker that does not borrow keeps no file and is not seen. A claim is a best effort, not a
-lock: a worker that wakes up while its share is lent computes beside the borrower until the
-borrower's step ends (one step).
+computes on now (0 while idle). A worker that dies leaves its file behind; the next reader that
+finds no such process removes it. Workers of any application on the host count, since they
+share the cores; a worker that does not borrow keeps no file and is not seen. A claim is a best
+effort, not a lock: a worker that wakes up while its share is lent computes beside the borrower
+until the borrower's step ends (one step). A grace period before an idle worker's share may be
+lent was tried and dropped: when the router alternates one client's requests between two
+workers, each is idle only for the moment between two requests, and the grace stopped every
+borrow (docs/performance.md, "Borrowing idle cores").
 
 The prefill rate the engine measures (``BlockManager.recompute_s_per_token``, which the
 step-time target and the second tier weigh against) mixes steps with and without borrowed
@@ -30,7 +29,6 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -47,12 +45,7 @@ BORROW_MIN_PROMPT_TOKENS = 128
 """A step borrows idle workers' cores only when it computes at least this many prompt tokens:
 one that long is bound by arithmetic and splits well over threads."""
 
-IDLE_GRACE_S = 1.0
-"""A worker idle for less than this many seconds is not borrowed from yet."""
-
-_CLAIM = "%8d %8d %20.6f"
-"""A claim file: threads computed on now, the worker's share, since when (``time.monotonic``,
-one clock for the whole host)."""
+_CLAIM_BYTES = 8
 
 
 def default_directory() -> Path:
@@ -98,17 +91,15 @@ class HostCores:
         """Record that this worker computes on ``threads`` threads now (a write only when
         the claim changes)."""
         if threads != self._claimed:
-            line = _CLAIM % (threads, self.base_threads, time.monotonic())
-            os.pwrite(self._fd, line.encode(), 0)
+            os.pwrite(self._fd, b"%*d" % (_CLAIM_BYTES, threads), 0)
             self._claimed = threads
 
     def spare(self) -> int:
         """Cores that no worker of the host claims now, this worker's share aside."""
         claimed = self.base_threads
-        now = time.monotonic()
         for entry in os.scandir(self.directory):
             if entry.name != self._path.name:
-                claimed += _claim_of(entry, now)
+                claimed += _claim_of(entry)
         return max(0, self.cores - claimed)
 
     @contextmanager
@@ -133,9 +124,8 @@ class HostCores:
         self._path.unlink(missing_ok=True)
 
 
-def _claim_of(entry: os.DirEntry, now: float) -> int:
-    """Threads held by the worker whose file ``entry`` is at ``now``: its claim, or its share
-    while it has been idle for less than :data:`IDLE_GRACE_S`; 0 for a worker that is gone
+def _claim_of(entry: os.DirEntry) -> int:
+    """Threads claimed by the worker whose file ``entry`` is; 0 for a worker that is gone
     (its file is removed) or a file that is no claim."""
     try:
         os.kill(int(entry.name), 0)
@@ -148,8 +138,6 @@ def _claim_of(entry: os.DirEntry, now: float) -> int:
         pass  # alive, another user's
     try:
         with open(entry.path, "rb") as claim:
-            threads, share, since = claim.read().split()
-        threads, share, since = int(threads), int(share), float(since)
+            return int(claim.read(_CLAIM_BYTES) or 0)
     except (OSError, ValueError):
         return 0
-    return share if threads == 0 and now - since < IDLE_GRACE_S else threads
