@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field, SecretStr, field_validator, model_validat
 
 from workers import devices
 from workers.config import EngineConfig, MiB
+from workers.host_cores import available_cores
 from workers.speculative.config import SpeculativeConfig
 from workers.step_time import AUTO
 
@@ -306,10 +307,12 @@ class ClusterConfig(BaseModel):
         return self.pending_tokens_per_worker * self.num_workers
 
     def threads_per_worker(self) -> int:
-        """``worker_threads``, else this machine's cores shared evenly among the workers.
+        """``worker_threads``, else this machine's cores shared evenly among the workers
+        (:func:`~workers.host_cores.available_cores`: a container's CPU limit counts, not its
+        node's cores).
 
         torch would otherwise give every worker all the cores: on 2 cores, 2 workers of 2
         OpenMP threads each ran a lone request at 14 output tokens/s through HTTP, against
         20 in process on 1 thread (docs/design-decisions.md).
         """
-        return self.worker_threads or max(1, (os.cpu_count() or 1) // self.num_workers)
+        return self.worker_threads or max(1, available_cores() // self.num_workers)

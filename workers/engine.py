@@ -626,7 +626,7 @@ def _host_cores(config: EngineConfig, device: torch.device) -> HostCores | None:
     if not (config.borrow_idle_cores and config.num_threads and device.type == "cpu"):
         return None
     try:
-        return HostCores(config.num_threads)
+        return HostCores(config.num_threads, torch.set_num_threads)
     except OSError as exc:
         log.warning("idle workers' cores will not be borrowed: %s", exc)
         return None

@@ -26,16 +26,12 @@ cores.
 
 from __future__ import annotations
 
-import logging
+import math
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-
-import torch
-
-log = logging.getLogger(__name__)
 
 DIRECTORY_VARIABLE = "NALAR_HOST_CORES_DIR"
 """Overrides where the host's claims are kept (default: ``/dev/shm/nalar-host-cores``, else the
@@ -46,6 +42,38 @@ BORROW_MIN_PROMPT_TOKENS = 128
 one that long is bound by arithmetic and splits well over threads."""
 
 _CLAIM_BYTES = 8
+
+
+CGROUP_V2_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+CGROUP_V1_CPU = Path("/sys/fs/cgroup/cpu")
+
+
+def available_cores() -> int:
+    """The cores this process may compute on: those it may be scheduled on, capped by its
+    cgroup's CPU quota (a container's CPU limit, which the affinity mask does not show: a
+    pod limited to 4 CPUs on a 64-core node sees 64), at least 1."""
+    cores = len(os.sched_getaffinity(0))
+    quota = _cgroup_cpu_quota()
+    return max(1, min(cores, math.floor(quota)) if quota is not None else cores)
+
+
+def _cgroup_cpu_quota() -> float | None:
+    """CPUs' worth of time per period the cgroup allows (v2's ``cpu.max``, else v1's CFS
+    quota); None where there is no limit or no cgroup to read."""
+    try:
+        quota, period = CGROUP_V2_CPU_MAX.read_text().split()[:2]
+    except (OSError, ValueError):
+        try:
+            quota = (CGROUP_V1_CPU / "cpu.cfs_quota_us").read_text().strip()
+            period = (CGROUP_V1_CPU / "cpu.cfs_period_us").read_text().strip()
+        except OSError:
+            return None
+    if quota in ("max", "-1"):
+        return None
+    try:
+        return int(quota) / int(period)
+    except (ValueError, ZeroDivisionError):
+        return None
 
 
 def default_directory() -> Path:
@@ -62,20 +90,22 @@ class HostCores:
 
     Args:
         base_threads: the threads this worker computes on when it borrows nothing (its share).
+        set_threads: sets the threads this worker computes on (``torch.set_num_threads``).
         directory: where the host's workers keep their claims (:func:`default_directory`).
-        cores: the host's cores; None counts those this process may run on.
+        cores: the host's cores; None: :func:`available_cores`.
 
     Raises:
         ValueError: ``base_threads`` is below 1.
         OSError: the directory cannot be made or written.
     """
 
-    def __init__(self, base_threads: int, directory: Path | None = None,
-                 cores: int | None = None):
+    def __init__(self, base_threads: int, set_threads: Callable[[int], None],
+                 directory: Path | None = None, cores: int | None = None):
         if base_threads < 1:
             raise ValueError(f"base_threads must be at least 1, got {base_threads}")
         self.base_threads = base_threads
-        self.cores = cores or len(os.sched_getaffinity(0))
+        self.set_threads = set_threads
+        self.cores = cores or available_cores()
         self.directory = directory or default_directory()
         self.directory.mkdir(parents=True, exist_ok=True)
         self._path = self.directory / str(os.getpid())
@@ -111,11 +141,11 @@ class HostCores:
             yield threads
             return
         self.claim(threads)
-        torch.set_num_threads(threads)
+        self.set_threads(threads)
         try:
             yield threads
         finally:
-            torch.set_num_threads(self.base_threads)
+            self.set_threads(self.base_threads)
             self.claim(self.base_threads)
 
     def close(self) -> None:

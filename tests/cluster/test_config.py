@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
+import cluster.config
 from cluster.config import ClusterConfig
 
 
 @pytest.mark.parametrize(("workers", "expected"), [(1, 8), (2, 4), (3, 2), (16, 1)])
 def test_workers_share_the_cores_by_default(monkeypatch, workers, expected):
-    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(cluster.config, "available_cores", lambda: 8)
     config = ClusterConfig(num_workers=workers, namespace_secret="s")
     assert config.engine_config().num_threads == expected
 
 
 def test_worker_threads_overrides_the_share(monkeypatch):
-    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(cluster.config, "available_cores", lambda: 8)
     config = ClusterConfig(num_workers=2, worker_threads=3, namespace_secret="s")
     assert config.engine_config().num_threads == 3
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers import greedy, output_ids
 
+import workers.host_cores as host_cores
 from workers.host_cores import BORROW_MIN_PROMPT_TOKENS, DIRECTORY_VARIABLE, HostCores
 
 
@@ -45,7 +46,7 @@ def read_claim(cores: HostCores) -> int:
 def test_a_step_borrows_an_idle_workers_share_and_gives_it_back(tmp_path, other_worker,
                                                                  restore_threads):
     torch.set_num_threads(1)
-    cores = HostCores(1, tmp_path, cores=3)
+    cores = HostCores(1, torch.set_num_threads, tmp_path, cores=3)
     claim_file(tmp_path, other_worker, 0)
     cores.busy(True)
     assert read_claim(cores) == 1
@@ -61,7 +62,7 @@ def test_a_step_borrows_an_idle_workers_share_and_gives_it_back(tmp_path, other_
 
 def test_a_busy_workers_share_is_not_borrowed(tmp_path, other_worker, restore_threads):
     torch.set_num_threads(1)
-    cores = HostCores(1, tmp_path, cores=3)
+    cores = HostCores(1, torch.set_num_threads, tmp_path, cores=3)
     claim_file(tmp_path, other_worker, 1)
     assert cores.spare() == 1
     claim_file(tmp_path, other_worker, 2)  # it borrowed the third core first
@@ -74,14 +75,35 @@ def test_a_dead_workers_claim_is_removed_and_other_files_ignored(tmp_path):
                               capture_output=True, text=True, check=True)
     stale = claim_file(tmp_path, int(finished.stdout), 4)
     (tmp_path / "notes.txt").write_text("not a claim")
-    cores = HostCores(2, tmp_path, cores=4)
+    cores = HostCores(2, torch.set_num_threads, tmp_path, cores=4)
     assert cores.spare() == 2
     assert not stale.exists()
     with pytest.raises(ValueError):
-        HostCores(0, tmp_path)
+        HostCores(0, torch.set_num_threads, tmp_path)
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to borrow one")
+@pytest.mark.parametrize("v2, v1, cores", [
+    ("max 100000", None, "all"),
+    ("150000 100000", None, 1),  # a container limited to 1.5 CPUs: 1 thread, not 2
+    (None, ("200000", "100000"), 2),
+    (None, ("-1", "100000"), "all"),
+    (None, None, "all"),
+])
+def test_available_cores_follow_the_cgroup_cpu_limit(tmp_path, monkeypatch, v2, v1, cores):
+    v2_path, v1_dir = tmp_path / "cpu.max", tmp_path / "cpu"
+    if v2 is not None:
+        v2_path.write_text(v2 + "\n")
+    if v1 is not None:
+        v1_dir.mkdir()
+        (v1_dir / "cpu.cfs_quota_us").write_text(v1[0] + "\n")
+        (v1_dir / "cpu.cfs_period_us").write_text(v1[1] + "\n")
+    monkeypatch.setattr(host_cores, "CGROUP_V2_CPU_MAX", v2_path)
+    monkeypatch.setattr(host_cores, "CGROUP_V1_CPU", v1_dir)
+    affinity = len(os.sched_getaffinity(0))
+    assert host_cores.available_cores() == (affinity if cores == "all" else min(cores, affinity))
+
+
+@pytest.mark.skipif(host_cores.available_cores() < 2, reason="needs two cores to borrow one")
 def test_an_engines_long_prefill_borrows_and_its_output_is_unchanged(
         tiny_qwen, make_engine, tmp_path, monkeypatch, restore_threads):
     """The prefill step runs on both cores of a 2-core host while the other worker idles,
