@@ -41,11 +41,14 @@ BORROW_MIN_PROMPT_TOKENS = 128
 """A step borrows idle workers' cores only when it computes at least this many prompt tokens:
 one that long is bound by arithmetic and splits well over threads."""
 
-_CLAIM_BYTES = 8
-
-
 CGROUP_V2_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+"""cgroup v2's CPU limit of this process's cgroup (``quota period``, or ``max``)."""
+
 CGROUP_V1_CPU = Path("/sys/fs/cgroup/cpu")
+"""cgroup v1's CPU controller, whose ``cpu.cfs_quota_us`` (-1: none) and ``cpu.cfs_period_us``
+set the limit."""
+
+_CLAIM_BYTES = 8
 
 
 def available_cores() -> int:
