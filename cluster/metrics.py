@@ -126,6 +126,9 @@ ENGINE_METRICS: tuple[Series, ...] = (
            "Draft tokens verification accepted and committed."),
     # Nalar's own
     Series("engine_steps", "counter", at("steps"), "Engine steps (forward passes) run."),
+    Series("engine_steps_on_borrowed_cores", "counter", at("borrowed_core_steps"),
+           "Engine steps of many prompt tokens that also ran on the cores of the host's idle "
+           "workers."),
     Series("computed_prefill_tokens", "counter", at("prefill_tokens"),
            "Tokens computed at prompt positions (prefix-cache hits excluded, recomputation "
            "after preemption included)."),

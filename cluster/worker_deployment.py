@@ -398,6 +398,7 @@ class NalarWorker:
             "prefill_tokens": self.engine.counters.prefill_tokens,
             "decode_tokens": self.engine.counters.decode_tokens,
             "steps": self.engine.counters.steps,
+            "borrowed_core_steps": self.engine.counters.borrowed_core_steps,
             "prefix_query_tokens": self.engine.scheduler.counters.prefix_query_tokens,
             "prefix_hit_tokens": self.engine.scheduler.counters.prefix_hit_tokens,
             "tier_hit_tokens": self.engine.scheduler.counters.tier_hit_tokens,

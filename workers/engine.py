@@ -77,6 +77,8 @@ class EngineCounters:
 
     Attributes:
         steps: forward passes run.
+        borrowed_core_steps: steps that also ran on idle workers' cores
+            (``workers.host_cores``).
         prefill_tokens: tokens computed at prompt positions (a prefix hit skips them).
         decode_tokens: tokens computed at output positions.
         batch_sizes: histogram: sequences per step → number of steps.
@@ -84,6 +86,7 @@ class EngineCounters:
     """
 
     steps: int = 0
+    borrowed_core_steps: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
     batch_sizes: Counter = field(default_factory=Counter)
@@ -413,10 +416,11 @@ class LLMEngine:
                       for seq, num_new in _pairs(batch)]
         prompt_tokens = _prompt_tokens(batch)
         started = time.perf_counter()
-        with self._threads_for(prompt_tokens):
+        with self._threads_for(prompt_tokens) as threads:
             logits = self.runner.execute(batch, num_logits)
         elapsed = time.perf_counter() - started
         self._count(batch, prompt_tokens)
+        self.counters.borrowed_core_steps += bool(threads and threads > self.config.num_threads)
         if prompt_tokens >= batch.num_tokens // 2 and prompt_tokens >= self.config.block_size:
             self.block_manager.observe_prefill(batch.num_tokens, elapsed)
         if all(n == 1 or seq.spec_token_ids for seq, n in _pairs(batch)):

@@ -26,6 +26,7 @@ cores.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import tempfile
@@ -110,7 +111,10 @@ class HostCores:
         self.set_threads = set_threads
         self.cores = cores or available_cores()
         self.directory = directory or default_directory()
-        self.directory.mkdir(parents=True, exist_ok=True)
+        if not self.directory.is_dir():
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(OSError):  # every user's workers share it, as /tmp
+                self.directory.chmod(0o1777)
         self._path = self.directory / str(os.getpid())
         self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
         self._claimed: int | None = None

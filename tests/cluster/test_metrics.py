@@ -45,7 +45,8 @@ def worker_stats(worker_id: str, **spec) -> dict:
             "verification_steps": 4, "accepted_by_position": [4, 2],
             "proposed_by_position": [4, 4, 2], "k_decisions": {0: 3, 2: 1, 3: 3},
             "draft_s": 0.25, "verify_s": 1.5, "draft_calls": 7, "method": "ngram"}
-    return {"worker_id": worker_id, "model_name": "smol", "steps": 20, "prefill_tokens": 100,
+    return {"worker_id": worker_id, "model_name": "smol", "steps": 20, "borrowed_core_steps": 2,
+            "prefill_tokens": 100,
             "decode_tokens": 30, "prefix_query_tokens": 100, "prefix_hit_tokens": 32,
             "preemptions": 1, "shared_prefix_waits": 3, "prompt_tokens": 120,
             "generation_tokens": 40,
@@ -124,6 +125,7 @@ def test_families_labelled_by_worker():
     registry = build_registry(lambda: WorkerScrape([worker_stats("w1"), remote], 0, 0.01))
     samples = parse(generate_latest(registry).decode())
     assert value(samples, "nalar:engine_steps_total", worker="w1") == 20
+    assert value(samples, "nalar:engine_steps_on_borrowed_cores_total", worker="w1") == 2
     assert value(samples, "nalar:kv_blocks_in_use", worker="w1") == 16
     assert value(samples, "nalar:kv_blocks_free", worker="w2") == 50
     assert value(samples, "nalar:num_preemptions_total", worker="w1") == 1

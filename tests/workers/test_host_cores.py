@@ -131,5 +131,6 @@ def test_an_engines_long_prefill_borrows_and_its_output_is_unchanged(
             engine.generate([greedy(f"r{borrow}", prompt, 6, ignore_eos=True)])[f"r{borrow}"])
         assert threads_per_step == ([2] + [1] * 5 if borrow else [1] * 6)
     assert read_claim(cores) == 0  # idle again: its share is lent
+    assert engine.counters.borrowed_core_steps == 1
     cores.close()
     assert outputs[True] == outputs[False] and len(outputs[True]) == 6
