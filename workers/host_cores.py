@@ -10,14 +10,15 @@ Decode steps do not borrow: through HTTP a lone request's decode ran slower on t
 on one, its tokens also needing the ingress and Ray on the other core.
 
 Each worker process keeps one file in a host-wide directory, named by its pid: the threads it
-computes on now (0 while idle). A worker that dies leaves its file behind; the next reader that
-finds no such process removes it. Workers of any application on the host count, since they
-share the cores; a worker that does not borrow keeps no file and is not seen. A claim is a best
-effort, not a lock: a worker that wakes up while its share is lent computes beside the borrower
-until the borrower's step ends (one step). A grace period before an idle worker's share may be
-lent was tried and dropped: when the router alternates one client's requests between two
-workers, each is idle only for the moment between two requests, and the grace stopped every
-borrow (docs/performance.md, "Borrowing idle cores").
+computes on now (0 while idle) and the process's start time. A worker that dies leaves its file
+behind; the next reader that finds no process of that pid and start time removes it (the start
+time tells a later process given the same pid from the worker). Workers of any application
+on the host count, since they share the cores; a worker that does not borrow keeps no file and
+is not seen. A claim is a best effort, not a lock: a worker that wakes up while its share is
+lent computes beside the borrower until the borrower's step ends (one step). A grace period
+before an idle worker's share may be lent was tried and dropped: when the router alternates one
+client's requests between two workers, each is idle only for the moment between two requests,
+and the grace stopped every borrow (docs/performance.md, "Borrowing idle cores").
 
 The prefill rate the engine measures (``BlockManager.recompute_s_per_token``, which the
 step-time target and the second tier weigh against) mixes steps with and without borrowed
@@ -115,6 +116,9 @@ class HostCores:
             self.directory.mkdir(parents=True, exist_ok=True)
             with contextlib.suppress(OSError):  # every user's workers share it, as /tmp
                 self.directory.chmod(0o1777)
+        self._started = _start_time(os.getpid())
+        if self._started is None:
+            raise OSError("no /proc to tell a worker's process from a later one of its pid")
         self._path = self.directory / str(os.getpid())
         self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
         self._claimed: int | None = None
@@ -128,7 +132,7 @@ class HostCores:
         """Record that this worker computes on ``threads`` threads now (a write only when
         the claim changes)."""
         if threads != self._claimed:
-            os.pwrite(self._fd, b"%*d" % (_CLAIM_BYTES, threads), 0)
+            os.pwrite(self._fd, b"%*d %s" % (_CLAIM_BYTES, threads, self._started.encode()), 0)
             self._claimed = threads
 
     def spare(self) -> int:
@@ -165,16 +169,23 @@ def _claim_of(entry: os.DirEntry) -> int:
     """Threads claimed by the worker whose file ``entry`` is; 0 for a worker that is gone
     (its file is removed) or a file that is no claim."""
     try:
-        os.kill(int(entry.name), 0)
-    except ValueError:
-        return 0
-    except ProcessLookupError:
-        Path(entry.path).unlink(missing_ok=True)
-        return 0
-    except PermissionError:
-        pass  # alive, another user's
-    try:
+        pid = int(entry.name)
         with open(entry.path, "rb") as claim:
-            return int(claim.read(_CLAIM_BYTES) or 0)
+            threads, started = claim.read().split()
+        threads = int(threads)
     except (OSError, ValueError):
         return 0
+    if _start_time(pid) != started.decode():  # gone, its pid perhaps another process's now
+        Path(entry.path).unlink(missing_ok=True)
+        return 0
+    return threads
+
+
+def _start_time(pid: int) -> str | None:
+    """When process ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat``'s 22nd
+    field); None where there is no such process or no ``/proc``."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # fields from the 3rd on follow the name's ")"

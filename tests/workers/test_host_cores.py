@@ -14,7 +14,12 @@ import torch
 from helpers import greedy, output_ids
 
 import workers.host_cores as host_cores
-from workers.host_cores import BORROW_MIN_PROMPT_TOKENS, DIRECTORY_VARIABLE, HostCores
+from workers.host_cores import (
+    BORROW_MIN_PROMPT_TOKENS,
+    DIRECTORY_VARIABLE,
+    HostCores,
+    _start_time,
+)
 
 
 @pytest.fixture()
@@ -33,14 +38,15 @@ def restore_threads() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def claim_file(directory: Path, pid: int, threads: int) -> Path:
+def claim_file(directory: Path, pid: int, threads: int, started: str | None = None) -> Path:
+    """A claim of ``threads`` by process ``pid`` (started when it did, unless ``started``)."""
     path = directory / str(pid)
-    path.write_bytes(b"%8d" % threads)
+    path.write_bytes(b"%8d %s" % (threads, (started or _start_time(pid) or "0").encode()))
     return path
 
 
 def read_claim(cores: HostCores) -> int:
-    return int((cores.directory / str(os.getpid())).read_bytes())
+    return int((cores.directory / str(os.getpid())).read_bytes().split()[0])
 
 
 def test_a_step_borrows_an_idle_workers_share_and_gives_it_back(tmp_path, other_worker,
@@ -80,6 +86,14 @@ def test_a_dead_workers_claim_is_removed_and_other_files_ignored(tmp_path):
     assert not stale.exists()
     with pytest.raises(ValueError):
         HostCores(0, torch.set_num_threads, tmp_path)
+
+
+def test_a_dead_workers_claim_under_a_reused_pid_is_removed(tmp_path, other_worker):
+    """A worker killed mid-borrow whose pid now names another live process: its start time
+    differs, so the claim is the dead worker's and no longer counts."""
+    stale = claim_file(tmp_path, other_worker, 2, started="1")
+    assert HostCores(1, torch.set_num_threads, tmp_path, cores=3).spare() == 2
+    assert not stale.exists()
 
 
 @pytest.mark.parametrize("v2, v1, cores", [
