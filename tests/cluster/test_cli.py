@@ -100,3 +100,11 @@ def test_step_time_target_flag_reaches_the_engine_in_seconds():
     assert engine("--step-time-target-ms", "250").step_time_target_s == 0.25
     with pytest.raises(pydantic.ValidationError):
         engine("--step-time-target-ms", "-5")
+
+
+def test_idle_cores_are_borrowed_unless_the_flag_says_not():
+    def engine(*argv: str):
+        return serve_config(build_parser().parse_args(["serve", *argv])).engine_config()
+
+    assert engine().borrow_idle_cores is True
+    assert engine("--no-borrow-idle-cores").borrow_idle_cores is False
