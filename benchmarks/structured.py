@@ -18,8 +18,16 @@ objects, an enum), greedy, 256 tokens at most, on an engine with speculation and
 rounds alternating. Decode tokens/s counts the output after each request's first token, over
 the steps after the first. The outputs must be equal token for token. Goal: at least 1.5×.
 
+``--masks`` measures where a step's masks are computed: in the engine's thread (``inline``)
+or on a helper thread beside the forward pass (``beside``, ``workers/structured/step_masks.py``),
+forced each way in alternating rounds, on three workloads: 16 order-schema requests, 16 of the
+40-strings schema (64 tokens), and 4 order-schema requests under ``ngram`` speculation. Outputs
+must be equal; decode tokens/s as ``--speculation`` counts them. Run it at ``--threads 1`` on a
+2-core machine (a core free beside the forward pass) and at ``--threads 2`` (none free).
+
     .venv/bin/python benchmarks/structured.py [--rounds 3] [--threads 2]
     .venv/bin/python benchmarks/structured.py --speculation [--concurrency 4]
+    .venv/bin/python benchmarks/structured.py --masks [--threads 1]
 """
 
 from __future__ import annotations
@@ -63,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--speculation", action="store_true",
                         help="measure ngram speculation on JSON output instead")
     parser.add_argument("--concurrency", type=int, default=4, help="--speculation's requests")
+    parser.add_argument("--masks", action="store_true",
+                        help="measure masks computed beside the forward pass instead")
     parser.add_argument("--out", default=str(common.OUT_DIR / "structured.json"))
     return parser.parse_args(argv)
 
@@ -154,6 +164,43 @@ def speculation(args: argparse.Namespace) -> dict[str, Any]:
             "rounds": rounds, "goals": goals}
 
 
+def masks_beside(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``--masks`` rounds (module docstring)."""
+    from workers.config import EngineConfig
+    from workers.engine import LLMEngine
+    from workers.speculative.config import SpeculativeConfig
+
+    def engine(spec: SpeculativeConfig) -> LLMEngine:
+        return LLMEngine(EngineConfig(quantization="gguf", num_threads=args.threads,
+                                      kv_cache_bytes=256 << 20, speculative=spec))
+
+    plain, ngram = engine(SpeculativeConfig()), engine(SpeculativeConfig(method="ngram"))
+    workloads = {"order_c16": (plain, ORDER, 16, 256), "strings_c16": (plain, SCHEMA, 16, 64),
+                 "order_c4_ngram": (ngram, ORDER, 4, 256)}
+    rounds, outputs = [], {}
+    for index in range(args.rounds):
+        for where in (("inline", "beside") if index % 2 == 0 else ("beside", "inline")):
+            entry = {"round": index + 1, "masks": where}
+            for name, (eng, schema, concurrency, max_tokens) in workloads.items():
+                eng.step_masks.beside = where == "beside"
+                eng.reset_prefix_cache()
+                batch = requests(eng.tokenizer, True, max_tokens, f"{name}{where}{index}",
+                                 schema, concurrency)
+                result = decode_rate(eng, batch)
+                if outputs.setdefault(name, result["outputs"]) != result["outputs"]:
+                    raise AssertionError(f"{name}: outputs differ with masks {where}")
+                entry[name] = result["decode_tok_s"]
+            common.log(f"round {index + 1} masks {where}: "
+                       + ", ".join(f"{n} {entry[n]:.1f}" for n in workloads) + " tok/s")
+            rounds.append(entry)
+    ratios = {name: common.ratio(
+        statistics.median(r[name] for r in rounds if r["masks"] == "beside"),
+        statistics.median(r[name] for r in rounds if r["masks"] == "inline"))
+        for name in workloads}
+    common.log(f"beside / inline, medians: {ratios}")
+    return {"benchmark": "structured_masks_beside", "ratios": ratios, "rounds": rounds}
+
+
 def mask_us(engine, tokenizer) -> float:
     """Median microseconds of one constrained row's mask (compute and unpack) at the start."""
     from contract.request import StructuredOutput
@@ -170,9 +217,9 @@ def mask_us(engine, tokenizer) -> float:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.speculation:
-        result = {**speculation(args), "machine": common.machine_info(), "argv": sys.argv,
-                  "threads": args.threads}
+    if args.speculation or args.masks:
+        result = {**(speculation(args) if args.speculation else masks_beside(args)),
+                  "machine": common.machine_info(), "argv": sys.argv, "threads": args.threads}
         common.write_json(result, args.out)
         return result
     from workers.config import EngineConfig

@@ -52,6 +52,7 @@ from workers.speculative.decoding import SpeculativeDecoding
 from workers.speculative.proposer import Proposer
 from workers.step_time import AUTO, StepCostModel, StepTimeTarget, auto_target_s
 from workers.structured.grammar import GrammarCompiler
+from workers.structured.step_masks import MaskJob, StepMasks
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,7 @@ class LLMEngine:
         self.pool.tier = _second_tier(config, kv_cache)
         self.block_manager = BlockManager(self.pool)
         self.decode_steps = StepCostModel()
+        self.step_masks = StepMasks()
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens,
                                    config.max_num_partial_prefills,
@@ -415,10 +417,16 @@ class LLMEngine:
                       else int(seq.num_computed_tokens + num_new == seq.num_tokens)
                       for seq, num_new in _pairs(batch)]
         prompt_tokens = _prompt_tokens(batch)
+        pending = self.step_masks.start(self._mask_job(batch, num_logits),
+                                        lambda: self._core_beside_forward(prompt_tokens))
         started = time.perf_counter()
-        with self._threads_for(prompt_tokens) as threads:
-            logits = self.runner.execute(batch, num_logits)
-        elapsed = time.perf_counter() - started
+        try:
+            with self._threads_for(prompt_tokens) as threads:
+                logits = self.runner.execute(batch, num_logits)
+            elapsed = time.perf_counter() - started
+        finally:
+            StepMasks.settle(pending)
+        masks = pending.result() if pending is not None else {}
         self._count(batch, prompt_tokens)
         self.counters.borrowed_core_steps += bool(threads and threads > self.config.num_threads)
         if prompt_tokens >= batch.num_tokens // 2 and prompt_tokens >= self.config.block_size:
@@ -434,28 +442,45 @@ class LLMEngine:
         plain = [i for i, n in enumerate(num_logits) if n == 1]  # verifications have n > 1
         chunks = []
         if plain:
-            rows = [self._sampling_row(batch.seqs[i]) for i in plain]
+            rows = [self._sampling_row(batch.seqs[i], masks.get(i, [None])[0]) for i in plain]
             sampled = sample(logits[[offsets[i] for i in plain]], rows, self._generator)
             chunks += [self._append(batch.seqs[i], [token])
                        for i, token in zip(plain, sampled, strict=True)]
         for i, seq in enumerate(batch.seqs):
             if seq.spec_token_ids:
-                chunks.append(self._verify(seq, logits[offsets[i]:offsets[i + 1]], elapsed))
+                chunks.append(self._verify(seq, logits[offsets[i]:offsets[i + 1]], elapsed,
+                                           masks.get(i)))
         return chunks
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
-        return SamplingRow(seq.sampling, seq.token_ids, seq.num_prompt_tokens,
-                           seq.stop_token_ids, seq.generator,
-                           seq.grammar.allowed(seq.budget(self.max_model_len))
-                           if seq.grammar is not None else None)
+    def _core_beside_forward(self, prompt_tokens: int) -> bool:
+        """Whether a core is free while a step of ``prompt_tokens`` prompt tokens runs its
+        forward pass: on a GPU worker, the host's; on a CPU worker, a core no worker of the
+        host claims, unless the step borrows every such core
+        (:meth:`_threads_for`). Unknown (borrowing off) counts as none."""
+        if self.loaded.device.type != "cpu":
+            return True
+        return (self.host_cores is not None and prompt_tokens < BORROW_MIN_PROMPT_TOKENS
+                and self.host_cores.spare() > 0)
 
-    def _verify(self, seq: Sequence, logits: torch.Tensor, step_s: float) -> GenerationChunk:
-        """Commits what verification of ``seq``'s drafts accepts, then retires the rest: the
-        KV of rejected drafts lies past ``num_computed_tokens`` (never hashed, overwritten
-        later) and blocks that held only rejected positions go back to the pool."""
+    def _mask_job(self, batch: ScheduledBatch, num_logits: list[int]) -> MaskJob:
+        """The constrained rows of a step that sample (:class:`StepMasks`)."""
+        return {i: (seq.grammar, seq.spec_token_ids, seq.budget(self.max_model_len))
+                for i, (seq, n) in enumerate(zip(batch.seqs, num_logits, strict=True))
+                if seq.grammar is not None and n}
+
+    def _sampling_row(self, seq: Sequence, allowed: torch.Tensor | None) -> SamplingRow:
+        return SamplingRow(seq.sampling, seq.token_ids, seq.num_prompt_tokens,
+                           seq.stop_token_ids, seq.generator, allowed)
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor, step_s: float,
+                masks: list[torch.Tensor] | None) -> GenerationChunk:
+        """Commits what verification of ``seq``'s drafts accepts, under its constraint's
+        ``masks`` (one per position; None for free text), then retires the rest: the KV of
+        rejected drafts lies past ``num_computed_tokens`` (never hashed, overwritten later)
+        and blocks that held only rejected positions go back to the pool."""
         proposed = len(seq.spec_token_ids)
-        committed = self.speculation.verify(seq, logits, self._sampling_row(seq),
-                                            self._generator, self.max_model_len)
+        row = self._sampling_row(seq, masks[0] if masks is not None else None)
+        committed = self.speculation.verify(seq, logits, row, self._generator, masks)
         accepted = len(committed) - 1
         chunk = self._append(seq, committed, accepted_drafts=accepted)
         self.speculation.count(seq, proposed, min(accepted, len(chunk.token_ids)), step_s)

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
+import torch
 from helpers import output_ids
 
 from contract.request import (
@@ -16,7 +19,9 @@ from contract.request import (
     SamplingParams,
     StructuredOutput,
 )
+from workers.engine import LLMEngine
 from workers.speculative.config import SpeculativeConfig
+from workers.structured.step_masks import StepMasks
 
 SCHEMAS = {
     "person": {"type": "object", "properties": {
@@ -180,7 +185,9 @@ def test_speculation_under_a_constraint_equals_no_speculation(smollm, make_engin
     plain = outputs(make_engine(smollm, num_blocks=256))
     engine = make_engine(smollm, num_blocks=256, speculative=SpeculativeConfig(
         method="ngram", num_speculative_tokens=4, adaptive=False))
+    engine.step_masks.beside = True  # plain rows' and verifications' masks on the helper
     assert outputs(engine) == plain
+    assert any(t.name.startswith("nalar-masks") for t in threading.enumerate())
     spec = engine.counters.spec
     assert 0 < spec.accepted_tokens < spec.proposed_tokens
     closing = plain.pop("closing")
@@ -293,3 +300,43 @@ def test_a_small_budget_that_fits_the_call_leaves_the_model_free(engine, smollm)
     assert output_ids(chunks["small"]) == output_ids(chunks["large"])
     assert text_of(chunks["small"]).endswith('{"city": "Paris"}}]</tool_call>')
     assert chunks["small"][-1].finish_reason == "stop"
+
+
+def test_masks_beside_the_forward_pass_equal_inline_and_raise_where_read(engine, smollm):
+    """A step's masks on the helper thread are the masks the engine's thread computes, for a
+    plain row and a verification's positions; a matcher's error reaches whoever reads the
+    result, after the job has settled."""
+    structured = StructuredOutput("json", json.dumps(SCHEMAS["order"]))
+    drafts = smollm.tokenizer.encode('{"id": "ORD-', add_special_tokens=False)
+    masks = StepMasks()
+    results = {}
+    for beside in (True, False):
+        matchers = [engine.grammars.matcher(structured) for _ in range(2)]
+        job = {0: (matchers[0], [], 100), 3: (matchers[1], drafts, 100)}
+        results[beside] = masks.start(job, lambda beside=beside: beside).result()
+        bad = {1: (engine.grammars.matcher(structured), smollm.tokenizer.encode("x"), 100)}
+        pending = masks.start(bad, lambda beside=beside: beside)
+        StepMasks.settle(pending)
+        with pytest.raises(RuntimeError, match="rejected token"):
+            pending.result()
+    assert [len(results[True][row]) for row in (0, 3)] == [1, len(drafts) + 1]
+    for row in (0, 3):
+        for one, other in zip(results[True][row], results[False][row], strict=True):
+            assert torch.equal(one, other)
+    assert 0 < int(results[True][3][1].count_nonzero()) < results[True][3][1].numel()
+    assert masks.start({}, lambda: True) is None
+
+
+@pytest.mark.parametrize(("device", "spare", "prompt_tokens", "beside"), [
+    ("cuda", None, 4096, True),  # a GPU forward pass leaves the host's cores free
+    ("cpu", None, 1, False),  # borrowing off: whether a core is free is unknown
+    ("cpu", 0, 1, False),  # every core claimed: the helper would take turns with the step's
+    ("cpu", 1, 1, True),
+    ("cpu", 1, 128, False),  # a long prompt step borrows the spare core itself
+])
+def test_masks_go_beside_the_forward_pass_only_where_a_core_is_free(device, spare,
+                                                                    prompt_tokens, beside):
+    cores = None if spare is None else SimpleNamespace(spare=lambda: spare)
+    engine = SimpleNamespace(loaded=SimpleNamespace(device=torch.device(device)),
+                             host_cores=cores)
+    assert LLMEngine._core_beside_forward(engine, prompt_tokens) is beside

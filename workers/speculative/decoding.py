@@ -80,13 +80,13 @@ class SpeculativeDecoding:
         return drafted
 
     def verify(self, seq: Sequence, logits: torch.Tensor, row: SamplingRow,
-               generator: torch.Generator, max_model_len: int) -> list[SampledToken]:
+               generator: torch.Generator,
+               masks: list[torch.Tensor] | None) -> list[SampledToken]:
         """The tokens ``seq``'s verification block commits: accepted drafts, then one
         corrected or bonus token (``logits``: ``[len(drafts) + 1, V]``), under its
-        structured-output constraint's mask at every position when it has one (its budget
-        counted in a context of ``max_model_len`` tokens)."""
-        masks = (seq.grammar.masks_along(seq.spec_token_ids, seq.budget(max_model_len))
-                 if seq.grammar is not None else None)
+        structured-output constraint's mask at every position (``masks``, from
+        :meth:`~workers.structured.grammar.GrammarMatcher.masks_along`; None for free
+        text)."""
         return verify_drafts(logits, seq.spec_token_ids, row, generator, masks)
 
     def count(self, seq: Sequence, proposed: int, accepted: int, step_s: float) -> None:
