@@ -95,6 +95,8 @@ class OpenAIClient:
             body["prompt"] = completion_prompt(request.messages)
         if self.ignore_eos:
             body["ignore_eos"] = True
+        if request.response_format is not None:
+            body["response_format"] = request.response_format
         return body
 
     async def send(self, request: BenchRequest, origin: float) -> RequestRecord:

@@ -20,6 +20,8 @@ class BenchRequest:
         api_key: the bearer key to send (a tenant's own key), or None for the client's default.
         label: what the request belongs to (``tenant-3``, ``conversation-7``), kept in records.
         model: the ``model`` to ask for (a LoRA adapter's name), or None for the client's.
+        response_format: OpenAI's ``response_format`` to send (``json_schema`` or
+            ``json_object``), or None for free text; the output is checked against it.
     """
 
     messages: list[dict[str, str]]
@@ -28,6 +30,7 @@ class BenchRequest:
     api_key: str | None = None
     label: str = ""
     model: str | None = None
+    response_format: dict[str, Any] | None = None
 
 
 FAILURE_KINDS = ("http", "sse_error", "timeout", "broken_stream", "incomplete_stream",
@@ -60,6 +63,8 @@ class RequestRecord:
         error: the failure's message (HTTP status and the server's message, for ``http``).
         http_status: the response status, when one arrived.
         output_text: the generated text (multi-turn history needs it; not saved in reports).
+        valid_output: for a request that asked for a ``response_format``, whether its output
+            parsed and validated against it; None for free text and failed requests.
     """
 
     label: str
@@ -78,6 +83,7 @@ class RequestRecord:
     error: str | None = None
     http_status: int | None = None
     output_text: str = ""
+    valid_output: bool | None = None
 
     @property
     def ok(self) -> bool:

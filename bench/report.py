@@ -82,6 +82,8 @@ def summary_table(summary: dict[str, Any]) -> str:
     rows += [("Prefix reuse ratio (cached/prompt)", summary["prefix_reuse_ratio"]),
              ("Busiest / least busy worker", summary["worker_load_imbalance"]),
              ("Speculative acceptance rate", summary["spec_acceptance_rate"])]
+    if summary.get("checked_outputs"):
+        rows.append(("Valid structured outputs (fraction)", summary["valid_output_fraction"]))
     lines = [f"{name:<40}{_fmt(value):>14}" for name, value in rows]
     lines += [f"  worker {worker}: {share:.1%}" for worker, share in
               summary["worker_share"].items()]

@@ -25,6 +25,7 @@ from bench.client import OpenAIClient, first_model
 from bench.records import RequestRecord
 from bench.stats import summarize
 from bench.workloads import Session, WorkloadConfig, sessions
+from bench.workloads.json_schema import output_is_valid
 
 
 @dataclass
@@ -162,6 +163,9 @@ async def run_phase(client: OpenAIClient, stream: Iterator[Session], load: LoadC
                     return
                 async with slots:
                     previous = await client.send(request, origin)
+                if request.response_format is not None and previous.ok:
+                    previous.valid_output = output_is_valid(request.response_format,
+                                                            previous.output_text)
                 records.append(previous)
                 bar.update()
 

@@ -118,6 +118,15 @@ def spec_acceptance(records: Iterable[RequestRecord]) -> dict[str, Any]:
             "spec_acceptance_rate": accepted / proposed if proposed else None}
 
 
+def valid_outputs(done: Sequence[RequestRecord]) -> dict[str, Any]:
+    """Of the successful requests that asked for a ``response_format``: how many outputs
+    parsed and validated (``valid_outputs``), out of ``checked_outputs``, and the fraction
+    (None when none asked)."""
+    checked = [r.valid_output for r in done if r.valid_output is not None]
+    return {"checked_outputs": len(checked), "valid_outputs": sum(checked),
+            "valid_output_fraction": sum(checked) / len(checked) if checked else None}
+
+
 def summarize(records: Sequence[RequestRecord], duration_s: float,
               slos_ms: dict[str, float] | None = None) -> dict[str, Any]:
     """The run's summary (see the module docstring for the definitions).
@@ -148,6 +157,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float,
         "usage_reported_fraction": (sum(r.usage_reported for r in done) / len(done)
                                     if done else None),
     }
+    summary |= valid_outputs(done)
     summary |= distribution("ttft", [r.ttft_s for r in done if r.ttft_s is not None])
     summary |= distribution("tpot", [r.tpot_s for r in done if r.tpot_s is not None])
     summary |= distribution("itl", [gap for r in done for gap in r.itl_s])

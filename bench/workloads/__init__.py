@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator
 
 from bench.workloads.config import WorkloadConfig
 from bench.workloads.copy_tasks import copy_sessions
+from bench.workloads.json_schema import json_sessions
 from bench.workloads.multi_turn import multi_turn_sessions
 from bench.workloads.random_lengths import random_sessions
 from bench.workloads.session import Session
@@ -16,6 +17,7 @@ WORKLOADS: dict[str, Callable[[WorkloadConfig], Iterator[Session]]] = {
     "multi-turn": multi_turn_sessions,
     "copy": copy_sessions,
     "random": random_sessions,
+    "json": json_sessions,
 }
 """``--workload`` names and their session generators."""
 

@@ -11,7 +11,7 @@ class WorkloadConfig:
     """What a workload generates (lengths in tokens, as estimated by :mod:`bench.text`).
 
     Attributes:
-        name: ``shared-prefix``, ``multi-turn``, ``copy`` or ``random``.
+        name: ``shared-prefix``, ``multi-turn``, ``copy``, ``random`` or ``json``.
         input_tokens: length of a user turn (for ``copy``: of the source snippet).
         output_tokens: ``max_tokens`` of each request.
         range_ratio: lengths are drawn uniformly from ``[n * (1 - r), n * (1 + r)]`` (vLLM's

@@ -110,3 +110,15 @@ def test_duration_bounds_the_run(stub):
     with pytest.raises(ValueError):
         LoadConfig(num_requests=None, duration_s=None)
     assert math.isinf(LoadConfig().request_rate)
+
+
+def test_json_workload_sends_its_schema_and_checks_every_output(stub):
+    """The stub answers words, which are no JSON: every output is checked and none valid."""
+    url, state = stub
+    result = _run(url, WorkloadConfig(name="json", output_tokens=3, seed=1), num_requests=6,
+                  max_concurrency=2)
+    assert all(body["response_format"]["type"] == "json_schema" for body in state.bodies)
+    summary = result.summary
+    assert (summary["completed"], summary["checked_outputs"], summary["valid_outputs"]) == (
+        6, 6, 0)
+    assert summary["valid_output_fraction"] == 0.0

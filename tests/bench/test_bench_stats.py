@@ -87,6 +87,16 @@ def test_goodput_requires_every_slo(records):
     assert not is_good(records[-1], {"e2el": 1e9})  # a failure is never good
 
 
+def test_structured_outputs_count_only_the_checked_successes(records):
+    assert summarize(records, 1.0)["valid_output_fraction"] is None  # none asked
+    records[0].valid_output, records[1].valid_output = True, False
+    records[3].valid_output = True
+    records[4].valid_output = True  # a failure's is never counted (the runner never sets it)
+    summary = summarize(records, 1.0)
+    assert (summary["checked_outputs"], summary["valid_outputs"]) == (3, 2)
+    assert summary["valid_output_fraction"] == pytest.approx(2 / 3)
+
+
 def test_prefix_reuse_is_token_weighted(records):
     # Reporting successes: cached 0 + 100 + 50 over prompt 100 + 200 + 100.
     assert prefix_reuse_ratio(records) == pytest.approx(150 / 400)

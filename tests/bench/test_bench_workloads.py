@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import json
 import math
 import statistics
 import sysconfig
@@ -14,6 +15,7 @@ import pytest
 from bench.arrival import poisson_gaps
 from bench.records import RequestRecord
 from bench.workloads import WorkloadConfig, sessions
+from bench.workloads.json_schema import SCHEMAS, output_is_valid
 
 
 def _requests(config, count):
@@ -160,3 +162,45 @@ def test_lora_adapters_uniform_and_zipf_per_session():
             with_adapters(sessions(config), AdapterMix(names, "zipf", seed=5)), 20)]
     with pytest.raises(ValueError, match="unknown --lora-distribution"):
         AdapterMix(names, "pareto")
+
+
+VALID_JSON = {
+    "order": {"id": "ORD-004211", "items": [{"sku": "BK-7", "quantity": 2, "price": 12.5}],
+              "status": "paid"},
+    "person": {"name": "Ada", "age": 36, "email": "ada@example.org",
+               "address": {"city": "London", "country": "GB"}},
+    "event": {"title": "Jazz night", "starts": "2026-12-06T20:00:00Z", "location": None,
+              "attendees": ["Ben"]},
+    "review": {"rating": 4, "pros": ["quiet"], "cons": [], "recommend": True},
+    "tool_call": {"name": "search_web", "arguments": {"query": "bakeries", "limit": 3}},
+}
+
+
+def test_json_requests_ask_for_every_schema_and_outputs_are_checked_against_it():
+    config = WorkloadConfig(name="json", output_tokens=200, seed=4)
+    requests = _requests(config, 100)
+    assert {r.label for r in requests} == {f"json-{name}" for name in SCHEMAS}
+    assert [r.messages for r in _requests(config, 10)] == [r.messages for r in requests[:10]]
+    for request in requests:
+        name = request.label.removeprefix("json-")
+        assert request.response_format == {"type": "json_schema", "json_schema": {
+            "name": name, "schema": SCHEMAS[name], "strict": True}}
+        assert request.max_tokens == 200
+    formats = {r.label.removeprefix("json-"): r.response_format for r in requests}
+    for name, value in VALID_JSON.items():
+        assert output_is_valid(formats[name], json.dumps(value)), name
+    invalid = [
+        ("order", {**VALID_JSON["order"], "status": "lost"}),  # outside the enum
+        ("order", {**VALID_JSON["order"], "id": "ORD-42"}),  # off the pattern
+        ("person", {**VALID_JSON["person"], "email": "not an address"}),  # format checked
+        ("event", {**VALID_JSON["event"], "starts": "tonight"}),
+        ("review", {k: v for k, v in VALID_JSON["review"].items() if k != "rating"}),
+        ("tool_call", {**VALID_JSON["tool_call"], "extra": 1}),  # no additional properties
+    ]
+    for name, value in invalid:
+        assert not output_is_valid(formats[name], json.dumps(value)), (name, value)
+    text = json.dumps(VALID_JSON["review"])
+    assert not output_is_valid(formats["review"], text[:-1])  # cut short: does not parse
+    assert not output_is_valid(formats["review"], text + " and more")
+    assert output_is_valid({"type": "json_object"}, text)
+    assert not output_is_valid({"type": "json_object"}, "[1, 2]")
