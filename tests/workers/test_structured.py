@@ -245,9 +245,43 @@ def test_closing_tokens_are_packed_as_the_sampler_reads_them(smollm):
     assert holds(tiers[0], "<|im_end|>")
     assert all(holds(tiers[1], text) for text in ('"', "}", "]", '"}'))
     assert holds(tiers[2], "},") and not holds(tiers[1], "},")
-    assert all(holds(tiers[3], text) for text in ("a", ":", "0"))
-    assert holds(tiers[4], "{") and holds(tiers[4], "[")
+    assert all(holds(tiers[3], text) for text in ("a", ":", "Z"))
+    assert holds(tiers[4], "0") and not holds(tiers[3], "0")
+    assert holds(tiers[5], "{") and holds(tiers[5], "[")
     assert not any(holds(tier, text) for tier in tiers for text in ("[[", "({", " ", "\n"))
+
+
+def test_closing_ends_a_fraction_of_a_second_that_the_model_would_fill_with_zeros(smollm):
+    """Regression (``nalar bench --workload json``, greedy SmolLM2 in bf16): inside a
+    date-time's fraction of a second the model wrote ``0`` to ``max_tokens``. Closing's path
+    took ``0`` too, never ended, and so left the model free. Here a model that takes ``0``
+    whenever the mask allows it, else the first token allowed, ends within its budget with a
+    date-time that validates."""
+    from workers.structured.closing import _first_token
+    from workers.structured.grammar import GrammarCompiler
+
+    compiler = GrammarCompiler(smollm.tokenizer, 49152)
+    schema = {"type": "object", "properties": {
+        "starts": {"type": "string", "format": "date-time"}, "n": {"type": "integer"}},
+        "required": ["starts", "n"], "additionalProperties": False}
+    matcher = compiler.matcher(StructuredOutput("json", json.dumps(schema)))
+    tokens = smollm.tokenizer.encode('{"starts": "2022-01-01T00:00:00.000')
+    for token in tokens:
+        matcher.consume(token)
+    (zero,) = smollm.tokenizer.encode("0")
+    eos = smollm.tokenizer.eos_token_id
+    budget = 24
+    while budget and not matcher.is_stopped:
+        mask = matcher.allowed(budget)
+        allows = [bool((int(mask[t // 32]) >> (t % 32)) & 1) for t in (zero, eos)]
+        if allows[1] and not allows[0]:
+            break  # EOS
+        token = zero if allows[0] else _first_token(mask)
+        matcher.consume(token)
+        tokens.append(token)
+        budget -= 1
+    value = json.loads(smollm.tokenizer.decode(tokens))
+    jsonschema.validate(value, schema, format_checker=jsonschema.FormatChecker())
 
 
 def test_closing_waits_for_min_tokens_before_it_offers_eos(engine, smollm):

@@ -5,9 +5,9 @@ an open object), and a model can loop inside one: greedy SmolLM2 writes ``0000â€
 until the budget cuts it, leaving a prefix that does not parse. So in the last stretch of the
 budget, dry runs of the matcher estimate how many tokens closing the output would take, along a
 path that prefers tokens which end things (EOS, then closing quotes and brackets, then
-separators, then tokens that open nothing). Once that estimate no longer fits in what is left,
-the step admits only the first preference class the constraint allows, and the model still
-chooses within it. Closing then stays on to the end. The dry runs come more often as the
+separators, then tokens that open nothing, then digits). Once that estimate no longer fits in
+what is left, the step admits only the first preference class the constraint allows, and the
+model still chooses within it. Closing then stays on to the end. The dry runs come more often as the
 estimate nears what is left, so an output far from its end costs one now and then. Each
 decision depends only on the tokens before its position, so a verification's drafts get the
 masks a plain step would give them.
@@ -54,9 +54,14 @@ OPENERS = frozenset("{[(")
 
 def _closing_class(text: str) -> int | None:
     """Where a token of (stripped) ``text`` ranks when closing, EOS being first: 0 made only
-    of closers, 1 of closers and separators, 2 anything that opens nothing (not whitespace
-    alone, which could go on forever), 3 a single opener (a value that must be an array);
-    None otherwise: a token that opens structure and then some is never a closing choice."""
+    of closers, 1 of closers and separators, 2 anything else that opens nothing, 3 digits
+    alone, 4 a single opener (a value that must be an array); None otherwise: whitespace
+    alone, and a token that opens structure and then some, are never closing choices.
+
+    Digits rank below the rest because they too could go on forever: in a date-time's
+    fraction of a second the path took ``0`` after ``0`` (the lowest id of its class) and never
+    reached the ``Z`` that ends it, so closing judged the output beyond saving and left greedy
+    SmolLM2 writing zeros to ``max_tokens``."""
     chars = set(text)
     if not chars:
         return None
@@ -64,9 +69,11 @@ def _closing_class(text: str) -> int | None:
         return 0
     if chars <= CLOSERS | SEPARATORS:
         return 1
+    if text.isdigit():
+        return 3
     if not chars & OPENERS:
         return 2
-    return 3 if len(text) == 1 else None
+    return 4 if len(text) == 1 else None
 
 
 class ClosingTokens:
@@ -87,7 +94,7 @@ class ClosingTokens:
     def tiers(self) -> list[torch.Tensor]:
         """The packed preference classes, sorted out of the vocabulary on first use (about
         0.5 s for 49k tokens): only outputs that near their budget pay for it."""
-        classes: list[list[int]] = [[], [], [], []]
+        classes: list[list[int]] = [[], [], [], [], []]
         for token in range(self._tokenizer.vocab_size):
             if not self._tokenizer.is_special_token(token):
                 kind = _closing_class(self._tokenizer.decode_str([token]).strip())
