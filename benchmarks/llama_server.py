@@ -125,6 +125,10 @@ WORKLOADS: dict[str, dict[str, Any]] = {
                 "--max-concurrency 1 --num-requests 6", "warmup": 1,
         "quick": "--workload random --input-tokens 128 --output-tokens 4 "
                  "--max-concurrency 1 --num-requests 2"},
+    "json": {
+        "args": "--workload json --output-tokens 256 --max-concurrency 4 --num-requests 24",
+        "warmup": 4,
+        "quick": "--workload json --output-tokens 32 --max-concurrency 2 --num-requests 4"},
     "multi_turn": {
         "args": "--workload multi-turn --turns 4 --input-tokens 96 --output-tokens 48 "
                 "--max-concurrency 4 --num-requests 16", "warmup": 4,
@@ -132,12 +136,14 @@ WORKLOADS: dict[str, dict[str, Any]] = {
                  "--max-concurrency 2 --num-requests 4"},
 }
 """``nalar bench`` flags per workload (``quick``: ``--quick``'s) and warm-up requests (1 with
-``--quick``). multi_turn: 16 requests of 4 turns are 4 conversations, all started at once."""
+``--quick``). multi_turn: 16 requests of 4 turns are 4 conversations, all started at once.
+json: requests under ``response_format`` ``json_schema``; their outputs end where the schema
+does, EOS ignored or not."""
 
 METRICS = {"output_tok_s": "output_throughput", "ttft_p50_ms": "median_ttft_ms",
            "ttft_p99_ms": "p99_ttft_ms", "tpot_p50_ms": "median_tpot_ms",
            "itl_p99_ms": "p99_itl_ms", "e2e_p50_ms": "median_e2el_ms",
-           "e2e_p99_ms": "p99_e2el_ms"}
+           "e2e_p99_ms": "p99_e2el_ms", "valid_fraction": "valid_output_fraction"}
 """Our names for the figures kept from a ``nalar bench`` report, and its keys."""
 
 GOALS = (("single", "tpot_p50_ms", "<=", 0.9), ("concurrent16", "output_tok_s", ">=", 2.0),
