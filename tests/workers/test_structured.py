@@ -226,17 +226,16 @@ def test_an_output_about_to_run_past_max_tokens_is_closed_so_it_parses(engine, s
     assert text_of(cut)[:24] == text[:24]  # the same digits, until closing began
 
 
-def test_closing_tokens_are_packed_as_the_sampler_reads_them(smollm):
+def test_closing_tokens_are_packed_as_the_sampler_reads_them(engine, smollm):
     """Bit ``t % 32`` of word ``t // 32``, the sign bit included; the preference classes hold
     EOS, then closing brackets and quotes, then those with commas, then what opens nothing,
     then a lone opener; whitespace alone and a token opening two levels are in none."""
     from workers.structured.closing import _first_token, _packed
-    from workers.structured.grammar import GrammarCompiler
 
     assert _first_token(_packed([31, 40], 64)) == 31
     assert _first_token(_packed([40, 99], 128)) == 40
     assert _packed([0, 33], 64).tolist() == [1, 2]
-    tiers = GrammarCompiler(smollm.tokenizer, 49152).closing_tokens.tiers
+    tiers = engine.grammars.closing_tokens.tiers
 
     def holds(tier, text):
         (token,) = smollm.tokenizer.encode(text)
@@ -251,20 +250,19 @@ def test_closing_tokens_are_packed_as_the_sampler_reads_them(smollm):
     assert not any(holds(tier, text) for tier in tiers for text in ("[[", "({", " ", "\n"))
 
 
-def test_closing_ends_a_fraction_of_a_second_that_the_model_would_fill_with_zeros(smollm):
+def test_closing_ends_a_fraction_of_a_second_that_the_model_would_fill_with_zeros(engine,
+                                                                                 smollm):
     """Regression (``nalar bench --workload json``, greedy SmolLM2 in bf16): inside a
     date-time's fraction of a second the model wrote ``0`` to ``max_tokens``. Closing's path
     took ``0`` too, never ended, and so left the model free. Here a model that takes ``0``
     whenever the mask allows it, else the first token allowed, ends within its budget with a
     date-time that validates."""
     from workers.structured.closing import _first_token
-    from workers.structured.grammar import GrammarCompiler
 
-    compiler = GrammarCompiler(smollm.tokenizer, 49152)
     schema = {"type": "object", "properties": {
         "starts": {"type": "string", "format": "date-time"}, "n": {"type": "integer"}},
         "required": ["starts", "n"], "additionalProperties": False}
-    matcher = compiler.matcher(StructuredOutput("json", json.dumps(schema)))
+    matcher = engine.grammars.matcher(StructuredOutput("json", json.dumps(schema)))
     tokens = smollm.tokenizer.encode('{"starts": "2022-01-01T00:00:00.000')
     for token in tokens:
         matcher.consume(token)
