@@ -228,8 +228,9 @@ def test_an_output_about_to_run_past_max_tokens_is_closed_so_it_parses(engine, s
 
 def test_closing_tokens_are_packed_as_the_sampler_reads_them(engine, smollm):
     """Bit ``t % 32`` of word ``t // 32``, the sign bit included; the preference classes hold
-    EOS, then closing brackets and quotes, then those with commas, then what opens nothing,
-    then a lone opener; whitespace alone and a token opening two levels are in none."""
+    EOS, then closing quotes, then closing brackets, then those with commas, then what opens
+    nothing, then digits, then a lone opener; whitespace alone and a token opening two levels
+    are in none."""
     from workers.structured.closing import _first_token, _packed
 
     assert _first_token(_packed([31, 40], 64)) == 31
@@ -242,39 +243,45 @@ def test_closing_tokens_are_packed_as_the_sampler_reads_them(engine, smollm):
         return bool((int(tier[token // 32]) >> (token % 32)) & 1)
 
     assert holds(tiers[0], "<|im_end|>")
-    assert all(holds(tiers[1], text) for text in ('"', "}", "]", '"}'))
-    assert holds(tiers[2], "},") and not holds(tiers[1], "},")
-    assert all(holds(tiers[3], text) for text in ("a", ":", "Z"))
-    assert holds(tiers[4], "0") and not holds(tiers[3], "0")
-    assert holds(tiers[5], "{") and holds(tiers[5], "[")
+    assert all(holds(tiers[1], text) for text in ('"', '"}'))
+    assert all(holds(tiers[2], text) for text in ("}", "]")) and not holds(tiers[1], "}")
+    assert holds(tiers[3], "},") and not holds(tiers[2], "},")
+    assert all(holds(tiers[4], text) for text in ("a", ":", "Z"))
+    assert holds(tiers[5], "0") and not holds(tiers[4], "0")
+    assert holds(tiers[6], "{") and holds(tiers[6], "[")
     assert not any(holds(tier, text) for tier in tiers for text in ("[[", "({", " ", "\n"))
 
 
-def test_closing_ends_a_fraction_of_a_second_that_the_model_would_fill_with_zeros(engine,
-                                                                                 smollm):
-    """Regression (``nalar bench --workload json``, greedy SmolLM2 in bf16): inside a
-    date-time's fraction of a second the model wrote ``0`` to ``max_tokens``. Closing's path
-    took ``0`` too, never ended, and so left the model free. Here a model that takes ``0``
-    whenever the mask allows it, else the first token allowed, ends within its budget with a
-    date-time that validates."""
+@pytest.mark.parametrize(("field", "written", "favourite"), [
+    # Regression (nalar bench --workload json, greedy SmolLM2 in bf16): inside a date-time's
+    # fraction of a second the model wrote 0 to max_tokens. Closing's path took 0 too, never
+    # ended, and so left the model free.
+    ({"type": "string", "format": "date-time"}, '"2022-01-01T00:00:00.000', "0"),
+    # Regression (a fresh user's pydantic model): steered to every closer, the model wrote
+    # } inside an open string to max_tokens.
+    ({"type": "string"}, '"10001, New York', "}"),
+])
+def test_closing_ends_a_value_the_model_would_fill_with_one_token(engine, smollm, field,
+                                                                   written, favourite):
+    """A model that takes its favourite token whenever the mask allows it, else the first
+    token allowed, ends within its budget with output that validates."""
     from workers.structured.closing import _first_token
 
-    schema = {"type": "object", "properties": {
-        "starts": {"type": "string", "format": "date-time"}, "n": {"type": "integer"}},
-        "required": ["starts", "n"], "additionalProperties": False}
+    schema = {"type": "object", "properties": {"value": field, "n": {"type": "integer"}},
+              "required": ["value", "n"], "additionalProperties": False}
     matcher = engine.grammars.matcher(StructuredOutput("json", json.dumps(schema)))
-    tokens = smollm.tokenizer.encode('{"starts": "2022-01-01T00:00:00.000')
+    tokens = smollm.tokenizer.encode('{"value": ' + written)
     for token in tokens:
         matcher.consume(token)
-    (zero,) = smollm.tokenizer.encode("0")
+    (liked,) = smollm.tokenizer.encode(favourite)
     eos = smollm.tokenizer.eos_token_id
     budget = 24
     while budget and not matcher.is_stopped:
         mask = matcher.allowed(budget)
-        allows = [bool((int(mask[t // 32]) >> (t % 32)) & 1) for t in (zero, eos)]
+        allows = [bool((int(mask[t // 32]) >> (t % 32)) & 1) for t in (liked, eos)]
         if allows[1] and not allows[0]:
             break  # EOS
-        token = zero if allows[0] else _first_token(mask)
+        token = liked if allows[0] else _first_token(mask)
         matcher.consume(token)
         tokens.append(token)
         budget -= 1

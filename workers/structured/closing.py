@@ -4,8 +4,8 @@ A grammar can admit outputs longer than ``max_tokens`` (an unbounded number, a r
 an open object), and a model can loop inside one: greedy SmolLM2 writes ``0000…`` in a number
 until the budget cuts it, leaving a prefix that does not parse. So in the last stretch of the
 budget, dry runs of the matcher estimate how many tokens closing the output would take, along a
-path that prefers tokens which end things (EOS, then closing quotes and brackets, then
-separators, then tokens that open nothing, then digits). Once that estimate no longer fits in
+path that prefers tokens which end things (EOS, then closing quotes, then closing brackets,
+then separators, then tokens that open nothing, then digits). Once that estimate no longer fits in
 what is left, the step admits only the first preference class the constraint allows, and the
 model still chooses within it. Closing then stays on to the end. The dry runs come more often as the
 estimate nears what is left, so an output far from its end costs one now and then. Each
@@ -54,26 +54,29 @@ OPENERS = frozenset("{[(")
 
 def _closing_class(text: str) -> int | None:
     """Where a token of (stripped) ``text`` ranks when closing, EOS being first: 0 made only
-    of closers, 1 of closers and separators, 2 anything else that opens nothing, 3 digits
-    alone, 4 a single opener (a value that must be an array); None otherwise: whitespace
-    alone, and a token that opens structure and then some, are never closing choices.
+    of closers and starting with a quote, 1 the other tokens made only of closers, 2 of
+    closers and separators, 3 anything else that opens nothing, 4 digits alone, 5 a single
+    opener (a value that must be an array); None otherwise: whitespace alone, and a token
+    that opens structure and then some, are never closing choices.
 
-    Digits rank below the rest because they too could go on forever: in a date-time's
-    fraction of a second the path took ``0`` after ``0`` (the lowest id of its class) and never
-    reached the ``Z`` that ends it, so closing judged the output beyond saving and left greedy
-    SmolLM2 writing zeros to ``max_tokens``."""
+    A quote ranks first because inside a string ``}`` and ``]`` are text: steered to every
+    closer, greedy SmolLM2 wrote ``}}}}…`` inside an open string to ``max_tokens``. Digits
+    rank below the rest because they too could go on forever: in a date-time's fraction of a
+    second the path took ``0`` after ``0`` (the lowest id of its class) and never reached the
+    ``Z`` that ends it, so closing judged the output beyond saving and left the model writing
+    zeros."""
     chars = set(text)
     if not chars:
         return None
     if chars <= CLOSERS:
-        return 0
+        return 0 if text.startswith('"') else 1
     if chars <= CLOSERS | SEPARATORS:
-        return 1
-    if text.isdigit():
-        return 3
-    if not chars & OPENERS:
         return 2
-    return 4 if len(text) == 1 else None
+    if text.isdigit():
+        return 4
+    if not chars & OPENERS:
+        return 3
+    return 5 if len(text) == 1 else None
 
 
 class ClosingTokens:
@@ -94,7 +97,7 @@ class ClosingTokens:
     def tiers(self) -> list[torch.Tensor]:
         """The packed preference classes, sorted out of the vocabulary on first use (about
         0.5 s for 49k tokens): only outputs that near their budget pay for it."""
-        classes: list[list[int]] = [[], [], [], [], []]
+        classes: list[list[int]] = [[] for _ in range(6)]
         for token in range(self._tokenizer.vocab_size):
             if not self._tokenizer.is_special_token(token):
                 kind = _closing_class(self._tokenizer.decode_str([token]).strip())
