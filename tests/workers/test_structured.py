@@ -260,6 +260,8 @@ def test_closing_tokens_are_packed_as_the_sampler_reads_them(engine, smollm):
     # Regression (a fresh user's pydantic model): steered to every closer, the model wrote
     # } inside an open string to max_tokens.
     ({"type": "string"}, '"10001, New York', "}"),
+    # Closing's path looped in a URI's scheme (a letter after a letter) and so never ended.
+    ({"type": "string", "format": "uri"}, '"https', "s"),
 ])
 def test_closing_ends_a_value_the_model_would_fill_with_one_token(engine, smollm, field,
                                                                    written, favourite):

@@ -47,6 +47,12 @@ of 40 tokens, closing steered a tool call from its first token, and the closers 
 made the city ``}`` where the model, left free, wrote ``Paris`` and ended in 29 tokens."""
 RECHECK_UNFIT = 16
 """Tokens between dry runs while the closing path does not fit in the budget at all."""
+LOOP_TRIES = 48
+"""Tokens a dry run tries at one position before it takes a token that loops (each try costs
+a mask)."""
+FIRST_OPEN_ENDED_TIER = 4
+"""Index in :attr:`ClosingTokens.tiers` of the first class that may loop (what opens nothing,
+then digits, then an opener; the closers and separators before it always move on)."""
 CLOSERS = frozenset('"}])')
 SEPARATORS = frozenset(",")
 OPENERS = frozenset("{[(")
@@ -105,17 +111,19 @@ class ClosingTokens:
                     classes[kind].append(token)
         return [_packed(ids, self.vocab_size) for ids in (self._tokenizer.eos_tokens, *classes)]
 
-    def restrict(self, mask: torch.Tensor, may_end: bool = True) -> bool:
+    def narrow(self, mask: torch.Tensor, may_end: bool = True) -> tuple[int | None, bool]:
         """Narrows packed ``mask`` in place to its first non-empty preference class (EOS's
         only where the output ``may_end``: before ``min_tokens`` the sampler forbids it);
-        returns whether that took anything away."""
-        for tier in self.tiers if may_end else self.tiers[1:]:
+        returns the index in :attr:`tiers` of the class kept (None where the mask holds
+        none) and whether that took anything away."""
+        first = 0 if may_end else 1
+        for index, tier in enumerate(self.tiers[first:], start=first):
             narrowed = mask & tier
             if narrowed.any():
                 changed = not torch.equal(narrowed, mask)
                 mask.copy_(narrowed)
-                return changed
-        return False
+                return index, changed
+        return None, False
 
 
 @dataclass(frozen=True)
@@ -151,6 +159,7 @@ class ClosingEstimate:
         self._matcher = matcher
         self._tokens = tokens
         self._scratch = MaskBuffer(tokens.vocab_size)
+        self._after = MaskBuffer(tokens.vocab_size)
 
     def decide(self, previous: ClosingState, budget: int) -> ClosingState:
         """The decision at this position, with ``budget`` tokens left to produce, after
@@ -183,13 +192,53 @@ class ClosingEstimate:
                 steps += 1
                 if (mask & self._tokens.tiers[0]).any():
                     return steps  # EOS
-                self._tokens.restrict(mask)
-                if not self._matcher.consume_token(_first_token(mask)):
+                before = mask.clone()
+                tier, _ = self._tokens.narrow(mask)
+                if tier is None or self._next_token(mask, tier, before) is None:
                     return None
                 consumed += 1
             return steps
         finally:
             self._matcher.rollback(consumed)
+
+    def steer(self, mask: torch.Tensor, may_end: bool) -> bool:
+        """Narrows packed ``mask`` in place at a position where closing is on: to its first
+        preference class (EOS's only where the output ``may_end``), and where that class may
+        loop, to the one token the closing path takes there, since the model, free within
+        it, wrote ``jimmy_jimmy_…`` in an email's local part to ``max_tokens``. Returns
+        whether anything was taken away."""
+        full = mask.clone()
+        tier, changed = self._tokens.narrow(mask, may_end)
+        if tier is None or tier < FIRST_OPEN_ENDED_TIER:
+            return changed
+        token = self._next_token(mask.clone(), tier, full)
+        if token is None:
+            return changed
+        self._matcher.rollback(1)
+        mask.zero_()
+        _set(mask, token)
+        return not torch.equal(mask, full)
+
+    def _next_token(self, candidates: torch.Tensor, tier: int,
+                    before: torch.Tensor) -> int | None:
+        """Consumes and returns the closing path's next token among packed ``candidates``
+        (class ``tier`` of the position's mask ``before``; cleared as tried): the lowest id,
+        unless the class may loop and the token leaves the mask as it was (``a`` after ``a``
+        in an email's local part, where ``@`` is what moves on): then the next lowest, up to
+        :data:`LOOP_TRIES`, and failing those the lowest. None if the matcher rejects it."""
+        first = _first_token(candidates)
+        if tier >= FIRST_OPEN_ENDED_TIER:
+            for _ in range(LOOP_TRIES):
+                token = _first_token(candidates)
+                if not self._matcher.consume_token(token):
+                    return None
+                if not torch.equal(self._after.fill(self._matcher), before):
+                    return token
+                self._matcher.rollback(1)
+                _clear(candidates, token)
+                if not candidates.any():
+                    break
+        return first if self._matcher.consume_token(first) else None
 
 
 def _first_token(mask: torch.Tensor) -> int:
@@ -197,6 +246,23 @@ def _first_token(mask: torch.Tensor) -> int:
     word = int(mask.nonzero()[0, 0])
     bits = int(mask[word]) & 0xFFFFFFFF
     return word * 32 + (bits & -bits).bit_length() - 1
+
+
+def _clear(mask: torch.Tensor, token: int) -> None:
+    """Unsets ``token``'s bit in packed ``mask``."""
+    word, bit = divmod(token, 32)
+    _store(mask, word, int(mask[word]) & 0xFFFFFFFF & ~(1 << bit))
+
+
+def _set(mask: torch.Tensor, token: int) -> None:
+    """Sets ``token``'s bit in packed ``mask``."""
+    word, bit = divmod(token, 32)
+    _store(mask, word, int(mask[word]) & 0xFFFFFFFF | 1 << bit)
+
+
+def _store(mask: torch.Tensor, word: int, value: int) -> None:
+    """Writes unsigned 32-bit ``value`` into int32 word ``word`` of ``mask``."""
+    mask[word] = value - (1 << 32) if value >= 1 << 31 else value
 
 
 def _packed(token_ids: list[int], vocab_size: int) -> torch.Tensor:

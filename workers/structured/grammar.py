@@ -133,8 +133,7 @@ class GrammarMatcher:
         previous = self._closing[-1][0] if self._closing else ClosingState.start(budget)
         state = self._estimate.decide(previous, budget)
         mask = self._mask.fill(self._matcher)
-        narrowed = state.closing and self._closing_tokens.restrict(
-            mask, position >= self._min_tokens)
+        narrowed = state.closing and self._estimate.steer(mask, position >= self._min_tokens)
         self._closing.append((state, narrowed))
         return mask
 
