@@ -50,8 +50,6 @@ RECHECK_UNFIT = 16
 LOOP_TRIES = 48
 """Tokens a dry run tries at one position before it takes a token that loops (each try costs
 a mask)."""
-SEPARATOR_TIER = 3
-"""Index in :attr:`ClosingTokens.tiers` of the tokens made of closers and separators."""
 FIRST_OPEN_ENDED_TIER = 4
 """Index in :attr:`ClosingTokens.tiers` of the first class that may loop (what opens nothing,
 then digits, then an opener; the closers and separators before it always move on)."""
@@ -176,26 +174,11 @@ class ClosingEstimate:
         if length is None:  # steering cannot save it: leave the model free, look again later
             return replace(previous, next_check=budget - RECHECK_UNFIT)
         slack = budget - length - previous.margin
-        if slack <= 0 or not self._separator_fits(budget):
+        if slack <= 0:
             return replace(previous, closing=True, next_check=0)
         # A token can deepen the structure by a few tokens of closing: look again well before
         # the slack could be spent.
         return replace(previous, next_check=budget - max(1, slack // 8))
-
-    def _separator_fits(self, budget: int) -> bool:
-        """Whether the output could still close if the model took a separator here (a comma,
-        or closers and a comma): one token can commit to more closing than the margin
-        covers. Before another item of an array of objects with three required keys, the
-        path grew from 13 tokens to 33, past the 30 left, and the output was cut (13 of 384
-        outputs of ``nalar bench --workload json`` at 128 tokens, none after). True where no
-        separator is allowed."""
-        separators = self._scratch.fill(self._matcher) & self._tokens.tiers[SEPARATOR_TIER]
-        if not separators.any() or not self._matcher.consume_token(_first_token(separators)):
-            return True
-        try:
-            return self.tokens_to_close(budget - 1) is not None
-        finally:
-            self._matcher.rollback(1)
 
     def tokens_to_close(self, limit: int) -> int | None:
         """Tokens (EOS included) the preferred path takes to end the output; None if it takes
