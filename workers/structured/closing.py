@@ -5,10 +5,11 @@ an open object), and a model can loop inside one: greedy SmolLM2 writes ``0000â€
 until the budget cuts it, leaving a prefix that does not parse. So in the last stretch of the
 budget, dry runs of the matcher estimate how many tokens closing the output would take, along a
 path that prefers tokens which end things (EOS, then closing quotes, then closing brackets,
-then separators, then tokens that open nothing, then digits). Once that estimate no longer fits in
-what is left, the step admits only the first preference class the constraint allows, and the
-model still chooses within it. Closing then stays on to the end. The dry runs come more often as the
-estimate nears what is left, so an output far from its end costs one now and then. Each
+then separators, then tokens that open nothing, then digits). Once that estimate no longer fits
+in what is left, the step admits only the first preference class the constraint allows, and the
+model still chooses within it (in a class that may loop, only the path's token). Closing then
+stays on to the end. The dry runs come more often as the estimate nears what is left, so an
+output far from its end costs one now and then. Each
 decision depends only on the tokens before its position, so a verification's drafts get the
 masks a plain step would give them.
 
@@ -52,7 +53,8 @@ LOOP_TRIES = 48
 a mask)."""
 FIRST_OPEN_ENDED_TIER = 4
 """Index in :attr:`ClosingTokens.tiers` of the first class that may loop (what opens nothing,
-then digits, then an opener; the closers and separators before it always move on)."""
+then digits, then an opener); the closers and separators before it are taken as moving on,
+which inside an email's local part, where ``}`` is text, they do not (a known gap)."""
 CLOSERS = frozenset('"}])')
 SEPARATORS = frozenset(",")
 OPENERS = frozenset("{[(")
@@ -205,7 +207,7 @@ class ClosingEstimate:
         """Narrows packed ``mask`` in place at a position where closing is on: to its first
         preference class (EOS's only where the output ``may_end``), and where that class may
         loop, to the one token the closing path takes there, since the model, free within
-        it, wrote ``jimmy_jimmy_â€¦`` in an email's local part to ``max_tokens``. Returns
+        it, went on in a date-time's fraction or a URI's scheme to ``max_tokens``. Returns
         whether anything was taken away."""
         full = mask.clone()
         tier, changed = self._tokens.narrow(mask, may_end)
@@ -223,8 +225,8 @@ class ClosingEstimate:
                     before: torch.Tensor) -> int | None:
         """Consumes and returns the closing path's next token among packed ``candidates``
         (class ``tier`` of the position's mask ``before``; cleared as tried): the lowest id,
-        unless the class may loop and the token leaves the mask as it was (``a`` after ``a``
-        in an email's local part, where ``@`` is what moves on): then the next lowest, up to
+        unless the class may loop and the token leaves the mask as it was (a letter after a
+        letter in a URI's scheme, where ``:`` is what moves on): then the next lowest, up to
         :data:`LOOP_TRIES`, and failing those the lowest. None if the matcher rejects it."""
         first = _first_token(candidates)
         if tier >= FIRST_OPEN_ENDED_TIER:
