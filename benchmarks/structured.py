@@ -111,6 +111,18 @@ def run(engine, batch: list) -> dict[str, Any]:
             "full_steps": len(full_steps), "output_tokens": sum(outputs.values())}
 
 
+def build_engine(threads: int, speculation: str = "off"):
+    """The engine every mode measures: the embedded model, Q4_1 as stored, ``--dtype auto``,
+    a 256 MiB KV cache, ``speculation`` (``off`` or a proposer's name)."""
+    from workers.config import EngineConfig
+    from workers.engine import LLMEngine
+    from workers.speculative.config import SpeculativeConfig
+
+    return LLMEngine(EngineConfig(quantization="gguf", num_threads=threads,
+                                  kv_cache_bytes=256 << 20,
+                                  speculative=SpeculativeConfig(method=speculation)))
+
+
 def decode_rate(engine, batch: list) -> dict[str, Any]:
     """Serve ``batch`` to the end; decode tokens/s after the first step, and the outputs."""
     for request in batch:
@@ -132,16 +144,8 @@ def decode_rate(engine, batch: list) -> dict[str, Any]:
 
 def speculation(args: argparse.Namespace) -> dict[str, Any]:
     """The ``--speculation`` rounds (module docstring)."""
-    from workers.config import EngineConfig
-    from workers.engine import LLMEngine
-    from workers.speculative.config import SpeculativeConfig
-
-    def engine(spec: SpeculativeConfig) -> LLMEngine:
-        return LLMEngine(EngineConfig(quantization="gguf", num_threads=args.threads,
-                                      kv_cache_bytes=256 << 20, speculative=spec))
-
-    engines = {"plain": engine(SpeculativeConfig()),
-               "ngram": engine(SpeculativeConfig(method="ngram"))}
+    engines = {"plain": build_engine(args.threads),
+               "ngram": build_engine(args.threads, "ngram")}
     rounds = []
     for index in range(args.rounds):
         entry: dict[str, Any] = {"round": index + 1}
@@ -166,15 +170,7 @@ def speculation(args: argparse.Namespace) -> dict[str, Any]:
 
 def masks_beside(args: argparse.Namespace) -> dict[str, Any]:
     """The ``--masks`` rounds (module docstring)."""
-    from workers.config import EngineConfig
-    from workers.engine import LLMEngine
-    from workers.speculative.config import SpeculativeConfig
-
-    def engine(spec: SpeculativeConfig) -> LLMEngine:
-        return LLMEngine(EngineConfig(quantization="gguf", num_threads=args.threads,
-                                      kv_cache_bytes=256 << 20, speculative=spec))
-
-    plain, ngram = engine(SpeculativeConfig()), engine(SpeculativeConfig(method="ngram"))
+    plain, ngram = build_engine(args.threads), build_engine(args.threads, "ngram")
     workloads = {"order_c16": (plain, ORDER, 16, 256), "strings_c16": (plain, SCHEMA, 16, 64),
                  "order_c4_ngram": (ngram, ORDER, 4, 256)}
     rounds, outputs = [], {}
@@ -222,11 +218,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   "machine": common.machine_info(), "argv": sys.argv, "threads": args.threads}
         common.write_json(result, args.out)
         return result
-    from workers.config import EngineConfig
-    from workers.engine import LLMEngine
-
-    engine = LLMEngine(EngineConfig(quantization="gguf", num_threads=args.threads,
-                                    kv_cache_bytes=256 << 20))
+    engine = build_engine(args.threads)
     tokenizer = engine.tokenizer
     run(engine, requests(tokenizer, False, 8, "warmup"))
     rounds = []

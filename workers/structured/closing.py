@@ -217,8 +217,7 @@ class ClosingEstimate:
         if token is None:
             return changed
         self._matcher.rollback(1)
-        mask.zero_()
-        _set(mask, token)
+        mask.copy_(_packed([token], self._tokens.vocab_size))
         return not torch.equal(mask, full)
 
     def _next_token(self, candidates: torch.Tensor, tier: int,
@@ -251,19 +250,9 @@ def _first_token(mask: torch.Tensor) -> int:
 
 
 def _clear(mask: torch.Tensor, token: int) -> None:
-    """Unsets ``token``'s bit in packed ``mask``."""
+    """Unsets ``token``'s bit in packed ``mask`` (int32 words: bit 31 is the sign)."""
     word, bit = divmod(token, 32)
-    _store(mask, word, int(mask[word]) & 0xFFFFFFFF & ~(1 << bit))
-
-
-def _set(mask: torch.Tensor, token: int) -> None:
-    """Sets ``token``'s bit in packed ``mask``."""
-    word, bit = divmod(token, 32)
-    _store(mask, word, int(mask[word]) & 0xFFFFFFFF | 1 << bit)
-
-
-def _store(mask: torch.Tensor, word: int, value: int) -> None:
-    """Writes unsigned 32-bit ``value`` into int32 word ``word`` of ``mask``."""
+    value = int(mask[word]) & 0xFFFFFFFF & ~(1 << bit)
     mask[word] = value - (1 << 32) if value >= 1 << 31 else value
 
 
