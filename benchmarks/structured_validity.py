@@ -9,7 +9,12 @@ no cache) is recorded.
 Goal: 100% of the outputs parse and validate, those the budget ended (``length``, closed
 early by ``workers/structured/closing.py``) included; they are listed apart.
 
+``--suite bench-json`` sends ``nalar bench --workload json``'s requests instead (its five
+schemas, about random subjects; ``--requests`` of them per temperature), in this process: the
+same outputs as through HTTP, without a server.
+
     .venv/bin/python benchmarks/structured_validity.py [--requests 2] [--max-tokens 512]
+        [--suite fifty|bench-json]
 """
 
 from __future__ import annotations
@@ -174,6 +179,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=2, help="per schema and temperature")
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--suite", choices=("fifty", "bench-json"), default="fifty")
     parser.add_argument("--out", default=str(common.OUT_DIR / "structured_validity.json"))
     return parser.parse_args(argv)
 
@@ -190,34 +196,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                     kv_cache_bytes=512 << 20))
     tokenizer = engine.tokenizer
     compiler = GrammarCompiler(tokenizer, engine.vocab_size)  # its own: no cache shared
+    schemas, cases = (_bench_json_cases(args.requests) if args.suite == "bench-json"
+                      else _fifty_cases(args.requests))
     compile_s, requests = {}, []
-    for name, schema in SCHEMAS.items():
-        structured = StructuredOutput("json", json.dumps(schema))
+    for name, schema in schemas.items():
         started = time.perf_counter()
-        compiler.compile(structured)
+        compiler.compile(StructuredOutput("json", json.dumps(schema)))
         compile_s[name] = time.perf_counter() - started
+    for case, (name, content, temperature, seed) in enumerate(cases):
         prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": f"Give one realistic example of a {name.replace('_', ' ')}"
-                                         " as JSON."}],
-            add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-        for temperature in (0.0, 1.0):
-            for i in range(args.requests):
-                sampling = SamplingParams(temperature=temperature, seed=i,
-                                          max_tokens=args.max_tokens, structured=structured)
-                requests.append(GenerationRequest(f"{name}|{temperature}|{i}", prompt,
-                                                  sampling))
+            [{"role": "user", "content": content}], add_generation_prompt=True,
+            tokenize=True, return_dict=True)["input_ids"]
+        sampling = SamplingParams(
+            temperature=temperature, seed=seed, max_tokens=args.max_tokens,
+            structured=StructuredOutput("json", json.dumps(schemas[name])))
+        requests.append(GenerationRequest(f"{name}|{temperature}|{case}", prompt, sampling))
     rows = []
     for start in range(0, len(requests), 16):
         batch = requests[start:start + 16]
         for request_id, chunks in engine.generate(batch).items():
             name, temperature, _ = request_id.split("|")
-            rows.append(check(name, float(temperature), chunks))
+            rows.append(check(schemas[name], name, float(temperature), chunks))
         common.log(f"{len(rows)}/{len(requests)}: {sum(r['valid'] for r in rows)} valid")
     valid = sum(r["valid"] for r in rows)
     goals = [common.goal("valid_share", valid / len(rows), 1.0)]
     common.log_goals(goals)
     result = {"benchmark": "structured_validity", "machine": common.machine_info(),
-              "argv": sys.argv, "schemas": len(SCHEMAS), "outputs": len(rows), "valid": valid,
+              "argv": sys.argv, "schemas": len(schemas), "outputs": len(rows), "valid": valid,
               "compile_s": compile_s, "failures": [r for r in rows if not r["valid"]],
               "finish_reasons": {reason: sum(r["finish_reason"] == reason for r in rows)
                                  for reason in ("stop", "length")},
@@ -228,15 +233,39 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
-def check(name: str, temperature: float, chunks: list) -> dict[str, Any]:
-    """Whether one output parses and validates (formats checked); one that ends with
-    ``length`` and is valid was closed early within its budget."""
+def _fifty_cases(requests: int) -> tuple[dict[str, dict], list[tuple[str, str, float, int]]]:
+    """:data:`SCHEMAS`, and ``requests`` cases of each per temperature: (schema name, user
+    message, temperature, seed)."""
+    return SCHEMAS, [
+        (name, f"Give one realistic example of a {name.replace('_', ' ')} as JSON.",
+         temperature, i)
+        for name in SCHEMAS for temperature in (0.0, 1.0) for i in range(requests)]
+
+
+def _bench_json_cases(requests: int) -> tuple[dict[str, dict],
+                                              list[tuple[str, str, float, int]]]:
+    """``nalar bench --workload json``'s schemas, and its first ``requests`` requests at each
+    temperature, as :func:`_fifty_cases` gives them."""
+    from bench.workloads.config import WorkloadConfig
+    from bench.workloads.json_schema import SCHEMAS as BENCH_SCHEMAS
+    from bench.workloads.json_schema import json_sessions
+
+    sessions = json_sessions(WorkloadConfig(name="json"))
+    firsts = [next(sessions).request for _ in range(requests)]
+    return BENCH_SCHEMAS, [
+        (request.response_format["json_schema"]["name"], request.messages[0]["content"],
+         temperature, i)
+        for temperature in (0.0, 1.0) for i, request in enumerate(firsts)]
+
+
+def check(schema: dict, name: str, temperature: float, chunks: list) -> dict[str, Any]:
+    """Whether one output parses and validates against ``schema`` (formats checked); one
+    that ends with ``length`` and is valid was closed early within its budget."""
     text = "".join(chunk.text for chunk in chunks)
     row = {"schema": name, "temperature": temperature, "finish_reason": chunks[-1].finish_reason,
            "tokens": sum(len(chunk.token_ids) for chunk in chunks), "valid": False}
     try:
-        jsonschema.validate(json.loads(text), SCHEMAS[name],
-                            format_checker=jsonschema.FormatChecker())
+        jsonschema.validate(json.loads(text), schema, format_checker=jsonschema.FormatChecker())
         row["valid"] = True
         if row["finish_reason"] == "length":
             row["text"] = text[-120:]

@@ -229,8 +229,8 @@ def test_an_output_about_to_run_past_max_tokens_is_closed_so_it_parses(engine, s
 def test_closing_tokens_are_packed_as_the_sampler_reads_them(engine, smollm):
     """Bit ``t % 32`` of word ``t // 32``, the sign bit included; the preference classes hold
     EOS, then closing quotes, then closing brackets, then those with commas, then what opens
-    nothing, then digits, then a lone opener; whitespace alone and a token opening two levels
-    are in none."""
+    nothing, then digits not led by 0, then those led by 0, then a lone opener; whitespace
+    alone and a token opening two levels are in none."""
     from workers.structured.closing import _first_token, _packed
 
     assert _first_token(_packed([31, 40], 64)) == 31
@@ -247,8 +247,9 @@ def test_closing_tokens_are_packed_as_the_sampler_reads_them(engine, smollm):
     assert all(holds(tiers[2], text) for text in ("}", "]")) and not holds(tiers[1], "}")
     assert holds(tiers[3], "},") and not holds(tiers[2], "},")
     assert all(holds(tiers[4], text) for text in ("a", ":", "Z"))
-    assert holds(tiers[5], "0") and not holds(tiers[4], "0")
-    assert holds(tiers[6], "{") and holds(tiers[6], "[")
+    assert holds(tiers[5], "1") and not holds(tiers[5], "0") and not holds(tiers[4], "1")
+    assert holds(tiers[6], "0")
+    assert holds(tiers[7], "{") and holds(tiers[7], "[")
     assert not any(holds(tier, text) for tier in tiers for text in ("[[", "({", " ", "\n"))
 
 
@@ -262,6 +263,8 @@ def test_closing_tokens_are_packed_as_the_sampler_reads_them(engine, smollm):
     ({"type": "string"}, '"10001, New York', "}"),
     # Closing's path looped in a URI's scheme (a letter after a letter) and so never ended.
     ({"type": "string", "format": "uri"}, '"https', "s"),
+    # In an email's local part ``}`` is text: the path took it as a closer and never ended.
+    ({"type": "string", "format": "email"}, '"ada', "}"),
 ])
 def test_closing_ends_a_value_the_model_would_fill_with_one_token(engine, smollm, field,
                                                                    written, favourite):
@@ -288,6 +291,30 @@ def test_closing_ends_a_value_the_model_would_fill_with_one_token(engine, smollm
         tokens.append(token)
         budget -= 1
     value = json.loads(smollm.tokenizer.decode(tokens))
+    jsonschema.validate(value, schema, format_checker=jsonschema.FormatChecker())
+
+
+@pytest.mark.parametrize("written", ['"', '"ada', '"ada.', '"ada@ex'])
+@pytest.mark.parametrize("string_format", ["date", "date-time", "email", "uri", "ipv4", "uuid",
+                                           "hostname"])
+def test_the_closing_path_of_a_formatted_string_validates(engine, smollm, string_format,
+                                                          written):
+    """The dry run's path from inside a string of each format ends in output that validates
+    with format checks: it backs up from tokens that loop (``}`` and ``.`` in an email's local
+    part, where they are text) and writes no year ``0000`` (which the grammar admits and
+    Python's dates refuse: zeros rank last)."""
+    schema = {"type": "object", "properties": {"value": {"type": "string",
+                                                         "format": string_format}},
+              "required": ["value"], "additionalProperties": False}
+    matcher = engine.grammars.matcher(StructuredOutput("json", json.dumps(schema)))
+    prefix = smollm.tokenizer.encode('{"value": ' + written)
+    if matcher.valid_prefix(prefix) < len(prefix):
+        pytest.skip(f"{written!r} cannot start a {string_format}")
+    for token in prefix:
+        matcher.consume(token)
+    path = matcher._estimate.closing_path(64)  # EOS last, unless the constraint stops
+    assert path is not None and smollm.tokenizer.eos_token_id not in path[:-1]
+    value = json.loads(smollm.tokenizer.decode(prefix + path, skip_special_tokens=True))
     jsonschema.validate(value, schema, format_checker=jsonschema.FormatChecker())
 
 

@@ -25,7 +25,14 @@ import llguidance.hf
 import torch
 
 from contract.request import InvalidRequestError, StructuredOutput
-from workers.structured.closing import ClosingEstimate, ClosingState, ClosingTokens
+from workers.structured.closing import (
+    CLOSING_WINDOW,
+    LOOP_SPAN,
+    ClosingEstimate,
+    ClosingState,
+    ClosingTokens,
+    mask_key,
+)
 from workers.structured.masks import MaskBuffer
 
 MAX_CACHED_GRAMMARS = 256
@@ -119,8 +126,9 @@ class GrammarMatcher:
         self._estimate = ClosingEstimate(matcher, closing_tokens)
         self._mask = MaskBuffer(closing_tokens.vocab_size)
         self._position = 0  # output tokens consumed
-        # Per position: closing's decision, and whether it narrowed that position's mask.
-        self._closing: list[tuple[ClosingState, bool]] = []
+        # Per position: closing's decision, whether it narrowed that position's mask, and
+        # within closing's window the mask's key (to find loops).
+        self._closing: list[tuple[ClosingState, bool, int | None]] = []
         self.steered = False
 
     def allowed(self, budget: int) -> torch.Tensor:
@@ -131,10 +139,13 @@ class GrammarMatcher:
         position = self._position
         del self._closing[position:]  # entries past here were a verification's drafts'
         previous = self._closing[-1][0] if self._closing else ClosingState.start(budget)
-        state = self._estimate.decide(previous, budget)
+        history = [key for _, _, key in self._closing[1 - LOOP_SPAN:] if key is not None]
+        state = self._estimate.decide(previous, budget, history)
         mask = self._mask.fill(self._matcher)
-        narrowed = state.closing and self._estimate.steer(mask, position >= self._min_tokens)
-        self._closing.append((state, narrowed))
+        key = mask_key(mask) if budget <= CLOSING_WINDOW else None
+        narrowed = state.closing and self._estimate.steer(
+            mask, budget, position >= self._min_tokens, history)
+        self._closing.append((state, narrowed, key))
         return mask
 
     def consume(self, token_id: int) -> None:
