@@ -52,6 +52,7 @@ from workers.speculative.decoding import SpeculativeDecoding
 from workers.speculative.proposer import Proposer
 from workers.step_time import AUTO, StepCostModel, StepTimeTarget, auto_target_s
 from workers.structured.grammar import GrammarCompiler
+from workers.structured.masks import PositionMask
 from workers.structured.step_masks import MaskJob, StepMasks
 
 log = logging.getLogger(__name__)
@@ -468,12 +469,13 @@ class LLMEngine:
                 for i, (seq, n) in enumerate(zip(batch.seqs, num_logits, strict=True))
                 if seq.grammar is not None and n}
 
-    def _sampling_row(self, seq: Sequence, allowed: torch.Tensor | None) -> SamplingRow:
+    def _sampling_row(self, seq: Sequence, mask: PositionMask | None) -> SamplingRow:
+        allowed, narrowed = mask if mask is not None else (None, None)
         return SamplingRow(seq.sampling, seq.token_ids, seq.num_prompt_tokens,
-                           seq.stop_token_ids, seq.generator, allowed)
+                           seq.stop_token_ids, seq.generator, allowed, narrowed)
 
     def _verify(self, seq: Sequence, logits: torch.Tensor, step_s: float,
-                masks: list[torch.Tensor] | None) -> GenerationChunk:
+                masks: list[PositionMask] | None) -> GenerationChunk:
         """Commits what verification of ``seq``'s drafts accepts, under its constraint's
         ``masks`` (one per position; None for free text), then retires the rest: the KV of
         rejected drafts lies past ``num_computed_tokens`` (never hashed, overwritten later)
@@ -556,11 +558,11 @@ class LLMEngine:
             if (token.token_id in seq.stop_token_ids
                     and seq.num_output_tokens > sampling.min_tokens):
                 if seq.grammar is not None:
-                    seq.grammar.end()
+                    seq.grammar.end(token.steered)
                 seq.finish(_stop_reason(seq))
                 break
             if seq.grammar is not None:
-                seq.grammar.consume(token.token_id)
+                seq.grammar.consume(token.token_id, token.steered)
             texts.append(detokenizer.add(token.token_id))
             if detokenizer.stopped or (seq.grammar is not None and seq.grammar.is_stopped):
                 seq.finish(_stop_reason(seq))

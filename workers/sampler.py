@@ -19,12 +19,13 @@ only for rows with ``top_p < 1``; ``top_k`` alone uses ``torch.topk``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from contract.request import SamplingParams, TokenLogprob
 from workers import kernels
+from workers.structured.masks import admits
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -45,6 +46,9 @@ class SamplingRow:
         generator: the request's own RNG (seeded requests), or None for the engine's.
         allowed: ``[ceil(V / 32)]`` int32, the tokens a structured-output constraint admits
             next, packed (bit ``t % 32`` of word ``t // 32``); None for free text.
+        narrowed: packed as ``allowed``, the part of it that the constraint's closing admits
+            near the end of the budget; a token drawn outside it is drawn again within it
+            (:class:`~workers.structured.masks.PositionMask`). None where closing is off.
     """
 
     params: SamplingParams
@@ -53,6 +57,7 @@ class SamplingRow:
     stop_token_ids: frozenset[int] = frozenset()
     generator: torch.Generator | None = None
     allowed: torch.Tensor | None = None
+    narrowed: torch.Tensor | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -61,10 +66,16 @@ class SamplingRow:
 
 @dataclass
 class SampledToken:
-    """One row's result: the token and, when asked for, its log-probabilities."""
+    """One row's result: the token and, when asked for, its log-probabilities.
+
+    Attributes:
+        steered: drawn again within the row's ``narrowed`` mask, because the first draw was
+            outside it: the budget, not the model, chose it.
+    """
 
     token_id: int
     logprobs: TokenLogprob | None = None
+    steered: bool = False
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow],
@@ -77,8 +88,24 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
         default_generator: CPU RNG of rows without their own generator.
 
     Returns:
-        ``B`` sampled tokens, with raw-distribution logprobs for rows that asked for them.
+        ``B`` sampled tokens, with raw-distribution logprobs for rows that asked for them;
+        a row with a ``narrowed`` mask whose token fell outside it is drawn again within it.
     """
+    sampled = _sample_allowed(logits, rows, default_generator)
+    redraw = [i for i, (row, token) in enumerate(zip(rows, sampled, strict=True))
+              if row.narrowed is not None and not admits(row.narrowed, token.token_id)]
+    if redraw:
+        again = _sample_allowed(
+            logits[redraw], [replace(rows[i], allowed=rows[i].narrowed) for i in redraw],
+            default_generator)
+        for i, token in zip(redraw, again, strict=True):
+            sampled[i] = replace(token, steered=True)
+    return sampled
+
+
+def _sample_allowed(logits: torch.Tensor, rows: list[SamplingRow],
+                    default_generator: torch.Generator) -> list[SampledToken]:
+    """:func:`sample` within each row's ``allowed`` mask alone."""
     raw_logprobs = _raw_logprobs(logits, rows)
     logits = process_logits(logits, rows)
     tokens = logits.argmax(dim=-1).tolist()

@@ -275,3 +275,30 @@ def test_the_vocabulary_is_sorted_only_when_top_p_needs_it(monkeypatch):
     calls.update(sort=0)
     draw(flat, [SamplingParams(temperature=1.0, top_p=0.9)], [None], default)
     assert calls["sort"] == 1
+
+
+def test_a_draw_outside_the_narrowed_mask_is_drawn_again_within_it():
+    """Closing's ``narrowed`` mask: greedy takes the argmax within it and says it was steered
+    only where the argmax of the wider mask lay outside it; sampled, the draws follow the
+    distribution within it (a first draw that lands there is kept, the rest drawn again),
+    and are steered exactly when the first draw fell outside."""
+    from workers.structured.closing import _packed
+
+    allowed, narrowed = _packed([0, 1, 2, 3], len(LOGITS)), _packed([2, 3], len(LOGITS))
+    greedy = SamplingParams(temperature=0.0)
+    rows = [SamplingRow(greedy, allowed=allowed, narrowed=narrowed),
+            SamplingRow(greedy, allowed=allowed, narrowed=_packed([0, 2], len(LOGITS)))]
+    tokens = sample(LOGITS.expand(2, -1).clone(), rows, torch.Generator().manual_seed(0))
+    assert [(t.token_id, t.steered) for t in tokens] == [(2, True), (0, False)]
+    draws = 20_000
+    params = SamplingParams(temperature=1.0)
+    sampled = sample(LOGITS.expand(draws, -1).clone(),
+                     [SamplingRow(params, allowed=allowed, narrowed=narrowed)] * draws,
+                     torch.Generator().manual_seed(99))
+    counts = np.bincount([t.token_id for t in sampled], minlength=len(LOGITS))
+    want = torch.softmax(LOGITS[[2, 3]].double(), dim=0).numpy()
+    assert counts.sum() == counts[2] + counts[3]
+    assert stats.chisquare(counts[[2, 3]], want * draws).pvalue > 0.001
+    outside = 1 - torch.softmax(LOGITS[:4], dim=0)[2:].sum().item()  # first draw not in 2, 3
+    steered = sum(t.steered for t in sampled)
+    assert abs(steered / draws - outside) < 4 * (outside * (1 - outside) / draws) ** 0.5

@@ -24,6 +24,7 @@ from workers.speculative.controller import DraftLengthController
 from workers.speculative.proposer import ProposalRequest, Proposer
 from workers.speculative.verify import verify_drafts
 from workers.step_time import StepCostModel
+from workers.structured.masks import PositionMask
 
 
 class SpeculativeDecoding:
@@ -81,7 +82,7 @@ class SpeculativeDecoding:
 
     def verify(self, seq: Sequence, logits: torch.Tensor, row: SamplingRow,
                generator: torch.Generator,
-               masks: list[torch.Tensor] | None) -> list[SampledToken]:
+               masks: list[PositionMask] | None) -> list[SampledToken]:
         """The tokens ``seq``'s verification block commits: accepted drafts, then one
         corrected or bonus token (``logits``: ``[len(drafts) + 1, V]``), under its
         structured-output constraint's mask at every position (``masks``, from

@@ -26,11 +26,12 @@ from dataclasses import replace
 import torch
 
 from workers.sampler import SampledToken, SamplingRow, needs_processing, sample
+from workers.structured.masks import PositionMask
 
 
 def verify_drafts(logits: torch.Tensor, drafts: list[int], row: SamplingRow,
                   default_generator: torch.Generator,
-                  masks: list[torch.Tensor] | None = None) -> list[SampledToken]:
+                  masks: list[PositionMask] | None = None) -> list[SampledToken]:
     """The tokens a verification block commits: accepted drafts, then one corrected or bonus
     token.
 
@@ -40,8 +41,8 @@ def verify_drafts(logits: torch.Tensor, drafts: list[int], row: SamplingRow,
         drafts: the proposed tokens.
         row: the sequence's sampling row; ``token_ids`` are its committed tokens.
         default_generator: the engine's RNG, for rows without their own.
-        masks: a structured-output constraint's packed mask at each position (``len(drafts)
-            + 1``; :meth:`GrammarMatcher.masks_along`), so each position samples from the
+        masks: a structured-output constraint's masks at each position (``len(drafts) + 1``;
+            :meth:`GrammarMatcher.masks_along`), so each position samples from the
             constrained target distribution; None for free text.
 
     Returns:
@@ -54,8 +55,9 @@ def verify_drafts(logits: torch.Tensor, drafts: list[int], row: SamplingRow,
     history = list(row.token_ids)
     committed: list[SampledToken] = []
     for j in range(len(drafts) + 1):
-        position = replace(row, token_ids=history,
-                           allowed=masks[j] if masks is not None else row.allowed)
+        position = replace(row, token_ids=history)
+        if masks is not None:
+            position = replace(position, allowed=masks[j].allowed, narrowed=masks[j].narrowed)
         token = sample(logits[j:j + 1], [position], default_generator)[0]
         committed.append(token)
         if j == len(drafts) or token.token_id != drafts[j]:

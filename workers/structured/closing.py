@@ -38,7 +38,7 @@ import llguidance
 import numpy as np
 import torch
 
-from workers.structured.masks import MaskBuffer
+from workers.structured.masks import MaskBuffer, admits
 
 CLOSING_WINDOW = 256
 """Tokens: closing is considered only this near the end of the budget (a deep recursive tree
@@ -278,26 +278,26 @@ class ClosingEstimate:
                 _clear(left, token)
 
     def steer(self, mask: torch.Tensor, budget: int, may_end: bool,
-              history: Sequence[int] = ()) -> bool:
-        """Narrows packed ``mask`` in place at a position where closing is on, with
+              history: Sequence[int] = ()) -> torch.Tensor | None:
+        """What closing admits of packed ``mask`` at a position where it is on, with
         ``budget`` tokens left after the positions whose :func:`mask_key` are ``history``:
-        to its first preference class (EOS's only where the output
-        ``may_end``), within which the model chooses; but to the closing path's one token
-        where that is not the class's first, or the class may loop (what opens nothing, and
-        digits: free within them, the model went on in a date-time's fraction or a URI's
-        scheme to ``max_tokens``). Returns whether anything was taken away."""
-        full = mask.clone()
-        tier, changed = self._tokens.narrow(mask, may_end)
+        the first preference class (EOS's only where the output ``may_end``), within which
+        the model chooses; but the closing path's one token where that is not the class's
+        first, or the class may loop (what opens nothing, and digits: free within them, the
+        model went on in a date-time's fraction or a URI's scheme to ``max_tokens``). None
+        where that takes nothing away."""
+        narrowed = mask.clone()
+        tier, changed = self._tokens.narrow(narrowed, may_end)
+        kept = narrowed if changed else None
         if tier is None or tier == 0:
-            return changed
+            return kept
         path = self.closing_path(min(budget, CLOSING_WINDOW), history)
-        if not path or _holds(self._tokens.tiers[0], path[0]):  # none, or EOS before
-            return changed                                        # min_tokens: the class
-        if tier < FIRST_OPEN_ENDED_TIER and path[0] == _first_token(mask):
-            return changed
-        mask.copy_(_packed([path[0]], self._tokens.vocab_size))
-        return not torch.equal(mask, full)
-
+        if not path or admits(self._tokens.tiers[0], path[0]):  # none, or EOS before
+            return kept                                           # min_tokens: the class
+        if tier < FIRST_OPEN_ENDED_TIER and path[0] == _first_token(narrowed):
+            return kept
+        only = _packed([path[0]], self._tokens.vocab_size)
+        return None if torch.equal(only, mask) else only
 
 
 def _first_token(mask: torch.Tensor) -> int:
@@ -312,11 +312,6 @@ def _clear(mask: torch.Tensor, token: int) -> None:
     word, bit = divmod(token, 32)
     value = int(mask[word]) & 0xFFFFFFFF & ~(1 << bit)
     mask[word] = value - (1 << 32) if value >= 1 << 31 else value
-
-
-def _holds(mask: torch.Tensor, token: int) -> bool:
-    """Whether ``token``'s bit is set in packed ``mask``."""
-    return bool((int(mask[token // 32]) >> (token % 32)) & 1)
 
 
 def mask_key(mask: torch.Tensor) -> int:

@@ -22,7 +22,6 @@ from collections import OrderedDict
 
 import llguidance
 import llguidance.hf
-import torch
 
 from contract.request import InvalidRequestError, StructuredOutput
 from workers.structured.closing import (
@@ -33,7 +32,7 @@ from workers.structured.closing import (
     ClosingTokens,
     mask_key,
 )
-from workers.structured.masks import MaskBuffer
+from workers.structured.masks import MaskBuffer, PositionMask
 
 MAX_CACHED_GRAMMARS = 256
 """Compiled constraints kept per engine, least recently used dropped first."""
@@ -114,8 +113,8 @@ class GrammarMatcher:
             closing does not narrow a mask to EOS alone where the sampler forbids it.
 
     Attributes:
-        steered: a committed token was chosen under closing's narrower mask, so the output
-            was ended short of where the model would have taken it.
+        steered: closing chose a committed token where the model would have chosen another,
+            so the output was ended short of where the model would have taken it.
     """
 
     def __init__(self, matcher: llguidance.LLMatcher, closing_tokens: ClosingTokens,
@@ -126,30 +125,30 @@ class GrammarMatcher:
         self._estimate = ClosingEstimate(matcher, closing_tokens)
         self._mask = MaskBuffer(closing_tokens.vocab_size)
         self._position = 0  # output tokens consumed
-        # Per position: closing's decision, whether it narrowed that position's mask, and
-        # within closing's window the mask's key (to find loops).
-        self._closing: list[tuple[ClosingState, bool, int | None]] = []
+        # Per position: closing's decision, and within closing's window the key of the
+        # position's mask (to find loops).
+        self._closing: list[tuple[ClosingState, int | None]] = []
         self.steered = False
 
-    def allowed(self, budget: int) -> torch.Tensor:
-        """``[ceil(V / 32)]`` int32: the tokens the constraint admits next (EOS only where it
-        may end), packed: bit ``t % 32`` of word ``t // 32``; narrowed to closing tokens from
-        where closing must start with ``budget`` tokens left to produce (``closing.py``). The
-        matcher's own buffer, rewritten by the next call."""
+    def allowed(self, budget: int) -> PositionMask:
+        """What the constraint admits next, with ``budget`` tokens left to produce: its
+        tokens (EOS only where it may end) and, from where closing must start, the part of
+        them closing admits (``closing.py``). ``allowed`` is the matcher's own buffer,
+        rewritten by the next call."""
         position = self._position
         del self._closing[position:]  # entries past here were a verification's drafts'
         previous = self._closing[-1][0] if self._closing else ClosingState.start(budget)
-        history = [key for _, _, key in self._closing[1 - LOOP_SPAN:] if key is not None]
+        history = [key for _, key in self._closing[1 - LOOP_SPAN:] if key is not None]
         state = self._estimate.decide(previous, budget, history)
         mask = self._mask.fill(self._matcher)
-        key = mask_key(mask) if budget <= CLOSING_WINDOW else None
-        narrowed = state.closing and self._estimate.steer(
-            mask, budget, position >= self._min_tokens, history)
-        self._closing.append((state, narrowed, key))
-        return mask
+        self._closing.append((state, mask_key(mask) if budget <= CLOSING_WINDOW else None))
+        if not state.closing:
+            return PositionMask(mask)
+        return PositionMask(mask, self._estimate.steer(mask, budget,
+                                                       position >= self._min_tokens, history))
 
-    def consume(self, token_id: int) -> None:
-        """Advance over a committed token.
+    def consume(self, token_id: int, steered: bool = False) -> None:
+        """Advance over a committed token (:meth:`end` says what ``steered`` is).
 
         Raises:
             RuntimeError: the constraint rejects it (the sampler masked it: a defect).
@@ -157,34 +156,33 @@ class GrammarMatcher:
         if not self._matcher.consume_token(token_id):
             raise RuntimeError(f"the constraint rejected token {token_id}: "
                                f"{self._matcher.get_error()}")
-        self.end()
+        self.end(steered)
         self._position += 1
 
-    def end(self) -> None:
-        """A token was sampled here under this position's mask (EOS, which ends the sequence
-        and is never consumed, or one :meth:`consume` takes): :attr:`steered` if closing
-        narrowed that mask."""
-        position = self._position
-        self.steered |= position < len(self._closing) and self._closing[position][1]
+    def end(self, steered: bool = False) -> None:
+        """A token was committed here (EOS, which ends the sequence and is never consumed,
+        or one :meth:`consume` takes): :attr:`steered` from now on if closing chose it (the
+        sampler's first draw fell outside the position's ``narrowed`` mask)."""
+        self.steered |= steered
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many leading ``tokens`` the constraint admits from here (nothing consumed):
         where a draft is cut before verification."""
         return self._matcher.validate_tokens(tokens)
 
-    def masks_along(self, tokens: list[int], budget: int) -> list[torch.Tensor]:
-        """The packed masks at each of the ``len(tokens) + 1`` positions of a verification
-        block: here, then after each of ``tokens`` (which the constraint must admit, see
-        :meth:`valid_prefix`), with ``budget`` tokens left to produce here. The matcher is
-        rolled back to where it was."""
-        steered = self.steered
-        masks = [self.allowed(budget).clone()]
-        for i, token in enumerate(tokens, start=1):
-            self.consume(token)
-            masks.append(self.allowed(budget - i).clone())
+    def masks_along(self, tokens: list[int], budget: int) -> list[PositionMask]:
+        """The masks at each of the ``len(tokens) + 1`` positions of a verification block:
+        here, then after each of ``tokens`` (which the constraint must admit, see
+        :meth:`valid_prefix`), with ``budget`` tokens left to produce here; each its own
+        copy. The matcher is rolled back to where it was."""
+        masks = []
+        for i, token in enumerate([*tokens, None]):
+            here = self.allowed(budget - i)
+            masks.append(here._replace(allowed=here.allowed.clone()))
+            if token is not None:
+                self.consume(token)
         self._matcher.rollback(len(tokens))
         self._position -= len(tokens)
-        self.steered = steered
         return masks
 
     @property

@@ -23,9 +23,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
-import torch
-
 from workers.structured.grammar import GrammarMatcher
+from workers.structured.masks import PositionMask
 
 MaskJob = dict[int, tuple[GrammarMatcher, list[int], int]]
 """Per row of a step (its index in the batch): the matcher, the drafts it verifies (none for a
@@ -46,10 +45,10 @@ class StepMasks:
         self._thread: ThreadPoolExecutor | None = None
 
     def start(self, job: MaskJob, beside: Callable[[], bool]
-              ) -> Future[dict[int, list[torch.Tensor]]] | None:
+              ) -> Future[dict[int, list[PositionMask]]] | None:
         """Starts computing the masks of ``job``'s rows; None when it has none. The future's
         result maps each row to :meth:`GrammarMatcher.masks_along` of its drafts: ``len(drafts)
-        + 1`` packed ``[ceil(V / 32)]`` int32 masks. It raises what a matcher raised.
+        + 1`` position masks. It raises what a matcher raised.
 
         Args:
             job: the step's constrained rows.
@@ -64,7 +63,7 @@ class StepMasks:
             if self._thread is None:
                 self._thread = ThreadPoolExecutor(1, thread_name_prefix="nalar-masks")
             return self._thread.submit(_masks, job)
-        done: Future[dict[int, list[torch.Tensor]]] = Future()
+        done: Future[dict[int, list[PositionMask]]] = Future()
         try:
             done.set_result(_masks(job))
         except Exception as exc:  # raised where the caller reads the result, as a thread's
@@ -79,6 +78,6 @@ class StepMasks:
             wait([pending])
 
 
-def _masks(job: MaskJob) -> dict[int, list[torch.Tensor]]:
+def _masks(job: MaskJob) -> dict[int, list[PositionMask]]:
     return {row: matcher.masks_along(drafts, budget)
             for row, (matcher, drafts, budget) in job.items()}
