@@ -319,6 +319,37 @@ def test_the_closing_path_of_a_formatted_string_validates(engine, smollm, string
     jsonschema.validate(value, schema, format_checker=jsonschema.FormatChecker())
 
 
+@pytest.mark.parametrize(("budget", "held"), [(12, True), (60, False)])
+def test_an_opener_is_held_back_only_where_what_it_opens_cannot_close(engine, smollm, budget,
+                                                                      held):
+    """After an array item, ``,`` would open another of three required keys: with 12 tokens
+    left it could not be closed, so closing's mask holds back every token with a ``,``,
+    ``[`` or ``{`` (and keeps ``]``); with 60 left it leaves the position alone. The
+    constraint's own mask is untouched either way: the sampler draws again only if the
+    model reaches for one."""
+    item = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 8},
+                                             "b": {"type": "integer"},
+                                             "c": {"type": "string", "maxLength": 8}},
+            "required": ["a", "b", "c"], "additionalProperties": False}
+    schema = {"type": "object", "properties": {"items": {"type": "array", "items": item}},
+              "required": ["items"], "additionalProperties": False}
+    matcher = engine.grammars.matcher(StructuredOutput("json", json.dumps(schema)))
+    for token in smollm.tokenizer.encode('{"items": [{"a": "x", "b": 1, "c": "y"}'):
+        matcher.consume(token)
+    allowed, narrowed = matcher.allowed(budget)
+
+    def admitted(mask, text):
+        (token,) = smollm.tokenizer.encode(text)
+        return bool((int(mask[token // 32]) >> (token % 32)) & 1)
+
+    openers = engine.grammars.closing_tokens.openers
+    assert admitted(allowed, ",") and admitted(allowed, "]") and admitted(openers, ",")
+    assert (narrowed is not None) == held
+    if held:
+        assert admitted(narrowed, "]") and not (narrowed & openers).any()
+        assert torch.equal(narrowed, allowed & ~openers)
+
+
 def test_closing_waits_for_min_tokens_before_it_offers_eos(engine, smollm):
     """Before ``min_tokens`` the sampler forbids EOS, so closing must not narrow a mask to EOS
     alone there (the row had no token left, and the step failed): the closed number is

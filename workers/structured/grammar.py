@@ -143,7 +143,7 @@ class GrammarMatcher:
         mask = self._mask.fill(self._matcher)
         self._closing.append((state, mask_key(mask) if budget <= CLOSING_WINDOW else None))
         if not state.closing:
-            return PositionMask(mask)
+            return PositionMask(mask, self._estimate.hold_openers(mask, state, budget, history))
         return PositionMask(mask, self._estimate.steer(mask, budget,
                                                        position >= self._min_tokens, history))
 
