@@ -127,6 +127,12 @@ class ClosingTokens:
         """The packed preference classes."""
         return self._sorted[0]
 
+    @functools.cached_property
+    def stack(self) -> np.ndarray:
+        """``[len(tiers), ceil(V / 32)]`` int32: :attr:`tiers` as one array, for a dry run
+        to find a position's classes in one operation."""
+        return np.stack([tier.numpy() for tier in self.tiers])
+
     @property
     def openers(self) -> torch.Tensor:
         """Packed, the tokens holding a ``,``, ``[`` or ``{``: what may open another item,
@@ -245,15 +251,17 @@ class ClosingEstimate:
                 or budget - state.estimate - state.margin > OPENER_REACH
                 or self._matcher.is_accepting()):
             return None
-        openers = mask & self._tokens.openers
+        openers = mask.numpy() & self._tokens.openers.numpy()
         held = mask & ~self._tokens.openers
-        closers = self._tokens.tiers[0] | self._tokens.tiers[1] | self._tokens.tiers[2]
-        if not openers.any() or not (held & closers).any():
-            return None
+        if not openers.any() or not (held.numpy() & self._tokens.stack[:3]).any():
+            return None  # none here, or one must come (no closer may)
         if not self._matcher.consume_token(_first_token(openers)):
             return None
+        key = mask_key(mask.numpy())
         try:
-            after = self.closing_path(budget - 1 - state.margin, [*history, mask_key(mask)])
+            if mask_key(self._after.fill(self._matcher).numpy()) == key:
+                return None  # text, inside a string: it opened nothing
+            after = self.closing_path(budget - 1 - state.margin, [*history, key])
         finally:
             self._matcher.rollback(1)
         return held if after is None else None
@@ -281,7 +289,7 @@ class ClosingEstimate:
         inside an array item and after the array, ``,`` may come), so only nearby positions
         are compared. After :data:`SEARCH_TRIES` tokens tried, it takes each position's
         first."""
-        mask = self._scratch.fill(self._matcher).clone()
+        mask = self._scratch.fill(self._matcher).numpy().copy()
         recent = collections.deque([*history, mask_key(mask)], maxlen=LOOP_SPAN)
         tries = SEARCH_TRIES
         path: list[int] = []  # consumed, so EOS is never in it
@@ -289,7 +297,7 @@ class ClosingEstimate:
             while not self._matcher.is_stopped():
                 if len(path) == limit:
                     return None
-                ending = mask & self._tokens.tiers[0]
+                ending = mask & self._tokens.stack[0]
                 if ending.any():
                     return [*path, _first_token(ending)]
                 step = self._next_step(mask, recent, max(1, min(BRANCH_TRIES, tries)))
@@ -303,19 +311,19 @@ class ClosingEstimate:
         finally:
             self._matcher.rollback(len(path))
 
-    def _next_step(self, mask: torch.Tensor, recent: collections.deque[int],
-                   tries: int) -> tuple[int, torch.Tensor, int] | None:
+    def _next_step(self, mask: np.ndarray, recent: collections.deque[int],
+                   tries: int) -> tuple[int, np.ndarray, int] | None:
         """Consumes the closing path's token at a position whose packed ``mask`` is given,
         after the positions whose masks are ``recent`` (this one's last), trying at most
         ``tries`` tokens (:meth:`closing_path`). Returns the token, the mask after it and
         the tokens tried; None where the matcher takes none."""
-        looping: tuple[int, torch.Tensor] | None = None
+        looping: tuple[int, np.ndarray] | None = None
         tried = 0
         for token in itertools.islice(self._candidates(mask), tries):
             tried += 1
             if not self._matcher.consume_token(token):
                 continue
-            after = self._after.fill(self._matcher).clone()
+            after = self._after.fill(self._matcher).numpy().copy()
             if self._matcher.is_stopped() or mask_key(after) not in recent:
                 return token, after, tried
             self._matcher.rollback(1)
@@ -325,15 +333,16 @@ class ClosingEstimate:
         self._matcher.consume_token(looping[0])
         return (*looping, tried)
 
-    def _candidates(self, mask: torch.Tensor) -> Iterator[int]:
+    def _candidates(self, mask: np.ndarray) -> Iterator[int]:
         """The tokens of packed ``mask`` in closing's order: its preference classes after
         EOS's, lowest id first within each."""
-        for tier in self._tokens.tiers[1:]:
-            left = mask & tier
-            while left.any():
-                token = _first_token(left)
-                yield token
-                _clear(left, token)
+        for tier in self._tokens.stack[1:] & mask:
+            for word in np.flatnonzero(tier):
+                bits = int(tier[word]) & 0xFFFFFFFF
+                while bits:
+                    lowest = bits & -bits
+                    yield int(word) * 32 + lowest.bit_length() - 1
+                    bits ^= lowest
 
     def steer(self, mask: torch.Tensor, budget: int, may_end: bool,
               history: Sequence[int] = ()) -> torch.Tensor | None:
@@ -352,29 +361,22 @@ class ClosingEstimate:
         path = self.closing_path(min(budget, CLOSING_WINDOW), history)
         if not path or admits(self._tokens.tiers[0], path[0]):  # none, or EOS before
             return kept                                           # min_tokens: the class
-        if tier < FIRST_OPEN_ENDED_TIER and path[0] == _first_token(narrowed):
+        if tier < FIRST_OPEN_ENDED_TIER and path[0] == _first_token(narrowed.numpy()):
             return kept
         only = _packed([path[0]], self._tokens.vocab_size)
         return None if torch.equal(only, mask) else only
 
 
-def _first_token(mask: torch.Tensor) -> int:
+def _first_token(mask: np.ndarray) -> int:
     """The lowest token id set in packed ``mask`` (which has one)."""
-    word = int(mask.nonzero()[0, 0])
+    word = int(np.flatnonzero(mask)[0])
     bits = int(mask[word]) & 0xFFFFFFFF
     return word * 32 + (bits & -bits).bit_length() - 1
 
 
-def _clear(mask: torch.Tensor, token: int) -> None:
-    """Unsets ``token``'s bit in packed ``mask`` (int32 words: bit 31 is the sign)."""
-    word, bit = divmod(token, 32)
-    value = int(mask[word]) & 0xFFFFFFFF & ~(1 << bit)
-    mask[word] = value - (1 << 32) if value >= 1 << 31 else value
-
-
-def mask_key(mask: torch.Tensor) -> int:
+def mask_key(mask: np.ndarray) -> int:
     """A hash of packed ``mask``, to compare positions by (:meth:`ClosingEstimate.closing_path`)."""
-    return hash(mask.numpy().tobytes())
+    return hash(mask.tobytes())
 
 
 def _packed(token_ids: list[int], vocab_size: int) -> torch.Tensor:

@@ -141,7 +141,7 @@ class GrammarMatcher:
         history = [key for _, key in self._closing[1 - LOOP_SPAN:] if key is not None]
         state = self._estimate.decide(previous, budget, history)
         mask = self._mask.fill(self._matcher)
-        self._closing.append((state, mask_key(mask) if budget <= CLOSING_WINDOW else None))
+        self._closing.append((state, mask_key(mask.numpy()) if budget <= CLOSING_WINDOW else None))
         if not state.closing:
             return PositionMask(mask, self._estimate.hold_openers(mask, state, budget, history))
         return PositionMask(mask, self._estimate.steer(mask, budget,
