@@ -295,9 +295,10 @@ def test_closing_ends_a_value_the_model_would_fill_with_one_token(engine, smollm
     jsonschema.validate(value, schema, format_checker=jsonschema.FormatChecker())
 
 
-@pytest.mark.parametrize("written", ['"', '"ada', '"ada.', '"ada@ex'])
-@pytest.mark.parametrize("string_format", ["date", "date-time", "email", "uri", "ipv4", "uuid",
-                                           "hostname"])
+@pytest.mark.parametrize(("string_format", "written"), [
+    ("date", '"'), ("date-time", '"'), ("date-time", '"2022-01-01T00:00:00.000'),
+    ("email", '"'), ("email", '"ada'), ("email", '"ada.'), ("email", '"ada@ex'), ("uri", '"'),
+    ("uri", '"https'), ("ipv4", '"'), ("uuid", '"a'), ("hostname", '"ex')])
 def test_the_closing_path_of_a_formatted_string_validates(engine, smollm, string_format,
                                                           written):
     """The dry run's path from inside a string of each format ends in output that validates
@@ -309,8 +310,6 @@ def test_the_closing_path_of_a_formatted_string_validates(engine, smollm, string
               "required": ["value"], "additionalProperties": False}
     matcher = engine.grammars.matcher(StructuredOutput("json", json.dumps(schema)))
     prefix = smollm.tokenizer.encode('{"value": ' + written)
-    if matcher.valid_prefix(prefix) < len(prefix):
-        pytest.skip(f"{written!r} cannot start a {string_format}")
     for token in prefix:
         matcher.consume(token)
     path = matcher._estimate.closing_path(64)  # EOS last, unless the constraint stops
