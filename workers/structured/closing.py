@@ -5,25 +5,32 @@ an open object), and a model can loop inside one: greedy SmolLM2 writes ``0000â€
 until the budget cuts it, leaving a prefix that does not parse. So in the last stretch of the
 budget, dry runs of the matcher estimate how many tokens closing the output would take, along a
 path that prefers tokens which end things (EOS, then closing quotes, then closing brackets,
-then separators, then tokens that open nothing, then digits) and backs up from tokens that
-loop. Once that estimate no longer fits in what is left, the step admits only the first
-preference class the constraint allows, and the model still chooses within it (only the path's
-token, where that class may loop or the path skips its first token). Closing then stays on to
-the end. The dry runs come more often as the estimate nears what is left, so an
-output far from its end costs one now and then. Each
-decision depends only on the tokens before its position, so a verification's drafts get the
-masks a plain step would give them.
+then separators, then tokens that open nothing, then digits) and passes over tokens that
+loop. The dry runs come more often as the estimate nears what is left, so an output far from
+its end costs one now and then.
+
+- Once the estimate no longer fits in what is left, closing admits only the first preference
+  class the constraint allows, to the end. The model still chooses within it, except where
+  the class may loop or the path passes over the class's first token: there only the path's
+  token.
+- Before that, near the end, a position where a token could open more than the budget can
+  close (a ``,``, ``[`` or ``{``) holds such tokens back, where a closer may come instead.
+
+Either way closing gives a second mask beside the constraint's (``PositionMask.narrowed``):
+the sampler draws within the constraint and draws again within closing's mask only where the
+first token is not in it. An output whose token closing so chose ends with ``finish_reason``
+``length``: it parses, but the model was stopped short. Each decision depends only on the
+tokens before its position, so a verification's drafts get the masks a plain step would give
+them.
 
 A position where the output may already end (its matcher accepts) is never steered: cut there,
 it is whole. That leaves free text alone (``tool_choice`` ``auto``'s text before a call), which
 the margin would otherwise end with EOS well before the budget.
 
-The estimate is the length of a searched path (single characters first), not of the shortest
-completion. Where the path does
-not fit in the budget at all, closing leaves the model free (steering could not save the output)
-and looks again later; such an output, or one whose every completion is longer than the budget
-(a long ``minLength``), still ends cut. An output the closing steered ends with
-``finish_reason`` ``length``: it parses, but the model was stopped short.
+The estimate is the length of a greedy path (lowest ids, so single characters, first), not of
+the shortest completion. Where the path does not fit in the budget at all, closing leaves the
+model free (steering could not save the output) and looks again later; such an output, or one
+whose every completion is longer than the budget (a long ``minLength``), still ends cut.
 """
 
 from __future__ import annotations
