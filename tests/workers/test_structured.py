@@ -229,8 +229,8 @@ def test_an_output_about_to_run_past_max_tokens_is_closed_so_it_parses(engine, s
 def test_closing_tokens_are_packed_as_the_sampler_reads_them(engine, smollm):
     """Bit ``t % 32`` of word ``t // 32``, the sign bit included; the preference classes hold
     EOS, then closing quotes, then closing brackets, then those with commas, then what opens
-    nothing, then digits not led by 0, then those led by 0, then a lone opener; whitespace
-    alone and a token opening two levels are in none."""
+    nothing, then digits not led by 0, then those led by 0, then a lone opener, then the rest
+    (whitespace alone, a token opening two levels)."""
     from workers.structured.closing import _first_token, _packed
 
     assert _first_token(_packed([31, 40], 64)) == 31
@@ -250,7 +250,9 @@ def test_closing_tokens_are_packed_as_the_sampler_reads_them(engine, smollm):
     assert holds(tiers[5], "1") and not holds(tiers[5], "0") and not holds(tiers[4], "1")
     assert holds(tiers[6], "0")
     assert holds(tiers[7], "{") and holds(tiers[7], "[")
-    assert not any(holds(tier, text) for tier in tiers for text in ("[[", "({", " ", "\n"))
+    rest = ("[[", "({", " {}", " ", "\n")  # taken only where nothing else may come
+    assert all(holds(tiers[8], text) for text in rest)
+    assert not any(holds(tier, text) for tier in tiers[:8] for text in rest)
 
 
 @pytest.mark.parametrize(("field", "written", "favourite"), [
@@ -318,22 +320,28 @@ def test_the_closing_path_of_a_formatted_string_validates(engine, smollm, string
     jsonschema.validate(value, schema, format_checker=jsonschema.FormatChecker())
 
 
-@pytest.mark.parametrize(("budget", "held"), [(12, True), (60, False)])
-def test_an_opener_is_held_back_only_where_what_it_opens_cannot_close(engine, smollm, budget,
-                                                                      held):
-    """After an array item, ``,`` would open another of three required keys: with 12 tokens
-    left it could not be closed, so closing's mask holds back every token with a ``,``,
-    ``[`` or ``{`` (and keeps ``]``); with 60 left it leaves the position alone. The
-    constraint's own mask is untouched either way: the sampler draws again only if the
-    model reaches for one."""
-    item = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 8},
-                                             "b": {"type": "integer"},
-                                             "c": {"type": "string", "maxLength": 8}},
-            "required": ["a", "b", "c"], "additionalProperties": False}
+@pytest.mark.parametrize(("formatted", "written", "budget", "held"), [
+    (False, '{"items": [{"a": "x", "b": 1, "c": "y"}', 12, True),
+    (False, '{"items": [{"a": "x", "b": 1, "c": "y"}', 60, False),
+    # Regression (a fresh user, cut at 96 tokens): the first item of four date-times takes
+    # about 80 tokens to close, far beyond the slack at which openers used to be checked.
+    (True, '{"items": [', 64, True)])
+def test_an_opener_is_held_back_only_where_what_it_opens_cannot_close(
+        engine, smollm, formatted, written, budget, held):
+    """Where ``,`` (or ``{``) would open another item of required keys that the tokens left
+    could not close, closing's mask holds back every token with a ``,``, ``[`` or ``{`` and
+    keeps ``]``; where it fits, closing leaves the position alone. The constraint's own mask
+    is untouched either way: the sampler draws again only if the model reaches for one."""
+    field = ({"type": "string", "format": "date-time"} if formatted
+             else {"type": "string", "maxLength": 8})
+    item = {"type": "object", "properties": {"a": field, "b": {"type": "integer"}, "c": field}
+            | ({"d": field, "e": field} if formatted else {}),
+            "required": ["a", "b", "c", *(["d", "e"] if formatted else [])],
+            "additionalProperties": False}
     schema = {"type": "object", "properties": {"items": {"type": "array", "items": item}},
               "required": ["items"], "additionalProperties": False}
     matcher = engine.grammars.matcher(StructuredOutput("json", json.dumps(schema)))
-    for token in smollm.tokenizer.encode('{"items": [{"a": "x", "b": 1, "c": "y"}'):
+    for token in smollm.tokenizer.encode(written):
         matcher.consume(token)
     allowed, narrowed = matcher.allowed(budget)
 
@@ -342,11 +350,41 @@ def test_an_opener_is_held_back_only_where_what_it_opens_cannot_close(engine, sm
         return bool((int(mask[token // 32]) >> (token % 32)) & 1)
 
     openers = engine.grammars.closing_tokens.openers
-    assert admitted(allowed, ",") and admitted(allowed, "]") and admitted(openers, ",")
+    assert admitted(allowed, "]") and (allowed & openers).any()
     assert (narrowed is not None) == held
     if held:
         assert admitted(narrowed, "]") and not (narrowed & openers).any()
         assert torch.equal(narrowed, allowed & ~openers)
+
+
+TREE = {"$defs": {"node": {"type": "object", "properties": {
+    "name": {"type": "string"}, "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+    "required": ["name", "children"], "additionalProperties": False}}, "$ref": "#/$defs/node"}
+
+
+def test_the_closing_path_closes_a_deep_tree_and_a_call_without_parameters(engine, smollm):
+    """Regressions (a fresh user through HTTP, outputs cut unparsed at 96 and 48 tokens):
+    closing a tree alternates two masks (`]` then `}`), which the path took for a loop and
+    opened another node instead; and a tool without parameters admits `` {}`` alone, which
+    was in no preference class, so the path ended there."""
+    from router.api.tool_formats import SMOLLM2
+    from router.protocol import ToolDefinition
+
+    tree = engine.grammars.matcher(StructuredOutput("json", json.dumps(TREE)))
+    prefix = smollm.tokenizer.encode('{"name": "a", "children": [{"name": "b", "children": '
+                                     '[{"name": "c", "children": [')
+    for token in prefix:
+        tree.consume(token)
+    path = tree._estimate.closing_path(64)
+    text = smollm.tokenizer.decode(prefix + path, skip_special_tokens=True)
+    assert text.endswith('[]}]}]}') and jsonschema.validate(json.loads(text), TREE) is None
+    tool = ToolDefinition.model_validate({"type": "function", "function": {"name": "now"}})
+    calls = engine.grammars.matcher(StructuredOutput("grammar", SMOLLM2.grammar([tool], True)))
+    prefix = smollm.tokenizer.encode('<tool_call>[{"name": "now", "arguments":')
+    for token in prefix:
+        calls.consume(token)
+    path = calls._estimate.closing_path(64)
+    assert smollm.tokenizer.decode(path, skip_special_tokens=True) == " {}}]</tool_call>"
 
 
 def test_closing_waits_for_min_tokens_before_it_offers_eos(engine, smollm):

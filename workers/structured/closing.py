@@ -62,10 +62,6 @@ RECHECK_UNFIT = 16
 """Tokens between dry runs while the closing path does not fit in the budget at all."""
 SEARCH_TRIES = 256
 """Tokens a dry run may try for loops in all (each costs a mask, about 20 µs)."""
-OPENER_REACH = 32
-"""Tokens of slack (over the estimate and the margin) within which openers are checked at
-each position (:meth:`ClosingEstimate.hold_openers`): a new item of a few required keys takes
-15 to 25 tokens to close."""
 LOOP_SPAN = 2
 """Positions a dry run compares a token's mask with to take it for a loop: the token's own
 and the one before (``.`` then ``}`` in an email's local part). Three took the tens of a
@@ -77,21 +73,23 @@ thousands of words are allowed, and the single characters, which come first, hol
 on."""
 FIRST_OPEN_ENDED_TIER = 4
 """Index in :attr:`ClosingTokens.tiers` of the first class that may loop (what opens nothing,
-then digits, then an opener): closing leaves the model free within a class before it, which
-the closing path's token moves on from, and forces the path's token from this one on."""
+then digits, then an opener, then the rest): closing leaves the model free within a class
+before it, which the closing path's token moves on from, and forces the path's token from
+this one on."""
 CLOSERS = frozenset('"}])')
 SEPARATORS = frozenset(",")
 OPENERS = frozenset("{[(")
 OPENS_MORE = frozenset(",[{")
 
 
-def _closing_class(text: str) -> int | None:
+def _closing_class(text: str) -> int:
     """Where a token of (stripped) ``text`` ranks when closing, EOS being first: 0 made only
     of closers and starting with a quote, 1 the other tokens made only of closers, 2 of
     closers and separators, 3 anything else that opens nothing, 4 digits alone not led by
-    ``0``, 5 those led by ``0``, 6 a single opener (a value that must be an array); None
-    otherwise: whitespace alone, and a token that opens structure and then some, are never
-    closing choices.
+    ``0``, 5 those led by ``0``, 6 a single opener (a value that must be an array), 7 the
+    rest: whitespace alone, and tokens that open structure and then some, taken only where
+    nothing else may come (a tool without parameters admits `` {}`` alone for its arguments,
+    and with no class for it the path ended there, and the output was cut).
 
     A quote ranks first because inside a string ``}`` and ``]`` are text: steered to every
     closer, greedy SmolLM2 wrote ``}}}}…`` inside an open string to ``max_tokens``. Digits
@@ -103,7 +101,7 @@ def _closing_class(text: str) -> int | None:
     200 outputs of the fifty-schema suite held one."""
     chars = set(text)
     if not chars:
-        return None
+        return 7
     if chars <= CLOSERS:
         return 0 if text.startswith('"') else 1
     if chars <= CLOSERS | SEPARATORS:
@@ -112,13 +110,14 @@ def _closing_class(text: str) -> int | None:
         return 5 if text.startswith("0") else 4
     if not chars & OPENERS:
         return 3
-    return 6 if len(text) == 1 else None
+    return 6 if len(text) == 1 else 7
 
 
 class ClosingTokens:
     """The tokens that end structure, by preference, packed as the sampler's masks are
     (bit ``t % 32`` of int32 word ``t // 32``): EOS first, then the classes of
-    :func:`_closing_class`. A position where none is allowed keeps its whole mask.
+    :func:`_closing_class`. Special tokens other than EOS are in none: a position that
+    allows only those keeps its whole mask.
 
     Args:
         tokenizer: llguidance's tokenizer of the model.
@@ -150,14 +149,12 @@ class ClosingTokens:
     def _sorted(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         """:attr:`tiers` and :attr:`openers`, sorted out of the vocabulary on first use
         (about 0.5 s for 49k tokens): only outputs that near their budget pay for it."""
-        classes: list[list[int]] = [[] for _ in range(7)]
+        classes: list[list[int]] = [[] for _ in range(8)]
         openers = []
         for token in range(self._tokenizer.vocab_size):
             if not self._tokenizer.is_special_token(token):
                 text = self._tokenizer.decode_str([token]).strip()
-                kind = _closing_class(text)
-                if kind is not None:
-                    classes[kind].append(token)
+                classes[_closing_class(text)].append(token)
                 if not OPENS_MORE.isdisjoint(text):
                     openers.append(token)
         tiers = [_packed(ids, self.vocab_size) for ids in (self._tokenizer.eos_tokens, *classes)]
@@ -215,6 +212,9 @@ class ClosingEstimate:
         self._tokens = tokens
         self._scratch = MaskBuffer(tokens.vocab_size)
         self._after = MaskBuffer(tokens.vocab_size)
+        # mask_key of a position where an opener may come -> the closing path's length
+        # after it, or None if longer than the limit it was measured against (hold_openers).
+        self._opened: dict[int, tuple[int | None, int]] = {}
 
     def decide(self, previous: ClosingState, budget: int,
                history: Sequence[int] = ()) -> ClosingState:
@@ -243,38 +243,56 @@ class ClosingEstimate:
     def hold_openers(self, mask: torch.Tensor, state: ClosingState, budget: int,
                      history: Sequence[int] = ()) -> torch.Tensor | None:
         """Packed ``mask`` without its openers (:attr:`ClosingTokens.openers`) where one
-        would open more than the budget can close: where, after the first of them,
-        the closing path and the margin no longer fit in the ``budget`` tokens left (after
-        the positions whose :func:`mask_key` are ``history``). None where they may stay:
-        closing is already on, or the output may end here, or the last estimate leaves
-        more than :data:`OPENER_REACH` tokens of slack, or nothing but an opener may come
-        here, or what one opens fits.
+        would open more than the budget can close: where, after the first of them, the
+        closing path and the margin no longer fit in the ``budget`` tokens left (after the
+        positions whose :func:`mask_key` are ``history``). None where they may stay: closing
+        is already on or not yet in its window, or the output may end here or is past
+        saving, or nothing but an opener may come here, or what one opens fits.
 
         Without it, the ``,`` before another array item of three required keys, or the
-        ``{`` of another node of a tree, taken with little slack left, made the closing path
+        ``{`` of another node of a tree, or the first item of an array of objects of four
+        formatted strings (86 tokens), taken with too little left, made the closing path
         longer than the budget, the model was left free, and the output was cut unparsed
         (3 of 96 requests of ``nalar bench --workload json`` at 128 tokens). Closing from
         there on instead ended tool calls that would have finished by themselves; holding
         back only the openers, and only where the model reaches for one (the sampler draws
-        again only then), leaves them alone."""
+        again only then), leaves them alone.
+
+        The closing path after an opener is measured once per position's mask and kept
+        (:attr:`_opened`): an array's items, each followed by the same choice, ask again
+        and again. Measuring at every such position cost 330 µs a position on ``nalar
+        bench``'s json requests at 128 tokens (a throwaway profile)."""
         if (state.closing or state.estimate is None or budget > CLOSING_WINDOW
-                or budget - state.estimate - state.margin > OPENER_REACH
                 or self._matcher.is_accepting()):
             return None
         openers = mask.numpy() & self._tokens.openers.numpy()
         held = mask & ~self._tokens.openers
         if not openers.any() or not (held.numpy() & self._tokens.stack[:3]).any():
             return None  # none here, or one must come (no closer may)
-        if not self._matcher.consume_token(_first_token(openers)):
-            return None
         key = mask_key(mask.numpy())
+        room = budget - 1 - state.margin
+        length, limit = self._opened.get(key, (None, -1))
+        if length is None and limit < room:  # not measured, or only against a smaller room
+            length = self._path_after(_first_token(openers), key, room, history)
+            self._opened[key] = length, room
+        if length is not None and length < 0:
+            return None  # text, inside a string: it opened nothing
+        return held if length is None or length > room else None
+
+    def _path_after(self, opener: int, key: int, limit: int,
+                    history: Sequence[int]) -> int | None:
+        """The closing path's length after ``opener`` at the position whose mask's key is
+        ``key``: None if longer than ``limit``, -1 where the opener leaves the mask as it
+        was (text in a string)."""
+        if not self._matcher.consume_token(opener):
+            return -1
         try:
             if mask_key(self._after.fill(self._matcher).numpy()) == key:
-                return None  # text, inside a string: it opened nothing
-            after = self.closing_path(budget - 1 - state.margin, [*history, key])
+                return -1
+            path = self.closing_path(limit, [*history, key])
+            return None if path is None else len(path)
         finally:
             self._matcher.rollback(1)
-        return held if after is None else None
 
     def tokens_to_close(self, limit: int, history: Sequence[int] = ()) -> int | None:
         """Tokens (EOS included) the closing path (:meth:`closing_path`) takes to end the
@@ -329,12 +347,16 @@ class ClosingEstimate:
         the tokens tried; None where the matcher takes none."""
         looping: tuple[int, np.ndarray] | None = None
         tried = 0
-        for token in itertools.islice(self._candidates(mask), tries):
+        for tier, token in itertools.islice(self._candidates(mask), tries):
             tried += 1
             if not self._matcher.consume_token(token):
                 continue
             after = self._after.fill(self._matcher).numpy().copy()
-            if self._matcher.is_stopped() or mask_key(after) not in recent:
+            # A closer is compared with its own position only: closing nested structure
+            # alternates two masks (after each `]` of a tree, `}` must come; after each `}`,
+            # `]` or `,` may), which is progress, not the loop `.` then `}` is in an email.
+            compared = recent if tier >= FIRST_OPEN_ENDED_TIER else list(recent)[-1:]
+            if self._matcher.is_stopped() or mask_key(after) not in compared:
                 return token, after, tried
             self._matcher.rollback(1)
             looping = looping or (token, after)
@@ -343,15 +365,16 @@ class ClosingEstimate:
         self._matcher.consume_token(looping[0])
         return (*looping, tried)
 
-    def _candidates(self, mask: np.ndarray) -> Iterator[int]:
-        """The tokens of packed ``mask`` in closing's order: its preference classes after
-        EOS's, lowest id first within each."""
-        for tier in self._tokens.stack[1:] & mask:
+    def _candidates(self, mask: np.ndarray) -> Iterator[tuple[int, int]]:
+        """The tokens of packed ``mask`` in closing's order, each with the index of its
+        class in :attr:`ClosingTokens.tiers`: the preference classes after EOS's, lowest id
+        first within each."""
+        for index, tier in enumerate(self._tokens.stack[1:] & mask, start=1):
             for word in np.flatnonzero(tier):
                 bits = int(tier[word]) & 0xFFFFFFFF
                 while bits:
                     lowest = bits & -bits
-                    yield int(word) * 32 + lowest.bit_length() - 1
+                    yield index, int(word) * 32 + lowest.bit_length() - 1
                     bits ^= lowest
 
     def steer(self, mask: torch.Tensor, budget: int, may_end: bool,
