@@ -125,6 +125,9 @@ def test_max_tokens_cuts_a_constrained_output_at_a_prefix_of_the_grammar(engine,
     (StructuredOutput("grammar", "start: A\nA: /a/ & /b/"), "admits no output"),
     (StructuredOutput("regex", "a\ud800"), r"unpaired UTF-16 surrogate \('\\ud800'\)"),
     (StructuredOutput("grammar", 'start: "a\udc00"'), "unpaired UTF-16 surrogate"),
+    # The server's own grammar around a tool's schema: the fault, without the grammar.
+    (StructuredOutput("grammar", 'start: "<" call ">"\ncall: %json {"if": {}}', "tools"),
+     r'^invalid tool parameters: failed to compile JSON schema: Unimplemented keys: \["if"\]$'),
 ])
 def test_a_bad_constraint_is_refused_and_others_are_served(engine, smollm, spec, reason):
     prompt = chat(smollm.tokenizer, "Hi")

@@ -17,6 +17,7 @@ steered to close (``closing.py``) so that it parses, too.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 
@@ -71,7 +72,7 @@ class GrammarCompiler:
         grammar = _grammar_text(structured, param)
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
         if error:
-            raise InvalidRequestError(f"invalid {structured.kind} constraint: {error}", param)
+            raise InvalidRequestError(_error_message(structured.kind, param, error), param)
         self._check_admits_output(grammar, structured.kind, param)
         with self._lock:
             self._grammars[key] = grammar
@@ -189,6 +190,16 @@ class GrammarMatcher:
     def is_stopped(self) -> bool:
         """The constraint admits nothing more: the output is complete."""
         return self._matcher.is_stopped()
+
+
+def _error_message(kind: str, param: str, error: str) -> str:
+    """What a 400 says of llguidance's ``error`` for a constraint of ``kind`` from ``param``.
+    For ``tools`` the grammar is the server's, built around the tools' parameter schemas:
+    only the schema's fault is kept, not the listing of a grammar the client never wrote."""
+    if param == "tools":
+        fault = re.sub(r"^at \d+\(\d+\): ", "", error.splitlines()[0])
+        return f"invalid tool parameters: {fault}"
+    return f"invalid {kind} constraint: {error}"
 
 
 _PARAMS = {"json": "response_format", "regex": "structured_outputs",
