@@ -64,9 +64,10 @@ SEARCH_TRIES = 256
 """Tokens a dry run may try for loops in all (each costs a mask, about 20 µs)."""
 LOOP_SPAN = 2
 """Positions a dry run compares a token's mask with to take it for a loop: the token's own
-and the one before (``.`` then ``}`` in an email's local part). Three took the tens of a
-date-time's seconds for a loop, since the tens of its minutes allow the same digits, and
-the path wrote the leap second ``60``, which ``jsonschema``'s format check refuses."""
+and the one before (``.`` then ``}`` in an email's local part); a closer's own only (closing
+a tree alternates two masks). Three took the tens of a date-time's seconds for a loop, since
+the tens of its minutes allow the same digits, and the path wrote the leap second ``60``,
+which ``jsonschema``'s format check refuses."""
 BRANCH_TRIES = 48
 """Tokens a dry run tries at one position for one that does not loop: inside a string,
 thousands of words are allowed, and the single characters, which come first, hold what moves
