@@ -140,6 +140,11 @@ class ClosingTokens:
         to find a position's classes in one operation."""
         return np.stack([tier.numpy() for tier in self.tiers])
 
+    @functools.cached_property
+    def closers(self) -> np.ndarray:
+        """Packed, EOS and the two classes made only of closers: what can end structure."""
+        return np.bitwise_or.reduce(self.stack[:3])
+
     @property
     def openers(self) -> torch.Tensor:
         """Packed, the tokens holding a ``,``, ``[`` or ``{``: what may open another item,
@@ -266,11 +271,11 @@ class ClosingEstimate:
         if (state.closing or state.estimate is None or budget > CLOSING_WINDOW
                 or self._matcher.is_accepting()):
             return None
-        openers = mask.numpy() & self._tokens.openers.numpy()
-        held = mask & ~self._tokens.openers
-        if not openers.any() or not (held.numpy() & self._tokens.stack[:3]).any():
+        here, opening = mask.numpy(), self._tokens.openers.numpy()
+        openers, held = here & opening, here & ~opening
+        if not openers.any() or not (held & self._tokens.closers).any():
             return None  # none here, or one must come (no closer may)
-        key = mask_key(mask.numpy())
+        key = mask_key(here)
         room = budget - 1 - state.margin
         length, limit = self._opened.get(key, (None, -1))
         if length is None and limit < room:  # not measured, or only against a smaller room
@@ -278,13 +283,13 @@ class ClosingEstimate:
             self._opened[key] = length, room
         if length is not None and length < 0:
             return None  # text, inside a string: it opened nothing
-        return held if length is None or length > room else None
+        return torch.from_numpy(held) if length is None or length > room else None
 
     def _path_after(self, opener: int, key: int, limit: int,
                     history: Sequence[int]) -> int | None:
         """The closing path's length after ``opener`` at the position whose mask's key is
-        ``key``: None if longer than ``limit``, -1 where the opener leaves the mask as it
-        was (text in a string)."""
+        ``key``: None if longer than ``limit``; -1 where the opener leaves the mask as it
+        was (text in a string), or the matcher refuses it (nothing to hold)."""
         if not self._matcher.consume_token(opener):
             return -1
         try:
