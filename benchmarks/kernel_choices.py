@@ -23,7 +23,10 @@
    StoredLinear``), per ``--stored-rows`` row count in the run's dtype: the native kernel
    streaming them (int8 activations) against dequantizing the layer and multiplying densely
    (oneDNN, on AMX tiles where the CPU has them), trials alternating: where
-   ``STREAMED_MAX_ROWS`` should lie on this machine.
+   ``STREAMED_MAX_ROWS`` should lie on this machine. These loops keep one layer's weights in
+   the caches, so the native kernel is also timed over 30 layers' weights, a step's worth, per
+   ``--stored-dram-rows`` row count (``stored_q4_1_from_dram``): where its paths' choice by rows
+   should lie (``workers/kernels/weight_linear.cpp``).
 
 Writes JSON; ``--quick`` for a smoke run.
 """
@@ -49,8 +52,8 @@ except ImportError:  # run as a script: benchmarks/ is on sys.path, the repo roo
 LINEAR_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 DECODE_BLOCK, DECODE_POOL_BLOCKS = 16, 4096
-SECTIONS = ("linear", "stored_q4_1", "flash", "decode_attention", "decode_attention_from_dram",
-            "prefill_attention")
+SECTIONS = ("linear", "stored_q4_1", "stored_q4_1_from_dram", "flash", "decode_attention",
+            "decode_attention_from_dram", "prefill_attention")
 """What ``--only`` can name: the JSON's keys for the measurements of the docstring's items."""
 
 
@@ -89,24 +92,32 @@ def linear_rows(rows: list[int], repeats: int, dtype: torch.dtype) -> dict:
     return results
 
 
+def q4_1_weight(out_features: int, in_features: int):
+    """A random ``[out_features, in_features]`` weight quantized to Q4_1 by the ``gguf``
+    package, packed as ``StoredWeight`` holds it."""
+    import gguf
+
+    from workers.models.weight_formats import StoredWeight, WeightFormat
+
+    values = torch.randn(out_features, in_features).numpy()
+    rows_bytes = torch.from_numpy(gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q4_1))
+    return StoredWeight.from_rows(rows_bytes, WeightFormat.Q4_1, in_features)
+
+
 def stored_rows(rows: list[int], repeats: int, dtype: torch.dtype) -> dict:
     """Milliseconds per matmul over Q4_1 weights (random, quantized by the ``gguf`` package) for
     each shape and row count: ``streamed_ms`` through the native kernel, ``dense_ms``
     dequantized to ``dtype`` then ``F.linear``, trials alternating; None where the kernel could
     not be built."""
-    import gguf
-
     from workers import kernels
-    from workers.models.weight_formats import StoredWeight, WeightFormat
+    from workers.models.weight_formats import WeightFormat
 
     native = kernels.weight_linear()
     if native is None:
         return {}
     results = {}
     for name, (out_features, in_features) in LINEAR_SHAPES.items():
-        values = torch.randn(out_features, in_features).numpy()
-        rows_bytes = torch.from_numpy(gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q4_1))
-        weight = StoredWeight.from_rows(rows_bytes, WeightFormat.Q4_1, in_features)
+        weight = q4_1_weight(out_features, in_features)
 
         def streamed(x, weight=weight, n=out_features):
             return native.weight_linear(x, weight.data, int(WeightFormat.Q4_1), n, None, 0, 1)
@@ -123,6 +134,39 @@ def stored_rows(rows: list[int], repeats: int, dtype: torch.dtype) -> dict:
             entry["dense_over_streamed"] = entry["dense_ms"] / entry["streamed_ms"]
             results[f"{name}/{count}"] = entry
             common.log(f"stored Q4_1 {name} {count} rows: {entry}")
+    return results
+
+
+def stored_q4_1_from_dram(rows: list[int], layers: int, repeats: int,
+                          dtype: torch.dtype) -> dict:
+    """A step's stored-weight matmuls as a step meets them: SmolLM2's four projections in Q4_1
+    for ``layers`` layers (66 MB at 30), each multiplied once per step, so the weights come from
+    DRAM rather than from the caches a one-layer loop keeps warm. Per row count: ``step_ms``,
+    milliseconds for all of them through the native kernel, and ``gb_per_s``, the rate its
+    weights stream at (the layers share their values, not their memory). Empty where the kernel
+    could not be built."""
+    from workers import kernels
+    from workers.models.weight_formats import WeightFormat
+
+    native = kernels.weight_linear()
+    if native is None:
+        return {}
+    shapes = list(LINEAR_SHAPES.values())
+    weights = [(q4_1_weight(out_features, in_features).data, out_features, in_features)
+               for out_features, in_features in shapes]
+    weights = [(data.clone(), n, k) for _ in range(layers) for data, n, k in weights]
+    nbytes = sum(data.numel() for data, _, _ in weights)
+    results = {}
+    for count in rows:
+        xs = {k: torch.randn(count, k, dtype=dtype) for _, k in shapes}
+
+        def step(xs=xs):
+            for data, n, k in weights:
+                native.weight_linear(xs[k], data, int(WeightFormat.Q4_1), n, None, 0, 1)
+        seconds = common.median_time(step, repeats)
+        results[str(count)] = {"step_ms": seconds * 1e3, "gb_per_s": nbytes / seconds / 1e9,
+                               "weight_bytes": nbytes}
+        common.log(f"stored Q4_1 from DRAM, {count} rows: {results[str(count)]}")
     return results
 
 
@@ -306,6 +350,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prefill-cases", default="32+992,256+0,1024+0,4096+0,8000+0,2048+5952",
                         help="prefill attention cases, new tokens + cached tokens")
     parser.add_argument("--stored-rows", default="16,32,48,64,96,128,192,256,512")
+    parser.add_argument("--stored-dram-rows", default="1,2,3,4,5,6,8,11,16",
+                        help="row counts of the stored weights' steps from DRAM")
     parser.add_argument("--dram-cases", default="16x512,1x512,1x512+4",
                         help="decode attention from DRAM over 30 layers, batch x context tokens "
                              "[+ draft tokens: verification blocks]")
@@ -322,6 +368,7 @@ def main(argv: list[str] | None = None) -> dict:
         dram_cases = [(2, 40, 0), (1, 40, 2)]
     rows = [1, 8, 300] if args.quick else [int(r) for r in args.rows.split(",")]
     stored = [8, 40] if args.quick else [int(r) for r in args.stored_rows.split(",")]
+    stored_dram = [1, 5] if args.quick else [int(r) for r in args.stored_dram_rows.split(",")]
     tokens, repeats = (64, 2) if args.quick else (args.flash_tokens, args.repeats)
     threads = common.set_threads(args.threads)
     dtype = parse_dtype(args.dtype, torch.device("cpu"))
@@ -329,6 +376,7 @@ def main(argv: list[str] | None = None) -> dict:
     sections = {
         "linear": lambda: linear_rows(rows, repeats, dtype),
         "stored_q4_1": lambda: stored_rows(stored, repeats, dtype),
+        "stored_q4_1_from_dram": lambda: stored_q4_1_from_dram(stored_dram, layers, repeats, dtype),
         "flash": lambda: flash_layouts(tokens, repeats),
         "decode_attention": lambda: decode_attention(cases, repeats),
         "decode_attention_from_dram": lambda: [

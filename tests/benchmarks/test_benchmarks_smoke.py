@@ -242,6 +242,13 @@ def test_kernel_choices_quick(tmp_path):
     assert verification["kv_bytes"] == decodes["kv_bytes"] // 2
     assert all(min(case["native_step_ms"], case["in_order_step_ms"],
                    case["read_floor_step_ms"]) > 0 for case in (decodes, verification))
+    if kernels.weight_linear() is not None:
+        steps = result["stored_q4_1_from_dram"]
+        assert set(steps) == {"1", "5"}
+        # 2 layers of SmolLM2's four projections in Q4_1: 20 bytes a block of 32 weights
+        params = sum(n * k for n, k in kernel_choices.LINEAR_SHAPES.values())
+        assert all(step["weight_bytes"] == 2 * params * 20 // 32 and step["step_ms"] > 0
+                   for step in steps.values())
     if prefill_attention() is not None:
         spans = result["prefill_attention"]
         assert set(spans) == {"40+0", "20+30"}
