@@ -381,14 +381,26 @@ using PairFn = void (*)(const int8_dot::QuantizedRows&, int64_t, int, const uint
                         const uint8_t*, float*);
 constexpr int64_t kMaxPairRows = 16;  // the most rows of one PairFn call (a tile's)
 
+// The fewest rows that take pairs of groups through 512-bit VNNI on an AMD CPU. On a Zen 4
+// EPYC, one thread, SmolLM2-sized Q4_1 layers read from memory (66 MB a pass; three rounds
+// alternating, one group at a time against pairs, ms): 1 row 3.6, 4.4, 3.4 against 5.0, 6.0,
+// 5.8; 3 rows 4.3, 4.5, 4.5 against 6.7, 6.2, 6.4; 4 rows 5.1, 6.9, 5.2 against 6.6, 6.5, 6.4;
+// 5 rows 7.0, 7.9, 7.2 against 6.3, 7.0, 6.8; 8 rows 9.8, 10.1, 10.0 against 8.9, 8.9, 8.9. A
+// lone row streams its weights at about 18 GB/s one group at a time and 11 in pairs, with or
+// without software prefetching; from 5 rows the pairs' fewer dot products pay. On the AMX Xeons
+// pairs gained from one row (results/xeon-amx/vnni-pairs-160d066/), so Intel CPUs take them
+// from 1; Zen 5, whose 512-bit units are not split in halves, was not measured.
+constexpr int kVnniPairMinRowsAmd = 5;
+
 // groups[r - 1] multiplies r rows by one packed group of one format. Two groups at once, bit
 // for bit as groups would: pair_tiles, where AMX-INT8 runs, up to 16 rows
-// (int8_dot::group_pair_tiles); pair_vnni, where AVX512-VNNI runs, up to 8
-// (int8_dot::group_pair_vnni).
+// (int8_dot::group_pair_tiles); pair_vnni, where AVX512-VNNI runs, up to 8 rows a pass, for
+// steps of pair_vnni_min_rows or more (int8_dot::group_pair_vnni).
 struct Int8Kernels {
   GroupFn groups[kInt8Rows];
   PairFn pair_tiles = nullptr;
   PairFn pair_vnni = nullptr;
+  int64_t pair_vnni_min_rows = 1;
 };
 
 #define NALAR_GROUP_TABLE(fn, ...) \
@@ -412,6 +424,7 @@ Int8Kernels int8_kernels_for(Path path) {
       if (__builtin_cpu_supports("avx512vnni")) {
         Int8Kernels kernels = NALAR_GROUP_TABLE(group_vnni, F);
         kernels.pair_vnni = int8_dot::group_pair_vnni<F>;
+        if (__builtin_cpu_is("amd")) kernels.pair_vnni_min_rows = kVnniPairMinRowsAmd;
 #ifdef NALAR_INT8_TILES
         if (__builtin_cpu_supports("amx-int8") && nalar_tiles::granted()) {
           kernels.pair_tiles = int8_dot::group_pair_tiles<F>;
@@ -501,8 +514,9 @@ void pair_of_groups(const int8_dot::QuantizedRows& x, const uint8_t* w, int64_t 
 // prefetcher follows (the feature-at-a-time layout read 4 streams and needed software
 // prefetching); two streams where groups go in pairs. Where AMX-INT8 runs and a step has
 // kMinTileRows rows or more, pairs go on tiles, 16 rows at a time (or all of them in one tile,
-// when fewer), the rows past the last 16 one group at a time. Else, where AVX512-VNNI runs,
-// pairs go through 512-bit dot products, 8 rows at a time.
+// when fewer), the rows past the last 16 one group at a time. Else, where AVX512-VNNI runs and
+// the step has pair_vnni_min_rows rows or more, pairs go through 512-bit dot products, 8 rows
+// at a time.
 template <typename Out>
 void run_int8(const int8_dot::QuantizedRows& x, const uint8_t* w, int64_t format, int64_t n_out,
               const Int8Kernels& kern, const float* bias, Out* y) {
@@ -529,7 +543,7 @@ void run_int8(const int8_dot::QuantizedRows& x, const uint8_t* w, int64_t format
 #endif
 #ifdef NALAR_VNNI
   static_assert(int8_dot::kVnniPairRows <= kMaxPairRows);
-  if (kern.pair_vnni != nullptr) {
+  if (kern.pair_vnni != nullptr && x.rows >= kern.pair_vnni_min_rows) {
     at::parallel_for(0, pairs, pair_grain, [&](int64_t begin, int64_t end) {
       for (int64_t pair = begin; pair < end; ++pair) {
         pair_of_groups(x, w, bytes, pair, kern.pair_vnni, int8_dot::kVnniPairRows, x.rows,
@@ -815,6 +829,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_int8_tiles", [] { return int8_kernels(kQ4_1, kBest).pair_tiles != nullptr; },
         "whether GGUF formats take AMX-INT8 tiles here (from int8_tile_min_rows rows on)");
   m.attr("int8_tile_min_rows") = kMinTileRows;
+  m.def("int8_pair_min_rows", [] {
+    const Int8Kernels kernels = int8_kernels(kQ4_1, kBest);
+    return kernels.pair_vnni != nullptr ? kernels.pair_vnni_min_rows : int64_t{0};
+  }, "the fewest rows whose steps take GGUF groups in pairs through 512-bit VNNI (0: never)");
   m.def("has_bf16_pairs", [] { return kernels_for(kBest).bf16_tiles[0][0] != nullptr; },
         "whether bf16 pair products (products=2) run here");
   m.def("dequantize", &dequantize,

@@ -73,10 +73,12 @@ def native():
                            "--quantization none")
     path = module.paths()[0]
     if path == "avx512":
+        pairs = (f", two groups at a time from {module.int8_pair_min_rows()} rows a step"
+                 if module.int8_pair_min_rows() else "")
         tiles = (f", and AMX-INT8 tiles from {module.int8_tile_min_rows} rows a step"
                  if module.has_int8_tiles() else "")
         log.info("stored weights: the avx512 kernels serve (int8 dot products with VNNI "
-                 "where the CPU has it%s)", tiles)
+                 "where the CPU has it%s%s)", pairs, tiles)
     else:
         log.warning("stored weights: no AVX-512 on this CPU or in this build; the %s kernels "
                     "serve instead", path)
