@@ -382,14 +382,16 @@ using PairFn = void (*)(const int8_dot::QuantizedRows&, int64_t, int, const uint
 constexpr int64_t kMaxPairRows = 16;  // the most rows of one PairFn call (a tile's)
 
 // The fewest rows that take pairs of groups through 512-bit VNNI on an AMD CPU. On a Zen 4
-// EPYC, one thread, SmolLM2-sized Q4_1 layers read from memory (66 MB a pass; three rounds
-// alternating, one group at a time against pairs, ms): 1 row 3.6, 4.4, 3.4 against 5.0, 6.0,
-// 5.8; 3 rows 4.3, 4.5, 4.5 against 6.7, 6.2, 6.4; 4 rows 5.1, 6.9, 5.2 against 6.6, 6.5, 6.4;
-// 5 rows 7.0, 7.9, 7.2 against 6.3, 7.0, 6.8; 8 rows 9.8, 10.1, 10.0 against 8.9, 8.9, 8.9. A
-// lone row streams its weights at about 18 GB/s one group at a time and 11 in pairs, with or
-// without software prefetching; from 5 rows the pairs' fewer dot products pay. On the AMX Xeons
-// pairs gained from one row (results/xeon-amx/vnni-pairs-160d066/), so Intel CPUs take them
-// from 1; Zen 5, whose 512-bit units are not split in halves, was not measured.
+// EPYC, one thread, 30 layers of SmolLM2's Q4_1 projections read from memory (66 MB a step),
+// pairs from 1 row against from 5, three rounds alternating: 1 row 6.1, 5.8, 5.7 against 3.0,
+// 3.0, 4.3 ms; 3 rows 6.1, 5.6, 6.0 against 5.6, 3.9, 6.2; 4 rows 6.3, 6.8, 6.1 against 5.8,
+// 4.7, 7.5; a lone decode step 12.1, 10.8, 11.7 against 7.4, 7.3, 6.3 ms
+// (results/epyc-avx512bf16/vnni-pair-rows-91c1931/). One group at a time a lone row streams
+// its weights at about 20 GB/s, in pairs at 11, with or without software prefetching; with
+// the weights in cache the pairs are faster at every row count, and from 5 rows from memory
+// too (results/epyc-avx512bf16/vnni-pairs-160d066/). On the AMX Xeons pairs gained from one
+// row (results/xeon-amx/vnni-pairs-160d066/), so Intel CPUs take them from 1. Zen 5, whose
+// 512-bit units are not split in halves, was not measured.
 constexpr int kVnniPairMinRowsAmd = 5;
 
 // groups[r - 1] multiplies r rows by one packed group of one format. Two groups at once, bit
