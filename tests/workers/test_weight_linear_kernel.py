@@ -205,11 +205,14 @@ def test_int8_pairs_of_groups_agree_bit_for_bit_with_the_avx2_path(fmt, rows, ou
     """The avx512 path takes groups in pairs: where AMX-INT8 runs, from int8_tile_min_rows
     rows, on tiles, 16 rows at a time (all of them in one shorter tile under 16; the rows past
     the last 16 take the register path); else, with AVX512-VNNI, through 512-bit dot
-    products, 8 rows a pass. An odd last group goes alone. The same integers, scaled in the
-    same order, so every row equals the AVX2 path's and the row alone. (Without VNNI the
-    avx512 path is the register path, equal all the same.)"""
+    products, 8 rows a pass, in steps of int8_pair_min_rows rows or more (5 on AMD CPUs; a
+    9-row step's last row is then a one-row pass of pairs, and a lone row goes one group at a
+    time). An odd last group goes alone. The same integers, scaled in the same order, so every
+    row equals the AVX2 path's and the row alone. (Without VNNI the avx512 path is the
+    register path, equal all the same.)"""
     if native.has_int8_tiles():
         assert native.int8_tile_min_rows <= 12  # else the tile cases here test nothing new
+    assert native.int8_pair_min_rows() <= 5  # else the 5-row cases test nothing new
     weight = random_stored(fmt, out_features, 576, seed=rows)
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 576, generator=g)

@@ -387,11 +387,12 @@ constexpr int64_t kMaxPairRows = 16;  // the most rows of one PairFn call (a til
 // 3.0, 4.3 ms; 3 rows 6.1, 5.6, 6.0 against 5.6, 3.9, 6.2; 4 rows 6.3, 6.8, 6.1 against 5.8,
 // 4.7, 7.5; a lone decode step 12.1, 10.8, 11.7 against 7.4, 7.3, 6.3 ms
 // (results/epyc-avx512bf16/vnni-pair-rows-91c1931/). One group at a time a lone row streams
-// its weights at about 20 GB/s, in pairs at 11, with or without software prefetching; with
-// the weights in cache the pairs are faster at every row count, and from 5 rows from memory
-// too (results/epyc-avx512bf16/vnni-pairs-160d066/). On the AMX Xeons pairs gained from one
-// row (results/xeon-amx/vnni-pairs-160d066/), so Intel CPUs take them from 1. Zen 5, whose
-// 512-bit units are not split in halves, was not measured.
+// its weights at 15-22 GB/s, in pairs at 11-12 (also in throwaway builds that prefetched each
+// of the two streams, or nothing); with the weights in cache the pairs are faster at every row
+// count on one thread (results/epyc-avx512bf16/vnni-pairs-160d066/), and from memory they are
+// even at 5 rows and 0.86-0.89x at 8 to 16 (the same folder's from17/). On the AMX Xeons pairs
+// gained from one row (results/xeon-amx/vnni-pairs-160d066/), so Intel CPUs take them from 1.
+// Zen 5, whose 512-bit units are not split in halves, was not measured.
 constexpr int kVnniPairMinRowsAmd = 5;
 
 // groups[r - 1] multiplies r rows by one packed group of one format. Two groups at once, bit
