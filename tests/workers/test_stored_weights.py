@@ -21,6 +21,7 @@ from workers.models.linear import (
     INT8_PRODUCTS,
     Linear,
     StoredLinear,
+    streamed_max_rows,
 )
 from workers.models.llama import _fuse
 from workers.models.weight_formats import StoredWeight, WeightFormat, quantize_int8_per_channel
@@ -164,8 +165,9 @@ def test_stored_formats_are_empty_for_a_dense_model(smollm):
 def test_each_row_count_takes_the_measured_products(stored_smollm):
     """The rule of ``workers.models.linear``, checked value for value against the kernel's
     products: a GGUF weight takes int8 products up to 47 rows and a dequantized temporary from
-    48; the LM head streams at any row count; a per-channel int8 weight takes bf16 pairs (bf16
-    x, where the CPU has them) or float32 up to 47 rows."""
+    48, or int8 products at every row count where the kernel pairs groups through VNNI without
+    AMX tiles (``streamed_max_rows``); the LM head streams at any row count; a per-channel
+    int8 weight takes bf16 pairs (bf16 x, where the CPU has them) or float32 up to 47 rows."""
     native = kernels.weight_linear()
     model = stored_smollm.model
     down = model.model.layers[0].mlp.down_proj.stored_weight  # Q4_1, 576 x 1536
@@ -179,7 +181,12 @@ def test_each_row_count_takes_the_measured_products(stored_smollm):
     x = torch.randn(56, down.in_features, generator=g)
     for rows in (1, 4, 5, 31, 32, 47):
         assert torch.equal(layer(x[:rows]), products(x[:rows], down, INT8_PRODUCTS))
-    assert torch.equal(layer(x[:48]), F.linear(x[:48], down.dequantize()))
+    pairs_without_tiles = native.int8_pair_min_rows() > 0 and not native.has_int8_tiles()
+    assert streamed_max_rows(down.fmt) == (None if pairs_without_tiles else 48)
+    dense_from_48 = (products(x[:48], down, INT8_PRODUCTS) if pairs_without_tiles
+                     else F.linear(x[:48], down.dequantize()))
+    assert torch.equal(layer(x[:48]), dense_from_48)
+    assert streamed_max_rows(WeightFormat.INT8_CHANNEL) == 48
     head = model.lm_head.stored_weight  # Q8_0, 49,152 x 576: past DEQUANTIZED_MAX_WEIGHTS
     h = torch.randn(32, head.in_features, generator=g)
     assert torch.equal(StoredLinear(head)(h), products(h, head, INT8_PRODUCTS))

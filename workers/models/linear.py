@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from workers import kernels
-from workers.models.weight_formats import GGUF_FORMATS, StoredWeight, native
+from workers.models.weight_formats import GGUF_FORMATS, StoredWeight, WeightFormat, native
 
 PREPACKED_MAX_ROWS = 256
 """Matmuls with fewer rows than this use the prepacked weight (measured crossover)."""
@@ -98,7 +98,8 @@ tokens agree bit for bit. Where the dense kernel overtakes streaming depends on 
   streaming 305 against 551 µs at 32 rows, and no slower at any count up to 512 (1,128 against
   1,365 µs at 128 rows, 4,468 against 4,765 at 512, then 1,740 against 1,701 and 4,886 against
   5,083 in a second run; a 1,024-token prefill 1,209 and 1,191 tokens/s against 1,319 and
-  1,201), so there the threshold costs nothing either way past 48.
+  1,201), so there the threshold cost nothing either way past 48. Since groups go in pairs
+  there, streaming wins at every count, and :func:`streamed_max_rows` lifts the threshold.
 
 The other formats stream with bf16 pair products where the CPU has AVX512-BF16 (878 against
 1,362 µs in float32 for the same layer at 16 rows), else in float32.
@@ -241,13 +242,38 @@ class Linear:
         return cls(module.weight, module.bias, small_batches)
 
 
+def streamed_max_rows(fmt: WeightFormat) -> int | None:
+    """The row count from which :class:`StoredLinear` dequantizes a layer of ``fmt`` for the
+    plain kernel: :data:`STREAMED_MAX_ROWS`, or None (streamed at every row count) for a GGUF
+    format where the int8 kernel takes groups in pairs through AVX512-VNNI and has no AMX-INT8
+    tiles, as on AMD EPYCs.
+
+    There streaming beat dequantize-then-oneDNN at every count measured. On a Zen 4 EPYC, the
+    four Q4_1 projections of a SmolLM2 layer (``benchmarks/kernel_choices.py --only
+    stored_q4_1``, weights in cache, the dense side's dequantization included), streamed
+    against dense: at one thread 0.91 against 2.07 ms at 32 rows, 3.71 against 5.78 at 128,
+    7.24 against 9.94 at 256 and 29.8 against 37.6 at 1,024; at two threads 2.24 against
+    3.52 ms at 128 and 19.1 against 23.2 at 1,024 (a throwaway run; docs/performance.md, "Zen
+    4, prompts through the int8 kernel"). A 1,024-token prefill then ran at 818 and 785 against
+    679 and 702 tokens/s on one thread (``benchmarks/results/epyc-avx512bf16/
+    int8-prompts-9fb3d5c/``). Where AMX-BF16 runs oneDNN, dense wins from 48 rows; on AVX2
+    alone (no VNNI) it was not measured."""
+    kernel = native()
+    pairs_without_tiles = kernel.int8_pair_min_rows() > 0 and not kernel.has_int8_tiles()
+    if fmt in GGUF_FORMATS.values() and pairs_without_tiles:
+        return None
+    return STREAMED_MAX_ROWS
+
+
 def stored_kernel(fmt_names: set[str]) -> str:
     """The kernel tag of :class:`StoredLinear` over weights of the formats ``fmt_names``:
     the formats, the GGUF layout, the SIMD path the native kernel runs on this CPU and the row
-    threshold (together they decide every rounding)."""
+    threshold of each format (together they decide every rounding)."""
     pairs = "/bf16-pairs" if native().has_bf16_pairs() else ""
+    dense_from = ",".join(f"{name}:{streamed_max_rows(WeightFormat[name]) or 'never'}"
+                          for name in sorted(fmt_names))
     return (f"weight-stream:{'+'.join(sorted(fmt_names))}/gguf-packed8-int8"
-            f"/{native().paths()[0]}{pairs}/dense>={STREAMED_MAX_ROWS}")
+            f"/{native().paths()[0]}{pairs}/dense>={dense_from}")
 
 
 class StoredLinear:
@@ -257,7 +283,7 @@ class StoredLinear:
         weight: the stored ``[out_features, in_features]`` weight.
         bias: ``[out_features]`` or None.
 
-    Below :data:`STREAMED_MAX_ROWS` rows the native kernel reads each stored weight once for
+    Below :func:`streamed_max_rows` rows the native kernel reads each stored weight once for
     all rows: a GGUF format's packed groups with int8 activations (llama.cpp's way), the
     others with bf16 pair products (bf16 activations on a CPU with AVX512-BF16) or in float32.
     From there on (unless the layer is larger than :data:`DEQUANTIZED_MAX_WEIGHTS`) the
@@ -271,11 +297,13 @@ class StoredLinear:
         self._format, self._out_features = int(weight.fmt), weight.out_features  # per call
         self._int8 = weight.fmt in GGUF_FORMATS.values()
         self._bf16_pairs = self._kernel.has_bf16_pairs()
-        self._dequantizes = weight.out_features * weight.in_features <= DEQUANTIZED_MAX_WEIGHTS
+        dense_from = streamed_max_rows(weight.fmt)
+        small = weight.out_features * weight.in_features <= DEQUANTIZED_MAX_WEIGHTS
+        self._dense_from = dense_from if dense_from is not None and small else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[rows, in_features]`` float32 or bfloat16 → ``[rows, out_features]``."""
-        if x.shape[0] < STREAMED_MAX_ROWS or not self._dequantizes:
+        if self._dense_from is None or x.shape[0] < self._dense_from:
             return self._kernel.weight_linear(x, self.weight.data, self._format,
                                               self._out_features, self.bias, 0,
                                               self._products(x))
