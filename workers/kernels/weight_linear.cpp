@@ -390,7 +390,7 @@ constexpr int64_t kMaxPairRows = 16;  // the most rows of one PairFn call (a til
 // its weights at 15-22 GB/s, in pairs at 11-12 (also in throwaway builds that prefetched each
 // of the two streams, or nothing); with the weights in cache the pairs are faster at every row
 // count on one thread (results/epyc-avx512bf16/vnni-pairs-160d066/), and from memory they are
-// even at 5 rows and 0.86-0.89x at 8 to 16 (the same folder's from17/). On the AMX Xeons pairs
+// even at 5 rows and take 0.84-1.01x at 8 to 16 (the same folder's from17/). On the AMX Xeons pairs
 // gained from one row (results/xeon-amx/vnni-pairs-160d066/), so Intel CPUs take them from 1.
 // Zen 5, whose 512-bit units are not split in halves, was not measured.
 constexpr int kVnniPairMinRowsAmd = 5;
