@@ -253,10 +253,10 @@ def streamed_max_rows(fmt: WeightFormat) -> int | None:
     stored_q4_1``, weights in cache, the dense side's dequantization included), streamed
     against dense: at one thread 0.91 against 2.07 ms at 32 rows, 3.71 against 5.78 at 128,
     7.24 against 9.94 at 256 and 29.8 against 37.6 at 1,024; at two threads 2.24 against
-    3.52 ms at 128 and 19.1 against 23.2 at 1,024 (a throwaway run; docs/performance.md, "Zen
-    4, prompts through the int8 kernel"). A 1,024-token prefill then ran at 818 and 785 against
-    679 and 702 tokens/s on one thread (``benchmarks/results/epyc-avx512bf16/
-    int8-prompts-9fb3d5c/``). Where AMX-BF16 runs oneDNN, dense wins from 48 rows; on AVX2
+    3.52 ms at 128 and 19.1 against 23.2 at 1,024. A 1,024-token prefill then ran at 818 and
+    785 against 679 and 702 tokens/s on one thread (both in ``benchmarks/results/
+    epyc-avx512bf16/int8-prompts-9fb3d5c/``; docs/performance.md, "Zen 4, prompts through the
+    int8 kernel"). Where AMX-BF16 runs oneDNN, dense wins from 48 rows; on AVX2
     alone (no VNNI) it was not measured."""
     kernel = native()
     pairs_without_tiles = kernel.int8_pair_min_rows() > 0 and not kernel.has_int8_tiles()

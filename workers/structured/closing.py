@@ -358,10 +358,11 @@ class ClosingEstimate:
             if not self._matcher.consume_token(token):
                 continue
             after = self._after.fill(self._matcher).numpy().copy()
-            # A closer is compared with its own position only: closing nested structure
-            # alternates two masks (after each `]` of a tree, `}` must come; after each `}`,
-            # `]` or `,` may), which is progress, not the loop `.` then `}` is in an email.
-            compared = recent if tier >= FIRST_OPEN_ENDED_TIER else list(recent)[-1:]
+            # A token made of closers (and separators) is compared with its own position
+            # only: closing nested structure alternates two masks (after each `]` of a tree,
+            # `}` must come; after each `}`, `]` or `,` may), which is progress, not the loop
+            # `.` then `}` is in an email.
+            compared = recent if tier >= FIRST_OPEN_ENDED_TIER else (recent[-1],)
             if self._matcher.is_stopped() or mask_key(after) not in compared:
                 return token, after, tried
             self._matcher.rollback(1)
