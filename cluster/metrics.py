@@ -186,7 +186,7 @@ ENGINE_METRICS: tuple[Series, ...] = (
     Series("kv_tier_dropped_blocks", "counter", at("kv_tier", "dropped_blocks"),
            "KV blocks dropped from a full second tier (least recently used)."),
     Series("kv_tier_corrupt_blocks", "counter", at("kv_tier", "corrupt_blocks"),
-           "Second-tier loads refused for a CRC-32 mismatch (the tokens were recomputed)."),
+           "Second-tier loads refused for a checksum mismatch (the tokens were recomputed)."),
     Series("kv_tier_io_errors", "counter", at("kv_tier", "io_errors"),
            "Second-tier reads and writes the disk failed (the block was not stored, or was "
            "recomputed)."),
@@ -197,7 +197,7 @@ ENGINE_METRICS: tuple[Series, ...] = (
     Series("kv_tier_save_seconds", "counter", at("kv_tier", "save_seconds"),
            "Seconds spent writing blocks to the second KV tier."),
     Series("kv_tier_load_seconds", "counter", at("kv_tier", "load_seconds"),
-           "Seconds spent loading blocks from the second KV tier, CRC-32 checks included."),
+           "Seconds spent loading blocks from the second KV tier, checksums included."),
     Series("kv_transfer_exported_blocks", "counter", at("kv_transfer", "exported_blocks"),
            "KV blocks sent to other workers."),
     Series("kv_transfer_exported_bytes", "counter", at("kv_transfer", "exported_bytes"),
@@ -211,7 +211,7 @@ ENGINE_METRICS: tuple[Series, ...] = (
     Series("kv_transfer_import_seconds", "counter", at("kv_transfer", "import_seconds"),
            "Seconds from asking another worker for KV to storing it, in all."),
     Series("kv_transfer_rejected_blocks", "counter", at("kv_transfer", "rejected_blocks"),
-           "Fetched KV blocks refused by a check (digest, tokens, prefix, CRC-32, size)."),
+           "Fetched KV blocks refused by a check (digest, tokens, prefix, checksum, size)."),
     Series("kv_transfer_failed_fetches", "counter", at("kv_transfer", "failed_fetches"),
            "Fetches from another worker that failed or ran out of time (computed instead)."),
 )

@@ -6,6 +6,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
+
+
+def kv_checksum(kv: np.ndarray | memoryview) -> int:
+    """XXH3-64 of one block's KV bytes: what catches a block corrupted on disk or in transit.
+
+    Not a hash of identity (the digest chain and the prefix check are), so a fast
+    non-cryptographic one: XXH3 reads about 28 GB/s on one core of an AMX Xeon, where zlib's
+    CRC-32 read 1.7 GB/s and was most of a second-tier load's time (a 992-token prefix of
+    SmolLM2 in bf16 is 23 MB: 0.8 against 11-14 ms).
+    """
+    return xxhash.xxh3_64_intdigest(kv)
 
 
 @dataclass(frozen=True)
@@ -20,7 +32,7 @@ class KVBlock:
             (``workers.kv_tier.prefix_check``).
         kv: the KV values as raw bytes, ``[layers, 2 (keys, values), kv_heads, block_size,
             head_dim]`` in the holder's KV dtype, flattened (uint8).
-        crc: CRC-32 of ``kv``.
+        checksum: XXH3-64 of ``kv`` (:func:`contract.kv_transfer.kv_checksum`).
     """
 
     digest: bytes
@@ -28,7 +40,7 @@ class KVBlock:
     parent_digest: bytes
     check: bytes
     kv: np.ndarray
-    crc: int
+    checksum: int
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ RAM, the rest on disk). ``--kv-tier-medium`` chooses otherwise.
 
 A hit here is never taken on the digest alone. An entry keeps the block's tokens, the digest its
 chain extends, a check of the whole token prefix it was computed after (a second hash chain,
-independent of the digests: :func:`prefix_check`) and a CRC-32 of its bytes. A load that
+independent of the digests: :func:`prefix_check`) and a checksum of its bytes. A load that
 fails any of these is dropped and the tokens are computed instead.
 
 The file is preallocated when the tier starts (``posix_fallocate``), so a full disk is found
@@ -30,7 +30,6 @@ import os
 import tempfile
 import time
 import weakref
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,7 +38,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from contract.kv_transfer import KVBlock
+from contract.kv_transfer import KVBlock, kv_checksum
 from workers.kv_cache import PagedKVCache
 
 log = logging.getLogger(__name__)
@@ -69,7 +68,7 @@ class TierEntry:
         parent_digest: the digest its chain extends.
         check: :func:`prefix_check` of its token prefix.
         slot: where its bytes are in the file.
-        crc: CRC-32 of its bytes as written.
+        checksum: :func:`~contract.kv_transfer.kv_checksum` of its bytes as written.
         fetched: it came from another worker (else: evicted from this one's working pool).
     """
 
@@ -78,7 +77,7 @@ class TierEntry:
     parent_digest: bytes
     check: bytes
     slot: int
-    crc: int
+    checksum: int
     fetched: bool = False
 
 
@@ -90,10 +89,10 @@ class TierCounters:
         saved_blocks: blocks written on eviction from the working pool.
         loaded_blocks: blocks read back for a hit.
         dropped_blocks: entries dropped to make room (least recently used).
-        corrupt_blocks: loads refused because the bytes did not match their CRC-32.
+        corrupt_blocks: loads refused because the bytes did not match their checksum.
         io_errors: reads and writes the disk failed (the block was not stored, or was dropped
             and recomputed).
-        save_seconds, load_seconds: time spent writing and reading (CRC included).
+        save_seconds, load_seconds: time spent writing and reading (checksums included).
         bytes_saved, bytes_loaded: bytes written and read.
     """
 
@@ -107,7 +106,7 @@ class TierCounters:
     bytes_saved: int = 0
     bytes_loaded: int = 0
     load_s_per_block: float | None = field(default=None)
-    """Moving average of one block's load, CRC included; None until the first load."""
+    """Moving average of one block's load, checksum included; None until the first load."""
 
 
 class TierWrite(NamedTuple):
@@ -245,12 +244,12 @@ class KVTier:
 
     def export(self, digest: bytes) -> KVBlock | None:
         """A copy of the block held under ``digest``, for another worker; None if there is
-        none, or its bytes cannot be read or fail their CRC-32 (then it is dropped)."""
+        none, or its bytes cannot be read or fail their checksum (then it is dropped)."""
         entry = self._entries.get(digest)
         if entry is None or not self._read_intact(entry):
             return None
         return KVBlock(digest, entry.token_ids, entry.parent_digest, entry.check,
-                       self._staged.copy(), entry.crc)
+                       self._staged.copy(), entry.checksum)
 
     def _store(self, digest: bytes, token_ids: Sequence[int], parent_digest: bytes,
                check: bytes, stage: Callable[[], object], fetched: bool) -> TierWrite:
@@ -272,7 +271,7 @@ class KVTier:
             self._free_slots.append(slot)
             return TierWrite(False, dropped)
         self._entries[digest] = TierEntry(digest, tuple(token_ids), parent_digest, check, slot,
-                                          zlib.crc32(self._staged), fetched)
+                                          kv_checksum(self._staged), fetched)
         self.counters.saved_blocks += 1
         self.counters.bytes_saved += self.block_bytes
         self.counters.save_seconds += time.perf_counter() - started
@@ -280,7 +279,7 @@ class KVTier:
 
     def load(self, entry: TierEntry, block_id: int) -> bool:
         """Copies ``entry`` into working-pool block ``block_id``; False, with the entry
-        dropped, if it is gone, or its bytes cannot be read or fail their CRC-32 (the caller
+        dropped, if it is gone, or its bytes cannot be read or fail their checksum (the caller
         computes the tokens instead)."""
         started = time.perf_counter()
         if self._entries.get(entry.digest) is not entry or not self._read_intact(entry):
@@ -298,11 +297,11 @@ class KVTier:
 
     def _read_intact(self, entry: TierEntry) -> bool:
         """Reads ``entry``'s bytes into the staging buffer: whether they arrived and match
-        their CRC-32. An entry that fails either is dropped."""
+        their checksum. An entry that fails either is dropped."""
         if not self._transfer(self.slots.read, entry.slot, "read"):
             fault = "could not be read"
-        elif zlib.crc32(self._staged) != entry.crc:
-            fault = "failed its CRC-32"
+        elif kv_checksum(self._staged) != entry.checksum:
+            fault = "failed its checksum"
             self.counters.corrupt_blocks += 1
         else:
             return True

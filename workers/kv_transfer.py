@@ -9,18 +9,17 @@ processes and nodes without copies of ours.
 Nothing from another worker is trusted: a block is accepted only if its digest, tokens and
 parent digest equal those of the requester's own prompt at that position, its prefix check
 equals the requester's (so the holder computed it after exactly this token prefix, under this
-identity), and its bytes match their CRC-32 and the requester's block size. The first block
+identity), and its bytes match their checksum and the requester's block size. The first block
 that fails ends the import; the rest of the prompt is computed.
 """
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 
 import torch
 
-from contract.kv_transfer import KVBlock
+from contract.kv_transfer import KVBlock, kv_checksum
 from workers.block_pool import BlockPool
 from workers.kv_cache import PagedKVCache
 from workers.sequence import Sequence
@@ -62,7 +61,7 @@ def export_blocks(pool: BlockPool, kv_cache: PagedKVCache, digests: list[bytes],
         if block is not None:
             kv = block_kv(kv_cache, block.block_id).view(-1).view(torch.uint8).cpu().numpy()
             exported.append(KVBlock(digest, block.token_ids, block.parent_digest, block.check,
-                                    kv, zlib.crc32(kv)))
+                                    kv, kv_checksum(kv)))
             continue
         held = pool.tier.export(digest) if pool.tier is not None else None
         if held is None:
@@ -103,4 +102,5 @@ def _matches(pool: BlockPool, seq: Sequence, index: int, block: KVBlock) -> bool
     expected = (seq.digest(index), tuple(seq.block_tokens(index)), seq.parent_digest(index),
                 seq.prefix_check(index))
     return ((block.digest, tuple(block.token_ids), block.parent_digest, block.check) == expected
-            and block.kv.nbytes == pool.tier.block_bytes and zlib.crc32(block.kv) == block.crc)
+            and block.kv.nbytes == pool.tier.block_bytes
+            and kv_checksum(block.kv) == block.checksum)
