@@ -206,10 +206,11 @@ class NalarWorker:
 
     async def _fetch_prefix(self, request: GenerationRequest) -> None:
         """Fetches the prompt's blocks that another worker holds and this one does not
-        (``request.kv_source``, set by the router) into the second tier, where admission
-        finds them: when there is a tier, and the last fetches were faster than computing
-        the blocks. A fetch gets as long as computing them would take; a holder that fails
-        or is slower means they are computed. Never raises."""
+        (``request.kv_source``, set by the router) into the working pool (or, where it has no
+        room for them, the second tier), where admission finds them: when there is a tier,
+        and the last fetches were faster than computing the blocks. A fetch gets as long as
+        computing them would take; a holder that fails or is slower means they are computed.
+        Never raises."""
         source = request.kv_source
         if (source is None or source.worker_id == self.worker_id
                 or self.engine.pool.tier is None or request.prompt_digests is None):

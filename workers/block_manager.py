@@ -85,10 +85,12 @@ class BlockManager:
             if not self._load(seq, index, entry):
                 break
         if not seq.admitted:  # sources count once, as the hit does
-            loaded = hits[len(in_pool):len(seq.block_table)]
-            fetched = sum(1 for entry in loaded if entry.fetched)
-            seq.num_tier_tokens = (len(loaded) - fetched) * self.block_size
-            seq.num_transfer_tokens = fetched * self.block_size
+            taken = hits[:len(seq.block_table)]
+            seq.num_transfer_tokens = sum(hit.fetched for hit in taken) * self.block_size
+            seq.num_tier_tokens = sum(isinstance(hit, TierEntry) and not hit.fetched
+                                      for hit in taken) * self.block_size
+            for block in in_pool:  # from now on, a hit on this worker's own cache
+                block.fetched = False
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
         seq.num_registered_blocks = len(seq.block_table)
         self._grow(seq, seq.num_computed_tokens + num_new_tokens)

@@ -58,6 +58,8 @@ class Block:
         generation: bumped whenever the block stops being a cached copy (see :class:`BlockRef`).
         check: a cached copy's :func:`~workers.kv_tier.prefix_check`, which the second tier
             keeps with the block when it is evicted; empty if none was given.
+        fetched: a cached copy fetched from another worker that no sequence has used yet (its
+            first hit counts as a transfer, later ones as this worker's own cache).
     """
 
     block_id: int
@@ -69,6 +71,7 @@ class Block:
     copy_of: BlockRef | None = None
     generation: int = 0
     check: bytes = b""
+    fetched: bool = False
 
     @property
     def ref(self) -> BlockRef:
@@ -323,8 +326,8 @@ class BlockPool:
             if block.block_id in evictable:
                 assert block.digest is not None, f"evictable block {block.block_id} has no digest"
             if block.digest is None:
-                assert (block.token_ids, block.parent_digest, block.parent, block.check) == (
-                    (), None, None, b""), (
+                assert (block.token_ids, block.parent_digest, block.parent, block.check,
+                        block.fetched) == ((), None, None, b"", False), (
                     f"private block {block.block_id} keeps a cached copy's identity")
             else:
                 self._check_cached(block)
@@ -370,7 +373,7 @@ class BlockPool:
     @staticmethod
     def _forget(block: Block) -> None:
         block.digest, block.token_ids, block.parent_digest, block.parent = None, (), None, None
-        block.check = b""
+        block.check, block.fetched = b"", False
         block.generation += 1
 
     def _emit(self, kind: str, digest: bytes, medium: Medium) -> None:

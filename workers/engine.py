@@ -333,12 +333,15 @@ class LLMEngine:
     def import_blocks(self, request: GenerationRequest, first: int,
                       blocks: list[KVBlock]) -> int:
         """Stores ``blocks`` (prompt block ``first`` onwards) of ``request`` from another
-        worker in the second tier, each checked against the request's own prompt
+        worker, each checked against the request's own prompt, in the working pool where it
+        has room for them, else in the second tier
         (:func:`workers.kv_transfer.import_blocks`); returns how many were accepted. None is
         without a second tier."""
         if self.pool.tier is None:
             return 0
-        accepted = import_blocks(self.pool, self._probe(request), first, blocks)
+        seq = self._probe(request)
+        accepted = import_blocks(self.pool, self.runner.kv_cache, seq,
+                                 self.block_manager.cached_prefix(seq), first, blocks)
         counters = self.transfers
         counters.imported_blocks += accepted
         counters.imported_bytes += sum(block.kv.nbytes for block in blocks[:accepted])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from transformers import PretrainedConfig
 
@@ -55,6 +56,22 @@ class PagedKVCache:
         layer, keys (index 0) and values (index 1)."""
         layers, _, heads, _, head_dim = self._all.shape
         return self._all.view(layers, 2, heads, -1, self.block_size, head_dim)[:, :, :, block_id]
+
+    def write_block(self, block_id: int, kv: np.ndarray) -> None:
+        """Stores one block's KV across every layer from its raw bytes: ``kv`` is
+        :attr:`block_bytes` uint8, laid out as :meth:`layers_block`'s view made contiguous (a
+        block another worker exported). It may be read-only (Ray's object store hands out
+        read-only arrays), so numpy copies it, into the cache itself on a CPU.
+
+        Raises:
+            ValueError: ``kv`` is not one block's bytes.
+        """
+        target = self.layers_block(block_id)
+        host = target if target.device.type == "cpu" else torch.empty_like(target, device="cpu")
+        as_bytes = host.view(torch.uint8).numpy()  # strided: the block's rows in every layer
+        np.copyto(as_bytes, np.asarray(kv, dtype=np.uint8).reshape(as_bytes.shape))
+        if host is not target:
+            target.copy_(host)
 
     def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor,
               value: torch.Tensor) -> None:

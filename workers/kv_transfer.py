@@ -1,6 +1,7 @@
 """KV blocks between workers: a holder exports the blocks a requester asks for by digest, and
-the requester checks each against its own prompt before storing it in its second tier, where
-admission finds it like any second-tier hit.
+the requester checks each against its own prompt before storing it: in its working pool, as a
+cached copy that admission finds like one of its own, or, where the pool cannot take the run,
+in its second tier, where admission finds it like any second-tier hit.
 
 The design follows the KV connectors of vLLM and LMCache and Dynamo's block manager, with Ray
 as the transport: the payloads are numpy arrays, which Ray's object store moves between
@@ -20,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from contract.kv_transfer import KVBlock, kv_checksum
-from workers.block_pool import BlockPool
+from workers.block_manager import Hit
+from workers.block_pool import Block, BlockPool
 from workers.kv_cache import PagedKVCache
 from workers.sequence import Sequence
 
@@ -72,21 +74,84 @@ def export_blocks(pool: BlockPool, kv_cache: PagedKVCache, digests: list[bytes],
     return exported
 
 
-def import_blocks(pool: BlockPool, seq: Sequence, first: int, blocks: list[KVBlock]) -> int:
-    """Stores ``blocks``, block ``first`` of ``seq``'s prompt onwards, in the second tier after
-    checking each against ``seq``; returns how many were accepted (the first refusal, or the
-    first block the tier's disk fails to write, ends the import)."""
-    accepted = 0
+def import_blocks(pool: BlockPool, kv_cache: PagedKVCache, seq: Sequence, held: list[Hit],
+                  first: int, blocks: list[KVBlock]) -> int:
+    """Stores ``blocks``, block ``first`` of ``seq``'s prompt onwards, after checking each
+    against ``seq``; returns how many were accepted (the first refusal, or the first block
+    that cannot be stored, ends the import).
+
+    They go into the working pool as cached copies, where admission finds them as it finds
+    this worker's own, when ``held`` (the prefix this worker holds now, as
+    ``BlockManager.cached_prefix`` finds it) is ``first`` working-pool blocks for them to
+    extend and the pool has room for all of them; else into the second tier, where
+    admission loads them back. The pool saves a write and a read of every block (on a CPU
+    worker, to and from a file) on the request's way to its first token.
+    """
+    checked = []
     for index, block in enumerate(blocks, first):
         if not _matches(pool, seq, index, block):
             break
+        checked.append(block)
+    in_pool = [hit for hit in held[:first] if isinstance(hit, Block)]
+    if len(in_pool) == first:
+        stored = _into_pool(pool, kv_cache, in_pool, checked)
+        if stored is not None:
+            return stored
+    return _into_tier(pool, checked)
+
+
+def _into_pool(pool: BlockPool, kv_cache: PagedKVCache, prefix: list[Block],
+               blocks: list[KVBlock]) -> int | None:
+    """Gives ``blocks`` cached copies in the working pool, each the extension of the one
+    before (the first extends ``prefix``'s last), left evictable; returns how many it has, or
+    None when the pool has no room for all of them."""
+    for block in prefix:  # referenced, so that allocating cannot evict them
+        pool.acquire(block)
+    chain: list[Block] = []  # referenced too until the end
+    try:
+        if pool.num_available < len(blocks):
+            return None
+        parent = prefix[-1] if prefix else None
+        for block in blocks:
+            copy = _pool_copy(pool, kv_cache, block, parent)
+            if copy is None:
+                break
+            chain.append(copy)
+            parent = copy
+        return len(chain)
+    finally:
+        pool.release(block.block_id for block in reversed(prefix + chain))
+
+
+def _pool_copy(pool: BlockPool, kv_cache: PagedKVCache, block: KVBlock,
+               parent: Block | None) -> Block | None:
+    """The working pool's cached copy of ``block`` extending ``parent``, referenced: the one
+    there already (computed here since the fetch was asked for), or a fresh block holding
+    ``block``'s KV, marked fetched. None on a digest collision (the fresh block is freed)."""
+    held = pool.lookup(block.digest, block.token_ids, block.parent_digest, parent)
+    if held is not None:
+        pool.acquire(held)
+        return held
+    target = pool.allocate()
+    kv_cache.write_block(target.block_id, block.kv)
+    if not pool.register(target, block.digest, block.token_ids, block.parent_digest, parent,
+                         block.check):
+        pool.release([target.block_id])
+        return None
+    target.fetched = True
+    return target
+
+
+def _into_tier(pool: BlockPool, blocks: list[KVBlock]) -> int:
+    """Stores ``blocks`` in the second tier; returns how many it holds (the first the disk
+    fails to write ends it)."""
+    for stored, block in enumerate(blocks):
         if pool.cached_block(block.digest) is None:
             written = pool.tier.put(block)
             pool.tier_wrote(block.digest, written)
             if not written.stored:  # the disk failed: counted by the tier
-                break
-        accepted += 1
-    return accepted
+                return stored
+    return len(blocks)
 
 
 def block_kv(kv_cache: PagedKVCache, block_id: int) -> torch.Tensor:

@@ -244,8 +244,11 @@ def holder_and_requester(make_engine, smollm, tmp_path):
     return holder, requester
 
 
+@pytest.mark.parametrize("into", ["pool", "tier"])
 def test_blocks_fetched_from_another_worker_are_hits_and_output_equals_cold(
-        smollm, make_engine, tmp_path):
+        smollm, make_engine, tmp_path, into):
+    """Fetched blocks go into the working pool where it has room for the run, else into the
+    tier; either way the first request counts them as a transfer, and the next as its own."""
     holder, requester = holder_and_requester(make_engine, smollm, tmp_path)
     request = greedy("again", PROMPT, max_tokens=8, ignore_eos=True)
     reference = cold(make_engine(smollm, num_blocks=32), request)
@@ -254,10 +257,15 @@ def test_blocks_fetched_from_another_worker_are_hits_and_output_equals_cold(
     assert requester.held_prefix_blocks(request) == 0
     blocks = holder.export_blocks(digests)
     assert [b.digest for b in blocks] == digests
+    pool = requester.pool
+    busy = [pool.allocate() for _ in range(pool.num_available - 3)] if into == "tier" else []
     assert requester.import_blocks(request, 0, blocks) == 4
+    pool.release(block.block_id for block in busy)
     assert requester.held_prefix_blocks(request) == 4
     events = requester.drain_events()
-    assert replayed(events)["tier"] == set(digests)  # the index learns where it holds them
+    assert replayed(events)[into] == set(digests)  # the index learns where it holds them
+    assert replayed(events)["tier" if into == "pool" else "pool"] == set()
+    pool.check_invariants()
 
     chunks = requester.generate([greedy("again", PROMPT, max_tokens=8, ignore_eos=True)])
     last = chunks["again"][-1]
@@ -267,6 +275,24 @@ def test_blocks_fetched_from_another_worker_are_hits_and_output_equals_cold(
     counters = requester.scheduler.counters
     assert (counters.transfer_hit_tokens, counters.tier_hit_tokens) == (4 * BLOCK, 0)
     assert (holder.transfers.exported_blocks, requester.transfers.imported_blocks) == (4, 4)
+    assert requester.pool.tier.counters.loaded_blocks == (4 if into == "tier" else 0)
+
+    chunks = requester.generate([greedy("later", PROMPT, max_tokens=2, ignore_eos=True)])
+    last = chunks["later"][-1]
+    assert (last.cached_tokens, last.transfer_tokens, last.tier_tokens) == (4 * BLOCK, 0, 0)
+
+
+def test_fetched_blocks_extend_the_prefix_the_pool_holds(smollm, make_engine, tmp_path):
+    holder, requester = holder_and_requester(make_engine, smollm, tmp_path)
+    serve(requester, greedy("head", PROMPT[:2 * BLOCK + 1], max_tokens=1, ignore_eos=True))
+    request = greedy("again", PROMPT, max_tokens=8, ignore_eos=True)
+    assert requester.held_prefix_blocks(request) == 2
+    blocks = holder.export_blocks(digests_of(requester, PROMPT)[2:])
+    assert requester.import_blocks(request, 2, blocks) == 2
+    assert len(requester.pool.tier) == 0
+    chunks = requester.generate([request])["again"]
+    assert (chunks[-1].cached_tokens, chunks[-1].transfer_tokens) == (4 * BLOCK, 2 * BLOCK)
+    assert output_ids(chunks) == cold(make_engine(smollm, num_blocks=32), request)
 
 
 def tampered(block, **changes):
