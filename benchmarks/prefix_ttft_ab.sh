@@ -5,7 +5,9 @@
 # comma-separated: `pool` measures the hit in the KV cache (no eviction); `tier` the hit from
 # the second tier (3,072 tokens evict the prefix first; after a pool run with another seed, so
 # that its misses are not prompts that run served), and keeps the tier's counters from
-# /metrics. Writes OUT/{MODE}_{COMMIT}_round{N}.json (and OUT/tier_metrics_{COMMIT}_round{N}.txt);
+# /metrics; `transfer` runs kv_transfer.py (a prefix fetched from the other, busy worker: serve
+# with --workers 2 and a tier) and keeps the transfer counters. Writes
+# OUT/{MODE}_{COMMIT}_round{N}.json (and OUT/{tier,transfer}_metrics_{COMMIT}_round{N}.txt);
 # the servers' logs go to /tmp/prefix-ab-{COMMIT}-{N}.log. The worktrees it made are removed at
 # the end. Run it from the repository root with nothing else running.
 #
@@ -15,6 +17,7 @@ before=$1 after=$2 out=$3 rounds=$4 modes=$5
 shift 5
 root=$(pwd) url=http://127.0.0.1:8123
 tier_counters='loaded_blocks|load_seconds|saved_blocks|save_seconds|io_errors|corrupt_blocks'
+transfer_counters='(ex|im)ported_(blocks|bytes)|(ex|im)port_seconds|rejected_blocks|failed_fetches'
 mkdir -p "$out"
 made=()
 for commit in "$before" "$after"; do
@@ -41,6 +44,12 @@ measure() {  # commit round [nalar serve flags...]
       --seed $seed --out "$out/tier_${commit}_round$round.json"
     curl -s $url/metrics | grep -E "^nalar:kv_tier_($tier_counters)" \
       > "$out/tier_metrics_${commit}_round$round.txt"
+  fi
+  if [[ ,$modes, == *,transfer,* ]]; then
+    .venv/bin/python benchmarks/kv_transfer.py --url $url --trials 6 \
+      --out "$out/transfer_${commit}_round$round.json"
+    curl -s $url/metrics | grep -E "^nalar:(kv_transfer_($transfer_counters)|kv_tier_load)" \
+      > "$out/transfer_metrics_${commit}_round$round.txt"
   fi
   pkill -f "nalar serve --port 8123" || true
   sleep 3
