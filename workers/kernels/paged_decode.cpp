@@ -35,6 +35,9 @@
 #if defined(NALAR_TILES) || defined(NALAR_PAIRS)
 #include "avx512_exp2.h"
 #endif
+#ifdef NALAR_PAIRS
+#include "avx512_transpose.h"
+#endif
 
 namespace {
 
@@ -353,33 +356,6 @@ void attend_rows_tiles(const float*, const at::BFloat16* q, const at::BFloat16* 
 #endif
 
 #ifdef NALAR_PAIRS
-// Sixteen vectors of 16 32-bit lanes transposed in place, so that afterwards r[c] holds lane c
-// of every input: unpacks within 128-bit lanes, then a 4 x 4 transpose of the lanes.
-inline void transpose_16x16(__m512i r[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int j = 0; j < 16; j += 4) {
-    u[j] = _mm512_unpacklo_epi64(t[j], t[j + 2]);
-    u[j + 1] = _mm512_unpackhi_epi64(t[j], t[j + 2]);
-    u[j + 2] = _mm512_unpacklo_epi64(t[j + 1], t[j + 3]);
-    u[j + 3] = _mm512_unpackhi_epi64(t[j + 1], t[j + 3]);
-  }
-  // u[4j + m], 128-bit lane L: lane 4L + m of inputs 4j .. 4j + 3.
-  for (int m = 0; m < 4; ++m) {
-    const __m512i v0 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x44);
-    const __m512i v1 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xEE);
-    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x44);
-    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xEE);
-    r[m] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-    r[4 + m] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
-    r[8 + m] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-    r[12 + m] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
-  }
-}
-
 // Raw scores of a block of 16 tokens for `rows` query rows, lane t of scores[r] = q_r . k_t
 // (fp32 sums of exact bf16 products). The keys [16, D], read in place, are transposed once per
 // 32 dims into one vector per dim pair (16 tokens' pairs), shared by every row: a row then
@@ -398,7 +374,7 @@ inline void score_block_pairs(const at::BFloat16* keys, const uint32_t* q_pairs,
   for (int64_t c = 0; c < D / 32; ++c) {
     __m512i k[16];
     for (int t = 0; t < 16; ++t) k[t] = _mm512_loadu_si512(keys + t * D + c * 32);
-    transpose_16x16(k);  // k[p]: dims c * 32 + 2p, 2p + 1 of the 16 tokens
+    nalar_avx512::transpose_16x16(k);  // k[p]: dims c * 32 + 2p, 2p + 1 of the 16 tokens
     for (int64_t r = 0; r < padded; r += 4) {
       __m512 e[4], o[4];
       for (int i = 0; i < 4; ++i) {
