@@ -240,10 +240,17 @@ class NalarWorker:
         """Copies of the blocks ``request`` names that this worker holds, leading ones first,
         for another worker; taken between two engine steps.
 
+        An export of nothing is a peer handle's warm-up (``_connect_to_peers``), which the
+        router may send to another replica while it does not know the caller yet: answered
+        empty, never refused (a refusal would log a replica error for a worker that starts).
+
         Raises:
-            LookupError: ``request`` names another worker: its holder is gone, and the router
-                sent the call here so that the requester computes the blocks at once.
+            LookupError: ``request`` names another worker and some blocks: its holder is gone,
+                and the router sent the call here so that the requester computes the blocks
+                at once.
         """
+        if not request.digests:
+            return []
         if request.worker_id != self.worker_id:
             raise LookupError(f"worker {request.worker_id} is gone (asked {self.worker_id})")
         return await self.async_engine.call(self.engine.export_blocks, request.digests)
