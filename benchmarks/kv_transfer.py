@@ -34,6 +34,9 @@ def keep_busy(url: str, tokens: list[int], holder: str, stop: threading.Event) -
             "stream": True}
     with httpx.Client(base_url=url) as client, client.stream(
             "POST", "/v1/completions", json=body, timeout=300) as answer:
+        if answer.status_code != 200:  # e.g. a context too short for the prompt + 1,500
+            raise RuntimeError(f"the busy request was refused: {answer.status_code} "
+                               f"{answer.read().decode()}")
         if answer.headers.get("x-nalar-worker") != holder:
             raise RuntimeError("the busy request did not land on the holder")
         for _ in answer.iter_lines():

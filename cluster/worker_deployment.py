@@ -216,8 +216,9 @@ class NalarWorker:
                 or self.engine.pool.tier is None or request.prompt_digests is None):
             return
         try:
-            held = await self.async_engine.call(self.engine.held_prefix_blocks, request)
-            wanted = request.prompt_digests.digests[held:source.blocks]
+            held, end = await self.async_engine.call(self.engine.fetch_range, request,
+                                                     source.blocks)
+            wanted = request.prompt_digests.digests[held:end]
             if not wanted:
                 return
             deadline = self.transfer_cost.deadline_s(len(wanted))  # records a try

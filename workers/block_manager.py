@@ -42,7 +42,7 @@ class BlockManager:
         """
         hits: list[Hit] = []
         tier = self.pool.tier if self._loading_pays() else None
-        for index in range((seq.num_tokens - 1) // self.block_size):
+        for index in range(seq.num_reusable_blocks):
             key = (seq.digest(index), seq.block_tokens(index), seq.parent_digest(index))
             hit: Hit | None = None
             if not hits or isinstance(hits[-1], Block):

@@ -314,10 +314,14 @@ class LLMEngine:
         return root, (digests.digests if digests is not None and digests.verified(
             root, request.token_ids, self.config.block_size) else [])
 
-    def held_prefix_blocks(self, request: GenerationRequest) -> int:
-        """Leading prompt blocks of ``request`` this worker holds (working pool or second
-        tier), as admission would find them now."""
-        return len(self.block_manager.cached_prefix(self._probe(request)))
+    def fetch_range(self, request: GenerationRequest, credited: int) -> tuple[int, int]:
+        """The prompt blocks ``[first, end)`` of ``request`` worth fetching from a worker the
+        index credits with its first ``credited``: from the blocks this worker holds now
+        (working pool or second tier, as admission would find them) to the last a hit may
+        cover (a block ending on the last token is computed again anyway)."""
+        seq = self._probe(request)
+        return (len(self.block_manager.cached_prefix(seq)),
+                min(credited, seq.num_reusable_blocks))
 
     def export_blocks(self, digests: list[bytes]) -> list[KVBlock]:
         """Copies of the blocks held under ``digests``, for another worker

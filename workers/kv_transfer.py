@@ -162,7 +162,7 @@ def block_kv(kv_cache: PagedKVCache, block_id: int) -> torch.Tensor:
 
 def _matches(pool: BlockPool, seq: Sequence, index: int, block: KVBlock) -> bool:
     """Whether ``block`` is block ``index`` of ``seq``'s own prefix, intact."""
-    if index >= (seq.num_tokens - 1) // seq.block_size:
+    if index >= seq.num_reusable_blocks:
         return False
     expected = (seq.digest(index), tuple(seq.block_tokens(index)), seq.parent_digest(index),
                 seq.prefix_check(index))

@@ -362,6 +362,6 @@ def _blocks_in_flight(seq: Sequence) -> list[bytes]:
 def _next_block(seq: Sequence, num_hits: int) -> bytes | None:
     """The digest of the block after ``seq``'s cached prefix of ``num_hits`` blocks, or None
     when no further block could be a hit (the last token is always computed)."""
-    if num_hits >= (seq.num_tokens - 1) // seq.block_size:
+    if num_hits >= seq.num_reusable_blocks:
         return None
     return seq.digest(num_hits)

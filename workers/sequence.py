@@ -104,6 +104,12 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
+    def num_reusable_blocks(self) -> int:
+        """Leading full blocks a cache hit may cover: every one but a block ending on the
+        last token, which is always computed again for its logits."""
+        return (self.num_tokens - 1) // self.block_size
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 

@@ -48,7 +48,7 @@ def fetcher(holder: Holder, recompute_s_per_token: float = 1e-3) -> NalarWorker:
     imported = []
     worker.engine = SimpleNamespace(
         pool=SimpleNamespace(tier=object()), transfers=TransferCounters(),
-        held_prefix_blocks=lambda request: 2,
+        fetch_range=lambda request, credited: (2, min(credited, 61)),
         import_blocks=lambda request, first, blocks: imported.append((first, blocks))
         or len(blocks))
     worker.imported = imported
@@ -68,8 +68,8 @@ async def test_the_blocks_it_lacks_are_fetched_from_the_holder_and_imported():
     holder = Holder("answers")
     worker = fetcher(holder)
     await worker._fetch_prefix(request())
-    assert holder.asked == [KVExportRequest("holder", DIGESTS[2:62])]
-    assert worker.imported == [(2, ["block"] * 60)]
+    assert holder.asked == [KVExportRequest("holder", DIGESTS[2:61])]
+    assert worker.imported == [(2, ["block"] * 59)]
     assert worker.transfer_cost.fetch_s_per_block is not None
 
 

@@ -254,14 +254,16 @@ def test_blocks_fetched_from_another_worker_are_hits_and_output_equals_cold(
     reference = cold(make_engine(smollm, num_blocks=32), request)
     requester.drain_events()
     digests = digests_of(requester, PROMPT)
-    assert requester.held_prefix_blocks(request) == 0
+    assert requester.fetch_range(request, 9) == (0, 4)
+    whole = greedy("whole", PROMPT[:4 * BLOCK], max_tokens=1, ignore_eos=True)
+    assert requester.fetch_range(whole, 4) == (0, 3)  # its last block is computed anyway
     blocks = holder.export_blocks(digests)
     assert [b.digest for b in blocks] == digests
     pool = requester.pool
     busy = [pool.allocate() for _ in range(pool.num_available - 3)] if into == "tier" else []
     assert requester.import_blocks(request, 0, blocks) == 4
     pool.release(block.block_id for block in busy)
-    assert requester.held_prefix_blocks(request) == 4
+    assert requester.fetch_range(request, 9) == (4, 4)
     events = requester.drain_events()
     assert replayed(events)[into] == set(digests)  # the index learns where it holds them
     assert replayed(events)["tier" if into == "pool" else "pool"] == set()
@@ -286,7 +288,7 @@ def test_fetched_blocks_extend_the_prefix_the_pool_holds(smollm, make_engine, tm
     holder, requester = holder_and_requester(make_engine, smollm, tmp_path)
     serve(requester, greedy("head", PROMPT[:2 * BLOCK + 1], max_tokens=1, ignore_eos=True))
     request = greedy("again", PROMPT, max_tokens=8, ignore_eos=True)
-    assert requester.held_prefix_blocks(request) == 2
+    assert requester.fetch_range(request, 4) == (2, 4)
     blocks = holder.export_blocks(digests_of(requester, PROMPT)[2:])
     assert requester.import_blocks(request, 2, blocks) == 2
     assert len(requester.pool.tier) == 0
