@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 
+from cluster.replica_logs import route_to_serve_logger
 from workers.config import EngineConfig
 from workers.speculative.config import SpeculativeConfig
 from workers.speculative.proposer import ProposalRequest, Proposer
@@ -35,6 +36,7 @@ class DraftProposer:
     """
 
     def __init__(self, config: SpeculativeConfig, engine_config: EngineConfig | None = None):
+        route_to_serve_logger()
         config.validate()
         if not config.enabled:
             raise ValueError("a draft replica needs a speculative method, not 'off'")

@@ -21,6 +21,7 @@ from cluster.adapters import AdapterCatalog
 from cluster.config import INDEX_ACTOR_NAMESPACE, ClusterConfig
 from cluster.dashboard import Dashboard, dashboard_router
 from cluster.metrics import SCRAPE_TIMEOUT_S, build_registry, fetch_worker_stats
+from cluster.replica_logs import route_to_serve_logger
 from cluster.worker_identity import WorkerIdentity
 from contract.identity import AdapterRef, CacheIdentity
 from contract.request import GenerationChunk, GenerationRequest, InvalidRequestError
@@ -62,6 +63,7 @@ class NalarIngress:
     """
 
     async def __init__(self, workers: DeploymentHandle, config: ClusterConfig):
+        route_to_serve_logger()
         self.workers = workers
         description = await workers.describe.remote()
         live_keys = functools.partial(REPLICA_MODEL_KEYS.keys,

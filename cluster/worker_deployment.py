@@ -15,6 +15,7 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster.config import INDEX_ACTOR_NAMESPACE, ClusterConfig
 from cluster.event_publisher import EventPublisher
+from cluster.replica_logs import route_to_serve_logger
 from contract.description import WorkerDescription
 from contract.identity import AdapterRef
 from contract.kv_transfer import KVBlock, KVExportRequest
@@ -154,6 +155,7 @@ class NalarWorker:
 
     async def __init__(self, config: ClusterConfig, draft: DeploymentHandle | None = None):
         started = time.perf_counter()
+        route_to_serve_logger()
         ClientErrorLogFilter.install(logging.getLogger("ray.serve"))  # Serve's replica logger
         self.worker_id = replica_worker_id()
         self.served_model_name = config.served_model_name
