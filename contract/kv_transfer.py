@@ -13,9 +13,10 @@ def kv_checksum(kv: np.ndarray | memoryview) -> int:
     """XXH3-64 of one block's KV bytes: what catches a block corrupted on disk or in transit.
 
     Not a hash of identity (the digest chain and the prefix check are), so a fast
-    non-cryptographic one: XXH3 reads about 28 GB/s on one core of an AMX Xeon, where zlib's
-    CRC-32 read 1.7 GB/s and was most of a second-tier load's time (a 992-token prefix of
-    SmolLM2 in bf16 is 23 MB: 0.8 against 11-14 ms).
+    non-cryptographic one. On one core of an AMX Xeon, XXH3 took 0.8 ms for the 23 MB of a
+    992-token prefix of SmolLM2 in bf16, and zlib's CRC-32, used before, 11-14 ms (a throwaway
+    timing, not committed); a second-tier load went from 0.25-0.26 to 0.20 ms a block
+    (``benchmarks/results/xeon-amx/kv-reuse-3d7edfd/``, with the other changes of that run).
     """
     return xxhash.xxh3_64_intdigest(kv)
 

@@ -73,7 +73,7 @@ def native():
                            "--quantization none")
     path = module.paths()[0]
     if path == "avx512":
-        pairs = (f", two groups at a time from {module.int8_pair_min_rows()} rows a step"
+        pairs = (f", two groups at a time in steps of {module.int8_pair_min_rows()}+ rows"
                  if module.int8_pair_min_rows() else "")
         tiles = (f", and AMX-INT8 tiles from {module.int8_tile_min_rows} rows a step"
                  if module.has_int8_tiles() else "")
