@@ -128,6 +128,12 @@ class NalarIngress:
         replica, so the request goes to another. A worker lost after its first chunk ends the
         stream with an error: its tokens cannot be taken back.
 
+        The chunks come over Serve's gRPC channel to the replica (``_by_reference=False``)
+        rather than as one Ray object each: a stream's chunks are small and many, and on a
+        CPU host their per-chunk cost is taken from the engine's cores (with the proxy's own
+        channel, :data:`cluster.runtime.SERVE_ENV`: ``docs/performance.md``, "The token
+        stream through Serve").
+
         Raises:
             OverloadedError: Serve refused the call (the workers' queues are full, or no
                 replica is up): 503 with Retry-After.
@@ -140,7 +146,8 @@ class NalarIngress:
             finished = streamed = False
             try:
                 request = await self.worker_identity.current(request)
-                stream = self.workers.options(stream=True).generate.remote(request)
+                stream = self.workers.options(stream=True, _by_reference=False).generate.remote(
+                    request)
                 async for chunk in stream:
                     timer.chunk(len(chunk.token_ids))
                     finished = chunk.is_last

@@ -20,6 +20,13 @@ log = logging.getLogger(__name__)
 
 OBJECT_STORE_BYTES = 256 << 20
 
+SERVE_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
+"""Ray Serve settings a local cluster starts with (a variable already set wins; a cluster
+joined through ``$RAY_ADDRESS`` takes them from its nodes' environment: the image sets them).
+The HTTP proxy hands each request to the ingress, and gets each piece of a streamed answer
+back, over the replica's gRPC channel instead of as one Ray object each (``docs/performance.md``,
+"The token stream through Serve"). Without it, requests still work, by Ray objects."""
+
 
 class PortInUseError(OSError):
     """The HTTP port is taken by another process."""
@@ -121,6 +128,8 @@ def init_ray(num_cpus: int | None = None, log_to_driver: bool = True) -> None:
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=log_to_driver,
                  namespace=INDEX_ACTOR_NAMESPACE)
         return
+    for name, value in SERVE_ENV.items():  # read by the processes Ray starts next
+        os.environ.setdefault(name, value)
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
              log_to_driver=log_to_driver, object_store_memory=OBJECT_STORE_BYTES,
              namespace=INDEX_ACTOR_NAMESPACE)

@@ -50,7 +50,13 @@ def ingress_over(*streams: FakeStream) -> SimpleNamespace:
     """An ingress whose worker calls return ``streams`` in turn."""
     calls = iter(streams)
     method = SimpleNamespace(remote=lambda request: next(calls))
-    handle = SimpleNamespace(options=lambda stream: SimpleNamespace(generate=method))
+
+    def options(**opts):  # streamed over Serve's gRPC channel, not one Ray object a chunk
+        assert opts == {"stream": True, "_by_reference": False}
+        return SimpleNamespace(generate=method)
+
+    handle = SimpleNamespace(options=options)
+
     async def current(request):  # the workers' identity never changes here
         return request
 

@@ -172,7 +172,7 @@ async def test_ingress_sends_the_workers_the_rehashed_request():
     keys = ReplicaModelKeys()
     keys.update(DEPLOYMENT, [NEW.model_key])
     ingress = SimpleNamespace(
-        workers=SimpleNamespace(options=lambda stream: SimpleNamespace(
+        workers=SimpleNamespace(options=lambda **_: SimpleNamespace(
             generate=SimpleNamespace(remote=remote))),
         dashboard=SimpleNamespace(timer=lambda: SimpleNamespace(chunk=lambda n: None)),
         worker_identity=watch_over(FakeWorkers(description(NEW)), keys))
