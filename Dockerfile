@@ -31,4 +31,4 @@ RUN pip install --no-cache-dir . \
 ENV HF_HUB_OFFLINE=1
 # Streamed tokens from the workers to the HTTP proxy over gRPC, as `nalar serve` runs locally
 # (cluster/runtime.py SERVE_ENV).
-ENV RAY_SERVE_PROXY_USE_GRPC=1
+ENV RAY_SERVE_PROXY_USE_GRPC=1 RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH=2147483647
