@@ -29,6 +29,6 @@ RUN pip install --no-cache-dir . \
 # (COPY my-model /models/my-model) or mount a volume, and point `model:` in serveConfigV2
 # at it.
 ENV HF_HUB_OFFLINE=1
-# Streamed tokens from the workers to the HTTP proxy over gRPC, as `nalar serve` runs locally
-# (cluster/runtime.py SERVE_ENV).
-ENV RAY_SERVE_PROXY_USE_GRPC=1 RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH=2147483647
+# Streamed tokens from the workers to the ingress over gRPC without its 4 MiB message limit, as
+# `nalar serve` runs locally (cluster/runtime.py SERVE_ENV).
+ENV RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH=2147483647

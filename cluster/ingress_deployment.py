@@ -130,9 +130,8 @@ class NalarIngress:
 
         The chunks come over Serve's gRPC channel to the replica (``_by_reference=False``)
         rather than as one Ray object each: a stream's chunks are small and many, and on a
-        CPU host their per-chunk cost is taken from the engine's cores (with the proxy's own
-        channel, :data:`cluster.runtime.SERVE_ENV`: ``docs/performance.md``, "The token
-        stream through Serve").
+        CPU host their per-chunk cost is taken from the engine's cores (``docs/performance.md``,
+        "The token stream through Serve").
 
         Raises:
             OverloadedError: Serve refused the call (the workers' queues are full, or no

@@ -20,16 +20,15 @@ log = logging.getLogger(__name__)
 
 OBJECT_STORE_BYTES = 256 << 20
 
-SERVE_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1",
-             "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str((2 << 30) - 1)}
+SERVE_ENV = {"RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str((2 << 30) - 1)}
 """Ray Serve settings a local cluster starts with (a variable already set wins; a cluster
 joined through ``$RAY_ADDRESS`` takes them from its nodes' environment: the image sets them).
-The HTTP proxy hands each request to the ingress, and gets each piece of a streamed answer
-back, over the replica's gRPC channel instead of as one Ray object each (``docs/performance.md``,
-"The token stream through Serve"). Without it, requests still work, by Ray objects. That
-channel refuses messages over 4 MiB by default, and one answer is one message: 16 choices with
-20 top logprobs a token make more (a 500 before this limit, found by a break test), so the
-limit is gRPC's largest, as Ray objects have none."""
+The workers stream to the ingress over the replicas' gRPC channels, which refuse a message over
+4 MiB by default; a chunk that gathered many tokens with their logprobs can be larger, and Ray
+objects have no such limit, so the limit is gRPC's largest. The same limit lets an operator put
+the HTTP proxy's hop on gRPC too (``RAY_SERVE_PROXY_USE_GRPC=1``, not set here: a request that
+races an ingress restart then gets a 500 instead of waiting; ``docs/performance.md``, "The
+token stream through Serve")."""
 
 
 class PortInUseError(OSError):
