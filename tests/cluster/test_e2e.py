@@ -196,4 +196,3 @@ async def test_a_batch_prompt_is_answered_as_its_prompts_are_alone(cluster):
     assert answer["usage"]["prompt_tokens"] == sum(r.json()["usage"]["prompt_tokens"]
                                                    for r in alone)
     assert answer["usage"]["completion_tokens"] == 18
-

@@ -50,3 +50,21 @@ async def test_client_disconnect_cancels_and_frees_blocks(cluster):
     assert stats is not None and stats["blocks_in_use"] == 0
     assert stats["decode_tokens"] - decoded_before[worker] < 400  # stopped long before max_tokens
     assert stats["blocks_free"] + stats["blocks_evictable"] == stats["blocks_total"]
+
+
+def test_the_processes_ray_starts_carry_the_serve_settings(ray_session):
+    """``init_ray`` puts ``SERVE_ENV`` in the environment of every process the local Ray
+    starts (replicas read it as they import Serve): without it the workers' gRPC streams to
+    the ingress refuse a chunk over 4 MiB."""
+    import os
+
+    import ray
+
+    from cluster.runtime import SERVE_ENV
+
+    @ray.remote(num_cpus=0)
+    def environment(names):
+        return {name: os.environ.get(name) for name in names}
+
+    assert ray.get(environment.remote(list(SERVE_ENV))) == {
+        "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(2**31 - 1)}
