@@ -58,38 +58,46 @@ SECTIONS = ("linear", "stored_q4_1", "stored_q4_1_from_dram", "flash", "decode_a
 
 
 def linear_rows(rows: list[int], repeats: int, dtype: torch.dtype) -> dict:
-    """Milliseconds per matmul, plain and prepacked, for each shape and row count, and the
-    largest relative difference between the two results. Where the packed kernel runs for
-    ``dtype`` (bf16: AVX-512; fp32: AVX2 with FMA; ``workers.models.linear.PACKED_MAX_ROWS``),
-    also ``packed_small_ms``: the same matmul through it, timed right after the prepacked one."""
-    from workers.models.linear import _packed_kernel
+    """Milliseconds per matmul, plain and (where oneDNN can prepack ``dtype`` on this CPU)
+    prepacked, for each shape and row count, and the largest relative difference between the
+    two results. Where the packed kernel runs for ``dtype`` (AVX2 with FMA, or AVX-512;
+    ``workers.models.linear.packed_max_rows``), also ``packed_small_ms``: the same matmul
+    through it, timed right after the others."""
+    from workers.models.linear import _packed_kernel, _prepacking_pays
 
     small = _packed_kernel(dtype, torch.device("cpu"))
+    prepacks = _prepacking_pays(dtype, torch.device("cpu"))
     results = {}
     for name, (out_features, in_features) in LINEAR_SHAPES.items():
         weight = torch.randn(out_features, in_features, dtype=dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None) if prepacks else None
         small_packed = small.pack(weight) if small is not None else None
         for count in rows:
             x = torch.randn(count, in_features, dtype=dtype)
             plain = common.median_time(lambda x=x, w=weight: F.linear(x, w), repeats)
-            fast = common.median_time(
-                lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none",
-                                                                         [], ""), repeats)
-            reference = F.linear(x, weight).float()
-            packed_out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-            difference = float(((packed_out.float() - reference).abs()
-                                / reference.abs().clamp_min(1e-3)).max())
-            results[f"{name}/{count}"] = {"plain_ms": plain * 1e3, "prepacked_ms": fast * 1e3,
-                                          "speedup": plain / fast,
-                                          "bit_identical": difference == 0.0,
-                                          "max_relative_difference": difference}
+            row = results[f"{name}/{count}"] = {"plain_ms": plain * 1e3}
+            if packed is not None:
+                row.update(_prepacked(x, weight, packed, plain, repeats))
             if small is not None:
-                results[f"{name}/{count}"]["packed_small_ms"] = common.median_time(
+                row["packed_small_ms"] = common.median_time(
                     lambda x=x, p=small_packed, n=out_features: small.linear(x, p, n, None),
                     repeats) * 1e3
-            common.log(f"{name} {count} rows: {results[f'{name}/{count}']}")
+            common.log(f"{name} {count} rows: {row}")
     return results
+
+
+def _prepacked(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, plain_s: float,
+               repeats: int) -> dict:
+    """oneDNN's prepacked matmul of ``x`` by ``weight``: its time against ``plain_s`` and how
+    far its result is from ``F.linear``'s."""
+    fast = common.median_time(
+        lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), repeats)
+    reference = F.linear(x, weight).float()
+    packed_out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    difference = float(((packed_out.float() - reference).abs()
+                        / reference.abs().clamp_min(1e-3)).max())
+    return {"prepacked_ms": fast * 1e3, "speedup": plain_s / fast,
+            "bit_identical": difference == 0.0, "max_relative_difference": difference}
 
 
 def q4_1_weight(out_features: int, in_features: int):

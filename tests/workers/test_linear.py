@@ -38,7 +38,7 @@ def test_primitive_caches_are_bounded_unless_the_operator_sized_them(monkeypatch
 
 packed = kernels.packed_linear()
 needs_packed = pytest.mark.skipif(packed is None or not packed.runs_bf16(),
-                                  reason="no AVX-512 build of the packed kernel here")
+                                  reason="no AVX2+FMA build of the packed kernel here")
 needs_packed_f32 = pytest.mark.skipif(packed is None or not packed.runs_f32(),
                                       reason="no AVX2+FMA build of the packed kernel here")
 
@@ -54,12 +54,12 @@ def _bf16(*shape: int, seed: int) -> torch.Tensor:
 def test_packed_kernel_is_the_float32_product_rounded_once_and_batch_invariant(n, k, rows):
     """Against float64: the kernel sums bf16 products in float32 (FMAs over widened weights,
     or AVX512-BF16 pair products) and rounds to bf16 once, so it is within one bf16 ulp (2^-8
-    relative, checked against the output's scale). Feature counts off the 16-wide groups and
-    the 64-wide panels, a bias, rows over more than one pass, and each row alone equal to the
-    same row in the batch, bit for bit."""
+    relative, checked against the output's scale). Feature counts off the 8- or 16-wide
+    groups and the 4-group panels, a bias, rows over more than one pass, and each row alone
+    equal to the same row in the batch, bit for bit."""
     weight, x, bias = _bf16(n, k, seed=n), _bf16(rows, k, seed=k), _bf16(n, seed=rows)
-    weights = packed.pack(weight)
-    assert weights.shape == ((n + 15) // 16, k // 2, 32)
+    weights, width = packed.pack(weight), packed.bf16_features
+    assert weights.shape == ((n + width - 1) // width, k // 2, 2 * width)
     out = packed.linear(x, weights, n, bias)
     reference = x.double() @ weight.double().T + bias.double()
     scale = reference.abs() + reference.abs().mean()
@@ -67,6 +67,24 @@ def test_packed_kernel_is_the_float32_product_rounded_once_and_batch_invariant(n
     assert ((out.double() - reference).abs() / scale).max() < 2 ** -8
     alone = torch.cat([packed.linear(x[r:r + 1], weights, n, bias) for r in range(rows)])
     assert torch.equal(alone, out)
+
+
+@needs_packed
+@pytest.mark.skipif(packed is not None and packed.bf16_pairs,
+                    reason="AVX512-BF16's pair products round otherwise")
+def test_widened_bf16_sums_are_the_same_on_avx2_and_avx512():
+    """Where the weights are widened to fp32 (AVX2, or AVX-512 with AMX), each output sums its
+    products in input order and rounds to bf16 once after the bias, whatever the vector width:
+    equal bit for bit to that sum done in order here (a bf16 product is exact in fp32, so each
+    FMA rounds only the addition). The cache identity's ``packed-bf16`` tag relies on it."""
+    n, k, rows = 37, 96, 3
+    weight, x, bias = _bf16(n, k, seed=11), _bf16(rows, k, seed=12), _bf16(n, seed=13)
+    products = x.float()[:, None, :] * weight.float()[None, :, :]
+    sums = torch.zeros(rows, n)
+    for i in range(k):
+        sums = sums + products[:, :, i]
+    expected = (sums + bias.float()).bfloat16()
+    assert torch.equal(packed.linear(x, packed.pack(weight), n, bias), expected)
 
 
 @needs_packed
@@ -96,6 +114,8 @@ def test_linear_takes_the_packed_kernel_below_its_rows_and_onednn_from_there(dty
     weight = _f32(48, inputs, seed=3).to(dtype)
     linear, plain = Linear(weight, small_batches=True), Linear(weight)
     rows = packed_max_rows(dtype)
+    if rows is None:
+        pytest.skip("the packed kernel takes every row count here (next test)")
     small = _f32(rows - 1, inputs, seed=4).to(dtype)
     large = _f32(rows, inputs, seed=5).to(dtype)
     assert torch.equal(linear(small), packed.linear(small, packed.pack(weight), 48, None))
@@ -107,14 +127,30 @@ def test_linear_takes_the_packed_kernel_below_its_rows_and_onednn_from_there(dty
 @needs_packed_f32
 def test_the_row_thresholds_follow_the_kernels_path():
     """The 8-wide fp32 (AVX2) path keeps matmuls up to 31 rows, where oneDNN has no AVX-512;
-    bf16 pair products keep them up to 127."""
+    bf16 pair products keep them up to 127; bf16 without oneDNN's bf16 kernels, all."""
     width = packed.pack(_f32(3, 5, seed=7)).shape[2]
     assert width == packed.f32_features in (8, 16)
     assert packed_max_rows(torch.float32) == (PACKED_MAX_ROWS_AVX2 if width == 8
                                               else PACKED_MAX_ROWS)
-    assert packed_max_rows(torch.bfloat16) == (PACKED_MAX_ROWS_BF16_PAIRS if packed.bf16_pairs
-                                               else PACKED_MAX_ROWS)
+    bf16_rows = PACKED_MAX_ROWS_BF16_PAIRS if packed.bf16_pairs else PACKED_MAX_ROWS
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        bf16_rows = None
+    assert packed_max_rows(torch.bfloat16) == bf16_rows
     assert (PACKED_MAX_ROWS, PACKED_MAX_ROWS_AVX2, PACKED_MAX_ROWS_BF16_PAIRS) == (5, 32, 128)
+
+
+@needs_packed
+@pytest.mark.skipif(torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                    reason="oneDNN has bf16 kernels for this CPU")
+def test_without_onednn_bf16_the_packed_kernel_takes_bf16_matmuls_of_every_row_count():
+    """On an AVX2-only CPU a prompt's 300 rows go through the packed kernel too (torch's own
+    bf16 matmul was 3-9x slower), and the tag says so."""
+    weight = _f32(48, 64, seed=3).bfloat16()
+    linear = Linear(weight, small_batches=True)
+    assert linear.packed is None
+    prompt = _f32(300, 64, seed=4).bfloat16()
+    assert torch.equal(linear(prompt), packed.linear(prompt, packed.pack(weight), 48, None))
+    assert linear_kernel(torch.bfloat16, torch.device("cpu"), True) == "packed-bf16"
 
 
 @needs_packed

@@ -205,13 +205,13 @@ def weight_linear() -> ModuleType | None:
 
 def packed_linear() -> ModuleType | None:
     """The compiled packed linear extension, or None where it is disabled or cannot be built.
-    ``pack(weight)`` turns a ``[N, K]`` bfloat16 weight (K even) into ``[ceil(N / 16), K / 2,
-    32]`` groups of 16 output features, or a float32 one into ``[ceil(N / W), K, W]`` groups
-    of the vector width W (8 with AVX2, 16 with AVX-512); ``linear(x, packed, N, bias)`` takes
-    ``x`` ``[M, K]`` of the weight's dtype and a ``[N]`` bias or None and returns ``[M, N]``
-    in that dtype. ``runs_bf16()`` and ``runs_f32()`` say whether this build and CPU run each
-    path (AVX-512; AVX2 with FMA); ``linear`` raises RuntimeError where they do not, and for
-    shapes that do not match."""
+    ``pack(weight)`` turns a ``[N, K]`` bfloat16 weight (K even) into ``[ceil(N / W), K / 2,
+    2 * W]`` groups of W output features, or a float32 one into ``[ceil(N / W), K, W]``, W
+    being the vector width (8 with AVX2, 16 with AVX-512: ``bf16_features``,
+    ``f32_features``); ``linear(x, packed, N, bias)`` takes ``x`` ``[M, K]`` of the weight's
+    dtype and a ``[N]`` bias or None and returns ``[M, N]`` in that dtype. ``runs_bf16()``
+    and ``runs_f32()`` say whether this build and CPU run each path (AVX-512, or AVX2 with
+    FMA); ``linear`` raises RuntimeError where they do not, and for shapes that do not match."""
     return _build("packed_linear")
 
 

@@ -62,8 +62,13 @@ template <typename W>
 struct Layout;
 
 template <>
-struct Layout<uint32_t> {  // bf16 pairs, AVX-512
-#ifdef NALAR_PAIR_PRODUCTS
+struct Layout<uint32_t> {  // bf16 pairs
+#if !defined(__AVX512F__)
+  // AVX2: 8 features a group, widened like AVX-512's; 2 rows a pass fill the 16 registers
+  // as the fp32 path's do (8 sums, a line, its widened half and a broadcast)
+  static constexpr int64_t kFeatures = 8, kInputs = 2, kRows = 2;
+  using Input = float;
+#elif defined(NALAR_PAIR_PRODUCTS)
   // 24 sums, 4 lines and a broadcast: a verification block's 5 rows take one pass (in a
   // throwaway sweep at 4 rows a pass, 5 rows took 1.48x as long as 4 on SmolLM2's gate/up, one
   // thread; at 6 rows a pass, 1.26x; 8 rows a pass was no faster than 6)
@@ -140,6 +145,29 @@ void panel_product(const Input<W>* x, int64_t ldx, const W* w, int64_t steps, fl
     for (int r = 0; r < R; ++r) {
       for (int g = 0; g < G; ++g) _mm512_storeu_ps(sums + (r * G + g) * F, acc[r][g]);
     }
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc[R][G];
+    for (int r = 0; r < R; ++r) {
+      for (int g = 0; g < G; ++g) acc[r][g] = _mm256_setzero_ps();
+    }
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    for (int64_t p = 0; p < steps; ++p) {
+      for (int g = 0; g < G; ++g) {
+        const __m256i line = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(w + (g * steps + p) * F));
+        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(line, 16));
+        for (int r = 0; r < R; ++r) {
+          acc[r][g] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * ldx + 2 * p]), even, acc[r][g]);
+        }
+        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(line, high));
+        for (int r = 0; r < R; ++r) {
+          acc[r][g] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * ldx + 2 * p + 1]), odd, acc[r][g]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int g = 0; g < G; ++g) _mm256_storeu_ps(sums + (r * G + g) * F, acc[r][g]);
+    }
 #endif
   }
 }
@@ -193,14 +221,6 @@ void run_panels(const Input<W>* x, int64_t m, int64_t k, const W* w, int64_t n,
   });
 }
 
-bool runs_bf16() {
-#if defined(__AVX512F__)
-  return __builtin_cpu_supports("avx512f");
-#else
-  return false;
-#endif
-}
-
 bool runs_f32() {
 #if defined(__AVX512F__)
   return __builtin_cpu_supports("avx512f");
@@ -210,6 +230,8 @@ bool runs_f32() {
   return false;
 #endif
 }
+
+bool runs_bf16() { return runs_f32(); }  // the same instructions: AVX-512, or AVX2 with FMA
 
 // [N, K] -> [ceil(N / F)][K / inputs][F * inputs] elements: groups of F output
 // features, each input step's features together; the last group padded with zeros.
@@ -231,8 +253,8 @@ void pack_into(const W* src, int64_t n, int64_t k, W* dst) {
 
 }  // namespace
 
-// weight [N, K] bfloat16 (K even) -> [ceil(N / 16), K / 2, 32] bfloat16, or float32 ->
-// [ceil(N / W), K, W] float32 with W the vector width (8 with AVX2, 16 with AVX-512).
+// weight [N, K] bfloat16 (K even) -> [ceil(N / W), K / 2, 2 * W] bfloat16, or float32 ->
+// [ceil(N / W), K, W] float32, with W the vector width (8 with AVX2, 16 with AVX-512).
 at::Tensor pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2
               && (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat),
@@ -260,7 +282,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                   const std::optional<at::Tensor>& bias) {
   const bool f32 = packed.scalar_type() == at::kFloat;
   TORCH_CHECK(f32 ? runs_f32() : runs_bf16(), "the packed ", f32 ? "float32" : "bf16",
-              " linear needs a build and CPU with ", f32 ? "AVX2 and FMA" : "AVX-512");
+              " linear needs a build and CPU with AVX2 and FMA");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == packed.scalar_type(),
               "x must be a [M, K] CPU tensor of the packed weight's dtype");
   const int64_t m = x.size(0), k = x.size(1);
@@ -301,8 +323,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("linear", &linear, "x W^T (+ b) over a packed weight",
         pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("runs_bf16", &runs_bf16, "whether this build and CPU run the bf16 path (AVX-512)");
+  m.def("runs_bf16", &runs_bf16, "whether this build and CPU run the bf16 path (AVX2+FMA)");
   m.def("runs_f32", &runs_f32, "whether this build and CPU run the fp32 path (AVX2+FMA)");
   m.attr("f32_features") = Layout<float>::kFeatures;
+  m.attr("bf16_features") = Layout<uint32_t>::kFeatures;
   m.attr("bf16_pairs") = std::is_same_v<Input<uint32_t>, uint32_t>;
 }

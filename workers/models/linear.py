@@ -18,9 +18,9 @@ A decode of a few rows reads every weight once and little else. There oneDNN rea
 at 8-10 GB/s where the memory gives 15 (an AMX Xeon), and fp32 weights at 12 GB/s where it
 gives 17 (an AVX2-only EPYC), gaining nothing from a second thread: below
 :data:`PACKED_MAX_ROWS` rows the weights go through our own kernel on a third copy packed for
-it (``workers/kernels/packed_linear.cpp``), where the CPU runs it (bf16: AVX-512; fp32: AVX2
-with FMA) and the model's weights are small enough for a third copy
-(:func:`packs_small_batches`).
+it (``workers/kernels/packed_linear.cpp``), where the CPU runs it (AVX2 with FMA, or AVX-512)
+and the model's weights are small enough for a third copy (:func:`packs_small_batches`). On a
+CPU where oneDNN has no bf16 kernels (AVX2 only) it takes bf16 matmuls of every row count.
 
 oneDNN, and ideep above it, cache a primitive per operation shape (1,024 each by default, at
 up to about half a MiB apiece). Prompt and context lengths bring new shapes for as long as a
@@ -144,14 +144,23 @@ def _packed_kernel(dtype: torch.dtype, device: torch.device):
     return kernel if runs else None
 
 
-def packed_max_rows(dtype: torch.dtype) -> int:
+def packed_max_rows(dtype: torch.dtype) -> int | None:
     """Rows below which :class:`Linear` takes the packed kernel for weights of ``dtype``:
     :data:`PACKED_MAX_ROWS_AVX2` for fp32 on the kernel's 8-wide path,
-    :data:`PACKED_MAX_ROWS_BF16_PAIRS` for bf16 where it multiplies by pair products, else
-    :data:`PACKED_MAX_ROWS`."""
+    :data:`PACKED_MAX_ROWS_BF16_PAIRS` for bf16 where it multiplies by pair products, None
+    (every row count) for bf16 where oneDNN has no bf16 kernels on this CPU, else
+    :data:`PACKED_MAX_ROWS`.
+
+    Without oneDNN's bf16 kernels (an AVX2-only CPU) a bf16 ``F.linear`` is torch's own
+    fallback, which took 3-9x as long as the packed kernel at every row count from 1 to 256,
+    and the kernel made 74 G multiply-adds a second at 256 rows on one core (SmolLM2's
+    gate/up, weights warm in cache, an AMD EPYC Zen 3; ``benchmarks/results/epyc-avx2-fp32/
+    bf16-avx2/``)."""
     kernel = kernels.packed_linear()
     if kernel is not None and dtype == torch.float32 and kernel.f32_features == 8:
         return PACKED_MAX_ROWS_AVX2
+    if dtype == torch.bfloat16 and not _prepacking_pays(dtype, torch.device("cpu")):
+        return None
     if dtype == torch.bfloat16 and _bf16_pair_products():
         return PACKED_MAX_ROWS_BF16_PAIRS
     return PACKED_MAX_ROWS
@@ -183,15 +192,17 @@ def linear_kernel(dtype: torch.dtype, device: torch.device, small_batches: bool)
     ``dtype`` on ``device``: ``onednn-prepacked`` or ``aten`` (``F.linear``), after
     ``packed-bf16<R+``, ``packed-bf16-pairs<R+`` (pair products, which round otherwise) or
     ``packed-fp32<R+`` where ``small_batches`` (:func:`packs_small_batches`), R being
-    :func:`packed_max_rows`. The fp32 path's vector width (8 or 16 features) does not change
-    any sum's order, only the row threshold."""
+    :func:`packed_max_rows`, or the packed tag alone where it takes every row count. The
+    vector width (8 or 16 features) does not change any sum's order, only the row
+    threshold."""
     name = "onednn-prepacked" if _prepacking_pays(dtype, device) else "aten"
     if not small_batches:
         return name
     packed = "packed-fp32"
     if dtype == torch.bfloat16:
         packed = "packed-bf16-pairs" if _bf16_pair_products() else "packed-bf16"
-    return f"{packed}<{packed_max_rows(dtype)}+{name}"
+    rows = packed_max_rows(dtype)
+    return packed if rows is None else f"{packed}<{rows}+{name}"
 
 
 class Linear:
@@ -202,8 +213,8 @@ class Linear:
         bias: ``[out_features]`` or None.
 
         small_batches: also hold a copy packed for :func:`workers.kernels.packed_linear`, which
-            takes matmuls of fewer than :func:`packed_max_rows` rows (bf16 or fp32 weights on
-            a CPU it runs on; ignored elsewhere). Callers decide it per model
+            takes matmuls of fewer than :func:`packed_max_rows` rows, or all of them (bf16 or
+            fp32 weights on a CPU it runs on; ignored elsewhere). Callers decide it per model
             (:func:`packs_small_batches`).
 
     Raises:
@@ -226,9 +237,11 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[rows, in_features]`` → ``[rows, out_features]``."""
-        if self.small_packed is not None and x.shape[0] < self.small_max_rows:
+        rows = x.shape[0]
+        if self.small_packed is not None and (self.small_max_rows is None
+                                              or rows < self.small_max_rows):
             return self.small_kernel.linear(x, self.small_packed, self.weight.shape[0], self.bias)
-        if self.packed is not None and x.shape[0] < PREPACKED_MAX_ROWS:
+        if self.packed is not None and rows < PREPACKED_MAX_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
