@@ -14,7 +14,8 @@ Pairs (``--pairs``; the arguments of ours are the ``PAIRS`` table):
 - ``f32``: ours on the same file dequantized (``--quantization none --dtype float32``)
   against ``llama-server`` on the F32 GGUF made from it;
 - ``bf16``: ours on the same file dequantized to bf16 (``--quantization none --dtype
-  bfloat16``; where the CPU has AVX512-BF16 or AMX) against ``llama-server`` on that F32 GGUF.
+  bfloat16``: native where the CPU has AVX512-BF16 or AMX, widened to fp32 in registers on
+  AVX2) against ``llama-server`` on that F32 GGUF.
 
 Per pair both servers are started once and stay up; one is measured at a time, by
 ``nalar bench`` in a subprocess (``--output-json``), each workload on one server then the
@@ -102,7 +103,7 @@ PAIRS: dict[str, dict[str, Any]] = {
 }
 """Per pair: the arguments of ``nalar serve`` (``{q4_1}``/``{f32}``: the GGUF paths) and the
 GGUF ``llama-server`` loads. ``bf16`` is the issue's "our bf16 against its F32": the same
-dequantized weights held in bf16 (half of F32's bytes) where the CPU has AVX512-BF16 or AMX."""
+dequantized weights held in bf16 (half of F32's bytes)."""
 
 WORKLOADS: dict[str, dict[str, Any]] = {
     "single": {

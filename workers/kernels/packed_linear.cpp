@@ -1,5 +1,5 @@
-// Small-batch linear layers over dense weights packed once (CPU): bf16 weights on AVX-512,
-// fp32 weights on AVX2 with FMA or AVX-512.
+// Small-batch linear layers over dense weights packed once (CPU): bf16 or fp32 weights, on AVX2
+// with FMA or AVX-512.
 //
 // A decode step multiplies a few rows by every weight of the model once, so its time is the
 // time to read the weights. At 1 to 4 rows oneDNN's prepacked bf16 matmul read SmolLM2's
@@ -19,6 +19,9 @@
 // core then made about 110 G products a second from 16 rows on (SmolLM2's gate/up, warm in
 // cache), faster than oneDNN's prepacked matmul up to 32 rows and within 5% either way at 64
 // and 128.
+// With AVX2 the bf16 groups are 8 features wide, widened the same way; there oneDNN has no bf16
+// kernels, and torch's own bf16 matmul took 3-9x as long as this one at 1 to 256 rows
+// (SmolLM2's projections, an AMD EPYC Zen 3), so it takes every bf16 matmul.
 // fp32: groups of one vector's width of output features (8 with AVX2, 16 with AVX-512), each
 // input's features in one vector ([N / W][K][W]), one FMA per input and group.
 //
