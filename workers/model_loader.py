@@ -68,10 +68,12 @@ class LoadedModel:
 def default_dtype(device: torch.device) -> torch.dtype:
     """bf16 where the hardware computes it natively, fp32 otherwise.
 
-    On CPUs without AVX512-BF16 or AMX (AVX2 only), bf16 is widened to fp32 in registers:
-    a decode step reads half the weight bytes and is faster than in fp32, but prompts are
-    slower (an AMD EPYC Zen 3, one thread: a lone decode step 21.6 against 34.3 ms, a
-    1,024-token prefill 241 against 294 tokens/s), so ``auto`` keeps fp32 there and
+    On CPUs without AVX512-BF16 or AMX (AVX2 only), bf16 weights are widened to fp32 in
+    registers: a lone decode step reads half the bytes and is faster than in fp32, but
+    prompts are no faster (an AMD EPYC Zen 3, one thread, two rounds alternating: a lone
+    decode step 25.8 and 24.1 against 36.3 and 38.6 ms, a 1,024-token prefill 203 and 237
+    against 254 and 204 tokens/s; ``benchmarks/results/epyc-avx2-fp32/bf16-avx2-f752240/``).
+    ``auto`` keeps fp32 there, what the exactness tests compare against transformers, and
     ``--dtype bfloat16`` is the operator's choice.
     """
     if device.type == "cuda":

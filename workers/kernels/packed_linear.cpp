@@ -20,7 +20,7 @@
 // cache), faster than oneDNN's prepacked matmul up to 32 rows and within 5% either way at 64
 // and 128.
 // With AVX2 the bf16 groups are 8 features wide, widened the same way; there oneDNN has no bf16
-// kernels, and torch's own bf16 matmul took 3-9x as long as this one at 1 to 256 rows
+// kernels, and torch's own bf16 matmul took 2.5-9x as long as this one at 1 to 256 rows
 // (SmolLM2's projections, an AMD EPYC Zen 3), so it takes every bf16 matmul.
 // fp32: groups of one vector's width of output features (8 with AVX2, 16 with AVX-512), each
 // input's features in one vector ([N / W][K][W]), one FMA per input and group.

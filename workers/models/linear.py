@@ -152,10 +152,10 @@ def packed_max_rows(dtype: torch.dtype) -> int | None:
     :data:`PACKED_MAX_ROWS`.
 
     Without oneDNN's bf16 kernels (an AVX2-only CPU) a bf16 ``F.linear`` is torch's own
-    fallback, which took 3-9x as long as the packed kernel at every row count from 1 to 256,
-    and the kernel made 74 G multiply-adds a second at 256 rows on one core (SmolLM2's
-    gate/up, weights warm in cache, an AMD EPYC Zen 3; ``benchmarks/results/epyc-avx2-fp32/
-    bf16-avx2/``)."""
+    fallback, which took 2.5-9x as long as the packed kernel on each of SmolLM2's projections
+    at every row count from 1 to 256, on one and two threads, weights warm in cache; at 256
+    rows the kernel made 28 G multiply-adds a second on one core for gate/up (an AMD EPYC Zen
+    3; ``benchmarks/results/epyc-avx2-fp32/bf16-avx2-f752240/``)."""
     kernel = kernels.packed_linear()
     if kernel is not None and dtype == torch.float32 and kernel.f32_features == 8:
         return PACKED_MAX_ROWS_AVX2
