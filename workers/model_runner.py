@@ -91,7 +91,7 @@ class ModelRunner:
             return "aten"
         formats = stored_formats(model)
         if formats:
-            return stored_kernel(formats)
+            return stored_kernel(formats, model.dtype)
         return linear_kernel(model.dtype, model.device, packs_small_batches(model))
 
     @property

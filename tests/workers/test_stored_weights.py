@@ -21,6 +21,7 @@ from workers.models.linear import (
     INT8_PRODUCTS,
     Linear,
     StoredLinear,
+    stored_kernel,
     streamed_max_rows,
 )
 from workers.models.llama import _fuse
@@ -196,6 +197,23 @@ def test_each_row_count_takes_the_measured_products(stored_smollm):
     if native.has_bf16_pairs():
         h16 = h[:8].bfloat16()
         assert torch.equal(channel(h16), products(h16, int8, BF16_PAIR_PRODUCTS))
+
+
+@pytest.mark.skipif(torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                    reason="oneDNN has bf16 kernels for this CPU")
+def test_without_onednn_bf16_a_prompts_bf16_rows_multiply_in_float32(stored_smollm):
+    """On an AVX2-only CPU a prompt's bf16 rows past the streaming threshold multiply the
+    dequantized weight in float32 (torch's own bf16 matmul was 5x slower through HTTP) and
+    round to bf16 once; the tag says so, so such KV is never shared with a worker whose
+    dense path multiplies in bf16."""
+    down = stored_smollm.model.model.layers[0].mlp.down_proj.stored_weight
+    rows = streamed_max_rows(down.fmt)
+    assert rows is not None
+    x = torch.randn(rows, down.in_features, generator=torch.Generator().manual_seed(1))
+    expected = F.linear(x.bfloat16().float(), down.dequantize(dtype=torch.float32)).bfloat16()
+    assert torch.equal(StoredLinear(down)(x.bfloat16()), expected)
+    assert "/dense-in-float32>=" in stored_kernel({"Q4_1"}, torch.bfloat16)
+    assert "/dense>=" in stored_kernel({"Q4_1"}, torch.float32)
 
 
 def test_projections_of_mixed_formats_fuse_as_one_dense_weight(stored_smollm):
