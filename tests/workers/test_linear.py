@@ -144,7 +144,7 @@ def test_the_row_thresholds_follow_the_kernels_path():
                     reason="oneDNN has bf16 kernels for this CPU")
 def test_without_onednn_bf16_the_packed_kernel_takes_bf16_matmuls_of_every_row_count():
     """On an AVX2-only CPU a prompt's 300 rows go through the packed kernel too (torch's own
-    bf16 matmul was 3-9x slower), and the tag says so."""
+    bf16 matmul was 2.5-9x slower), and the tag says so."""
     weight = _f32(48, 64, seed=3).bfloat16()
     linear = Linear(weight, small_batches=True)
     assert linear.packed is None

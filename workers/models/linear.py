@@ -31,6 +31,7 @@ stayed flat at the same steps per second (``benchmarks/memory_growth.py``).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -133,6 +134,14 @@ def _prepacking_pays(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+@functools.cache
+def _bf16_without_onednn() -> bool:
+    """Whether oneDNN has no bf16 kernels for this CPU (AVX2 only), so that a bf16
+    ``F.linear`` is torch's own, slow fallback: asked per call of a prompt's layers, so
+    answered once."""
+    return not _prepacking_pays(torch.bfloat16, torch.device("cpu"))
+
+
 def _packed_kernel(dtype: torch.dtype, device: torch.device):
     """The packed kernel where it serves weights of ``dtype`` on ``device``, else None."""
     if dtype not in (torch.bfloat16, torch.float32) or device.type != "cpu":
@@ -159,7 +168,7 @@ def packed_max_rows(dtype: torch.dtype) -> int | None:
     kernel = kernels.packed_linear()
     if kernel is not None and dtype == torch.float32 and kernel.f32_features == 8:
         return PACKED_MAX_ROWS_AVX2
-    if dtype == torch.bfloat16 and not _prepacking_pays(dtype, torch.device("cpu")):
+    if dtype == torch.bfloat16 and _bf16_without_onednn():
         return None
     if dtype == torch.bfloat16 and _bf16_pair_products():
         return PACKED_MAX_ROWS_BF16_PAIRS
@@ -280,11 +289,12 @@ def streamed_max_rows(fmt: WeightFormat) -> int | None:
 
 def dense_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype :class:`StoredLinear`'s dense path (from :func:`streamed_max_rows` rows)
-    multiplies activations of ``dtype`` in: float32 for bf16 where oneDNN has no bf16 kernels
-    (an AVX2-only CPU: there torch's own bf16 matmul made a 1,437-token prompt over the
-    embedded Q4_1 GGUF take 22.1 s through HTTP, against 4.4 s with fp32 activations), else
-    ``dtype``. The product is rounded to ``dtype`` once."""
-    if dtype == torch.bfloat16 and not _prepacking_pays(dtype, torch.device("cpu")):
+    multiplies activations of ``dtype`` in: float32 for bf16 where oneDNN has no bf16 kernels,
+    else ``dtype``. The product is rounded to ``dtype`` once. On an AVX2-only EPYC torch's own
+    bf16 matmul made a 1,024-token prefill over the embedded Q4_1 GGUF run at 37 and 38
+    tokens/s, against 226 and 213 in float32 (one thread, ``benchmarks/results/epyc-avx2-fp32/
+    stored-bf16-prompts-0331e43/``)."""
+    if dtype == torch.bfloat16 and _bf16_without_onednn():
         return torch.float32
     return dtype
 
