@@ -65,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     common.add_common_args(parser, "routing")
     parser.add_argument("--workers", type=int, default=2, help="worker replicas per policy")
     parser.add_argument("--requests", type=int, default=200, help="measured requests per run")
+    parser.add_argument("--warmup", type=int, default=0,
+                        help="requests run first in each run and not measured (the tenants' "
+                             "cold start), drawn from the same workload")
     parser.add_argument("--tenants", type=int, default=8)
     parser.add_argument("--hot-share", type=float, default=None,
                         help="shared-prefix: fraction of requests from one hot tenant")
@@ -134,7 +137,7 @@ def bench_config(args: argparse.Namespace, workload: str, port: int,
                                 tenant_key_prefix=tenant_key_prefix,
                                 hot_share=args.hot_share, turns=args.turns),
         load=LoadConfig(request_rate=args.request_rate, max_concurrency=args.max_concurrency,
-                        num_requests=args.requests, seed=args.seed))
+                        num_requests=args.requests, warmup=args.warmup, seed=args.seed))
 
 
 def run_one(args: argparse.Namespace, workload: str, routing: str, workers: int) -> dict:
