@@ -37,7 +37,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import httpx
 import matplotlib
+from prometheus_client.parser import text_string_to_metric_families
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -54,6 +56,11 @@ from bench.workloads import WorkloadConfig  # noqa: E402
 
 POLICIES = ("prefix", "round-robin", "power-of-two")
 WORKLOADS = ("shared-prefix", "multi-turn")
+COUNTERS = {"kv_transfer_imported_blocks": "imported_blocks",
+            "kv_transfer_import_seconds": "import_seconds",
+            "kv_transfer_failed_fetches": "failed_fetches", "num_preemptions": "preemptions"}
+"""The workers' counters a run keeps (``/metrics``, ``nalar:`` names without ``_total``) and
+their names in the JSON."""
 NO_REUSE = "random"
 """``nalar bench``'s random prompts: nothing to reuse."""
 ORACLE = "oracle"
@@ -153,6 +160,7 @@ def run_one(args: argparse.Namespace, workload: str, routing: str, workers: int)
     start_cluster(config)
     try:
         result = run_benchmark(bench_config(args, workload, config.port, key_prefix))
+        counters = worker_counters(config.port)
     finally:
         # Not serve.delete: Serve's HTTP proxy keeps the first run's port for as long as Serve
         # runs, so the next start_cluster would find its port taken (or serve on the old one).
@@ -164,7 +172,22 @@ def run_one(args: argparse.Namespace, workload: str, routing: str, workers: int)
                f"reuse {summary['prefix_reuse_ratio']}, TTFT p50 {summary['median_ttft_ms']} ms")
     return {"routing": routing, "workers": workers,
             "busiest_to_least_busy": load_imbalance(result.records, workers),
-            "bench": report(result)}
+            "counters": counters, "bench": report(result)}
+
+
+def worker_counters(port: int) -> dict[str, float]:
+    """:data:`COUNTERS` summed over the workers at the end of a run (warm-up included), and
+    the seconds from asking for a fetched block to storing it, per block."""
+    totals = dict.fromkeys(COUNTERS.values(), 0.0)
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = COUNTERS.get(sample.name.removeprefix("nalar:").removesuffix("_total"))
+            if name is not None:
+                totals[name] += sample.value
+    blocks = totals["imported_blocks"]
+    return totals | {"import_ms_per_block": 1000 * totals["import_seconds"] / blocks
+                     if blocks else None}
 
 
 def figures(runs: dict[str, list[dict]]) -> dict[str, dict[str, Any]]:

@@ -65,8 +65,41 @@ def test_run_settings_from_flags():
     assert config.redis_url == "redis://127.0.0.1:6379/0" and config.worker_threads == 1
     bench = routing.bench_config(args, "shared-prefix", 8123, "tenant-x")
     assert bench.base_url == "http://127.0.0.1:8123" and bench.ignore_eos
+    assert bench.load.warmup == 0
+    assert routing.bench_config(routing.parse_args(["--warmup", "50"]), "shared-prefix", 8123,
+                                "tenant-x").load.warmup == 50
     assert (bench.workload.name, bench.workload.tenants, bench.workload.prefix_tokens) == (
         "shared-prefix", 8, 512)
     assert (bench.load.num_requests, bench.load.max_concurrency) == (200, 8)
     quick = routing.parse_args(["--quick"])
     assert (quick.requests, quick.prefix_tokens) == (12, 64)
+
+
+METRICS = """\
+# HELP nalar:kv_transfer_imported_blocks Blocks received and stored.
+# TYPE nalar:kv_transfer_imported_blocks counter
+nalar:kv_transfer_imported_blocks_total{worker="a"} 64.0
+nalar:kv_transfer_imported_blocks_total{worker="b"} 128.0
+nalar:kv_transfer_imported_blocks_created{worker="a"} 1.7e9
+# HELP nalar:kv_transfer_import_seconds From asking to stored.
+# TYPE nalar:kv_transfer_import_seconds counter
+nalar:kv_transfer_import_seconds_total{worker="a"} 0.1
+nalar:kv_transfer_import_seconds_total{worker="b"} 0.092
+# HELP nalar:num_preemptions Sequences preempted.
+# TYPE nalar:num_preemptions counter
+nalar:num_preemptions_total{worker="a"} 3.0
+# HELP nalar:kv_blocks_in_use Blocks in use.
+# TYPE nalar:kv_blocks_in_use gauge
+nalar:kv_blocks_in_use{worker="a"} 7.0
+"""
+
+
+def test_a_run_keeps_the_workers_transfer_and_preemption_counters(monkeypatch):
+    class Response:
+        text = METRICS
+
+    monkeypatch.setattr(routing.httpx, "get", lambda url, timeout: Response)
+    counters = routing.worker_counters(8123)
+    assert counters == {"imported_blocks": 192.0, "import_seconds": pytest.approx(0.192),
+                        "failed_fetches": 0.0, "preemptions": 3.0,
+                        "import_ms_per_block": pytest.approx(1.0)}
