@@ -241,8 +241,7 @@ class NalarWorker:
 
     async def export_kv(self, request: KVExportRequest) -> list[KVBlock]:
         """Copies of the blocks ``request`` names that this worker holds, leading ones first,
-        for another worker; taken while a forward pass computes or the engine waits for work
-        (:meth:`AsyncEngine.call`).
+        for another worker; taken between two engine steps.
 
         An export of nothing is a peer handle's warm-up (``_connect_to_peers``), which the
         router may send to another replica while it does not know the caller yet: answered

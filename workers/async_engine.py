@@ -2,10 +2,7 @@
 
 The engine's step loop runs in its own thread (torch and our native kernels release the GIL
 while they compute), so the replica's event loop stays free to accept requests, stream tokens
-and answer routing-stats calls while a forward pass runs. The loop holds the engine's state
-lock except while a forward pass computes and while it waits for work, so KV exports and
-imports for other workers (:meth:`AsyncEngine.call`) run then, instead of waiting for a step
-to end: on a busy worker, a step can take hundreds of milliseconds.
+and answer routing-stats calls while a forward pass runs.
 """
 
 from __future__ import annotations
@@ -17,8 +14,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,9 +70,6 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._stopped = threading.Event()
         self._dead: EngineDeadError | None = None
-        self._state = threading.Lock()  # the engine's; see call()
-        self._beside = ThreadPoolExecutor(1, thread_name_prefix="engine-beside")
-        engine.beside_forward = self._released
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -113,38 +106,16 @@ class AsyncEngine:
             chunks.close()
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Runs ``fn(*args)`` under the engine's state lock on a helper thread and returns its
-        result; KV events it causes are published.
-
-        The engine thread holds that lock except while a forward pass computes and while it
-        waits for work, so ``fn`` runs at once then, rather than after the step: a KV export
-        on a busy holder does not wait for its step to end, nor an import on a busy
-        requester. ``fn`` may read and change the block pool, but not the sequences of a batch
-        in flight (which the forward pass reads): KV exports, imports and prefix lookups.
+        """Runs ``fn(*args)`` on the engine's thread between two steps (the engine is not
+        thread-safe) and returns its result; KV events it causes are published.
 
         Raises:
             whatever ``fn`` raises; :class:`EngineDeadError` if the loop is not running.
         """
         self.check_health()
-        return await asyncio.get_running_loop().run_in_executor(self._beside, self._locked,
-                                                                fn, args)
-
-    def _locked(self, fn: Callable[..., Any], args: tuple) -> Any:
-        with self._state:
-            self.check_health()  # it may have died while this waited for the lock
-            try:
-                return fn(*args)
-            finally:
-                self._publish(self.engine.drain_events())
-
-    @contextlib.contextmanager
-    def _released(self) -> Iterator[None]:
-        """The state lock released for the block's duration (the engine thread holds it)."""
-        self._state.release()
-        try:
-            yield
-        finally:
-            self._state.acquire()
+        future = asyncio.get_running_loop().create_future()
+        self._inbox.put(("call", (fn, args), future))
+        return await future
 
     def check_health(self) -> None:
         """Raises :class:`EngineDeadError` unless the engine loop is running."""
@@ -158,13 +129,8 @@ class AsyncEngine:
         self._stopped.set()
         self._inbox.put(("stop", None, None))
         self._thread.join(timeout=10)
-        self._beside.shutdown(wait=False)
 
     def _run(self) -> None:
-        with self._state:
-            self._loop()
-
-    def _loop(self) -> None:
         failures = 0
         try:
             while not self._stopped.is_set():
@@ -217,14 +183,12 @@ class AsyncEngine:
                 return
             if kind == "add":
                 _send(stream, error)
+            elif kind == "call":
+                _settle(stream, error=error)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
-            if block:
-                with self._released():  # no step runs: calls go ahead meanwhile
-                    command = self._inbox.get(timeout=0.5)
-            else:
-                command = self._inbox.get_nowait()
+            command = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
             while True:
                 self._apply(*command)
                 command = self._inbox.get_nowait()
@@ -242,6 +206,13 @@ class AsyncEngine:
         elif kind == "abort":
             self.engine.abort(payload)
             self._streams.pop(payload, None)
+            self._publish(self.engine.drain_events())
+        elif kind == "call":
+            fn, args = payload
+            try:
+                _settle(stream, result=fn(*args))
+            except Exception as exc:
+                _settle(stream, error=exc)
             self._publish(self.engine.drain_events())
 
     def _deliver(self, chunk: GenerationChunk) -> None:
@@ -343,6 +314,20 @@ def _coalesce(chunk: GenerationChunk, inbox: asyncio.Queue,
         else:
             chunk = chunk.followed_by(following)
     return chunk
+
+
+def _settle(future: asyncio.Future, result: Any = None,
+            error: BaseException | None = None) -> None:
+    """Resolves an awaiting :meth:`AsyncEngine.call` from the engine thread (unless its caller
+    gave up on it)."""
+    def settle() -> None:
+        if future.done():
+            return
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+    future.get_loop().call_soon_threadsafe(settle)
 
 
 def _send(stream: _Stream, item) -> None:

@@ -9,7 +9,7 @@ import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
@@ -167,10 +167,6 @@ class LLMEngine:
         self.counters = EngineCounters()
         self.transfers = TransferCounters()
         self.request_metrics = RequestMetrics()
-        self.beside_forward: Callable[[], AbstractContextManager] = nullcontext
-        """Entered around each forward pass: :class:`~workers.async_engine.AsyncEngine`
-        releases its state lock there, so that KV exports and imports from other threads run
-        while the pass computes instead of after the step."""
         self._seqs: dict[str, Sequence] = {}
         self._choices = Choices()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -433,7 +429,7 @@ class LLMEngine:
                                         lambda: self._core_beside_forward(prompt_tokens))
         started = time.perf_counter()
         try:
-            with self.beside_forward(), self._threads_for(prompt_tokens) as threads:
+            with self._threads_for(prompt_tokens) as threads:
                 logits = self.runner.execute(batch, num_logits)
             elapsed = time.perf_counter() - started
         finally:

@@ -27,9 +27,8 @@ from workers.kv_cache import PagedKVCache
 from workers.sequence import Sequence
 
 MAX_EXPORT_BLOCKS = 128
-"""Most blocks one export copies: it runs beside the holder's forward pass, and the holder's
-step waits for it to end before its bookkeeping, so this bounds the pause it can add to a
-step (128 blocks of SmolLM2 in bf16 are 47 MB, tens of milliseconds to copy)."""
+"""Most blocks one export copies: it runs between the holder's steps, so this bounds the pause
+it adds to them (128 blocks of SmolLM2 in bf16 are 47 MB, tens of milliseconds to copy)."""
 
 
 @dataclass

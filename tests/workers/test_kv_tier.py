@@ -7,10 +7,8 @@ digest (its pool, its tier), so that replaying the events gives exactly the work
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
-import threading
 
 import pytest
 import torch
@@ -18,7 +16,6 @@ from helpers import cold, greedy, output_ids, random_prompt, serve
 
 from contract.identity import CacheNamespace, block_digests
 from contract.kv_events import KVEvent
-from workers.async_engine import AsyncEngine
 from workers.engine import tier_medium
 from workers.kv_cache import PagedKVCache
 
@@ -298,55 +295,6 @@ def test_fetched_blocks_extend_the_prefix_the_pool_holds(smollm, make_engine, tm
     chunks = requester.generate([request])["again"]
     assert (chunks[-1].cached_tokens, chunks[-1].transfer_tokens) == (4 * BLOCK, 2 * BLOCK)
     assert output_ids(chunks) == cold(make_engine(smollm, num_blocks=32), request)
-
-
-async def test_an_export_runs_beside_the_holders_forward_pass_and_changes_nothing(
-        smollm, make_engine, tmp_path):
-    """A holder busy with a stream exports while its forward pass computes, not after the
-    step: the pass below waits for the export to finish, so an export that waited for the
-    step would time out. The exported bytes equal an idle export's, and the stream's tokens
-    equal cold."""
-    holder, requester = holder_and_requester(make_engine, smollm, tmp_path)
-    digests = digests_of(holder, PROMPT)
-    idle = holder.export_blocks(digests)
-    busy = greedy("busy", random_prompt(seed=9, length=40, vocab=5000), max_tokens=12,
-                  ignore_eos=True)
-    reference = cold(make_engine(smollm, num_blocks=32), busy)
-    async_holder = AsyncEngine(holder)
-    exported, overlapped = threading.Event(), []
-    execute = holder.runner.execute
-
-    def forward_waiting_for_the_export(*args):
-        if not exported.is_set():
-            overlapped.append(exported.wait(timeout=10))
-        return execute(*args)
-
-    holder.runner.execute = forward_waiting_for_the_export
-
-    async def export():
-        while not holder.scheduler.running:
-            await asyncio.sleep(0.001)
-        blocks = await async_holder.call(holder.export_blocks, digests)
-        exported.set()
-        return blocks
-
-    try:
-        chunks, blocks = await asyncio.gather(
-            collect(async_holder, busy), export())
-    finally:
-        async_holder.shutdown()
-    assert overlapped and overlapped[0]  # the export ran while the pass waited
-    assert [(b.digest, b.kv.tobytes()) for b in blocks] == [(b.digest, b.kv.tobytes())
-                                                              for b in idle]
-    assert output_ids(chunks) == reference
-    request = greedy("again", PROMPT, max_tokens=8, ignore_eos=True)
-    assert requester.import_blocks(request, 0, blocks) == 4
-    assert output_ids(requester.generate([request])["again"]) == cold(
-        make_engine(smollm, num_blocks=32), request)
-
-
-async def collect(engine: AsyncEngine, request) -> list:
-    return [chunk async for chunk in engine.generate(request)]
 
 
 def tampered(block, **changes):
