@@ -11,7 +11,9 @@ policy decodes the same tokens.
 
 Per policy and workload the JSON holds the token-weighted prefix reuse ratio, its fraction of
 the oracle's, the busiest / least busy worker ratio of requests served (infinite when a worker
-served none), TTFT p50 and its ratio to round-robin's, and the whole ``nalar bench`` summary.
+served none), TTFT p50 and its ratio to round-robin's, and the whole ``nalar bench`` summary;
+each run also keeps the workers' transfer and preemption counters. ``--warmup N`` serves N
+requests first in each run, left out of the figures, to measure past the tenants' cold start.
 Goals: prefix routing reaches >= 0.9 of the oracle's reuse, keeps the busiest worker
 <= 1.3x the least busy, and has TTFT p50 <= 0.5x round-robin's.
 
@@ -177,7 +179,8 @@ def run_one(args: argparse.Namespace, workload: str, routing: str, workers: int)
 
 def worker_counters(port: int) -> dict[str, float]:
     """:data:`COUNTERS` summed over the workers at the end of a run (warm-up included), and
-    the seconds from asking for a fetched block to storing it, per block."""
+    the milliseconds from asking for a fetched block to storing it, per block (None when no
+    block was fetched)."""
     totals = dict.fromkeys(COUNTERS.values(), 0.0)
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
     for family in text_string_to_metric_families(text):
