@@ -55,6 +55,8 @@ class LoadConfig:
             raise ValueError("give num_requests or duration_s (or both): the run needs a bound")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError("max_concurrency must be at least 1")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be at least 0 requests, not {self.warmup}")
 
 
 @dataclass

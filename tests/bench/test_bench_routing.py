@@ -68,6 +68,9 @@ def test_run_settings_from_flags():
     assert bench.load.warmup == 0
     assert routing.bench_config(routing.parse_args(["--warmup", "50"]), "shared-prefix", 8123,
                                 "tenant-x").load.warmup == 50
+    with pytest.raises(ValueError, match="warmup must be at least 0"):
+        routing.bench_config(routing.parse_args(["--warmup", "-1"]), "shared-prefix", 8123,
+                             "tenant-x")
     assert (bench.workload.name, bench.workload.tenants, bench.workload.prefix_tokens) == (
         "shared-prefix", 8, 512)
     assert (bench.load.num_requests, bench.load.max_concurrency) == (200, 8)

@@ -109,6 +109,8 @@ def test_duration_bounds_the_run(stub):
     assert max(r.start_s for r in result.records) < 0.5 + 0.1
     with pytest.raises(ValueError):
         LoadConfig(num_requests=None, duration_s=None)
+    with pytest.raises(ValueError, match="warmup must be at least 0 requests, not -1"):
+        LoadConfig(warmup=-1)
     assert math.isinf(LoadConfig().request_rate)
 
 
