@@ -85,7 +85,10 @@ class SamplingParams:
         max_tokens: most tokens to generate.
         min_tokens: EOS and ``stop_token_ids`` are masked out until this many tokens are
             generated (vLLM semantics; stop strings still apply).
-        stop: strings that end generation; the matched string is not returned.
+        stop: strings that end generation; the matched string is not returned unless
+            ``include_stop_str_in_output``.
+        include_stop_str_in_output: end the text with the matched stop string (vLLM's
+            extension); the text is then streamed without holding back what could start one.
         stop_token_ids: token ids that end generation (the model's EOS is added unless
             ``ignore_eos``); the stop token is not returned as text.
         ignore_eos: keep generating past the model's end-of-sequence token.
@@ -110,6 +113,7 @@ class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None

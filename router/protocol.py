@@ -65,7 +65,6 @@ _GENERATION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_decoding_backend": ("auto", "guidance", "llguidance"),
     "guided_whitespace_pattern": (),
     "structural_tag": (),
-    "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,),
     "prompt_logprobs": (),
     "allowed_token_ids": (),
@@ -84,7 +83,6 @@ _WHY_UNSUPPORTED: dict[str, str] = {
     "functions": "the deprecated functions API is not served; use tools",
     "function_call": "the deprecated functions API is not served; use tool_choice",
     "echo": "the prompt is not echoed",
-    "include_stop_str_in_output": "the matched stop string is never returned",
     "skip_special_tokens": "special tokens are always left out of the text",
     "prompt_logprobs": "prompt logprobs are not computed",
     "allowed_token_ids": "the vocabulary cannot be restricted",
@@ -365,11 +363,12 @@ class _GenerationBody(_StrictModel):
     """Fields shared by chat and text completions.
 
     ``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``stop_token_ids``,
-    ``ignore_eos``, ``cache_salt``, ``truncate_prompt_tokens`` (keep the prompt's last k
-    tokens) and ``request_id`` (the answer's ``id`` becomes ``<prefix>-<request_id>``) are
-    vLLM's extensions, spelled and meant as vLLM does. Ranges are checked by
-    :meth:`contract.request.SamplingParams.validate`; ``logit_bias`` keys (token ids as strings,
-    OpenAI's form) are parsed here and range-checked against the vocabulary by the app.
+    ``ignore_eos``, ``include_stop_str_in_output``, ``cache_salt``, ``truncate_prompt_tokens``
+    (keep the prompt's last k tokens) and ``request_id`` (the answer's ``id`` becomes
+    ``<prefix>-<request_id>``) are vLLM's extensions, spelled and meant as vLLM does. Ranges are
+    checked by :meth:`contract.request.SamplingParams.validate`; ``logit_bias`` keys (token ids
+    as strings, OpenAI's form) are parsed here and range-checked against the vocabulary by the
+    app.
 
     Accepted and ignored, because they never change the output: ``user`` and
     ``safety_identifier`` (end-user identifiers for abuse monitoring), ``metadata`` and
@@ -414,7 +413,7 @@ class _GenerationBody(_StrictModel):
     guided_whitespace_pattern: Any = None
     structural_tag: Any = None
     structured_outputs: Any = None
-    include_stop_str_in_output: Any = None
+    include_stop_str_in_output: bool | None = None
     skip_special_tokens: Any = None
     prompt_logprobs: Any = None
     allowed_token_ids: Any = None

@@ -3,6 +3,8 @@
 Text is produced token by token with the tokenizers library's ``DecodeStream`` (which waits for
 multi-byte characters to complete). Text that could still be the start of a stop string is held
 back, so a stream never shows a stop string, or part of one, that the final answer would not.
+Where the matched stop string is returned (vLLM's ``include_stop_str_in_output``), nothing
+needs holding back: the text streams as it comes, and ends with the stop string.
 """
 
 from __future__ import annotations
@@ -17,16 +19,20 @@ class IncrementalDetokenizer:
 
     Args:
         tokenizer: a transformers fast tokenizer (its ``_tokenizer`` backend is used).
-        stop: stop strings; the first one found ends the text, exclusive.
+        stop: stop strings; the one that starts earliest in the text ends it (the longest of
+            those starting there), exclusive.
         min_tokens: stop strings are looked for only once more than this many tokens were
             added, and only ending in text added since (vLLM's ``min_tokens`` semantics).
+        include_stop: end the text after the matched stop string instead of before it.
     """
 
-    def __init__(self, tokenizer: Any, stop: list[str], min_tokens: int = 0):
+    def __init__(self, tokenizer: Any, stop: list[str], min_tokens: int = 0,
+                 include_stop: bool = False):
         self._backend = tokenizer._tokenizer
         self._stream = DecodeStream(skip_special_tokens=True)
         self._stop = stop
         self._min_tokens = min_tokens
+        self._include_stop = include_stop
         self._num_tokens = 0
         self._stop_floor = 0  # a stop string must end after this text offset
         self._text = ""
@@ -48,9 +54,10 @@ class IncrementalDetokenizer:
             return self._take(len(self._text))
         if piece:
             self._text += piece
-        cut = self._find_stop()
-        if cut is not None:
-            self._text = self._text[:cut]
+        match = self._find_stop()
+        if match is not None:
+            start, end = match
+            self._text = self._text[:end if self._include_stop else start]
             self.stopped = True
             return self._take(len(self._text))
         return self._take(len(self._text) - self._held_back())
@@ -64,7 +71,8 @@ class IncrementalDetokenizer:
         self._emitted = max(self._emitted, end)
         return delta
 
-    def _find_stop(self) -> int | None:
+    def _find_stop(self) -> tuple[int, int] | None:
+        """The (start, end) text offsets of the stop string found, or None."""
         # A stop string can only end inside the unemitted tail, plus its own length before it.
         window_start = max(0, self._emitted - max((len(s) for s in self._stop), default=0))
         found = []
@@ -72,11 +80,17 @@ class IncrementalDetokenizer:
             # Earliest start whose match ends after the floor (past min_tokens).
             start = max(window_start, self._stop_floor - len(stop) + 1)
             if (i := self._text.find(stop, start)) >= 0:
-                found.append(i)
-        return min(found) if found else None
+                found.append((i, -len(stop)))
+        if not found:
+            return None
+        start, minus_length = min(found)
+        return start, start - minus_length
 
     def _held_back(self) -> int:
-        """Length of the longest text suffix that is a proper prefix of some stop string."""
+        """Length of the longest text suffix that is a proper prefix of some stop string
+        (none where stop strings are returned: the text may show them)."""
+        if self._include_stop:
+            return 0
         longest = 0
         for stop in self._stop:
             for size in range(min(len(stop) - 1, len(self._text)), longest, -1):

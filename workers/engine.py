@@ -300,7 +300,8 @@ class LLMEngine:
                 seq.stop_token_ids |= self.eos_token_ids
             self._seqs[seq.request_id] = seq
             self._detokenizers[seq.request_id] = IncrementalDetokenizer(
-                self.tokenizer, request.sampling.stop, request.sampling.min_tokens)
+                self.tokenizer, request.sampling.stop, request.sampling.min_tokens,
+                request.sampling.include_stop_str_in_output)
             choices.append(seq)
         self._choices.add(request.request_id, choices)
         for seq in choices:

@@ -50,6 +50,7 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens:
         max_tokens=max(1, min_tokens) if max_tokens is None else max_tokens,
         min_tokens=min_tokens,
         stop=list(body.stop or []),
+        include_stop_str_in_output=bool(body.include_stop_str_in_output),
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=bool(body.ignore_eos),
         logprobs=body.logprobs_count(),

@@ -176,13 +176,14 @@ async def test_accepted_extension_changes_nothing(client, backend, path, field, 
 async def test_vllm_sampling_extensions_reach_the_worker(client, backend):
     body = {"messages": HELLO, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1,
             "min_tokens": 2, "ignore_eos": True, "max_completion_tokens": 8,
-            "stop_token_ids": [2], "seed": 3}
+            "stop_token_ids": [2], "seed": 3, "stop": ["\n"], "include_stop_str_in_output": True}
     response = await client.post(CHAT, json=body)
     assert response.status_code == 200, response.text
     sampling = backend.requests[0].sampling
     assert (sampling.top_k, sampling.min_p, sampling.repetition_penalty, sampling.min_tokens,
-            sampling.ignore_eos, sampling.max_tokens, sampling.stop_token_ids, sampling.seed) == (
-        20, 0.05, 1.1, 2, True, 8, [2], 3)
+            sampling.ignore_eos, sampling.max_tokens, sampling.stop_token_ids, sampling.seed,
+            sampling.stop, sampling.include_stop_str_in_output) == (
+        20, 0.05, 1.1, 2, True, 8, [2], 3, ["\n"], True)
 
 
 # -- output constraints: every spelling reaches the worker as one StructuredOutput ------------
@@ -239,8 +240,6 @@ REFUSED = [
     (CHAT, "functions", [{"name": "f"}]),
     (CHAT, "structural_tag", "{}"),
     (CHAT, "guided_decoding_backend", "xgrammar"),
-    (CHAT, "include_stop_str_in_output", True),
-    (COMPLETIONS, "include_stop_str_in_output", True),
     (CHAT, "skip_special_tokens", False),
     (COMPLETIONS, "prompt_logprobs", 1),
     (CHAT, "allowed_token_ids", [1, 2]),
@@ -279,6 +278,7 @@ async def test_refused_extension_is_a_400_naming_it(client, backend, path, field
     ("priority", "high", "invalid_type"),
     ("service_tier", "gold", "invalid_value"),
     ("metadata", {"a": 1}, "invalid_type"),
+    ("include_stop_str_in_output", "sometimes", "invalid_type"),
     ("chat_template_kwargs", ["enable_thinking"], "invalid_type"),
 ])
 async def test_malformed_extension_values(client, backend, field, value, code):

@@ -19,8 +19,9 @@ def ids(smollm_tokenizer) -> list[int]:
     return ids
 
 
-def feed(tokenizer, token_ids: list[int], stop: list[str]) -> tuple[list[str], bool, str]:
-    detok = IncrementalDetokenizer(tokenizer, stop)
+def feed(tokenizer, token_ids: list[int], stop: list[str],
+         include_stop: bool = False) -> tuple[list[str], bool, str]:
+    detok = IncrementalDetokenizer(tokenizer, stop, include_stop=include_stop)
     deltas = [detok.add(t) for t in token_ids]
     return deltas, detok.stopped, detok.flush()
 
@@ -77,6 +78,33 @@ def test_stop_string_at_the_very_start_emits_nothing(smollm_tokenizer, ids):
     assert (stopped, tail) == (True, "")
 
 
+def test_an_included_stop_string_ends_the_text_and_nothing_is_held_back(smollm_tokenizer, ids):
+    # ", this" spans two tokens: excluded, "," waits to see whether " this" follows
+    deltas, stopped, tail = feed(smollm_tokenizer, ids, [", this"], include_stop=True)
+    assert deltas == ["Hello", " world", ",", " this", "", "", "", ""]
+    assert (stopped, tail) == (True, "")
+    # a match ending inside a token cuts that token after the match
+    deltas, stopped, tail = feed(smollm_tokenizer, ids, ["s is t"], include_stop=True)
+    assert deltas == ["Hello", " world", ",", " this", " is", " t", "", ""]
+    assert (stopped, "".join(deltas) + tail) == (True, "Hello world, this is t")
+
+
+def test_an_included_stop_is_the_earliest_then_the_longest(smollm_tokenizer, ids):
+    deltas, stopped, _ = feed(smollm_tokenizer, ids, ["the end", "is", "is the"],
+                              include_stop=True)
+    assert (stopped, "".join(deltas)) == (True, "Hello world, this")  # "is" in "this"
+    deltas, _, _ = feed(smollm_tokenizer, ids, [" is", " is the"], include_stop=True)
+    assert "".join(deltas) == "Hello world, this is"  # " is the" is not complete yet
+    deltas, _, _ = feed(smollm_tokenizer, ids, [" t", " th"], include_stop=True)
+    assert "".join(deltas) == "Hello world, th"  # both complete in " this": the longer
+
+
+def test_an_included_stop_string_respects_min_tokens(smollm_tokenizer, ids):
+    detok = IncrementalDetokenizer(smollm_tokenizer, ["is"], min_tokens=4, include_stop=True)
+    text = "".join(detok.add(t) for t in ids)
+    assert (detok.stopped, text) == (True, "Hello world, this is")  # "this" was in min_tokens
+
+
 def test_multi_byte_characters_are_emitted_only_when_complete(smollm_tokenizer):
     text = "I love 🦀 and 日本語!"
     ids = smollm_tokenizer.encode(text, add_special_tokens=False)
@@ -122,4 +150,18 @@ def test_engine_cuts_a_stop_string_and_reports_stop(smollm, make_engine):
     assert [t for c in by_id for t in c.token_ids] == [7042, 30]
     assert "".join(c.text for c in by_id) == " Paris"
     assert by_id[-1].finish_reason == "stop"
+    assert engine.pool.num_in_use == 0
+
+
+def test_engine_returns_an_included_stop_string(smollm, make_engine):
+    """``include_stop_str_in_output``: the same greedy tokens, the text up to and with
+    "\n\nThe"."""
+    prompt = smollm.tokenizer.encode("The capital of France is", add_special_tokens=False)
+    engine = make_engine(smollm, num_blocks=8)
+    chunks = engine.generate([GenerationRequest("stop-incl", prompt, SamplingParams(
+        temperature=0.0, max_tokens=16, stop=["\n\nThe"], include_stop_str_in_output=True))])
+    chunks = chunks["stop-incl"]
+    assert [t for c in chunks for t in c.token_ids] == [7042, 30, 198, 198, 504]
+    assert [c.text for c in chunks] == [" Paris", ".", "\n", "\n", "The"]
+    assert chunks[-1].finish_reason == "stop"
     assert engine.pool.num_in_use == 0
