@@ -306,6 +306,13 @@ class ClusterConfig(BaseModel):
         times the worker replicas, in tokens."""
         return self.pending_tokens_per_worker * self.num_workers
 
+    def max_requests_in_flight(self) -> int:
+        """The ingress's bound on requests in flight: what the workers' Serve queues hold,
+        ``worker_max_ongoing_requests`` per worker replica plus the handle's
+        ``worker_max_queued_requests`` (Serve bounds its queue per handle, and the ingress's
+        is the one handle sending generations)."""
+        return self.num_workers * self.worker_max_ongoing_requests + self.worker_max_queued_requests
+
     def threads_per_worker(self) -> int:
         """``worker_threads``, else this machine's cores shared evenly among the workers
         (:func:`~workers.host_cores.available_cores`: a container's CPU limit counts, not its

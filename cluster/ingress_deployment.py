@@ -78,7 +78,8 @@ class NalarIngress:
         self.admin_key = AdminKey(admin.get_secret_value() if admin is not None else None)
         self.adapter_catalog = AdapterCatalog(workers, description.adapters)
         await self.adapter_catalog.recover()
-        self.admission = Admission(config.max_pending_tokens(), config.max_queue_delay_s)
+        self.admission = Admission(config.max_pending_tokens(), config.max_queue_delay_s,
+                                   max_requests=config.max_requests_in_flight())
         source = Path(description.source_path)
         # Same machine: read the worker's converted copy; elsewhere, resolve the source again.
         self.tokenizer = load_tokenizer(str(source) if source.is_dir() else config.model)

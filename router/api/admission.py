@@ -9,7 +9,15 @@ and before it is tokenized: the decision is taken on the work its body asks for
 tokenized, a request counts its exact work; the bound may then be passed by the text prompts
 of the requests admitted in that same instant, never by more.
 
-A second, optional bound is on time (``max_queue_delay_s``): a token count means nothing to a
+A second bound is on requests: what the workers' queues can hold (Serve's ``max_ongoing_requests``
+per replica plus the handle's ``max_queued_requests``). Past it, Serve itself refuses a request
+with its backpressure error, but only once the request reaches the handle, after it was
+templated and tokenized: short prompts fill Serve's queues long before the token bound (in a
+burst of 900 short chat requests against the default 2 workers, 387 were tokenized only to be
+refused there). Refused here, a request the queues cannot hold is never tokenized. Serve may
+still refuse first where its router holds requests in the handle's queue.
+
+A third, optional bound is on time (``max_queue_delay_s``): a token count means nothing to a
 client until it is divided by how fast the cluster gets through it, and on a slow cluster a
 token bound that fits the fast one lets the queue grow to minutes, where clients time out
 instead of being told to retry. So the ingress also measures its drain rate
@@ -161,8 +169,9 @@ class DrainRate:
 
 
 class Admission:
-    """Admits requests while their work fits under a token bound and, optionally, drains
-    within a time bound at the measured rate; drains on a clean stop.
+    """Admits requests while their work fits under a token bound and their number under a
+    request bound and, optionally, drains within a time bound at the measured rate; drains on
+    a clean stop.
 
     Args:
         max_pending_tokens: the bound on admitted, unfinished work in tokens, or ``None`` for
@@ -172,15 +181,20 @@ class Admission:
         max_queue_delay_s: the bound on the seconds the admitted work would take at the
             measured :class:`DrainRate`, or ``None`` for none.
         drain_rate: the rate estimator (a default one when omitted).
+        max_requests: the bound on admitted, unclosed worker requests (each prompt of a batch
+            is one), or ``None`` for none.
     """
 
     def __init__(self, max_pending_tokens: int | None = None,
-                 max_queue_delay_s: float | None = None, drain_rate: DrainRate | None = None):
+                 max_queue_delay_s: float | None = None, drain_rate: DrainRate | None = None,
+                 max_requests: int | None = None):
         self.max_pending_tokens = max_pending_tokens
+        self.max_requests = max_requests
         self.max_queue_delay_s = max_queue_delay_s
         self.drain_rate = drain_rate or DrainRate()
         self.pending_tokens = 0
         self.draining = False
+        self._last_chunk_at: float | None = None
         self._streams: set[AdmittedStream] = set()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -191,6 +205,16 @@ class Admission:
         """Requests admitted and not yet closed."""
         return len(self._streams)
 
+    def chunk_arrived(self) -> None:
+        """A worker's chunk reached an admitted request now."""
+        self._last_chunk_at = time.monotonic()
+
+    def answered_within(self, seconds: float) -> bool:
+        """Whether a worker's chunk reached an admitted request in the last ``seconds``: the
+        workers are serving."""
+        return (self._last_chunk_at is not None
+                and time.monotonic() - self._last_chunk_at <= seconds)
+
     def admit(self, tokens: int) -> AdmittedStream:
         """Admits a request asking for ``tokens`` of work (:func:`requested_work`) if it fits,
         counting that work until the returned stream is closed; the caller must close it
@@ -198,11 +222,12 @@ class Admission:
 
         Raises:
             APIError: 503 ``shutting_down`` while draining.
-            OverloadedError: the work does not fit under the bound (503).
+            OverloadedError: the work or the request does not fit under a bound (503).
         """
         if self.draining:
             raise shutting_down()
         if self.in_flight > 0:
+            self._check_requests()
             self._check_tokens(tokens)
             self._check_delay()
         stream = AdmittedStream(self, tokens)
@@ -211,6 +236,12 @@ class Admission:
         self._idle.clear()
         self.drain_rate.set_busy(True)
         return stream
+
+    def _check_requests(self) -> None:
+        if self.max_requests is not None and self.in_flight >= self.max_requests:
+            raise OverloadedError(
+                f"the server is overloaded ({self.in_flight} requests in flight, bound "
+                f"{self.max_requests}); retry later", retry_after_s=RETRY_AFTER_S)
 
     def _check_tokens(self, tokens: int) -> None:
         if (self.max_pending_tokens is not None
@@ -327,6 +358,7 @@ class AdmittedStream:
             self._waiting = None
         if self._admission.cut:  # the scope was cancelled, or the cut came with the chunk
             raise shutting_down()
+        self._admission.chunk_arrived()
         # The worker's first chunk only says it accepted the request: the prompt is done
         # with the first token (or the end), which may come long after, from its queue.
         if chunk.token_ids or chunk.is_last:

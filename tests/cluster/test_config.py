@@ -42,3 +42,16 @@ def test_the_second_kv_tier_is_off_by_default_and_sized_in_mib():
         ClusterConfig(kv_tier_mib=-1, namespace_secret="s")
     with pytest.raises(ValueError, match="kv_tier_medium"):
         ClusterConfig(kv_tier_medium="tape", namespace_secret="s")
+
+
+@pytest.mark.parametrize(("workers", "ongoing", "queued", "expected"), [
+    (2, 128, 256, 2 * 128 + 256),  # the defaults
+    (3, 8, 4, 3 * 8 + 4),
+])
+def test_the_ingress_admits_what_the_workers_serve_queues_hold(workers, ongoing, queued,
+                                                               expected):
+    """Serve bounds a replica's ongoing requests and the (one) handle's queue: the ingress's
+    request bound is their sum, so Serve's own backpressure is never the first refusal."""
+    config = ClusterConfig(num_workers=workers, worker_max_ongoing_requests=ongoing,
+                           worker_max_queued_requests=queued)
+    assert config.max_requests_in_flight() == expected

@@ -15,6 +15,7 @@ import httpx
 import pytest
 from openai_fakes import CHAT, COMPLETIONS, HELLO, FakeBackend, assert_error, chunk, sse_events
 
+import router.api.app
 from contract.request import GenerationRequest, InvalidRequestError, SamplingParams
 from router.api.admission import Admission, DrainRate, request_work, requested_work
 from router.api.app import build_openai_app
@@ -131,10 +132,12 @@ async def timed_post(client: httpx.AsyncClient, body: dict) -> tuple[httpx.Respo
     return response, time.perf_counter() - started
 
 
-async def test_a_burst_past_the_bound_gets_200s_and_fast_503s(backend):
+@pytest.mark.parametrize("bound", ["tokens", "requests"])
+async def test_a_burst_past_the_bound_gets_200s_and_fast_503s(backend, bound):
     gate = asyncio.Event()
     backend.script = gated(gate)
-    admission = Admission(BOUND)
+    # ADMITTED requests fit either bound: their work in tokens, or their number
+    admission = Admission(BOUND) if bound == "tokens" else Admission(max_requests=ADMITTED)
     body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS}
     async with app_client(backend, admission) as client:
         burst = [asyncio.create_task(timed_post(client, body)) for _ in range(200)]
@@ -148,7 +151,8 @@ async def test_a_burst_past_the_bound_gets_200s_and_fast_503s(backend):
     assert statuses.count(200) == ADMITTED and statuses.count(503) == 200 - ADMITTED
     for response, _ in results:
         if response.status_code == 503:
-            assert_error(response, 503, None, "overloaded", "server_error")
+            error = assert_error(response, 503, None, "overloaded", "server_error")
+            assert f"bound {BOUND if bound == 'tokens' else ADMITTED})" in error["message"]
             assert response.headers["retry-after"] == "1"
             assert response.headers["retry-after-ms"] == "1000"
         else:
@@ -405,3 +409,26 @@ async def test_drain_of_an_idle_server_returns_at_once():
     report = await asyncio.wait_for(admission.drain(timeout_s=30), 1)
     assert (report.finished, report.cut, report.left) == (0, 0, 0)
     assert admission.draining
+
+
+async def test_health_is_ok_while_workers_stream_though_their_check_would_fail(backend,
+                                                                               monkeypatch):
+    """Under a full load a worker's readiness check waits behind the requests in its queue:
+    chunks reaching admitted requests prove the workers serve. Once none has come for the
+    check's timeout, the check decides again."""
+    monkeypatch.setattr(router.api.app, "HEALTH_TIMEOUT_S", 0.5)
+    gate = asyncio.Event()
+    backend.script = lambda request: [chunk(request), gate,
+                                      chunk(request, "ok", "stop", completion=1)]
+    backend.ready = False  # as a check stuck behind the queue ends: timed out
+    admission = Admission()
+    async with app_client(backend, admission) as client:
+        held = asyncio.create_task(client.post(COMPLETIONS, json={"prompt": PROMPT,
+                                                                   "max_tokens": MAX_TOKENS}))
+        await until(lambda: admission.answered_within(0.5))
+        assert (await client.get("/health")).status_code == 200
+        await asyncio.sleep(0.6)  # the request waits, and nothing reaches it
+        assert_error(await client.get("/health"), 503, None, "not_ready", "server_error")
+        gate.set()
+        assert (await held).status_code == 200
+        assert (await client.get("/health")).status_code == 200  # its last chunk just came
