@@ -190,12 +190,18 @@ class NalarIngress:
         return dataclasses.asdict(await self.admission.drain(timeout_s))
 
     async def is_ready(self) -> bool:
+        """Whether Serve's controller counts a worker replica running (it checks each
+        replica's health every 5 s, outside the replica's request queue). A call to a worker
+        waits in that queue behind the generations: under a burst of 600 streams it timed
+        out, and ``/health`` answered 503 after 5 s."""
         try:
-            await asyncio.wait_for(self.workers.describe.remote(), HEALTH_TIMEOUT_S)
+            status = await asyncio.wait_for(asyncio.to_thread(serve.status), HEALTH_TIMEOUT_S)
         except Exception as exc:
             log.warning("health check failed: %s", exc)
             return False
-        return True
+        app = status.applications.get(self.workers.app_name)
+        deployment = app.deployments.get(self.workers.deployment_name) if app else None
+        return bool(deployment and deployment.replica_states.get("RUNNING", 0))
 
 
 def worker_lost(exc: Exception) -> bool:

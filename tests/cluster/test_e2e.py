@@ -10,7 +10,7 @@ import httpx
 import pytest
 from ray import serve
 
-from cluster.app import APP_NAME, WORKER_DEPLOYMENT
+from cluster.app import APP_NAME, INGRESS_DEPLOYMENT, WORKER_DEPLOYMENT
 from cluster.cli import main as nalar_main
 from contract.identity import CacheNamespace, block_digests, tenant_from_api_key
 from router.index.redis_index import RedisIndex
@@ -155,6 +155,10 @@ async def test_models_and_health(cluster):
     assert [(m["id"], m["parent"]) for m in models["data"]] == [
         (base, None), ("lora-a", base), ("lora-b", base)]
     assert health.status_code == 200
+    # Asked of Serve's controller from inside the ingress replica, not through a worker's
+    # request queue (where, under a full load, it waited past its timeout)
+    ingress = serve.get_deployment_handle(INGRESS_DEPLOYMENT, APP_NAME)
+    assert await ingress.is_ready.remote() is True
 
 
 def test_nalar_chat_prints_reply_cached_tokens_and_ttft(cluster, capsys):
