@@ -199,9 +199,10 @@ class _Ingress:
         """The backend's readiness; a slow or failing check counts as not ready.
 
         Workers that sent an admitted request a chunk within :data:`HEALTH_TIMEOUT_S` are
-        serving, and the check is not asked: a backend's check (a call to a worker) waits
-        behind the requests in the workers' queues, and under a full load it timed out (a
-        burst of 560 chat requests on 2 workers: ``/health`` answered 503 after 5 s)."""
+        serving, and the check is not asked: it costs a call, and the cluster's first one (a
+        call to a worker) waited behind the requests in the workers' queues until, under a
+        full load, it timed out (a burst of 560 chat requests on 2 workers: ``/health``
+        answered 503 after 5 s)."""
         if self.admission.answered_within(HEALTH_TIMEOUT_S):
             return True
         try:
