@@ -227,7 +227,9 @@ def serve_error(exc: Exception) -> Exception:
 
     Serve's refusals (``BackPressureError``: the handle's queue is full;
     ``DeploymentUnavailableError``: no worker deployment) become :class:`OverloadedError`
-    with Serve's status and retry delay. A worker's own refusal arrives as a ``RayTaskError``
+    with Serve's status and retry delay, a full queue worded as the ingress's own bounds are
+    (Serve's "Request dropped due to backpressure" names its internals, not the server's
+    state). A worker's own refusal arrives as a ``RayTaskError``
     whose message is the remote traceback: its cause is what the client is answered with.
     Anything else is returned as it is (a 500, logged with the remote traceback).
     """
@@ -236,7 +238,8 @@ def serve_error(exc: Exception) -> Exception:
         cause = cause.cause
     if isinstance(cause, BackPressureError):
         retry_after_s = RETRY_AFTER_S if cause.retry_after_s is None else cause.retry_after_s
-        return OverloadedError(str(cause), retry_after_s, cause.status_code)
+        return OverloadedError("the server is overloaded (the workers' queues are full); "
+                               "retry later", retry_after_s, cause.status_code)
     if isinstance(cause, DeploymentUnavailableError):
         return OverloadedError(str(cause), retry_after_s=RETRY_AFTER_S)
     if isinstance(cause, (InvalidRequestError, OverloadedError)):

@@ -19,8 +19,8 @@ class IncrementalDetokenizer:
 
     Args:
         tokenizer: a transformers fast tokenizer (its ``_tokenizer`` backend is used).
-        stop: stop strings; the one that starts earliest in the text ends it (the longest of
-            those starting there), exclusive.
+        stop: stop strings; once one is complete in the text, the one of those complete that
+            starts earliest ends it (the longest of those starting there), exclusive.
         min_tokens: stop strings are looked for only once more than this many tokens were
             added, and only ending in text added since (vLLM's ``min_tokens`` semantics).
         include_stop: end the text after the matched stop string instead of before it.

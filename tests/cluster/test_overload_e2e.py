@@ -246,6 +246,7 @@ def test_serve_refusals_become_overloaded_errors():
                                           status_code=429, retry_after_s=5.0))
     assert isinstance(error, OverloadedError)
     assert (error.status_code, error.retry_after_s) == (429, 5.0)
+    assert str(error) == "the server is overloaded (the workers' queues are full); retry later"
     assert serve_error(BackPressureError(3, 2)).retry_after_s == 1.0
     assert isinstance(serve_error(DeploymentUnavailableError("w")), OverloadedError)
 
