@@ -160,7 +160,7 @@ async def test_serve_backpressure_is_a_503_never_a_500(scripted):
         if response.status_code == 503:
             error = response.json()["error"]
             assert (error["type"], error["code"]) == ("server_error", "overloaded")
-            assert "backpressure" in error["message"]
+            assert "the workers' queues are full" in error["message"]
             assert response.headers["retry-after"] == "1"
         else:
             assert response.json()["choices"][0]["text"] == "K!"
