@@ -51,7 +51,8 @@ def test_the_second_kv_tier_is_off_by_default_and_sized_in_mib():
 def test_the_ingress_admits_what_the_workers_serve_queues_hold(workers, ongoing, queued,
                                                                expected):
     """Serve bounds a replica's ongoing requests and the (one) handle's queue: the ingress's
-    request bound is their sum, so Serve's own backpressure is never the first refusal."""
+    request bound is their sum, so a request those queues cannot hold is refused before it is
+    tokenized (Serve may still refuse first while its router holds requests in its queue)."""
     config = ClusterConfig(num_workers=workers, worker_max_ongoing_requests=ongoing,
                            worker_max_queued_requests=queued)
     assert config.max_requests_in_flight() == expected

@@ -1,12 +1,14 @@
 """The ingress's backend over a worker handle, with a fake handle: overload becomes
 OverloadedError (503 + Retry-After at the API), an early close cancels the worker call, and a
-worker lost before the first chunk means the request is sent again."""
+worker lost before the first chunk means the request is sent again; readiness is Serve's
+controller's count of running worker replicas."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
+from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 from ray.serve.exceptions import BackPressureError
 
@@ -157,3 +159,33 @@ async def test_resends_are_bounded_and_a_refusal_is_never_resent():
     with pytest.raises(OverloadedError):
         await collect(ingress_over(refused, spare))
     assert not spare.read
+
+
+def serve_status(replica_states: dict[str, int] | None) -> SimpleNamespace:
+    """What ``serve.status()`` reports: the app ``nalar`` with its worker deployment in
+    ``replica_states`` (None: no such application)."""
+    deployments = {"NalarWorker": SimpleNamespace(replica_states=replica_states)}
+    apps = {} if replica_states is None else {"nalar": SimpleNamespace(deployments=deployments)}
+    return SimpleNamespace(applications=apps)
+
+
+@pytest.mark.parametrize(("status", "ready"), [
+    (serve_status({"RUNNING": 1, "STARTING": 1}), True),  # a replacement beside a live one
+    (serve_status({"STARTING": 2}), False),
+    (serve_status({}), False),
+    (serve_status(None), False),
+    (RuntimeError("controller unreachable"), False),
+])
+async def test_readiness_is_a_running_worker_replica_by_serves_controller(monkeypatch, status,
+                                                                          ready):
+    """Asked of Serve's controller, never of a worker (whose call would wait in its request
+    queue behind the generations)."""
+    def report():
+        if isinstance(status, Exception):
+            raise status
+        return status
+
+    monkeypatch.setattr(serve, "status", report)
+    ingress = SimpleNamespace(workers=SimpleNamespace(app_name="nalar",
+                                                      deployment_name="NalarWorker"))
+    assert await NalarIngress.is_ready(ingress) is ready

@@ -413,9 +413,10 @@ async def test_drain_of_an_idle_server_returns_at_once():
 
 async def test_health_is_ok_while_workers_stream_though_their_check_would_fail(backend,
                                                                                monkeypatch):
-    """Under a full load a worker's readiness check waits behind the requests in its queue:
-    chunks reaching admitted requests prove the workers serve. Once none has come for the
-    check's timeout, the check decides again."""
+    """Chunks reaching admitted requests prove the workers serve, with no call to make (a
+    backend's check may be slow under a full load: the cluster's first, a call to a worker,
+    waited behind the requests). Once none has come for the check's timeout, the check
+    decides again."""
     monkeypatch.setattr(router.api.app, "HEALTH_TIMEOUT_S", 0.5)
     gate = asyncio.Event()
     backend.script = lambda request: [chunk(request), gate,
