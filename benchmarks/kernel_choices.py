@@ -8,12 +8,12 @@
    qkv projection) against contiguous head-major copies: whether copying first pays (it did
    not, measured: ``workers.attention.paged`` attends to the views).
 3. Decode attention over the paged cache, fp32 and bf16, per batch and context length: our
-   native kernel reading blocks in place (``workers.kernels``) against gathering the blocks
-   into a copy for torch's SDPA, with the tables scattered over the pool as a running worker's
-   are, and the largest difference between the two. These loops keep one layer's KV in the
-   CPU's caches; a step does not, so the native kernel is also timed over 30 layers' caches
-   at 16 x 512 tokens in the run's dtype (``decode_attention_from_dram``), next to only
-   reading those blocks.
+   native kernel reading blocks in place (``workers.kernels``) against gathering the blocks into
+   a copy for torch's SDPA, with the tables scattered over the pool, and the largest difference
+   between the two. These loops keep one layer's KV in the CPU's caches; a step does not, so the
+   native kernel is also timed over 30 layers' caches at 16 x 512 tokens in the run's dtype
+   (``decode_attention_from_dram``), next to only reading those blocks, and with the tables the
+   engine's block manager gives a burst of requests once its pool has turned over.
 4. Prefill attention in bf16 (``workers.attention.kernel_choice.prefill_kernel``), one layer,
    for each ``--prefill-cases`` (new tokens + cached tokens): our kernel (AMX tiles or
    AVX512-BF16, ``prefill_backend`` in the JSON) reading the cached context in place against
@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.attention.kernel_choice import prefill_kernel
+from workers.kv_budget import CPU_KV_CACHE_BYTES
 from workers.model_loader import parse_dtype
 
 try:
@@ -241,15 +242,18 @@ def _decode_case(cache, batch: int, context: int, repeats: int) -> dict:
 
 def decode_attention_from_dram(batch: int, context: int, layers: int, repeats: int,
                                dtype: torch.dtype, drafts: int = 0) -> dict:
-    """A step's decode attention in ``dtype`` as a step meets it: ``layers`` layers' caches, each
-    sequence's blocks scattered over its pool (as a pool that has turned over leaves them),
-    every layer attended once per step, so the KV comes from DRAM rather than from the caches a
-    one-layer loop keeps warm. Milliseconds a step for the native kernel; the same with each
-    sequence's blocks in order (``in_order_step_ms``: each KV head's keys and values of a
-    sequence one contiguous run, as a fresh pool hands them out); and the floor: the bytes it
-    reads at the sequential read bandwidth of the same caches (``sum`` over every pool, which is
-    twice the bytes read). With ``drafts``, each sequence is a verification block instead: its
-    decode token and that many draft tokens, the last seeing ``context`` tokens."""
+    """A step's decode attention in ``dtype`` as a step meets it: ``layers`` layers' caches of the
+    served default's blocks (or twice the step's, if more), each sequence's blocks scattered
+    at random over its pool, every layer attended once per step, so the KV comes from DRAM
+    rather than from the caches a one-layer loop keeps warm. Milliseconds a step for the
+    native kernel; the same with each sequence's blocks in order (``in_order_step_ms``: each
+    KV head's keys and values of a sequence one contiguous run, as a fresh pool hands them
+    out); with the tables the engine's block manager gives a burst of ``batch`` requests
+    once its pool has turned over (``turned_over_step_ms``, :func:`turned_over_tables`); and
+    the floor: the bytes it reads at the sequential read bandwidth of the same caches
+    (``sum`` over every pool, which is twice the bytes read). With ``drafts``, each sequence
+    is a verification block instead: its decode token and that many draft tokens, the last
+    seeing ``context`` tokens."""
     from workers.attention import metadata, paged
     from workers.kernels import paged_decode
     from workers.kv_cache import PagedKVCache
@@ -257,7 +261,9 @@ def decode_attention_from_dram(batch: int, context: int, layers: int, repeats: i
     if paged_decode() is None:
         return {}
     per_row = -(-context // DECODE_BLOCK)
-    pool = 2 * batch * per_row
+    served_pool = CPU_KV_CACHE_BYTES // (layers * 2 * DECODE_BLOCK * KV_HEADS * HEAD_DIM
+                                         * dtype.itemsize)
+    pool = max(2 * batch * per_row, served_pool)
     caches = [PagedKVCache(1, pool, DECODE_BLOCK, KV_HEADS, HEAD_DIM, dtype,
                            torch.device("cpu")) for _ in range(layers)]
     for cache in caches:
@@ -285,6 +291,8 @@ def decode_attention_from_dram(batch: int, context: int, layers: int, repeats: i
 
     attend_ms = step_ms(random.Random(0).sample(range(pool), batch * per_row))
     in_order_ms = step_ms(list(range(batch * per_row)))
+    turned_over = turned_over_tables(batch, context, pool)
+    turned_over_ms = step_ms([block for table in turned_over for block in table])
     read_s = common.median_time(read, repeats)
     nbytes = layers * 2 * batch * per_row * DECODE_BLOCK * KV_HEADS * HEAD_DIM * dtype.itemsize
     bandwidth = sum(c.keys[0].nbytes + c.values[0].nbytes for c in caches) / read_s
@@ -294,11 +302,82 @@ def decode_attention_from_dram(batch: int, context: int, layers: int, repeats: i
                                  if dtype == torch.bfloat16 else ""),
              "native_step_ms": attend_ms, "native_gb_per_s": nbytes / attend_ms / 1e6,
              "in_order_step_ms": in_order_ms, "in_order_gb_per_s": nbytes / in_order_ms / 1e6,
+             "turned_over_step_ms": turned_over_ms,
+             "turned_over_mean_run_blocks": mean_run(turned_over),
              "sequential_read_gb_per_s": bandwidth / 1e9,
              "read_floor_step_ms": nbytes / bandwidth * 1e3}
     common.log(f"decode attention from DRAM, {layers} layers x {batch} x {context}"
                f"{f' (+{drafts} drafts)' if drafts else ''}: {entry}")
     return entry
+
+
+def turned_over_tables(batch: int, context: int, pool_blocks: int, waves: int = 4,
+                       seed: int = 0) -> list[list[int]]:
+    """Block tables of ``batch`` requests of ``context`` tokens as the engine's block manager
+    lays them out over a pool of ``pool_blocks`` that has turned over: first ``waves`` pools'
+    worth of blocks go through ``batch`` requests at a time (each a prompt of two thirds of
+    ``context``, then one token a step to ``context``, arriving and ending at staggered steps,
+    every full block registered, as random prompts leave the pool: all cached, nothing reused);
+    then a burst of ``batch`` requests arrives at once, their prompts admitted together and
+    their last third decoded in lockstep. Only the bookkeeping runs (no model, no KV)."""
+    from contract.request import GenerationRequest
+    from workers.block_manager import BlockManager
+    from workers.block_pool import BlockPool
+    from workers.sequence import Sequence
+
+    rng = random.Random(seed)
+    manager = BlockManager(BlockPool(pool_blocks, DECODE_BLOCK))
+    prompt_tokens = context * 2 // 3
+
+    def admit(name: str) -> Sequence:
+        request = GenerationRequest(name, [rng.randrange(1, 30000) for _ in range(prompt_tokens)])
+        seq = Sequence(request, b"turned-over-root", DECODE_BLOCK)
+        manager.admit(seq, [], prompt_tokens)
+        manager.commit(seq, prompt_tokens)
+        seq.token_ids.append(rng.randrange(1, 30000))
+        return seq
+
+    def decode(seq: Sequence) -> None:
+        manager.reserve(seq, 1)
+        manager.commit(seq, 1)
+        seq.token_ids.append(rng.randrange(1, 30000))
+
+    live = [admit(f"churn-{i}") for i in range(batch)]
+    for seq in live:  # staggered: each starts part of the way through its decode
+        for _ in range(rng.randrange(context - prompt_tokens)):
+            decode(seq)
+    admitted = batch
+    while admitted * context < waves * pool_blocks * DECODE_BLOCK:
+        for seq in list(live):
+            decode(seq)
+            if seq.num_tokens >= context:
+                manager.free(seq)
+                live.remove(seq)
+                live.append(admit(f"churn-{admitted}"))
+                admitted += 1
+    for seq in live:
+        manager.free(seq)
+    burst = [admit(f"burst-{i}") for i in range(batch)]
+    while burst[0].num_tokens < context:
+        for seq in burst:
+            decode(seq)
+    return [seq.block_table[:-(-context // DECODE_BLOCK)] for seq in burst]
+
+
+def mean_run(tables: list[list[int]]) -> float:
+    """Blocks per run of adjacent ids (ascending by one), weighted by blocks: the length of
+    the run an average block lies in."""
+    runs = []
+    for table in tables:
+        length = 1
+        for before, after in zip(table, table[1:], strict=False):
+            if after == before + 1:
+                length += 1
+            else:
+                runs.append(length)
+                length = 1
+        runs.append(length)
+    return sum(run * run for run in runs) / sum(runs)
 
 
 def prefill_attention(cases: list[tuple[int, int]], repeats: int) -> dict:

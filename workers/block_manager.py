@@ -97,7 +97,7 @@ class BlockManager:
 
     def _load(self, seq: Sequence, index: int, entry: TierEntry) -> bool:
         """Loads block ``index`` of ``seq`` from the second tier into a fresh cached block."""
-        block = self.pool.allocate()
+        block = self.pool.allocate(after=seq.block_table[-1] if index else None)
         parent = self.pool.blocks[seq.block_table[-1]] if index else None
         if not self.pool.tier.load(entry, block.block_id):
             self.pool.forget_in_tier(entry.digest)
@@ -168,5 +168,10 @@ class BlockManager:
         seq.num_registered_blocks = 0
 
     def _grow(self, seq: Sequence, num_tokens: int) -> None:
-        while len(seq.block_table) < seq.blocks_needed(num_tokens):
-            seq.block_table.append(self.pool.allocate().block_id)
+        """Appends the blocks ``seq`` lacks for ``num_tokens`` tokens, adjacent to its last
+        block where the pool can (a table read in one run is read faster)."""
+        missing = seq.blocks_needed(num_tokens) - len(seq.block_table)
+        if missing > 0:
+            last = seq.block_table[-1] if seq.block_table else None
+            seq.block_table += [block.block_id
+                                for block in self.pool.allocate_run(missing, after=last)]

@@ -3,7 +3,8 @@
 Bookkeeping only; the KV tensors themselves live in ``workers.kv_cache``. The design follows
 vLLM's block manager (and nano-vllm's): a block whose tokens are all committed gets a chained
 digest; once unreferenced it stays reusable until the pool needs it back, least recently used
-first. Every change to the set of reusable digests is an event for the index.
+first (or, to keep a table's blocks adjacent in memory, any in the older half of that order).
+Every change to the set of reusable digests is an event for the index.
 
 A hit never rests on the digest alone (case P6: digests may collide). A cached block records
 its tokens, the digest its chain extends (its parent digest; the identity's root for block 0)
@@ -15,13 +16,18 @@ for *i - 1*, so a hit is always a chain of copies computed one after the other.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from contract.kv_events import KVEvent, Medium
 from workers.kv_tier import KVTier, TierWrite
+
+COLD_FRACTION = 0.5
+"""A cached block may be evicted out of LRU order, to extend a run of adjacent blocks, only if it
+was released in the older ``COLD_FRACTION`` of the span between the least and the most
+recently released evictable blocks."""
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -91,8 +97,11 @@ class BlockPool:
             raise ValueError(f"the KV budget holds no block (num_blocks={num_blocks})")
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest first
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._releases = 0
+        self._released_at = [0] * num_blocks
+        """Per block, the count of :meth:`release` calls when it last became evictable."""
         self._by_digest: dict[bytes, int] = {}
         self._events: list[KVEvent] = []
         self.tier: KVTier | None = None
@@ -151,21 +160,79 @@ class BlockPool:
             self._evictable.pop(block.block_id, None)
         block.ref_count += 1
 
-    def allocate(self) -> Block:
-        """A fresh, referenced, empty block; evicts the least recently used cached one if needed.
+    def allocate(self, after: int | None = None) -> Block:
+        """A fresh, referenced, empty block: :meth:`allocate_run` of one."""
+        return self.allocate_run(1, after)[0]
+
+    def allocate_run(self, count: int, after: int | None = None) -> list[Block]:
+        """``count`` fresh, referenced, empty blocks, with ids ascending one by one from
+        ``after + 1`` wherever the pool can; all or none.
+
+        Why adjacency: each KV head's blocks lie next to each other in memory when their ids do
+        (``workers.kv_cache``), and decode attention reads a run of adjacent blocks at close to
+        the sequential read bandwidth, scattered 2-4 KB blocks at a third to a half of it
+        (docs/performance.md, "Adjacent blocks"). Taking blocks first-in first-out and least
+        recently used first, as vLLM's block pool does, scatters every table once the pool has
+        turned over.
+
+        Each block is the one after the previous (after ``after`` for the first) when that one
+        can be taken: free, or, once no block is free, cached and released in the older part of
+        the LRU order (:data:`COLD_FRACTION`). Otherwise a run starts where the pool takes a
+        block anyway (the oldest free block, else the least recently used cached one) and is
+        moved down over up to ``count - 1`` takeable blocks below it, so that it ends there: of
+        a table released tail first, the run takes the same tail blocks that strict LRU order
+        would evict, in ascending order.
+
+        Args:
+            count: blocks wanted, at least 1.
+            after: the id the first block should follow: the last block of the table being
+                grown; None for a table's first block.
 
         Raises:
-            NoFreeBlocksError: every block is in use.
+            NoFreeBlocksError: fewer than ``count`` blocks are free or evictable.
         """
-        if self._free:
-            block = self.blocks[self._free.popleft()]
-        elif self._evictable:
-            block_id, _ = self._evictable.popitem(last=False)
-            block = self.blocks[block_id]
+        if count > self.num_available:
+            raise NoFreeBlocksError(f"{count} KV blocks wanted, {self.num_available} free")
+        taken: list[Block] = []
+        last = after
+        while len(taken) < count:
+            block_id = last + 1 if last is not None else -1
+            if not self._takeable(block_id):
+                block_id = self._run_start(count - len(taken))
+            taken.append(self._take(block_id))
+            last = block_id
+        return taken
+
+    def _takeable(self, block_id: int) -> bool:
+        """Whether a run may take ``block_id``: a free block, or, only while none is free (a
+        free block is never passed over for an eviction), a cached one released in the older
+        part of the LRU order."""
+        if block_id in self._free:
+            return True
+        if self._free or block_id not in self._evictable:
+            return False
+        oldest = self._released_at[next(iter(self._evictable))]
+        newest = self._released_at[next(reversed(self._evictable))]
+        return self._released_at[block_id] <= oldest + COLD_FRACTION * (newest - oldest)
+
+    def _run_start(self, count: int) -> int:
+        """Where a run of up to ``count`` blocks starts: it ends at the block the pool would
+        take next, or starts lower where fewer takeable blocks lie below that one."""
+        end = next(iter(self._free)) if self._free else next(iter(self._evictable))
+        start = end
+        while end - start < count - 1 and self._takeable(start - 1):
+            start -= 1
+        return start
+
+    def _take(self, block_id: int) -> Block:
+        """References a free or evictable block; an evicted one is spilled and forgotten."""
+        block = self.blocks[block_id]
+        if block_id in self._free:
+            del self._free[block_id]
+        else:
+            del self._evictable[block_id]
             self._spill(block)
             self._uncache(block)
-        else:
-            raise NoFreeBlocksError("no free KV block")
         block.ref_count = 1
         return block
 
@@ -175,6 +242,7 @@ class BlockPool:
         Callers pass a block table tail first, so a sequence's last blocks are evicted before
         its first ones: the head of a prefix is the part most likely to be shared.
         """
+        self._releases += 1
         for block_id in block_ids:
             block = self.blocks[block_id]
             if block.ref_count <= 0:
@@ -183,9 +251,10 @@ class BlockPool:
             if block.ref_count == 0:
                 if block.digest is None:
                     block.copy_of = None
-                    self._free.append(block_id)
+                    self._free[block_id] = None
                 else:
                     self._evictable[block_id] = None
+                    self._released_at[block_id] = self._releases
 
     def has_cached_copy(self, block: Block) -> bool:
         """Whether ``block`` is a cached copy, or a private duplicate of one still cached: what
@@ -251,8 +320,8 @@ class BlockPool:
 
         Emits one ``cleared`` event: the index then credits this worker with nothing.
         """
-        for block_id in list(self._evictable):
-            self._free.append(block_id)
+        for block_id in self._evictable:
+            self._free[block_id] = None
         self._evictable.clear()
         for block_id in self._by_digest.values():
             self._forget(self.blocks[block_id])
@@ -315,7 +384,6 @@ class BlockPool:
             AssertionError: naming the first broken invariant.
         """
         free, evictable = set(self._free), set(self._evictable)
-        assert len(free) == len(self._free), "a block is listed free twice"
         for block in self.blocks:
             state = (block.block_id in free, block.block_id in evictable, block.ref_count > 0)
             assert block.ref_count >= 0, f"block {block.block_id} has ref_count < 0"
@@ -368,7 +436,7 @@ class BlockPool:
         self._forget(block)
         if block.block_id in self._evictable:
             del self._evictable[block.block_id]
-            self._free.append(block.block_id)
+            self._free[block.block_id] = None
 
     @staticmethod
     def _forget(block: Block) -> None:

@@ -132,7 +132,7 @@ def _pool_copy(pool: BlockPool, kv_cache: PagedKVCache, block: KVBlock,
     if held is not None:
         pool.acquire(held)
         return held
-    target = pool.allocate()
+    target = pool.allocate(after=None if parent is None else parent.block_id)
     kv_cache.write_block(target.block_id, block.kv)
     if not pool.register(target, block.digest, block.token_ids, block.parent_digest, parent,
                          block.check):

@@ -347,3 +347,75 @@ def test_register_refuses_a_parent_that_is_no_cached_copy():
     parent, block = pool.allocate(), pool.allocate()
     with pytest.raises(ValueError, match="no cached copy"):
         pool.register(block, digest(2), tokens(2), digest(1), parent)
+
+
+# ---- adjacent blocks (allocate_run) ------------------------------------------------------------
+
+
+def test_a_run_takes_adjacent_blocks_and_grows_into_the_next_one():
+    pool = BlockPool(12, BLOCK)
+    first = pool.allocate_run(4)
+    assert [b.block_id for b in first] == [0, 1, 2, 3]
+    assert pool.allocate(after=3).block_id == 4
+    other = pool.allocate_run(2)  # the next free ones
+    assert [b.block_id for b in other] == [5, 6]
+    # 5 is taken: the first table's growth starts a new run at the oldest free block
+    assert pool.allocate(after=4).block_id == 7
+    assert pool.allocate(after=7).block_id == 8
+    assert_accounted(pool)
+
+
+def test_a_run_is_all_or_nothing():
+    pool = BlockPool(4, BLOCK)
+    pool.allocate_run(3)
+    with pytest.raises(NoFreeBlocksError, match="2 KV blocks wanted, 1 free"):
+        pool.allocate_run(2)
+    assert (pool.num_free, pool.num_in_use) == (1, 3)
+
+
+def test_a_run_from_the_lru_takes_what_strict_lru_would_evict_in_ascending_order():
+    pool = BlockPool(8, BLOCK)
+    old = cached_table(pool, 1, 8)  # blocks 0..7, digests 1..8
+    pool.release(reversed(old[:4]))  # the older table: blocks 0..3, tail first
+    pool.release(reversed(old[4:]))
+    pool.drain_events()
+    run = pool.allocate_run(3)
+    # strict LRU would evict blocks 3, 2, 1 (digests 4, 3, 2); the run takes them ascending
+    assert [b.block_id for b in run] == [1, 2, 3]
+    evicted = {d for event in pool.drain_events() for d in event.digests}
+    assert evicted == {digest(2), digest(3), digest(4)}
+    assert pool.lookup(digest(1), tokens(1), ROOT) is not None  # the table's head stays
+    pool.check_invariants()
+
+
+def test_growth_evicts_an_adjacent_cached_block_only_from_the_older_half_of_the_lru():
+    pool = BlockPool(9, BLOCK)
+    cached = cached_table(pool, 1, 8)  # blocks 0..7
+    growing = pool.allocate()  # block 8: the pool is full
+    pool.release([growing.block_id])  # free again: the only free block
+    for index in (1, 3, 5, 7, 0, 2, 4, 6):  # release order: odd blocks are the older half
+        pool.release([cached[index]])
+    # block 1 is cold, but a free block is never passed over for an eviction
+    assert pool.allocate(after=0).block_id == 8
+    assert pool.allocate(after=0).block_id == 1  # none free: the cold block 1 is taken
+    # block 3 is cold too, but block 2 is not: growth after 1 starts a new run at the LRU head
+    assert pool.allocate(after=1).block_id == 3
+    assert pool.lookup(digest(3), tokens(3), ROOT) is not None  # block 2 survives
+    pool.check_invariants()
+
+
+def test_the_block_manager_grows_a_table_into_adjacent_blocks():
+    pool = BlockPool(16, BLOCK)
+    manager = BlockManager(pool)
+    a = Sequence(GenerationRequest("a", list(range(3 * BLOCK))), ROOT, BLOCK)
+    b = Sequence(GenerationRequest("b", list(range(2 * BLOCK))), ROOT, BLOCK)
+    manager.admit(a, [], 3 * BLOCK)
+    manager.admit(b, [], 2 * BLOCK)
+    assert (a.block_table, b.block_table) == ([0, 1, 2], [3, 4])
+    manager.commit(a, 3 * BLOCK)
+    a.token_ids += [7] * (BLOCK + 1)
+    manager.free(b)  # 3 and 4 are free again, behind 5..15
+    assert manager.reserve(a, BLOCK + 1)  # two more blocks: first-in first-out gives 5 and 6
+    assert a.block_table == [0, 1, 2, 3, 4]
+    assert manager.reserve(a, 5 * BLOCK)  # 5 is free and next: the run goes on
+    assert a.block_table == [0, 1, 2, 3, 4, 5, 6, 7]
