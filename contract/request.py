@@ -299,6 +299,9 @@ class GenerationChunk:
         spec: this choice's speculative decoding counts, on its last chunk when it speculated.
         tier_tokens: of ``cached_tokens``, those loaded from the worker's second KV tier.
         transfer_tokens: of ``cached_tokens``, those fetched from another worker.
+        stop_reason: on the last chunk of a choice that finished with "stop", the stop string
+            matched or the requested stop token id; None for the model's end-of-sequence token
+            and every other finish (vLLM's ``stop_reason``).
     """
 
     request_id: str
@@ -315,6 +318,7 @@ class GenerationChunk:
     spec: SpecUsage | None = None
     tier_tokens: int = 0
     transfer_tokens: int = 0
+    stop_reason: int | str | None = None
 
     def followed_by(self, later: GenerationChunk) -> GenerationChunk:
         """One chunk carrying this chunk's tokens then ``later``'s (same request and choice)."""

@@ -723,6 +723,9 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
+    stop_reason: int | str | None = None
+    """vLLM's extension: the stop string or stop token id that ended the choice; null for the
+    model's end-of-sequence token, ``max_tokens`` and every other end."""
 
 
 class ChatCompletionResponse(BaseModel):
@@ -763,6 +766,9 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    """vLLM's extension: the stop string or stop token id that ended the choice; null for the
+    model's end-of-sequence token, ``max_tokens`` and every other end."""
 
 
 class ChatCompletionChunk(BaseModel):
@@ -783,6 +789,9 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
+    stop_reason: int | str | None = None
+    """vLLM's extension: the stop string or stop token id that ended the choice; null for the
+    model's end-of-sequence token, ``max_tokens`` and every other end."""
 
 
 class CompletionResponse(BaseModel):

@@ -37,7 +37,13 @@ class IncrementalDetokenizer:
         self._stop_floor = 0  # a stop string must end after this text offset
         self._text = ""
         self._emitted = 0
-        self.stopped = False
+        self.matched: str | None = None
+        """The stop string that ended the text, once one has (vLLM's ``stop_reason``)."""
+
+    @property
+    def stopped(self) -> bool:
+        """Whether a stop string has ended the text."""
+        return self.matched is not None
 
     def add(self, token_id: int) -> str:
         """Feed one token; returns the text that became final (possibly empty).
@@ -57,8 +63,8 @@ class IncrementalDetokenizer:
         match = self._find_stop()
         if match is not None:
             start, end = match
+            self.matched = self._text[start:end]
             self._text = self._text[:end if self._include_stop else start]
-            self.stopped = True
             return self._take(len(self._text))
         return self._take(len(self._text) - self._held_back())
 

@@ -568,12 +568,15 @@ class LLMEngine:
                 if seq.grammar is not None:
                     seq.grammar.end(token.steered)
                 seq.finish(_stop_reason(seq))
+                if token.token_id not in self.eos_token_ids or sampling.ignore_eos:
+                    seq.stop_reason = token.token_id  # a requested stop token, not EOS
                 break
             if seq.grammar is not None:
                 seq.grammar.consume(token.token_id, token.steered)
             texts.append(detokenizer.add(token.token_id))
             if detokenizer.stopped or (seq.grammar is not None and seq.grammar.is_stopped):
                 seq.finish(_stop_reason(seq))
+                seq.stop_reason = detokenizer.matched
             elif (seq.num_output_tokens >= sampling.max_tokens
                   or seq.num_tokens >= self.max_model_len):
                 seq.finish("length")
@@ -609,7 +612,8 @@ class LLMEngine:
                                seq.num_output_tokens, index=seq.choice_index,
                                logprobs=logprobs, choices_left=self._choices.left(rid),
                                spec=spec, tier_tokens=seq.num_tier_tokens,
-                               transfer_tokens=seq.num_transfer_tokens)
+                               transfer_tokens=seq.num_transfer_tokens,
+                               stop_reason=seq.stop_reason)
 
     def _check_token_ids(self, token_ids: Iterable[int], param: str) -> None:
         """Raises :class:`InvalidRequestError` naming ``param`` for the first id (of a list,

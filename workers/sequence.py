@@ -43,6 +43,9 @@ class Sequence:
         prompt_digests: the digests of the prompt's full blocks under ``root_digest``, already
             verified (:meth:`contract.identity.PromptDigests.verified`); the chain is extended
             from them, never recomputed.
+        stop_reason: what ended it with ``finish_reason`` "stop": the stop string matched, or
+            the requested stop token; None for the model's end-of-sequence token, a grammar's
+            end and every other finish (vLLM's ``stop_reason``).
         queued_at_step: the scheduler step at which it last joined the waiting queue.
         spec_token_ids: draft tokens proposed for the coming step, verified in it; never part
             of ``token_ids`` until verification commits them.
@@ -77,6 +80,7 @@ class Sequence:
         self.admitted = False
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None
         self.stop_token_ids = frozenset(self.sampling.stop_token_ids)
         self._digests: list[bytes] = list(prompt_digests or ())
         self._checks: list[bytes] = []

@@ -48,9 +48,11 @@ class Format(Protocol):
         while text is held back (a tool call not yet complete)."""
         ...
 
-    def finish(self, index: int, reason: str) -> list[BaseModel]:
+    def finish(self, index: int, reason: str, stop_reason: int | str | None = None,
+               ) -> list[BaseModel]:
         """The events ending choice ``index``: what was held back, then the finish reason
-        (``stop`` becomes ``tool_calls`` when the choice made calls)."""
+        (``stop`` becomes ``tool_calls`` when the choice made calls) and vLLM's
+        ``stop_reason`` (the stop string or stop token id that ended it, else None)."""
         ...
 
     def usage(self, usage: Usage) -> BaseModel:
@@ -100,7 +102,8 @@ class ChatFormat:
                 logprobs=self._logprobs(logprobs))]))
         return events + self._call_events(index, calls)
 
-    def finish(self, index: int, reason: str) -> list[BaseModel]:
+    def finish(self, index: int, reason: str, stop_reason: int | str | None = None,
+               ) -> list[BaseModel]:
         """What the parser held back, then an empty delta with the finish reason."""
         parser = self._parser(index)
         events: list[BaseModel] = []
@@ -112,7 +115,8 @@ class ChatFormat:
             events += self._call_events(index, calls)
             reason = _with_calls(reason, parser)
         return events + [self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(),
-                                                      finish_reason=reason)])]
+                                                      finish_reason=reason,
+                                                      stop_reason=stop_reason)])]
 
     def usage(self, usage: Usage) -> BaseModel:
         """The usage-only chunk."""
@@ -122,6 +126,7 @@ class ChatFormat:
         """The ``chat.completion`` object."""
         job = self.job
         choices = [ChatChoice(index=index, logprobs=self._logprobs(c.logprobs),
+                              stop_reason=c.stop_reason,
                               **self._message("".join(c.text), c.finish_reason))
                    for index, c in tally.ordered()]
         return ChatCompletionResponse(id=job.response_id, created=job.created,
@@ -198,9 +203,11 @@ class CompletionFormat:
         return [self._chunk([CompletionChoice(index=index, text=text,
                                               logprobs=self._logprobs(index, logprobs))])]
 
-    def finish(self, index: int, reason: str) -> list[BaseModel]:
+    def finish(self, index: int, reason: str, stop_reason: int | str | None = None,
+               ) -> list[BaseModel]:
         """An empty text chunk with the finish reason."""
-        return [self._chunk([CompletionChoice(index=index, text="", finish_reason=reason)])]
+        return [self._chunk([CompletionChoice(index=index, text="", finish_reason=reason,
+                                              stop_reason=stop_reason)])]
 
     def usage(self, usage: Usage) -> BaseModel:
         """The usage-only chunk."""
@@ -210,7 +217,8 @@ class CompletionFormat:
         """The ``text_completion`` object."""
         choices = [CompletionChoice(index=index, text="".join(c.text),
                                     logprobs=self._logprobs(index, c.logprobs),
-                                    finish_reason=c.finish_reason)
+                                    finish_reason=c.finish_reason,
+                                    stop_reason=c.stop_reason)
                    for index, c in tally.ordered()]
         return self._chunk(choices, tally.usage())
 

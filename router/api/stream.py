@@ -94,7 +94,7 @@ async def sse_events(job: Job, fmt: Format, first: GenerationChunk,
                     yield sse(event)
             if chunk.finish_reason is not None:
                 reason = finish_reason(chunk.finish_reason)
-                for event in fmt.finish(chunk.index, reason):
+                for event in fmt.finish(chunk.index, reason, chunk.stop_reason):
                     yield sse(event)
                 if chunk.is_last:
                     break

@@ -99,6 +99,7 @@ class ChoiceTally:
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     spec: SpecUsage | None = None
 
 
@@ -130,7 +131,8 @@ class Tally:
         choice.completion_tokens = max(choice.completion_tokens, chunk.completion_tokens)
         choice.text.append(chunk.text)
         choice.logprobs.extend(chunk.logprobs or ())
-        choice.finish_reason = chunk.finish_reason or choice.finish_reason
+        if chunk.finish_reason is not None:
+            choice.finish_reason, choice.stop_reason = chunk.finish_reason, chunk.stop_reason
         choice.spec = chunk.spec or choice.spec  # a choice's counts so far ride on its last chunk
 
     @classmethod

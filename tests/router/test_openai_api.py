@@ -50,6 +50,7 @@ async def test_chat_completion_shape_usage_and_worker_header(client, backend):
     assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
     assert body["model"] == MODEL and isinstance(body["created"], int)
     assert body["choices"] == [{"index": 0, "logprobs": None, "finish_reason": "stop",
+                                "stop_reason": None,
                                 "message": {"role": "assistant", "content": "Hello world"}}]
     prompt_tokens = len(backend.requests[0].token_ids)
     assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 2,
@@ -87,7 +88,7 @@ async def test_completion_of_a_string_prompt(client, backend, tokenizer):
     body = response.json()
     assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
     assert body["choices"] == [{"index": 0, "text": "Hello world", "logprobs": None,
-                                "finish_reason": "stop"}]
+                                "finish_reason": "stop", "stop_reason": None}]
     assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
     assert backend.requests[0].token_ids == tokenizer.encode("Once upon")
 
@@ -357,7 +358,7 @@ async def test_chat_stream_framing(client, backend):
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
     assert text == "Hello world"
     assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
-                                        "finish_reason": "stop"}
+                                        "finish_reason": "stop", "stop_reason": None}
     assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
     assert backend.closed == [chunks[0]["id"]]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from openai_fakes import (
     MODEL,
     FakeBackend,
     assert_error,
+    chunk,
     expected_digests,
     sse_events,
 )
@@ -104,6 +106,25 @@ class RecordingTokenizer:
         return self._tokenizer.apply_chat_template(
             conversation, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, tokenize=tokenize, **kwargs)
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize("stop_reason", ["\n\nThe", 30, None])
+async def test_stop_reason_names_the_stop_that_ended_the_choice(client, backend, path,
+                                                                stop_reason):
+    """vLLM's ``stop_reason`` on the last choice, streamed or not: the worker's stop string or
+    stop token id, null for EOS; null on every earlier chunk."""
+    backend.script = lambda request: [
+        chunk(request), chunk(request, "Paris", completion=1),
+        replace(chunk(request, ".", "stop", completion=2), stop_reason=stop_reason)]
+    response = await client.post(path, json=BASE[path])
+    assert response.status_code == 200, response.text
+    (choice,) = response.json()["choices"]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop_reason)
+    response = await client.post(path, json={**BASE[path], "stream": True})
+    *events, _ = sse_events(response)
+    ends = [(c["choices"][0]["finish_reason"], c["choices"][0]["stop_reason"]) for c in events]
+    assert ends == [(None, None)] * (len(events) - 1) + [("stop", stop_reason)]
 
 
 async def test_chat_template_kwargs_reach_the_template(client, backend, tokenizer):

@@ -145,12 +145,48 @@ def test_engine_cuts_a_stop_string_and_reports_stop(smollm, make_engine):
     assert [c.text for c in by_string] == [" Paris", ".", "", "", ""]
     assert by_string[-1].finish_reason == "stop"
     assert [c.finish_reason for c in by_string[:-1]] == [None] * 4
+    assert [c.stop_reason for c in by_string] == [None] * 4 + ["\n\nThe"]
     assert by_string[-1].completion_tokens == 5
     by_id = chunks["stop-id"]
     assert [t for c in by_id for t in c.token_ids] == [7042, 30]
     assert "".join(c.text for c in by_id) == " Paris"
-    assert by_id[-1].finish_reason == "stop"
+    assert (by_id[-1].finish_reason, by_id[-1].stop_reason) == ("stop", 30)
     assert engine.pool.num_in_use == 0
+
+
+def test_stop_reason_is_none_for_eos_and_length_and_the_id_of_a_requested_eos(smollm,
+                                                                              make_engine):
+    """vLLM's ``stop_reason``: the model's EOS ends with None, unless ``ignore_eos`` made it
+    a requested stop token like any other; ``max_tokens`` ends with None."""
+    prompt = smollm.tokenizer.encode("The capital of France is", add_special_tokens=False)
+    eos = smollm.tokenizer.eos_token_id
+    forced = {eos: 100.0}  # the first token is EOS
+    engine = make_engine(smollm, num_blocks=8)
+    chunks = engine.generate([
+        GenerationRequest("eos", prompt, SamplingParams(temperature=0.0, max_tokens=4,
+                                                        logit_bias=forced)),
+        GenerationRequest("eos-asked", prompt, SamplingParams(
+            temperature=0.0, max_tokens=4, logit_bias=forced, ignore_eos=True,
+            stop_token_ids=[eos])),
+        GenerationRequest("length", prompt, SamplingParams(temperature=0.0, max_tokens=2)),
+    ])
+    ends = {rid: ([t for c in cs for t in c.token_ids], cs[-1].finish_reason, cs[-1].stop_reason)
+            for rid, cs in chunks.items()}
+    assert ends == {"eos": ([eos], "stop", None), "eos-asked": ([eos], "stop", eos),
+                    "length": ([7042, 30], "length", None)}
+    assert engine.pool.num_in_use == 0
+
+
+def test_the_matched_stop_string_is_recorded(smollm_tokenizer, ids):
+    """Of "world" and "wor", complete at the same token and starting at the same offset, the
+    longer is the match."""
+    detok = IncrementalDetokenizer(smollm_tokenizer, [" the end", "wor", "world"])
+    assert [detok.add(t) for t in ids[:2]] == ["Hello", " "]
+    assert (detok.stopped, detok.matched) == (True, "world")
+    unstopped = IncrementalDetokenizer(smollm_tokenizer, ["nowhere"])
+    for t in ids:
+        unstopped.add(t)
+    assert (unstopped.stopped, unstopped.matched) == (False, None)
 
 
 def test_engine_returns_an_included_stop_string(smollm, make_engine):
