@@ -182,6 +182,8 @@ class JobBuilder:
         sampling = sampling_params(body, max_tokens, max_param)
         if tools is not None:
             sampling = replace(sampling, structured=tools.constraint(sampling.structured))
+            if tools.forced:  # calls only, ended by the grammar: a stop string could only
+                sampling = replace(sampling, stop=[])  # cut a call in two
         # The key has passed ``router.api.auth.ApiKeyGuard`` (accepted, or no keys required),
         # so a tenant scope only ever comes from an accepted key.
         namespace = CacheNamespace(

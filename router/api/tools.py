@@ -59,6 +59,11 @@ class ToolUse:
     named: str | None
     parallel: bool
 
+    @property
+    def forced(self) -> bool:
+        """Whether the answer can only be calls (``required``, or a named function)."""
+        return self.choice in ("required", "named")
+
     def parser(self) -> CallParser | None:
         """A fresh call parser for one choice; None when calls are not parsed (``none``)."""
         return None if self.choice == "none" else self.format.parser(self.tools)

@@ -285,6 +285,18 @@ async def test_required_and_named_choices_constrain_output_to_calls(
     assert not accepted(llg_tokenizer, tokenizer, structured.spec, "I cannot call tools.")
 
 
+@pytest.mark.parametrize("choice, stop", [
+    ("required", []), ({"type": "function", "function": {"name": "add"}}, []),
+    ("auto", ['"', "Paris"]), ("none", ['"', "Paris"])])
+async def test_stop_strings_do_not_apply_to_forced_calls(client, long_backend, choice, stop):
+    """A forced answer is calls only, ended by the grammar; a stop string (here one that every
+    call's JSON holds) could only cut a call in two, leaving its markup as text."""
+    body = {"messages": HELLO, "tools": [WEATHER, ADD], "tool_choice": choice,
+            "stop": ['"', "Paris"]}
+    assert (await client.post(CHAT, json=body)).status_code == 200
+    assert long_backend.requests[-1].sampling.stop == stop
+
+
 async def test_auto_with_a_json_schema_answer_allows_a_call_or_that_answer(
         client, long_backend, tokenizer, llg_tokenizer):
     schema = {"type": "object", "properties": {"answer": {"type": "integer"}},
