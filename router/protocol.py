@@ -824,6 +824,53 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class TokenizeRequest(_StrictModel):
+    """Body of ``POST /tokenize`` (vLLM's): exactly one of ``prompt`` (tokenized as
+    ``/v1/completions`` tokenizes it) and ``messages`` (rendered and tokenized as
+    ``/v1/chat/completions`` does, with ``tools`` and the chat template's options, which only
+    go with ``messages``); ``return_token_strs`` adds each token's string."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[ToolDefinition] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool | None = None
+    return_token_strs: bool | None = None
+
+    def chat_request(self) -> ChatCompletionRequest:
+        """The chat request whose prompt these ``messages`` are (validated as one)."""
+        fields = {"model", "messages", "tools", "add_generation_prompt",
+                  "continue_final_message", "chat_template_kwargs", "add_special_tokens"}
+        return ChatCompletionRequest.model_construct(
+            **{name: getattr(self, name) for name in fields})
+
+
+class TokenizeResponse(BaseModel):
+    """``POST /tokenize``'s answer: the prompt's token ids, their count and the context
+    length they must fit in (prompt and output together)."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_StrictModel):
+    """Body of ``POST /detokenize`` (vLLM's): token ids to turn back into text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    """``POST /detokenize``'s answer: the tokens' text, special tokens included."""
+
+    prompt: str
+
+
 class LoadLoRAAdapterRequest(_StrictModel):
     """Body of ``POST /v1/load_lora_adapter`` (vLLM's): serve the PEFT adapter directory
     ``lora_path`` (under a ``--lora-dir``) as the model ``lora_name``."""

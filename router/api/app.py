@@ -53,13 +53,18 @@ from router.api.formats import ChatFormat, CompletionFormat, Format
 from router.api.jobs import Job, JobBuilder, resolve_model
 from router.api.stream import collect, next_chunk, sse_events
 from router.api.token_strings import TokenStrings
+from router.api.tokenize import detokenize, tokenize
 from router.errors import APIError, from_backend_exception, install_error_handlers, invalid_request
 from router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
     UnloadLoRAAdapterRequest,
 )
 
@@ -78,8 +83,9 @@ def build_openai_app(backend: ServingBackend, admission: Admission | None = None
     ``admission`` bounds the work in flight and drains on a clean stop (default: no bound).
 
     Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-    ``GET /v1/models/{model}``, ``POST /v1/load_lora_adapter`` and
-    ``POST /v1/unload_lora_adapter`` (the admin key's only), ``GET /health``,
+    ``GET /v1/models/{model}``, ``POST /tokenize`` and ``POST /detokenize`` (vLLM's),
+    ``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter`` (the admin key's
+    only), ``GET /health``,
     ``GET /metrics`` (Prometheus text of the backend's ``metrics_registry``, a
     ``prometheus_client.CollectorRegistry``; 404 for a backend without one). When the
     backend's ``api_keys`` (:class:`~router.api.auth.ApiKeys`) requires keys, every route but
@@ -127,6 +133,17 @@ def build_openai_app(backend: ServingBackend, admission: Admission | None = None
         """One model or adapter by id; 404 ``model_not_found`` for any other."""
         resolve_model(model, backend.served_model_name, backend.adapters)
         return ingress.model_card(model)
+
+    @app.post("/tokenize")
+    async def tokenize_prompt(body: TokenizeRequest) -> TokenizeResponse:
+        """A prompt's or a chat's token ids, as the completion routes would give them
+        (vLLM's route)."""
+        return await tokenize(ingress.jobs, body)
+
+    @app.post("/detokenize")
+    async def detokenize_tokens(body: DetokenizeRequest) -> DetokenizeResponse:
+        """Token ids back to text (vLLM's route)."""
+        return await detokenize(ingress.jobs, body)
 
     @app.post("/v1/load_lora_adapter", response_model=None)
     async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> Response:

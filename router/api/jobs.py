@@ -122,6 +122,19 @@ class JobBuilder:
                 404 for another model.
         """
         max_tokens, max_param = chat_max_tokens(body)
+        tokenize, characters, tools = self.chat_prompt(body)
+        return await self._job(body, tokenize, "messages", max_tokens, max_param,
+                               authorization, "chatcmpl", characters, tools)
+
+    def chat_prompt(self, body: ChatCompletionRequest,
+                    ) -> tuple[Callable[[], list[int]], int, ToolUse | None]:
+        """How a chat request's conversation becomes its prompt: a function that renders it
+        through the chat template (tools and tool turns included) and tokenizes it, the
+        characters it renders to at most, and its tool use.
+
+        Raises:
+            APIError: 400 naming the template option, ``messages`` or ``tools`` at fault.
+        """
         options = body.template_options()
         if options["continue_final_message"] and options["add_generation_prompt"]:
             raise invalid_request("continue_final_message needs add_generation_prompt: false "
@@ -139,8 +152,7 @@ class JobBuilder:
         def tokenize() -> list[int]:
             return chat_template_ids(self.backend.tokenizer, messages,
                                      {**options, **tool_options})
-        return await self._job(body, tokenize, "messages", max_tokens, max_param,
-                               authorization, "chatcmpl", characters, tools)
+        return tokenize, characters, tools
 
     async def completion_job(self, body: CompletionRequest, authorization: str | None) -> Job:
         """Validates a text-completion request and tokenizes its prompt.
@@ -219,18 +231,26 @@ class JobBuilder:
         last tokens, as vLLM truncates: from the left.
 
         Raises:
+            APIError: as :meth:`tokenized`.
+        """
+        token_ids = self.tokenized(tokenize, prompt_param)
+        if keep_last is not None:
+            token_ids = token_ids[-keep_last:]
+        return token_ids, prompt_digests(self.backend.identity, namespace, token_ids, adapter)
+
+    def tokenized(self, tokenize: Callable[[], list[int]], prompt_param: str) -> list[int]:
+        """``tokenize()`` under the tokenizer's lock (call from a worker thread).
+
+        Raises:
             APIError: 400 naming ``prompt_param`` when the tokenizer rejects the text (e.g. a
                 lone UTF-16 surrogate, which no UTF-8 encoding can carry): case R6.
         """
         with self._tokenizer_lock:
             try:
-                token_ids = tokenize()
+                return tokenize()
             except (TypeError, ValueError, UnicodeError) as exc:
                 raise invalid_request(f"the tokenizer rejected the {prompt_param}: {exc}",
                                       prompt_param) from exc
-        if keep_last is not None:
-            token_ids = token_ids[-keep_last:]
-        return token_ids, prompt_digests(self.backend.identity, namespace, token_ids, adapter)
 
 
 def check_stream_options(body: ChatCompletionRequest | CompletionRequest) -> None:

@@ -1,0 +1,89 @@
+"""vLLM's ``POST /tokenize`` and ``POST /detokenize``: a prompt's token ids exactly as a
+completion or chat request would be given them, and token ids back to text."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import anyio
+
+from router.api.jobs import JobBuilder, resolve_model
+from router.api.prompts import checked_ids, refuse_beyond_context, refuse_unpaired_surrogates
+from router.errors import invalid_request
+from router.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+
+CHAT_ONLY = ("tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+"""Fields of a ``/tokenize`` body that only go with ``messages``."""
+
+
+async def tokenize(jobs: JobBuilder, body: TokenizeRequest) -> TokenizeResponse:
+    """The token ids of ``body``'s prompt or conversation, counted.
+
+    Raises:
+        APIError: 404 for another model; 400 naming ``prompt`` (neither or both of
+            ``prompt`` and ``messages``, a text longer than the context whatever its
+            tokenization, one the tokenizer rejects), a chat-only field sent with ``prompt``,
+            ``add_special_tokens`` other than its endpoint's default, or what a chat request's
+            ``messages`` and ``tools`` would be refused for.
+    """
+    backend = jobs.backend
+    resolve_model(body.model, backend.served_model_name, backend.adapters)
+    if (body.prompt is None) == (body.messages is None):
+        raise invalid_request("send exactly one of prompt (a text) and messages (a chat)",
+                              "prompt")
+    if body.messages is not None:
+        param, text = "messages", _chat_prompt(jobs, body)
+    else:
+        param, text = "prompt", _text_prompt(jobs, body)
+    token_ids = await anyio.to_thread.run_sync(jobs.tokenized, text, param)
+    strings = None
+    if body.return_token_strs:
+        strings = await anyio.to_thread.run_sync(
+            jobs.tokenized, lambda: backend.tokenizer.convert_ids_to_tokens(token_ids), param)
+    return TokenizeResponse(count=len(token_ids), max_model_len=backend.max_model_len,
+                            tokens=token_ids, token_strs=strings)
+
+
+async def detokenize(jobs: JobBuilder, body: DetokenizeRequest) -> DetokenizeResponse:
+    """The text of ``body.tokens``, special tokens included (the inverse of ``/tokenize``).
+
+    Raises:
+        APIError: 404 for another model; 400 naming ``tokens`` for an id outside the
+            vocabulary.
+    """
+    backend = jobs.backend
+    resolve_model(body.model, backend.served_model_name, backend.adapters)
+    token_ids = checked_ids(body.tokens, jobs.vocab_size, "tokens")
+    text = await anyio.to_thread.run_sync(
+        jobs.tokenized, lambda: backend.tokenizer.decode(token_ids), "tokens")
+    return DetokenizeResponse(prompt=text)
+
+
+def _chat_prompt(jobs: JobBuilder, body: TokenizeRequest) -> Callable[[], list[int]]:
+    if not body.messages:
+        raise invalid_request("messages must not be empty", "messages")
+    if body.add_special_tokens:
+        raise invalid_request("add_special_tokens: a chat's special tokens come from its "
+                              "template only, as in /v1/chat/completions", "add_special_tokens")
+    tokenize, characters, _ = jobs.chat_prompt(body.chat_request())
+    refuse_beyond_context(characters, jobs.longest_token, jobs.backend.max_model_len,
+                          "messages")
+    return tokenize
+
+
+def _text_prompt(jobs: JobBuilder, body: TokenizeRequest) -> Callable[[], list[int]]:
+    for field in CHAT_ONLY:
+        if getattr(body, field) is not None:
+            raise invalid_request(f"{field} goes with messages, not with prompt", field)
+    if body.add_special_tokens is False:
+        raise invalid_request("add_special_tokens: a prompt's special tokens are added as "
+                              "/v1/completions adds them", "add_special_tokens")
+    prompt = body.prompt
+    refuse_unpaired_surrogates(prompt, "prompt")
+    refuse_beyond_context(len(prompt), jobs.longest_token, jobs.backend.max_model_len, "prompt")
+    return lambda: list(jobs.backend.tokenizer.encode(prompt))
