@@ -27,7 +27,7 @@ from contract.kv_transfer import KVExportRequest
 from contract.request import GenerationRequest, SamplingParams
 from router.index import HeldPrefix
 from router.routing.finished_requests import FINISHED_REQUESTS
-from router.routing.ray_router import PrefixAwareRequestRouter
+from router.routing.ray_router import LOOKUP_REUSE_S, PrefixAwareRequestRouter
 from router.routing.replica_keys import REPLICA_MODEL_KEYS
 from router.routing.request_input import routing_input
 from router.routing.telemetry import RoutingTelemetry
@@ -200,6 +200,27 @@ async def test_an_export_goes_to_its_holder_or_to_anyone_when_the_holder_is_gone
     assert [[r.replica_id.unique_id for r in tier] for tier in tiers] == [["b"]]
     tiers = await router.choose_replicas(replicas, pending(KVExportRequest("gone", [b"d"])))
     assert [[r.replica_id.unique_id for r in tier] for tier in tiers] == [["a", "b", "c"]]
+
+
+async def test_retries_of_one_attempt_reuse_its_index_answer_for_a_while():
+    """While every replica is full, Ray asks again for the same attempt: the index is asked
+    once per LOOKUP_REUSE_S, and again for a new attempt."""
+    index, clock = FakeIndex({"b": 3}), Clock()
+    router = make_router(index, clock)
+    replicas = [FakeReplica(w) for w in "abc"]
+    pr = pending(gen_request(64))
+    for _ in range(3):
+        tiers = await router.choose_replicas(replicas, pr)
+        assert tiers[0][0].replica_id.unique_id == "b"
+    assert index.calls == 1
+    clock.now += LOOKUP_REUSE_S
+    await router.choose_replicas(replicas, pr)
+    assert index.calls == 2
+    dispatch(router, pr, tiers[0][0])
+    await asyncio.sleep(0)
+    assert router._attempt_lookups == {}  # dropped with the attempt
+    await router.choose_replicas(replicas, pending(gen_request(64)))
+    assert index.calls == 3
 
 
 async def test_tiers_best_first_then_rest_and_backoff_enabled():
