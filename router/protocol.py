@@ -841,11 +841,26 @@ class TokenizeRequest(_StrictModel):
     return_token_strs: bool | None = None
 
     def chat_request(self) -> ChatCompletionRequest:
-        """The chat request whose prompt these ``messages`` are (validated as one)."""
-        fields = {"model", "messages", "tools", "add_generation_prompt",
-                  "continue_final_message", "chat_template_kwargs", "add_special_tokens"}
-        return ChatCompletionRequest.model_construct(
-            **{name: getattr(self, name) for name in fields})
+        """The chat request whose prompt ``messages`` are, validated as one.
+
+        Raises:
+            pydantic.ValidationError: what ``/v1/chat/completions`` would refuse them for.
+        """
+        return ChatCompletionRequest.model_validate(self._sent(
+            "model", "messages", "tools", "add_generation_prompt", "continue_final_message",
+            "chat_template_kwargs", "add_special_tokens"))
+
+    def completion_request(self) -> CompletionRequest:
+        """The completion request whose prompt ``prompt`` is, validated as one.
+
+        Raises:
+            pydantic.ValidationError: what ``/v1/completions`` would refuse it for.
+        """
+        return CompletionRequest.model_validate(self._sent("model", "prompt",
+                                                           "add_special_tokens"))
+
+    def _sent(self, *names: str) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 
 class TokenizeResponse(BaseModel):

@@ -97,8 +97,8 @@ class BlockManager:
 
     def _load(self, seq: Sequence, index: int, entry: TierEntry) -> bool:
         """Loads block ``index`` of ``seq`` from the second tier into a fresh cached block."""
-        block = self.pool.allocate(after=seq.block_table[-1] if index else None)
         parent = self.pool.blocks[seq.block_table[-1]] if index else None
+        block = self.pool.allocate(after=None if parent is None else parent.block_id)
         if not self.pool.tier.load(entry, block.block_id):
             self.pool.forget_in_tier(entry.digest)
         elif self.pool.register(block, entry.digest, entry.token_ids, entry.parent_digest,

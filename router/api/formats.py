@@ -48,7 +48,7 @@ class Format(Protocol):
         while text is held back (a tool call not yet complete)."""
         ...
 
-    def finish(self, index: int, reason: str, stop_reason: int | str | None = None,
+    def finish(self, index: int, reason: str, stop_reason: int | str | None,
                ) -> list[BaseModel]:
         """The events ending choice ``index``: what was held back, then the finish reason
         (``stop`` becomes ``tool_calls`` when the choice made calls) and vLLM's
@@ -83,7 +83,7 @@ class ChatFormat:
         """The first delta of each choice announces the assistant's turn: with empty content,
         or none where the answer can only be tool calls (as OpenAI streams them)."""
         use = self.job.tool_use
-        content = None if use and use.choice in ("required", "named") else ""
+        content = None if use and use.forced else ""
         return [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant",
                                                                       content=content))])
                 for i in range(self.job.request.sampling.n)]
@@ -102,7 +102,7 @@ class ChatFormat:
                 logprobs=self._logprobs(logprobs))]))
         return events + self._call_events(index, calls)
 
-    def finish(self, index: int, reason: str, stop_reason: int | str | None = None,
+    def finish(self, index: int, reason: str, stop_reason: int | str | None,
                ) -> list[BaseModel]:
         """What the parser held back, then an empty delta with the finish reason."""
         parser = self._parser(index)
@@ -203,7 +203,7 @@ class CompletionFormat:
         return [self._chunk([CompletionChoice(index=index, text=text,
                                               logprobs=self._logprobs(index, logprobs))])]
 
-    def finish(self, index: int, reason: str, stop_reason: int | str | None = None,
+    def finish(self, index: int, reason: str, stop_reason: int | str | None,
                ) -> list[BaseModel]:
         """An empty text chunk with the finish reason."""
         return [self._chunk([CompletionChoice(index=index, text="", finish_reason=reason,

@@ -160,20 +160,27 @@ class JobBuilder:
         Raises:
             APIError: as :meth:`chat_job`.
         """
+        tokenize, characters = self.completion_prompt(body)
+        return await self._job(body, tokenize, "prompt", body.max_tokens, "max_tokens",
+                               authorization, "cmpl", characters)
+
+    def completion_prompt(self, body: CompletionRequest) -> tuple[Callable[[], list[int]], int]:
+        """How a completion request's one prompt becomes its tokens (a text tokenized, or
+        token ids range-checked), and the characters of a text (0 for token ids).
+
+        Raises:
+            APIError: 400 naming ``prompt`` for an unpaired surrogate in the text.
+        """
         prompt = body.prompt
         if isinstance(prompt, str):
             refuse_unpaired_surrogates(prompt, "prompt")
-            characters = len(prompt)
+            return lambda: list(self.backend.tokenizer.encode(prompt)), len(prompt)
+        return lambda: checked_ids(prompt, self.vocab_size, "prompt"), 0
 
-            def tokenize() -> list[int]:
-                return list(self.backend.tokenizer.encode(prompt))
-        else:
-            characters = 0  # token ids: counted as they are checked
-
-            def tokenize() -> list[int]:
-                return checked_ids(prompt, self.vocab_size, "prompt")
-        return await self._job(body, tokenize, "prompt", body.max_tokens, "max_tokens",
-                               authorization, "cmpl", characters)
+    def refuse_too_long(self, characters: int, prompt_param: str) -> None:
+        """:func:`~router.api.prompts.refuse_beyond_context` for this backend's context."""
+        refuse_beyond_context(characters, self.longest_token, self.backend.max_model_len,
+                              prompt_param)
 
     async def _job(self, body: ChatCompletionRequest | CompletionRequest,
                    tokenize: Callable[[], list[int]], prompt_param: str,
@@ -186,8 +193,7 @@ class JobBuilder:
                                 self.backend.adapters)
         check_stream_options(body)
         if body.truncate_prompt_tokens is None:  # else its last tokens may well fit
-            refuse_beyond_context(characters, self.longest_token, self.backend.max_model_len,
-                                  prompt_param)
+            self.refuse_too_long(characters, prompt_param)
         if body.stop_token_ids:
             checked_ids(body.stop_token_ids, self.vocab_size, "stop_token_ids")
         checked_ids(list(body.logit_bias_ids()), self.vocab_size, "logit_bias")

@@ -4,12 +4,14 @@ completion or chat request would be given them, and token ids back to text."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import anyio
+from pydantic import ValidationError
 
 from router.api.jobs import JobBuilder, resolve_model
-from router.api.prompts import checked_ids, refuse_beyond_context, refuse_unpaired_surrogates
-from router.errors import invalid_request
+from router.api.prompts import checked_ids
+from router.errors import from_validation_errors, invalid_request
 from router.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -20,6 +22,8 @@ from router.protocol import (
 CHAT_ONLY = ("tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 """Fields of a ``/tokenize`` body that only go with ``messages``."""
 
+T = TypeVar("T")
+
 
 async def tokenize(jobs: JobBuilder, body: TokenizeRequest) -> TokenizeResponse:
     """The token ids of ``body``'s prompt or conversation, counted.
@@ -28,8 +32,8 @@ async def tokenize(jobs: JobBuilder, body: TokenizeRequest) -> TokenizeResponse:
         APIError: 404 for another model; 400 naming ``prompt`` (neither or both of
             ``prompt`` and ``messages``, a text longer than the context whatever its
             tokenization, one the tokenizer rejects), a chat-only field sent with ``prompt``,
-            ``add_special_tokens`` other than its endpoint's default, or what a chat request's
-            ``messages`` and ``tools`` would be refused for.
+            or whatever ``/v1/completions`` (for ``prompt``) or ``/v1/chat/completions`` (for
+            ``messages``, ``tools`` and the template's options) would refuse them for.
     """
     backend = jobs.backend
     resolve_model(body.model, backend.served_model_name, backend.adapters)
@@ -65,14 +69,8 @@ async def detokenize(jobs: JobBuilder, body: DetokenizeRequest) -> DetokenizeRes
 
 
 def _chat_prompt(jobs: JobBuilder, body: TokenizeRequest) -> Callable[[], list[int]]:
-    if not body.messages:
-        raise invalid_request("messages must not be empty", "messages")
-    if body.add_special_tokens:
-        raise invalid_request("add_special_tokens: a chat's special tokens come from its "
-                              "template only, as in /v1/chat/completions", "add_special_tokens")
-    tokenize, characters, _ = jobs.chat_prompt(body.chat_request())
-    refuse_beyond_context(characters, jobs.longest_token, jobs.backend.max_model_len,
-                          "messages")
+    tokenize, characters, _ = jobs.chat_prompt(_validated(body.chat_request))
+    jobs.refuse_too_long(characters, "messages")
     return tokenize
 
 
@@ -80,10 +78,14 @@ def _text_prompt(jobs: JobBuilder, body: TokenizeRequest) -> Callable[[], list[i
     for field in CHAT_ONLY:
         if getattr(body, field) is not None:
             raise invalid_request(f"{field} goes with messages, not with prompt", field)
-    if body.add_special_tokens is False:
-        raise invalid_request("add_special_tokens: a prompt's special tokens are added as "
-                              "/v1/completions adds them", "add_special_tokens")
-    prompt = body.prompt
-    refuse_unpaired_surrogates(prompt, "prompt")
-    refuse_beyond_context(len(prompt), jobs.longest_token, jobs.backend.max_model_len, "prompt")
-    return lambda: list(jobs.backend.tokenizer.encode(prompt))
+    tokenize, characters = jobs.completion_prompt(_validated(body.completion_request))
+    jobs.refuse_too_long(characters, "prompt")
+    return tokenize
+
+
+def _validated(request: Callable[[], T]) -> T:
+    """``request()``, its validation errors as the completion routes answer them."""
+    try:
+        return request()
+    except ValidationError as exc:
+        raise from_validation_errors(exc.errors()) from None

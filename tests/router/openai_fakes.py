@@ -32,6 +32,12 @@ IDENTITY = CacheIdentity(model_digest="test-weights", numerics="cpu-fp32", block
 HELLO = [{"role": "user", "content": "Hello there"}]
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather now in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city"], "additionalProperties": False}}}
+"""A tool as a request's ``tools`` lists it."""
 
 Script = Callable[[GenerationRequest], list[Any]]
 

@@ -4,14 +4,9 @@ routes send the worker, and the refusals name their field."""
 from __future__ import annotations
 
 import pytest
-from openai_fakes import CHAT, COMPLETIONS, HELLO, MODEL, assert_error
+from openai_fakes import CHAT, COMPLETIONS, HELLO, MODEL, WEATHER, assert_error
 
 from router.api.auth import ApiKeys
-
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}
 
 
 @pytest.fixture
@@ -59,10 +54,11 @@ async def test_detokenize_inverts_tokenize_special_tokens_included(client, token
     ("/tokenize", {"prompt": "Hi", "tools": [WEATHER]}, "tools", "invalid_value"),
     ("/tokenize", {"prompt": "Hi", "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs",
      "invalid_value"),
+    # refused as /v1/completions and /v1/chat/completions refuse them
     ("/tokenize", {"prompt": "Hi", "add_special_tokens": False}, "add_special_tokens",
-     "invalid_value"),
+     "unsupported_parameter"),
     ("/tokenize", {"messages": HELLO, "add_special_tokens": True}, "add_special_tokens",
-     "invalid_value"),
+     "unsupported_parameter"),
     ("/tokenize", {"messages": []}, "messages", "invalid_value"),
     ("/tokenize", {"prompt": "word " * 100_000}, "prompt", "context_length_exceeded"),
     ("/tokenize", {"prompt": "Hi", "suffix": "!"}, "suffix", "unknown_parameter"),

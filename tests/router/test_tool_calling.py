@@ -12,7 +12,7 @@ from typing import Any
 import llguidance
 import llguidance.hf
 import pytest
-from openai_fakes import CHAT, HELLO, FakeBackend, assert_error, chunk, sse_events
+from openai_fakes import CHAT, HELLO, WEATHER, FakeBackend, assert_error, chunk, sse_events
 
 from router.api.tool_formats import (
     HERMES,
@@ -24,11 +24,6 @@ from router.api.tool_formats import (
 )
 from router.protocol import ToolDefinition
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather now in a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
-        "required": ["city"], "additionalProperties": False}}}
 ADD = {"type": "function", "function": {
     "name": "add", "parameters": {"type": "object", "properties": {
         "a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
