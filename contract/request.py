@@ -98,6 +98,11 @@ class SamplingParams:
             default, ``raw_logprobs``).
         structured: a constraint the output must follow (:class:`StructuredOutput`): tokens
             it forbids are masked out before everything else; None for free text.
+        prompt_logprobs: None for none; otherwise every prompt token after the first gets
+            its log-probability given the tokens before it, its rank, and this many most
+            likely alternatives (0..20), of the raw model distribution (vLLM's
+            ``prompt_logprobs``). Such a request computes its whole prompt: a cached prefix
+            has no logits to give.
     """
 
     temperature: float = 1.0
@@ -118,6 +123,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     structured: StructuredOutput | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -154,9 +160,10 @@ class SamplingParams:
         if not 1 <= self.n <= MAX_CHOICES:
             raise InvalidRequestError(f"n must be in [1, {MAX_CHOICES}]", "n")
         self.check_min_tokens()
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidRequestError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]",
-                                      "logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+                raise InvalidRequestError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}]", name)
 
     def check_min_tokens(self) -> None:
         """Raises :class:`InvalidRequestError` unless ``0 <= min_tokens <= max_tokens``."""
@@ -220,18 +227,23 @@ class GenerationRequest:
 
 @dataclass
 class TokenLogprob:
-    """Log-probabilities of one output token, of the raw model distribution (natural log).
+    """Log-probabilities of one output or prompt token, of the raw model distribution
+    (natural log).
 
     Attributes:
-        token_id: the token that was generated.
+        token_id: the token that was generated (or, for a prompt token, that came next).
         logprob: its log-probability.
         top: the most likely tokens as ``(token_id, logprob)``, most likely first (as many as
-            the request's ``logprobs``; may or may not include ``token_id``).
+            the request's ``logprobs`` or ``prompt_logprobs``; may or may not include
+            ``token_id``).
+        rank: for a prompt token, how many tokens are at least as likely as it, itself
+            included (1: the most likely; vLLM's ``rank``); None for output tokens.
     """
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None
 
 
 @dataclass
@@ -302,6 +314,9 @@ class GenerationChunk:
         stop_reason: on the last chunk of a choice that finished with "stop", the stop string
             matched or the requested stop token id; None for the model's end-of-sequence token
             and every other finish (vLLM's ``stop_reason``).
+        prompt_logprobs: on a choice's first chunk with output, when the request asked for
+            ``prompt_logprobs``: one entry per prompt token, None for the first (nothing
+            precedes it).
     """
 
     request_id: str
@@ -319,6 +334,7 @@ class GenerationChunk:
     tier_tokens: int = 0
     transfer_tokens: int = 0
     stop_reason: int | str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def followed_by(self, later: GenerationChunk) -> GenerationChunk:
         """One chunk carrying this chunk's tokens then ``later``'s (same request and choice)."""
@@ -326,7 +342,8 @@ class GenerationChunk:
         if self.logprobs is not None or later.logprobs is not None:
             logprobs = (self.logprobs or []) + (later.logprobs or [])
         return replace(later, token_ids=self.token_ids + later.token_ids,
-                       text=self.text + later.text, logprobs=logprobs)
+                       text=self.text + later.text, logprobs=logprobs,
+                       prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs)
 
     @property
     def is_last(self) -> bool:

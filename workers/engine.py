@@ -44,7 +44,7 @@ from workers.model_runner import ModelRunner
 from workers.model_support import check_supported
 from workers.models.linear import bound_primitive_caches
 from workers.request_metrics import RequestMetrics
-from workers.sampler import SampledToken, SamplingRow, sample
+from workers.sampler import SampledToken, SamplingRow, prompt_logprobs, sample
 from workers.scheduler import ScheduledBatch, Scheduler
 from workers.sequence import Sequence
 from workers.speculative.build import build_proposer
@@ -422,11 +422,13 @@ class LLMEngine:
         return drafted
 
     def _run_batch(self, batch: ScheduledBatch) -> list[GenerationChunk]:
-        num_logits = [1 + len(seq.spec_token_ids) if seq.spec_token_ids
-                      else int(seq.num_computed_tokens + num_new == seq.num_tokens)
-                      for seq, num_new in _pairs(batch)]
+        starts = [seq.num_computed_tokens for seq in batch.seqs]
+        samples = [bool(seq.spec_token_ids) or start + num_new == seq.num_tokens
+                   for (seq, num_new), start in zip(_pairs(batch), starts, strict=True)]
+        num_logits = [_num_logits(seq, num_new, sampled)
+                      for (seq, num_new), sampled in zip(_pairs(batch), samples, strict=True)]
         prompt_tokens = _prompt_tokens(batch)
-        pending = self.step_masks.start(self._mask_job(batch, num_logits),
+        pending = self.step_masks.start(self._mask_job(batch, samples),
                                         lambda: self._core_beside_forward(prompt_tokens))
         started = time.perf_counter()
         try:
@@ -442,17 +444,21 @@ class LLMEngine:
             self.block_manager.observe_prefill(batch.num_tokens, elapsed)
         if all(n == 1 or seq.spec_token_ids for seq, n in _pairs(batch)):
             self.decode_steps.observe(batch.num_tokens, elapsed)
-        for seq, num_new in _pairs(batch):
-            if not seq.spec_token_ids:  # a verification commits what it accepts, later
-                self.block_manager.commit(seq, num_new)
         offsets = [0]
         for n in num_logits:
             offsets.append(offsets[-1] + n)
-        plain = [i for i, n in enumerate(num_logits) if n == 1]  # verifications have n > 1
+        for i, seq in enumerate(batch.seqs):
+            if seq.wants_prompt_logprobs:
+                _record_prompt_logprobs(seq, logits[offsets[i]:offsets[i + 1]], starts[i])
+        for seq, num_new in _pairs(batch):
+            if not seq.spec_token_ids:  # a verification commits what it accepts, later
+                self.block_manager.commit(seq, num_new)
+        plain = [i for i, seq in enumerate(batch.seqs)
+                 if samples[i] and not seq.spec_token_ids]
         chunks = []
         if plain:
             rows = [self._sampling_row(batch.seqs[i], masks.get(i, [None])[0]) for i in plain]
-            sampled = sample(logits[[offsets[i] for i in plain]], rows, self._generator)
+            sampled = sample(logits[[offsets[i + 1] - 1 for i in plain]], rows, self._generator)
             chunks += [self._append(batch.seqs[i], [token])
                        for i, token in zip(plain, sampled, strict=True)]
         for i, seq in enumerate(batch.seqs):
@@ -471,11 +477,11 @@ class LLMEngine:
         return (self.host_cores is not None and prompt_tokens < BORROW_MIN_PROMPT_TOKENS
                 and self.host_cores.spare() > 0)
 
-    def _mask_job(self, batch: ScheduledBatch, num_logits: list[int]) -> MaskJob:
+    def _mask_job(self, batch: ScheduledBatch, samples: list[bool]) -> MaskJob:
         """The constrained rows of a step that sample (:class:`StepMasks`)."""
         return {i: (seq.grammar, seq.spec_token_ids, seq.budget(self.max_model_len))
-                for i, (seq, n) in enumerate(zip(batch.seqs, num_logits, strict=True))
-                if seq.grammar is not None and n}
+                for i, (seq, sampled) in enumerate(zip(batch.seqs, samples, strict=True))
+                if seq.grammar is not None and sampled}
 
     def _sampling_row(self, seq: Sequence, mask: PositionMask | None) -> SamplingRow:
         allowed, narrowed = mask if mask is not None else (None, None)
@@ -613,7 +619,8 @@ class LLMEngine:
                                logprobs=logprobs, choices_left=self._choices.left(rid),
                                spec=spec, tier_tokens=seq.num_tier_tokens,
                                transfer_tokens=seq.num_transfer_tokens,
-                               stop_reason=seq.stop_reason)
+                               stop_reason=seq.stop_reason,
+                               prompt_logprobs=seq.take_prompt_logprobs())
 
     def _check_token_ids(self, token_ids: Iterable[int], param: str) -> None:
         """Raises :class:`InvalidRequestError` naming ``param`` for the first id (of a list,
@@ -688,6 +695,30 @@ def _prompt_tokens(batch: ScheduledBatch) -> int:
     """The prompt tokens ``batch`` computes (the rest are decode and draft tokens)."""
     return sum(max(0, min(seq.num_computed_tokens + num_new, seq.num_prompt_tokens)
                    - seq.num_computed_tokens) for seq, num_new in _pairs(batch))
+
+
+def _num_logits(seq: Sequence, num_new: int, sampled: bool) -> int:
+    """Logit rows ``seq`` needs from a step computing ``num_new`` of its tokens: its
+    verification block's, every row of a prompt chunk while prompt logprobs are computed (the
+    last one samples when the chunk ends the prompt), else one where it samples."""
+    if seq.spec_token_ids:
+        return 1 + len(seq.spec_token_ids)
+    if seq.wants_prompt_logprobs:
+        return num_new
+    return int(sampled)
+
+
+def _record_prompt_logprobs(seq: Sequence, logits: torch.Tensor, start: int) -> None:
+    """Appends the prompt logprobs that ``logits`` (``[n, V]``, the rows of positions
+    ``start ..``) give and ``seq`` lacks: position ``p``'s row gives prompt token ``p + 1``'s.
+    A recompute after preemption gives none twice."""
+    first = len(seq.prompt_logprobs) - 1  # the next position whose row is needed
+    end = min(start + len(logits), seq.num_prompt_tokens - 1)
+    if first < start or first >= end:
+        return
+    seq.prompt_logprobs += prompt_logprobs(logits[first - start:end - start],
+                                           seq.token_ids[first + 1:end + 1],
+                                           seq.sampling.prompt_logprobs)
 
 
 def _pairs(batch: ScheduledBatch):

@@ -291,8 +291,36 @@ def _token_logprob(logprobs: torch.Tensor | None, token: int,
                    params: SamplingParams) -> TokenLogprob | None:
     if logprobs is None:
         return None
-    top: list[tuple[int, float]] = []
-    if params.logprobs:
-        values, ids = logprobs.topk(params.logprobs)
-        top = list(zip(ids.tolist(), values.tolist(), strict=True))
-    return TokenLogprob(token, float(logprobs[token]), top)
+    return TokenLogprob(token, float(logprobs[token]), _top(logprobs, params.logprobs))
+
+
+def _top(logprobs: torch.Tensor, count: int | None) -> list[tuple[int, float]]:
+    """The ``count`` most likely ``(token_id, logprob)`` of a ``[V]`` row, most likely first."""
+    if not count:
+        return []
+    values, ids = logprobs.topk(count)
+    return list(zip(ids.tolist(), values.tolist(), strict=True))
+
+
+def prompt_logprobs(logits: torch.Tensor, next_tokens: list[int],
+                    count: int) -> list[TokenLogprob]:
+    """Log-probabilities of prompt tokens, each given the tokens before it (vLLM's
+    ``prompt_logprobs``), of the raw model distribution.
+
+    Args:
+        logits: ``[m, V]``: row ``j`` holds the logits at the position before
+            ``next_tokens[j]``.
+        next_tokens: ``m`` prompt token ids.
+        count: most likely alternatives listed per token (0..20).
+
+    Returns:
+        One :class:`TokenLogprob` per token, with its rank (tokens at least as likely,
+        itself included).
+    """
+    logprobs = logits.float().log_softmax(dim=-1).cpu()
+    targets = torch.tensor(next_tokens, dtype=torch.long).unsqueeze(1)
+    chosen = logprobs.gather(1, targets)
+    ranks = (logprobs >= chosen).sum(dim=1).tolist()
+    return [TokenLogprob(token, value, _top(row, count), rank)
+            for token, value, row, rank in zip(next_tokens, chosen.squeeze(1).tolist(),
+                                                logprobs, ranks, strict=True)]

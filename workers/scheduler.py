@@ -67,6 +67,10 @@ SchedulingPolicy = Literal["fcfs", "prefix"]
 SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "prefix")
 DEFAULT_AGING_STEPS = 64
 """Scheduling steps after which a waiting request outranks every fresh one (policy ``prefix``)."""
+PROMPT_LOGPROBS_CHUNK_TOKENS = 512
+"""Most prompt tokens a request asking for prompt logprobs computes per step: each needs a row
+of vocabulary logits (``[512, V]`` float32 is 100 MB for a 49k vocabulary), where a prompt
+otherwise needs one."""
 
 
 @dataclass
@@ -222,7 +226,7 @@ class Scheduler:
             num_tokens = min(seq.num_uncomputed_tokens + len(seq.spec_token_ids), budget)
             if _in_prefill(seq):
                 partial = sum(1 for other in self.running if _in_prefill(other))
-                num_tokens = self._chunk(seq, num_tokens, budget, partial)
+                num_tokens = _logit_rows_cap(seq, self._chunk(seq, num_tokens, budget, partial))
             if seq.spec_token_ids:
                 num_tokens = self._fit_drafts(seq, num_tokens)
             fits, preempted_now = self._reserve(seq, num_tokens, batch)
@@ -289,7 +293,7 @@ class Scheduler:
                 self.counters.shared_prefix_waits += 1
                 continue  # a running prompt computes it: reuse it next step
             remaining = seq.num_tokens - len(hits) * self.blocks.block_size
-            num_tokens = min(remaining, budget)
+            num_tokens = _logit_rows_cap(seq, min(remaining, budget))
             chunked = num_tokens < remaining
             if chunked:
                 if partial >= self.max_num_partial_prefills:
@@ -345,6 +349,14 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.counters.preemptions += 1
+
+
+def _logit_rows_cap(seq: Sequence, num_tokens: int) -> int:
+    """``num_tokens`` cut to :data:`PROMPT_LOGPROBS_CHUNK_TOKENS` while ``seq`` computes prompt
+    logprobs."""
+    if seq.wants_prompt_logprobs:
+        return min(num_tokens, PROMPT_LOGPROBS_CHUNK_TOKENS)
+    return num_tokens
 
 
 def _in_prefill(seq: Sequence) -> bool:

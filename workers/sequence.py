@@ -7,7 +7,7 @@ import enum
 import torch
 
 from contract.identity import block_digest
-from contract.request import FinishReason, GenerationRequest, SpecUsage
+from contract.request import FinishReason, GenerationRequest, SpecUsage, TokenLogprob
 from workers.kv_tier import prefix_check
 from workers.lora.adapter import LoraAdapter
 from workers.structured.grammar import GrammarMatcher
@@ -46,6 +46,9 @@ class Sequence:
         stop_reason: what ended it with ``finish_reason`` "stop": the stop string matched, or
             the requested stop token; None for the model's end-of-sequence token, a grammar's
             end and every other finish (vLLM's ``stop_reason``).
+        prompt_logprobs: when the request asked for them, the prompt tokens' log-probabilities
+            computed so far, one entry per prompt token from the first (None: nothing precedes
+            it); delivered once, with its first output (:meth:`take_prompt_logprobs`).
         queued_at_step: the scheduler step at which it last joined the waiting queue.
         spec_token_ids: draft tokens proposed for the coming step, verified in it; never part
             of ``token_ids`` until verification commits them.
@@ -82,6 +85,9 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
         self.stop_token_ids = frozenset(self.sampling.stop_token_ids)
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            None if self.sampling.prompt_logprobs is None else [None])
+        self._prompt_logprobs_sent = False
         self._digests: list[bytes] = list(prompt_digests or ())
         self._checks: list[bytes] = []
         self.spec_token_ids: list[int] = []
@@ -110,8 +116,24 @@ class Sequence:
     @property
     def num_reusable_blocks(self) -> int:
         """Leading full blocks a cache hit may cover: every one but a block ending on the
-        last token, which is always computed again for its logits."""
+        last token, which is always computed again for its logits; none when the request asked
+        for prompt logprobs, which need every prompt position's logits (as vLLM)."""
+        if self.sampling.prompt_logprobs is not None:
+            return 0
         return (self.num_tokens - 1) // self.block_size
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether prompt tokens' log-probabilities remain to be computed."""
+        return (self.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens)
+
+    def take_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """The prompt logprobs, once all are computed and only the first time asked."""
+        if self._prompt_logprobs_sent or self.prompt_logprobs is None or self.wants_prompt_logprobs:
+            return None
+        self._prompt_logprobs_sent = True
+        return self.prompt_logprobs
 
     @property
     def is_finished(self) -> bool:
