@@ -51,7 +51,6 @@ _CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 _COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "echo": (False,),
     "best_of": (1,),
     "suffix": ("",),
     "add_special_tokens": (True,),
@@ -66,7 +65,6 @@ _GENERATION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_whitespace_pattern": (),
     "structural_tag": (),
     "skip_special_tokens": (True,),
-    "prompt_logprobs": (),
     "allowed_token_ids": (),
     "bad_words": ([],),
     "logits_processors": (),
@@ -82,9 +80,8 @@ _GENERATION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 _WHY_UNSUPPORTED: dict[str, str] = {
     "functions": "the deprecated functions API is not served; use tools",
     "function_call": "the deprecated functions API is not served; use tool_choice",
-    "echo": "the prompt is not echoed",
+    "echo": "the prompt is echoed by /v1/completions only",
     "skip_special_tokens": "special tokens are always left out of the text",
-    "prompt_logprobs": "prompt logprobs are not computed",
     "allowed_token_ids": "the vocabulary cannot be restricted",
     "bad_words": "word bans are not implemented",
     "return_tokens_as_token_ids": "logprob tokens are always returned as text",
@@ -364,11 +361,12 @@ class _GenerationBody(_StrictModel):
 
     ``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``stop_token_ids``,
     ``ignore_eos``, ``include_stop_str_in_output``, ``cache_salt``, ``truncate_prompt_tokens``
-    (keep the prompt's last k tokens) and ``request_id`` (the answer's ``id`` becomes
-    ``<prefix>-<request_id>``) are vLLM's extensions, spelled and meant as vLLM does. Ranges are
-    checked by :meth:`contract.request.SamplingParams.validate`; ``logit_bias`` keys (token ids
-    as strings, OpenAI's form) are parsed here and range-checked against the vocabulary by the
-    app.
+    (keep the prompt's last k tokens), ``request_id`` (the answer's ``id`` becomes
+    ``<prefix>-<request_id>``) and ``prompt_logprobs`` (each prompt token's logprob, its rank
+    and this many alternatives; never streamed) are vLLM's extensions, spelled and meant as
+    vLLM does. Ranges are checked by :meth:`contract.request.SamplingParams.validate`;
+    ``logit_bias`` keys (token ids as strings, OpenAI's form) are parsed here and range-checked
+    against the vocabulary by the app.
 
     Accepted and ignored, because they never change the output: ``user`` and
     ``safety_identifier`` (end-user identifiers for abuse monitoring), ``metadata`` and
@@ -415,7 +413,7 @@ class _GenerationBody(_StrictModel):
     structured_outputs: Any = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: Any = None
-    prompt_logprobs: Any = None
+    prompt_logprobs: int | None = None
     allowed_token_ids: Any = None
     bad_words: Any = None
     logits_processors: Any = None
@@ -431,6 +429,15 @@ class _GenerationBody(_StrictModel):
     def _unsupported_extension(cls, value: Any, info: ValidationInfo) -> Any:
         neutral = _GENERATION_UNSUPPORTED[info.field_name]
         return _refuse_unless_neutral(value, info.field_name, neutral)
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _not_streamed(cls, count: int | None, info: ValidationInfo) -> int | None:
+        # As vLLM: they would all come before the first token, in no event's shape.
+        if count is not None and info.data.get("stream"):
+            raise PydanticCustomError("invalid_value",
+                                      "prompt_logprobs cannot be streamed; send stream: false")
+        return count
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -463,6 +470,11 @@ class _GenerationBody(_StrictModel):
     def logit_bias_ids(self) -> dict[int, float]:
         """``logit_bias`` with integer token ids."""
         return {int(key): value for key, value in (self.logit_bias or {}).items()}
+
+    def prompt_logprobs_count(self) -> int | None:
+        """Alternatives per prompt token the worker is asked for; None when prompt logprobs
+        are off."""
+        return self.prompt_logprobs
 
 
 class ChatCompletionRequest(_GenerationBody):
@@ -548,7 +560,7 @@ class CompletionRequest(_GenerationBody):
 
     prompt: Any
     logprobs: int | None = None
-    echo: Any = None
+    echo: bool | None = None
     best_of: Any = None
     suffix: Any = None
     add_special_tokens: Any = None
@@ -582,6 +594,14 @@ class CompletionRequest(_GenerationBody):
     def logprobs_count(self) -> int | None:
         """Alternatives per token the worker is asked for; None when logprobs are off."""
         return self.logprobs
+
+    def prompt_logprobs_count(self) -> int | None:
+        """Alternatives per prompt token the worker is asked for: ``prompt_logprobs``, raised
+        to ``logprobs`` when the prompt is echoed with logprobs (its tokens then lead each
+        choice's ``logprobs``, as vLLM gives them); None when neither asks."""
+        if not self.echo or self.logprobs is None:
+            return self.prompt_logprobs
+        return max(self.logprobs, self.prompt_logprobs or 0)
 
 
 MAX_BATCH_PROMPTS = 128
@@ -675,12 +695,29 @@ class ChatLogprobs(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     """``choices[].logprobs`` of a text completion: parallel lists, one entry per token;
-    ``text_offset`` is each token's offset in the choice's text."""
+    ``text_offset`` is each token's offset in the choice's text. With ``echo`` the prompt's
+    tokens come first; the very first has null ``token_logprobs`` and ``top_logprobs``
+    (nothing precedes it to predict it)."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """One token at one prompt position in vLLM's ``prompt_logprobs``: its log-probability
+    (natural log), its rank (1: the most likely) and its text, as logprobs render a token."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+"""vLLM's ``prompt_logprobs``: one entry per prompt token, null for the first; each other maps
+token ids (as strings) to :class:`PromptLogprob`, the prompt token first, then the most likely
+alternatives."""
 
 
 class FunctionCall(BaseModel):
@@ -729,7 +766,8 @@ class ChatChoice(BaseModel):
 
 
 class ChatCompletionResponse(BaseModel):
-    """Body of a non-streaming chat completion."""
+    """Body of a non-streaming chat completion. ``prompt_logprobs`` (vLLM's, of the
+    conversation's prompt) is left out unless the request asked for it."""
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -737,6 +775,11 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_null(handler(self), "prompt_logprobs")
 
 
 class DeltaToolCall(ToolCall):
@@ -783,7 +826,8 @@ class ChatCompletionChunk(BaseModel):
 
 
 class CompletionChoice(BaseModel):
-    """One choice of a text completion (or of one of its chunks)."""
+    """One choice of a text completion (or of one of its chunks). ``prompt_logprobs`` (vLLM's,
+    of the choice's prompt) is left out unless the request asked for it."""
 
     index: int = 0
     text: str
@@ -792,6 +836,11 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
     """vLLM's extension: the stop string or stop token id that ended the choice; null for the
     model's end-of-sequence token, ``max_tokens`` and every other end."""
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_null(handler(self), "prompt_logprobs")
 
 
 class CompletionResponse(BaseModel):

@@ -295,7 +295,7 @@ class _Ingress:
             return Response(status_code=499)  # nobody is listening; the status is for logs
         jobs, firsts, streams = (list(column) for column in zip(*started, strict=True))
         n = bodies[0].n or 1
-        fmt = CompletionFormat(jobs[0], self.token_strings)
+        fmt = CompletionFormat(jobs[0], self.token_strings, batch=jobs)
         headers = {WORKER_HEADER: ",".join(dict.fromkeys(
             first.worker_id or "unknown" for first in firsts))}
         chunks = MergedChunks(firsts, streams, n)

@@ -1,11 +1,15 @@
 """The OpenAI shapes of each endpoint's answers: ``chat.completion`` (and its chunks) and
 ``text_completion``. A chat answer with tools is split into content and ``tool_calls`` here,
-by the request's call parser (:mod:`router.api.tool_formats`)."""
+by the request's call parser (:mod:`router.api.tool_formats`). A completion's ``echo`` and
+vLLM's ``prompt_logprobs`` are rendered here from the worker's prompt logprobs."""
 
 from __future__ import annotations
 
 import json
+import logging
 import uuid
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Protocol
 
 from pydantic import BaseModel
@@ -14,7 +18,8 @@ from contract.request import TokenLogprob
 from router.api.jobs import Job
 from router.api.token_strings import TokenStringsFn
 from router.api.tool_formats import CallParser, ParsedCall
-from router.api.usage import Tally
+from router.api.usage import ChoiceTally, Tally
+from router.errors import APIError
 from router.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -29,10 +34,17 @@ from router.protocol import (
     CompletionResponse,
     DeltaToolCall,
     FunctionCall,
+    PromptLogprob,
+    PromptLogprobs,
     ToolCall,
     TopLogprob,
     Usage,
 )
+
+logger = logging.getLogger(__name__)
+
+PromptTokens = Sequence[tuple[int, TokenLogprob | None]]
+"""Prompt tokens as ``(token id, its logprobs)``; None for the first, which nothing predicts."""
 
 
 class Format(Protocol):
@@ -43,9 +55,10 @@ class Format(Protocol):
         ...
 
     def text(self, index: int, text: str, logprobs: list[TokenLogprob] | None,
-             ) -> list[BaseModel]:
+             prompt_logprobs: list[TokenLogprob | None] | None = None) -> list[BaseModel]:
         """Events carrying new text (and its tokens' logprobs) of choice ``index``; none
-        while text is held back (a tool call not yet complete)."""
+        while text is held back (a tool call not yet complete). ``prompt_logprobs`` come
+        with the choice's first output, when the worker was asked for them."""
         ...
 
     def finish(self, index: int, reason: str, stop_reason: int | str | None,
@@ -89,8 +102,9 @@ class ChatFormat:
                 for i in range(self.job.request.sampling.n)]
 
     def text(self, index: int, text: str, logprobs: list[TokenLogprob] | None,
-             ) -> list[BaseModel]:
-        """A content delta, and a delta per tool call completed by ``text``."""
+             prompt_logprobs: list[TokenLogprob | None] | None = None) -> list[BaseModel]:
+        """A content delta, and a delta per tool call completed by ``text``
+        (``prompt_logprobs`` never stream: a streaming request cannot ask for them)."""
         parser = self._parser(index)
         calls: list[ParsedCall] = []
         if parser is not None:
@@ -123,14 +137,19 @@ class ChatFormat:
         return self._chunk([], usage)
 
     def response(self, tally: Tally) -> BaseModel:
-        """The ``chat.completion`` object."""
+        """The ``chat.completion`` object; vLLM's ``prompt_logprobs``, when asked, are
+        those choice 0 came with (every choice has the same prompt)."""
         job = self.job
         choices = [ChatChoice(index=index, logprobs=self._logprobs(c.logprobs),
                               stop_reason=c.stop_reason,
                               **self._message("".join(c.text), c.finish_reason))
                    for index, c in tally.ordered()]
+        first = tally.choices.get(0)
+        prompt_logprobs = vllm_prompt_logprobs(
+            job, first.prompt_logprobs if first else None, self.token_strings)
         return ChatCompletionResponse(id=job.response_id, created=job.created,
-                                      model=job.model, choices=choices, usage=tally.usage())
+                                      model=job.model, choices=choices, usage=tally.usage(),
+                                      prompt_logprobs=prompt_logprobs)
 
     def _message(self, text: str, reason: str) -> dict:
         """A whole choice's message and finish reason: text, or content and tool calls."""
@@ -180,12 +199,19 @@ class ChatFormat:
 
 
 class CompletionFormat:
-    """``text_completion`` shapes (the same object streams, chunk by chunk)."""
+    """``text_completion`` shapes (the same object streams, chunk by chunk).
 
-    def __init__(self, job: Job, token_strings: TokenStringsFn):
+    ``batch``: a batch prompt's jobs, in order (``job`` is the first), whose prompt ``p``
+    owns choices ``p * n`` to ``p * n + n - 1``; by default ``job`` alone.
+    """
+
+    def __init__(self, job: Job, token_strings: TokenStringsFn,
+                 batch: list[Job] | None = None):
         self.job = job
         self.token_strings = token_strings
+        self._jobs = batch or [job]
         self._offsets: dict[int, int] = {}  # per choice: text offset of its next token
+        self._echoed: set[int] = set()  # choices whose prompt went out
 
     def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None,
                ) -> CompletionResponse:
@@ -198,16 +224,21 @@ class CompletionFormat:
         return []
 
     def text(self, index: int, text: str, logprobs: list[TokenLogprob] | None,
-             ) -> list[BaseModel]:
-        """A text chunk."""
-        return [self._chunk([CompletionChoice(index=index, text=text,
-                                              logprobs=self._logprobs(index, logprobs))])]
+             prompt_logprobs: list[TokenLogprob | None] | None = None) -> list[BaseModel]:
+        """A text chunk; with echo, the choice's first one begins with the prompt (and its
+        tokens' logprobs), as vLLM streams it."""
+        echo, prompt = self._echo(index, prompt_logprobs)
+        return [self._chunk([CompletionChoice(
+            index=index, text=echo + text, logprobs=self._logprobs(index, logprobs, prompt))])]
 
     def finish(self, index: int, reason: str, stop_reason: int | str | None,
                ) -> list[BaseModel]:
-        """An empty text chunk with the finish reason."""
-        return [self._chunk([CompletionChoice(index=index, text="", finish_reason=reason,
-                                              stop_reason=stop_reason)])]
+        """An empty text chunk with the finish reason; first the echo, where no text of
+        the choice came before (its only token was the end-of-sequence)."""
+        echo = [] if self._echo_pending(index) is None else self.text(index, "", None)
+        return echo + [self._chunk([CompletionChoice(index=index, text="",
+                                                     finish_reason=reason,
+                                                     stop_reason=stop_reason)])]
 
     def usage(self, usage: Usage) -> BaseModel:
         """The usage-only chunk."""
@@ -215,32 +246,132 @@ class CompletionFormat:
 
     def response(self, tally: Tally) -> BaseModel:
         """The ``text_completion`` object."""
-        choices = [CompletionChoice(index=index, text="".join(c.text),
-                                    logprobs=self._logprobs(index, c.logprobs),
-                                    finish_reason=c.finish_reason,
-                                    stop_reason=c.stop_reason)
-                   for index, c in tally.ordered()]
+        choices = [self._choice(index, c) for index, c in tally.ordered()]
         return self._chunk(choices, tally.usage())
 
+    def _choice(self, index: int, choice: ChoiceTally) -> CompletionChoice:
+        """One whole choice: the echo and the text, their logprobs, and vLLM's
+        ``prompt_logprobs`` when asked."""
+        echo, prompt = self._echo(index, choice.prompt_logprobs)
+        return CompletionChoice(
+            index=index, text=echo + "".join(choice.text),
+            logprobs=self._logprobs(index, choice.logprobs, prompt),
+            finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
+            prompt_logprobs=vllm_prompt_logprobs(self._prompt_job(index),
+                                                 choice.prompt_logprobs, self.token_strings))
+
+    def _prompt_job(self, index: int) -> Job:
+        """The job of the prompt choice ``index`` answers (a batch's prompt ``index // n``)."""
+        return self._jobs[index // self.job.request.sampling.n]
+
+    def _echo_pending(self, index: int) -> str | None:
+        """The prompt text choice ``index`` has yet to echo; None without echo or once sent."""
+        return None if index in self._echoed else self._prompt_job(index).echo
+
+    def _echo(self, index: int, prompt_logprobs: list[TokenLogprob | None] | None,
+              ) -> tuple[str, PromptTokens]:
+        """What goes before choice ``index``'s first text: with echo, the prompt's text and,
+        with logprobs, its tokens and their logprobs; nothing otherwise, or once sent.
+
+        Raises:
+            APIError: 500 when logprobs are asked and the worker's prompt logprobs are not
+                one per prompt token.
+        """
+        echo = self._echo_pending(index)
+        if echo is None:
+            return "", ()
+        self._echoed.add(index)
+        job = self._prompt_job(index)
+        count = job.request.sampling.logprobs
+        if count is None:
+            return echo, ()
+        # The worker computed alternatives for the larger of ``logprobs`` and
+        # ``prompt_logprobs``: the echo lists as many as the output tokens have.
+        entries = [None if entry is None else replace(entry, top=entry.top[:count])
+                   for entry in prompt_entries(job, prompt_logprobs)]
+        return echo, list(zip(job.request.token_ids, entries, strict=True))
+
     def _logprobs(self, index: int, entries: list[TokenLogprob] | None,
-                  ) -> CompletionLogprobs | None:
-        """The legacy parallel-list shape; ``top_logprobs`` also holds the sampled token (as
-        vLLM's do), and ``text_offset`` counts the token texts before each token."""
+                  prompt: PromptTokens = ()) -> CompletionLogprobs | None:
+        """The legacy parallel-list shape of the echoed ``prompt``'s tokens, then the
+        output's ``entries``; ``text_offset`` goes on from the choice's earlier tokens."""
         if self.job.request.sampling.logprobs is None:
             return None
         result = CompletionLogprobs()
-        offset = self._offsets.get(index, 0)
-        for entry in entries or ():
-            text = self.token_strings(entry.token_id)[0]
-            top = {self.token_strings(i)[0]: lp for i, lp in entry.top}
-            top.setdefault(text, entry.logprob)
-            result.tokens.append(text)
-            result.token_logprobs.append(entry.logprob)
-            result.top_logprobs.append(top)
-            result.text_offset.append(offset)
-            offset += len(text)
-        self._offsets[index] = offset
+        for token_id, entry in [*prompt, *((e.token_id, e) for e in entries or ())]:
+            self._add_token(result, index, token_id, entry)
         return result
+
+    def _add_token(self, result: CompletionLogprobs, index: int, token_id: int,
+                   entry: TokenLogprob | None) -> None:
+        """Appends one token of choice ``index``, of the prompt or the output alike, to
+        ``result``: its text, its offset in the choice's text (in characters: the texts of
+        the tokens before it), its logprob and a ``top_logprobs`` dict of its alternatives
+        and itself (as vLLM's hold it); the last two null for a prompt's first token, which
+        nothing predicts."""
+        text = self.token_strings(token_id)[0]
+        offset = self._offsets.get(index, 0)
+        self._offsets[index] = offset + len(text)
+        result.tokens.append(text)
+        result.text_offset.append(offset)
+        if entry is None:
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+            return
+        top = {self.token_strings(i)[0]: lp for i, lp in entry.top}
+        top.setdefault(text, entry.logprob)
+        result.token_logprobs.append(entry.logprob)
+        result.top_logprobs.append(top)
+
+
+def prompt_entries(job: Job, entries: list[TokenLogprob | None] | None,
+                   ) -> list[TokenLogprob | None]:
+    """The worker's prompt logprobs for ``job``'s prompt, checked to hold one entry per
+    prompt token.
+
+    Raises:
+        APIError: 500 otherwise: the worker was asked for them, and an answer without them
+            would silently misalign the tokens and their logprobs.
+    """
+    expected = len(job.request.token_ids)
+    if entries is None or len(entries) != expected:
+        got = "no" if entries is None else str(len(entries))
+        logger.error("request %s: the worker returned %s prompt logprobs for %d prompt tokens",
+                     job.request.request_id, got, expected)
+        raise APIError(500, f"the worker returned {got} prompt logprobs for a prompt of "
+                       f"{expected} tokens", code="internal_error")
+    return entries
+
+
+def vllm_prompt_logprobs(job: Job, entries: list[TokenLogprob | None] | None,
+                         token_strings: TokenStringsFn) -> PromptLogprobs | None:
+    """vLLM's ``prompt_logprobs`` of ``job``'s prompt: null for the first token; for each
+    other, the token itself with its rank, then the ``job.prompt_logprobs`` most likely
+    tokens ranked by their place, keyed by token id. None when the request did not ask.
+
+    Raises:
+        APIError: as :func:`prompt_entries`.
+    """
+    count = job.prompt_logprobs
+    if count is None:
+        return None
+    return [None if entry is None else _ranked(entry, count, token_strings)
+            for entry in prompt_entries(job, entries)]
+
+
+def _ranked(entry: TokenLogprob, count: int, token_strings: TokenStringsFn,
+            ) -> dict[str, PromptLogprob]:
+    """One prompt position of vLLM's ``prompt_logprobs``: the prompt token first, then its
+    ``count`` most likely alternatives (``entry.top`` may hold more, asked for an echo's
+    logprobs); the prompt token keeps its own rank where it is among them."""
+    ranked = [(entry.token_id, entry.logprob, entry.rank),
+              *((token_id, logprob, rank) for rank, (token_id, logprob)
+                in enumerate(entry.top[:count], start=1))]
+    result: dict[str, PromptLogprob] = {}
+    for token_id, logprob, rank in ranked:
+        result.setdefault(str(token_id), PromptLogprob(
+            logprob=logprob, rank=rank, decoded_token=token_strings(token_id)[0]))
+    return result
 
 
 def _tool_call(call: ParsedCall) -> ToolCall:

@@ -60,6 +60,11 @@ class Job:
         created: Unix time in seconds, the answer's ``created``.
         tool_use: what the request's tools ask (chat only), whose parser reads calls out of
             the output; None without tools.
+        prompt_logprobs: the alternatives per prompt token of the answer's vLLM
+            ``prompt_logprobs``, as the client asked; None leaves them out (the worker may
+            still compute prompt logprobs, and more alternatives, for an echo).
+        echo: the prompt's text, which begins each choice's text (completions' ``echo``);
+            None without echo.
     """
 
     request: GenerationRequest
@@ -70,6 +75,8 @@ class Job:
     continuous_usage: bool
     created: int = field(default_factory=lambda: int(time.time()))
     tool_use: ToolUse | None = None
+    prompt_logprobs: int | None = None
+    echo: str | None = None
 
 
 def resolve_model(model: str | None, served_model_name: str,
@@ -161,8 +168,21 @@ class JobBuilder:
             APIError: as :meth:`chat_job`.
         """
         tokenize, characters = self.completion_prompt(body)
-        return await self._job(body, tokenize, "prompt", body.max_tokens, "max_tokens",
-                               authorization, "cmpl", characters)
+        job = await self._job(body, tokenize, "prompt", body.max_tokens, "max_tokens",
+                              authorization, "cmpl", characters)
+        if body.echo:
+            job = replace(job, echo=await self._echo_text(body, job.request.token_ids))
+        return job
+
+    async def _echo_text(self, body: CompletionRequest, token_ids: list[int]) -> str:
+        """The text an echo begins each choice with: a text prompt as sent; token ids, or a
+        text cut by ``truncate_prompt_tokens``, as the worker's prompt tokens decoded (special
+        tokens included, as ``/detokenize`` gives them), so that the text holds the tokens
+        the echoed logprobs list."""
+        if isinstance(body.prompt, str) and body.truncate_prompt_tokens is None:
+            return body.prompt
+        return await anyio.to_thread.run_sync(
+            self.tokenized, lambda: self.backend.tokenizer.decode(token_ids), "prompt")
 
     def completion_prompt(self, body: CompletionRequest) -> tuple[Callable[[], list[int]], int]:
         """How a completion request's one prompt becomes its tokens (a text tokenized, or
@@ -215,8 +235,11 @@ class JobBuilder:
                                max_tokens is not None, prompt_param, max_param)
         # A client's ``request_id`` names the answer (vLLM's format) but not the worker's
         # request: two clients may send the same one, and the id cancels the request.
+        # A request scoring its prompt reuses no cached block (a block has no logits), so
+        # without digests the router places it by load alone, not on a prefix's holder.
+        routed_digests = None if sampling.prompt_logprobs is not None else digests
         request = GenerationRequest(f"{id_prefix}-{uuid.uuid4().hex}", token_ids, sampling,
-                                    namespace, digests, adapter)
+                                    namespace, routed_digests, adapter)
         response_id = f"{id_prefix}-{body.request_id}" if body.request_id else request.request_id
         # The tenant is a keyed hash; a prefix of it is enough to correlate logs.
         logger.debug("request %s (answer id %s): tenant %s, %d prompt tokens, %d digests",
@@ -227,7 +250,7 @@ class JobBuilder:
         return Job(request, response_id, model, bool(body.stream),
                    include_usage=options is not None and options.final_usage(),
                    continuous_usage=options is not None and options.usage_on_every_event(),
-                   tool_use=tools)
+                   tool_use=tools, prompt_logprobs=body.prompt_logprobs)
 
     def _tokens_and_digests(self, tokenize: Callable[[], list[int]], keep_last: int | None,
                             namespace: CacheNamespace, adapter: AdapterRef | None,

@@ -55,11 +55,14 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens:
         ignore_eos=bool(body.ignore_eos),
         logprobs=body.logprobs_count(),
         structured=structured_output(body),
+        prompt_logprobs=body.prompt_logprobs,
     )
     # Chat asks for alternatives with ``top_logprobs``; completions with ``logprobs``.
     chat = isinstance(body, ChatCompletionRequest)
     validate(sampling, max_param, "top_logprobs" if chat else "logprobs")
-    return sampling
+    # Raised to an echo's ``logprobs`` only once the client's own ``prompt_logprobs`` passed:
+    # a -1 beside ``echo`` and ``logprobs: 5`` must be refused, not hidden by the larger one.
+    return replace(sampling, prompt_logprobs=body.prompt_logprobs_count())
 
 
 def fit_context(sampling: SamplingParams, prompt_len: int, max_model_len: int,

@@ -93,11 +93,13 @@ def sum_spec_usage(specs: Sequence[SpecUsage]) -> SpecUsage:
 
 @dataclass
 class ChoiceTally:
-    """What the worker has streamed back for one choice so far."""
+    """What the worker has streamed back for one choice so far; ``prompt_logprobs`` (one
+    entry per prompt token) once its first output came with them."""
 
     completion_tokens: int = 0
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     spec: SpecUsage | None = None
@@ -131,6 +133,8 @@ class Tally:
         choice.completion_tokens = max(choice.completion_tokens, chunk.completion_tokens)
         choice.text.append(chunk.text)
         choice.logprobs.extend(chunk.logprobs or ())
+        if chunk.prompt_logprobs is not None:
+            choice.prompt_logprobs = chunk.prompt_logprobs
         if chunk.finish_reason is not None:
             choice.finish_reason, choice.stop_reason = chunk.finish_reason, chunk.stop_reason
         choice.spec = chunk.spec or choice.spec  # a choice's counts so far ride on its last chunk

@@ -8,6 +8,7 @@ import asyncio
 import importlib.util
 import json
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from contract.identity import (
     block_digests,
     tenant_from_api_key,
 )
-from contract.request import GenerationChunk, GenerationRequest
+from contract.request import GenerationChunk, GenerationRequest, TokenLogprob
 from router.api.auth import AdminKey
 from router.errors import APIError
 
@@ -56,12 +57,30 @@ def hello_world(request: GenerationRequest) -> list[Any]:
             chunk(request, " world", "stop", completion=2)]
 
 
+PROMPT_TOP = [(49 + j, -0.25 * (j + 1)) for j in range(20)]
+"""The alternatives :func:`fake_prompt_logprobs` gives every prompt position: "A" (id 49) at
+-0.25, "B" (50) at -0.5, "C" (51) at -0.75 ... "T" (68), most likely first."""
+
+
+def fake_prompt_logprobs(request: GenerationRequest) -> list[TokenLogprob | None]:
+    """The prompt logprobs a worker would return for ``request``, made up from its prompt:
+    None for the first token; position ``i``'s token with logprob ``-0.5 * i`` and rank
+    ``i + 1``, and the first ``sampling.prompt_logprobs`` of :data:`PROMPT_TOP`."""
+    top = PROMPT_TOP[:request.sampling.prompt_logprobs]
+    return [None, *(TokenLogprob(token_id, -0.5 * i, top, rank=i + 1)
+                    for i, token_id in enumerate(request.token_ids[1:], start=1))]
+
+
 class FakeBackend:
     """A :class:`~router.api.backend.ServingBackend` that plays a script per request.
 
     Script items: a chunk is yielded, an exception raised, an ``asyncio.Event`` awaited (with
     :attr:`waiting` set first, so a test knows the request is parked there). The generators are
     kept referenced, so only an explicit close (not garbage collection) counts as closing.
+
+    When a request asks for prompt logprobs, the first chunk of each choice that carries
+    output tokens gets :func:`fake_prompt_logprobs`, as a worker sends them (unless
+    :attr:`sends_prompt_logprobs` is false: a worker breaking the contract).
     """
 
     served_model_name = MODEL
@@ -79,6 +98,7 @@ class FakeBackend:
         self.closed: list[str] = []
         self.waiting = asyncio.Event()
         self.generators: list[AsyncIterator[GenerationChunk]] = []
+        self.sends_prompt_logprobs = True
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         generator = self._play(request)
@@ -87,6 +107,7 @@ class FakeBackend:
 
     async def _play(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         self.requests.append(request)
+        scored: set[int] = set()  # choices whose prompt logprobs went out
         try:
             for item in self.script(request):
                 if isinstance(item, BaseException):
@@ -95,10 +116,19 @@ class FakeBackend:
                     self.waiting.set()
                     await item.wait()
                     continue
-                yield item
+                yield self._with_prompt_logprobs(request, item, scored)
         finally:
             # What a worker would do on close: cancel and free the request's blocks.
             self.closed.append(request.request_id)
+
+    def _with_prompt_logprobs(self, request: GenerationRequest, item: GenerationChunk,
+                              scored: set[int]) -> GenerationChunk:
+        """``item``, with the prompt logprobs where it is its choice's first output."""
+        wanted = request.sampling.prompt_logprobs is not None and self.sends_prompt_logprobs
+        if not wanted or not item.token_ids or item.index in scored:
+            return item
+        scored.add(item.index)
+        return replace(item, prompt_logprobs=fake_prompt_logprobs(request))
 
     async def load_adapter(self, name: str, path: str) -> AdapterRef:
         """Loads nothing: records ``name`` with a digest of its path."""

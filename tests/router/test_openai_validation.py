@@ -111,7 +111,7 @@ INVALID = [
     (COMPLETIONS, {"prompt": [1] * MAX_MODEL_LEN}, 400, "prompt", "context_length_exceeded"),
     (COMPLETIONS, {"prompt": [1] * 100, "max_tokens": 29}, 400, "max_tokens",
      "context_length_exceeded"),
-    (COMPLETIONS, {"prompt": "x", "echo": True}, 400, "echo", "unsupported_parameter"),
+    (COMPLETIONS, {"prompt": "x", "echo": "yes"}, 400, "echo", "invalid_type"),
     (COMPLETIONS, {"prompt": "x", "best_of": 2}, 400, "best_of", "unsupported_parameter"),
     (COMPLETIONS, {"prompt": "x", "suffix": "!"}, 400, "suffix", "unsupported_parameter"),
     (COMPLETIONS, {"prompt": "x", "logprobs": 21}, 400, "logprobs", "invalid_value"),
