@@ -69,7 +69,6 @@ _GENERATION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "bad_words": ([],),
     "logits_processors": (),
     "return_tokens_as_token_ids": (False,),
-    "return_token_ids": (False,),
     "use_beam_search": (False,),
     "mm_processor_kwargs": ({},),
     "kv_transfer_params": (),
@@ -85,7 +84,6 @@ _WHY_UNSUPPORTED: dict[str, str] = {
     "allowed_token_ids": "the vocabulary cannot be restricted",
     "bad_words": "word bans are not implemented",
     "return_tokens_as_token_ids": "logprob tokens are always returned as text",
-    "return_token_ids": "token ids are not returned",
     "chat_template": "only the model's own chat template is used",
     "documents": "documents are not passed to the chat template",
     "add_special_tokens": "special tokens are added as the endpoint's default only",
@@ -362,9 +360,10 @@ class _GenerationBody(_StrictModel):
     ``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``stop_token_ids``,
     ``ignore_eos``, ``include_stop_str_in_output``, ``cache_salt``, ``truncate_prompt_tokens``
     (keep the prompt's last k tokens), ``request_id`` (the answer's ``id`` becomes
-    ``<prefix>-<request_id>``) and ``prompt_logprobs`` (each prompt token's logprob, its rank
-    and this many alternatives; never streamed) are vLLM's extensions, spelled and meant as
-    vLLM does. Ranges are checked by :meth:`contract.request.SamplingParams.validate`;
+    ``<prefix>-<request_id>``), ``prompt_logprobs`` (each prompt token's logprob, its rank
+    and this many alternatives; never streamed) and ``return_token_ids`` (the prompt's and
+    the output's token ids in the answer) are vLLM's extensions, spelled and meant as vLLM
+    does. Ranges are checked by :meth:`contract.request.SamplingParams.validate`;
     ``logit_bias`` keys (token ids as strings, OpenAI's form) are parsed here and range-checked
     against the vocabulary by the app.
 
@@ -418,7 +417,7 @@ class _GenerationBody(_StrictModel):
     bad_words: Any = None
     logits_processors: Any = None
     return_tokens_as_token_ids: Any = None
-    return_token_ids: Any = None
+    return_token_ids: bool | None = None
     use_beam_search: Any = None
     mm_processor_kwargs: Any = None
     kv_transfer_params: Any = None
@@ -642,11 +641,12 @@ def _token_id_prompt(prompt: list[Any]) -> list[int]:
 # (``finish_reason``, ``logprobs``) stay in the output as ``null``, as clients expect.
 
 
-def _without_null(body: dict[str, Any], key: str) -> dict[str, Any]:
-    """``body`` without ``key`` where it is null: an extension OpenAI's shape lacks, or a
-    field OpenAI leaves out when empty."""
-    if body.get(key) is None:
-        body.pop(key, None)
+def _without_null(body: dict[str, Any], *keys: str) -> dict[str, Any]:
+    """``body`` without those of ``keys`` that are null: extensions OpenAI's shape lacks, or
+    fields OpenAI leaves out when empty."""
+    for key in keys:
+        if body.get(key) is None:
+            body.pop(key, None)
     return body
 
 
@@ -754,7 +754,8 @@ a stop after which the answer held tool calls."""
 
 
 class ChatChoice(BaseModel):
-    """One choice of a chat completion."""
+    """One choice of a chat completion; ``token_ids`` (vLLM's, its output's ids) is left out
+    unless the request asked for them (``return_token_ids``)."""
 
     index: int = 0
     message: AssistantMessage
@@ -763,11 +764,16 @@ class ChatChoice(BaseModel):
     stop_reason: int | str | None = None
     """vLLM's extension: the stop string or stop token id that ended the choice; null for the
     model's end-of-sequence token, ``max_tokens`` and every other end."""
+    token_ids: list[int] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_null(handler(self), "token_ids")
 
 
 class ChatCompletionResponse(BaseModel):
-    """Body of a non-streaming chat completion. ``prompt_logprobs`` (vLLM's, of the
-    conversation's prompt) is left out unless the request asked for it."""
+    """Body of a non-streaming chat completion. ``prompt_logprobs`` and ``prompt_token_ids``
+    (vLLM's, of the conversation's prompt) are left out unless the request asked for them."""
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -776,10 +782,11 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unasked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _without_null(handler(self), "prompt_logprobs")
+        return _without_null(handler(self), "prompt_logprobs", "prompt_token_ids")
 
 
 class DeltaToolCall(ToolCall):
@@ -803,7 +810,8 @@ class ChatDelta(BaseModel):
 
 
 class ChatChunkChoice(BaseModel):
-    """One choice of a chat completion chunk."""
+    """One choice of a chat completion chunk; ``token_ids`` (vLLM's: the ids of the tokens
+    this event carries) is left out unless the request asked for them."""
 
     index: int = 0
     delta: ChatDelta
@@ -812,10 +820,16 @@ class ChatChunkChoice(BaseModel):
     stop_reason: int | str | None = None
     """vLLM's extension: the stop string or stop token id that ended the choice; null for the
     model's end-of-sequence token, ``max_tokens`` and every other end."""
+    token_ids: list[int] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_null(handler(self), "token_ids")
 
 
 class ChatCompletionChunk(BaseModel):
-    """One SSE event of a streaming chat completion."""
+    """One SSE event of a streaming chat completion; ``prompt_token_ids`` (vLLM's) is on the
+    first event only, and only when the request asked for token ids."""
 
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
@@ -823,11 +837,18 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_null(handler(self), "prompt_token_ids")
 
 
 class CompletionChoice(BaseModel):
-    """One choice of a text completion (or of one of its chunks). ``prompt_logprobs`` (vLLM's,
-    of the choice's prompt) is left out unless the request asked for it."""
+    """One choice of a text completion (or of one of its chunks). vLLM's ``prompt_logprobs``
+    and ``prompt_token_ids`` (of the choice's prompt; streamed: on the choice's first event)
+    and ``token_ids`` (its output's, or the event's) are left out unless the request asked
+    for them."""
 
     index: int = 0
     text: str
@@ -837,10 +858,12 @@ class CompletionChoice(BaseModel):
     """vLLM's extension: the stop string or stop token id that ended the choice; null for the
     model's end-of-sequence token, ``max_tokens`` and every other end."""
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unasked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _without_null(handler(self), "prompt_logprobs")
+        return _without_null(handler(self), "prompt_logprobs", "prompt_token_ids", "token_ids")
 
 
 class CompletionResponse(BaseModel):

@@ -14,7 +14,7 @@ from typing import Protocol
 
 from pydantic import BaseModel
 
-from contract.request import TokenLogprob
+from contract.request import GenerationChunk, TokenLogprob
 from router.api.jobs import Job
 from router.api.token_strings import TokenStringsFn
 from router.api.tool_formats import CallParser, ParsedCall
@@ -54,11 +54,11 @@ class Format(Protocol):
         """Events sent before any text."""
         ...
 
-    def text(self, index: int, text: str, logprobs: list[TokenLogprob] | None,
-             prompt_logprobs: list[TokenLogprob | None] | None = None) -> list[BaseModel]:
-        """Events carrying new text (and its tokens' logprobs) of choice ``index``; none
-        while text is held back (a tool call not yet complete). ``prompt_logprobs`` come
-        with the choice's first output, when the worker was asked for them."""
+    def text(self, chunk: GenerationChunk) -> list[BaseModel]:
+        """Events carrying a worker chunk's new text (and its tokens' logprobs and, when
+        asked, ids) of its choice; none while text is held back (a tool call not yet
+        complete) unless logprobs or ids must go out. Its ``prompt_logprobs`` come with the
+        choice's first output, when the worker was asked for them."""
         ...
 
     def finish(self, index: int, reason: str, stop_reason: int | str | None,
@@ -94,26 +94,31 @@ class ChatFormat:
 
     def opening(self) -> list[BaseModel]:
         """The first delta of each choice announces the assistant's turn: with empty content,
-        or none where the answer can only be tool calls (as OpenAI streams them)."""
+        or none where the answer can only be tool calls (as OpenAI streams them). The very
+        first carries the prompt's token ids when asked (vLLM's ``prompt_token_ids``)."""
         use = self.job.tool_use
         content = None if use and use.forced else ""
-        return [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant",
-                                                                      content=content))])
-                for i in range(self.job.request.sampling.n)]
+        events = [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant",
+                                                                        content=content))])
+                  for i in range(self.job.request.sampling.n)]
+        events[0].prompt_token_ids = _prompt_ids(self.job)
+        return events
 
-    def text(self, index: int, text: str, logprobs: list[TokenLogprob] | None,
-             prompt_logprobs: list[TokenLogprob | None] | None = None) -> list[BaseModel]:
-        """A content delta, and a delta per tool call completed by ``text``
-        (``prompt_logprobs`` never stream: a streaming request cannot ask for them)."""
+    def text(self, chunk: GenerationChunk) -> list[BaseModel]:
+        """A content delta (also when its text is held back, for its tokens' logprobs or
+        ids), and a delta per tool call completed by the chunk's text (``prompt_logprobs``
+        never stream: a streaming request cannot ask for them)."""
+        index, text, logprobs = chunk.index, chunk.text, chunk.logprobs
+        token_ids = _output_ids(self.job, chunk.token_ids)
         parser = self._parser(index)
         calls: list[ParsedCall] = []
         if parser is not None:
             text, calls = parser.feed(text)
         events: list[BaseModel] = []
-        if text or logprobs:
+        if text or logprobs or token_ids:
             events.append(self._chunk([ChatChunkChoice(
                 index=index, delta=ChatDelta(content=text or None),
-                logprobs=self._logprobs(logprobs))]))
+                logprobs=self._logprobs(logprobs), token_ids=token_ids)]))
         return events + self._call_events(index, calls)
 
     def finish(self, index: int, reason: str, stop_reason: int | str | None,
@@ -142,6 +147,7 @@ class ChatFormat:
         job = self.job
         choices = [ChatChoice(index=index, logprobs=self._logprobs(c.logprobs),
                               stop_reason=c.stop_reason,
+                              token_ids=_output_ids(job, c.token_ids),
                               **self._message("".join(c.text), c.finish_reason))
                    for index, c in tally.ordered()]
         first = tally.choices.get(0)
@@ -149,7 +155,8 @@ class ChatFormat:
             job, first.prompt_logprobs if first else None, self.token_strings)
         return ChatCompletionResponse(id=job.response_id, created=job.created,
                                       model=job.model, choices=choices, usage=tally.usage(),
-                                      prompt_logprobs=prompt_logprobs)
+                                      prompt_logprobs=prompt_logprobs,
+                                      prompt_token_ids=_prompt_ids(job))
 
     def _message(self, text: str, reason: str) -> dict:
         """A whole choice's message and finish reason: text, or content and tool calls."""
@@ -212,6 +219,7 @@ class CompletionFormat:
         self._jobs = batch or [job]
         self._offsets: dict[int, int] = {}  # per choice: text offset of its next token
         self._echoed: set[int] = set()  # choices whose prompt went out
+        self._opened: set[int] = set()  # choices with a text event sent
 
     def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None,
                ) -> CompletionResponse:
@@ -223,22 +231,36 @@ class CompletionFormat:
         """Text completions open with text directly."""
         return []
 
-    def text(self, index: int, text: str, logprobs: list[TokenLogprob] | None,
-             prompt_logprobs: list[TokenLogprob | None] | None = None) -> list[BaseModel]:
+    def text(self, chunk: GenerationChunk) -> list[BaseModel]:
         """A text chunk; with echo, the choice's first one begins with the prompt (and its
         tokens' logprobs), as vLLM streams it."""
-        echo, prompt = self._echo(index, prompt_logprobs)
-        return [self._chunk([CompletionChoice(
-            index=index, text=echo + text, logprobs=self._logprobs(index, logprobs, prompt))])]
+        return self._text(chunk.index, chunk.text, chunk.logprobs, chunk.prompt_logprobs,
+                          chunk.token_ids)
 
     def finish(self, index: int, reason: str, stop_reason: int | str | None,
                ) -> list[BaseModel]:
-        """An empty text chunk with the finish reason; first the echo, where no text of
-        the choice came before (its only token was the end-of-sequence)."""
-        echo = [] if self._echo_pending(index) is None else self.text(index, "", None)
-        return echo + [self._chunk([CompletionChoice(index=index, text="",
-                                                     finish_reason=reason,
-                                                     stop_reason=stop_reason)])]
+        """An empty text chunk with the finish reason; first the echo and the prompt's token
+        ids, where no event of the choice carried them yet (its only token was the
+        end-of-sequence)."""
+        first = self._text(index, "", None, None, [])
+        return first + [self._chunk([CompletionChoice(index=index, text="",
+                                                      finish_reason=reason,
+                                                      stop_reason=stop_reason)])]
+
+    def _text(self, index: int, text: str, logprobs: list[TokenLogprob] | None,
+              prompt_logprobs: list[TokenLogprob | None] | None,
+              token_ids: list[int]) -> list[BaseModel]:
+        """The text event of choice ``index``, if it has anything to carry: the choice's
+        first carries the echo and the prompt's token ids (when asked)."""
+        echo, prompt = self._echo(index, prompt_logprobs)
+        prompt_ids = None if index in self._opened else _prompt_ids(self._prompt_job(index))
+        ids = _output_ids(self.job, token_ids)
+        if not (echo or text or logprobs or ids or prompt_ids):
+            return []
+        self._opened.add(index)
+        return [self._chunk([CompletionChoice(
+            index=index, text=echo + text, logprobs=self._logprobs(index, logprobs, prompt),
+            prompt_token_ids=prompt_ids, token_ids=ids)])]
 
     def usage(self, usage: Usage) -> BaseModel:
         """The usage-only chunk."""
@@ -253,12 +275,14 @@ class CompletionFormat:
         """One whole choice: the echo and the text, their logprobs, and vLLM's
         ``prompt_logprobs`` when asked."""
         echo, prompt = self._echo(index, choice.prompt_logprobs)
+        job = self._prompt_job(index)
         return CompletionChoice(
             index=index, text=echo + "".join(choice.text),
             logprobs=self._logprobs(index, choice.logprobs, prompt),
             finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
-            prompt_logprobs=vllm_prompt_logprobs(self._prompt_job(index),
-                                                 choice.prompt_logprobs, self.token_strings))
+            prompt_logprobs=vllm_prompt_logprobs(job, choice.prompt_logprobs,
+                                                 self.token_strings),
+            prompt_token_ids=_prompt_ids(job), token_ids=_output_ids(job, choice.token_ids))
 
     def _prompt_job(self, index: int) -> Job:
         """The job of the prompt choice ``index`` answers (a batch's prompt ``index // n``)."""
@@ -322,6 +346,16 @@ class CompletionFormat:
         top.setdefault(text, entry.logprob)
         result.token_logprobs.append(entry.logprob)
         result.top_logprobs.append(top)
+
+
+def _prompt_ids(job: Job) -> list[int] | None:
+    """``job``'s prompt ids for vLLM's ``prompt_token_ids``; None unless asked."""
+    return list(job.request.token_ids) if job.return_token_ids else None
+
+
+def _output_ids(job: Job, token_ids: list[int]) -> list[int] | None:
+    """Output ids for vLLM's ``token_ids``; None unless asked."""
+    return list(token_ids) if job.return_token_ids else None
 
 
 def prompt_entries(job: Job, entries: list[TokenLogprob | None] | None,

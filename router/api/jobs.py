@@ -65,6 +65,8 @@ class Job:
             still compute prompt logprobs, and more alternatives, for an echo).
         echo: the prompt's text, which begins each choice's text (completions' ``echo``);
             None without echo.
+        return_token_ids: put the prompt's and the output's token ids in the answer (vLLM's
+            ``return_token_ids``).
     """
 
     request: GenerationRequest
@@ -77,6 +79,7 @@ class Job:
     tool_use: ToolUse | None = None
     prompt_logprobs: int | None = None
     echo: str | None = None
+    return_token_ids: bool = False
 
 
 def resolve_model(model: str | None, served_model_name: str,
@@ -250,7 +253,8 @@ class JobBuilder:
         return Job(request, response_id, model, bool(body.stream),
                    include_usage=options is not None and options.final_usage(),
                    continuous_usage=options is not None and options.usage_on_every_event(),
-                   tool_use=tools, prompt_logprobs=body.prompt_logprobs)
+                   tool_use=tools, prompt_logprobs=body.prompt_logprobs,
+                   return_token_ids=bool(body.return_token_ids))
 
     def _tokens_and_digests(self, tokenize: Callable[[], list[int]], keep_last: int | None,
                             namespace: CacheNamespace, adapter: AdapterRef | None,

@@ -89,9 +89,8 @@ async def sse_events(job: Job, fmt: Format, first: GenerationChunk,
         chunk = first
         while True:
             tally.add(chunk)
-            if chunk.text or chunk.logprobs or chunk.prompt_logprobs:
-                for event in fmt.text(chunk.index, chunk.text, chunk.logprobs,
-                                      chunk.prompt_logprobs):
+            if chunk.text or chunk.token_ids or chunk.logprobs or chunk.prompt_logprobs:
+                for event in fmt.text(chunk):
                     yield sse(event)
             if chunk.finish_reason is not None:
                 reason = finish_reason(chunk.finish_reason)

@@ -98,6 +98,7 @@ class ChoiceTally:
 
     completion_tokens: int = 0
     text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: str | None = None
@@ -132,6 +133,7 @@ class Tally:
         choice = self.choices.setdefault(chunk.index, ChoiceTally())
         choice.completion_tokens = max(choice.completion_tokens, chunk.completion_tokens)
         choice.text.append(chunk.text)
+        choice.token_ids.extend(chunk.token_ids)
         choice.logprobs.extend(chunk.logprobs or ())
         if chunk.prompt_logprobs is not None:
             choice.prompt_logprobs = chunk.prompt_logprobs

@@ -266,7 +266,6 @@ REFUSED = [
     (CHAT, "bad_words", ["bad"]),
     (CHAT, "logits_processors", ["my.Processor"]),
     (COMPLETIONS, "return_tokens_as_token_ids", True),
-    (CHAT, "return_token_ids", True),
     (CHAT, "use_beam_search", True),
     (CHAT, "echo", True),
     (CHAT, "add_special_tokens", True),
