@@ -68,7 +68,6 @@ _GENERATION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "allowed_token_ids": (),
     "bad_words": ([],),
     "logits_processors": (),
-    "return_tokens_as_token_ids": (False,),
     "use_beam_search": (False,),
     "mm_processor_kwargs": ({},),
     "kv_transfer_params": (),
@@ -83,7 +82,6 @@ _WHY_UNSUPPORTED: dict[str, str] = {
     "skip_special_tokens": "special tokens are always left out of the text",
     "allowed_token_ids": "the vocabulary cannot be restricted",
     "bad_words": "word bans are not implemented",
-    "return_tokens_as_token_ids": "logprob tokens are always returned as text",
     "chat_template": "only the model's own chat template is used",
     "documents": "documents are not passed to the chat template",
     "add_special_tokens": "special tokens are added as the endpoint's default only",
@@ -361,11 +359,12 @@ class _GenerationBody(_StrictModel):
     ``ignore_eos``, ``include_stop_str_in_output``, ``cache_salt``, ``truncate_prompt_tokens``
     (keep the prompt's last k tokens), ``request_id`` (the answer's ``id`` becomes
     ``<prefix>-<request_id>``), ``prompt_logprobs`` (each prompt token's logprob, its rank
-    and this many alternatives; never streamed) and ``return_token_ids`` (the prompt's and
-    the output's token ids in the answer) are vLLM's extensions, spelled and meant as vLLM
-    does. Ranges are checked by :meth:`contract.request.SamplingParams.validate`;
-    ``logit_bias`` keys (token ids as strings, OpenAI's form) are parsed here and range-checked
-    against the vocabulary by the app.
+    and this many alternatives; never streamed), ``return_token_ids`` (the prompt's and the
+    output's token ids in the answer) and ``return_tokens_as_token_ids`` (logprobs name each
+    token ``token_id:<id>``) are vLLM's extensions, spelled and meant as vLLM does. Ranges are
+    checked by :meth:`contract.request.SamplingParams.validate`; ``logit_bias`` keys (token
+    ids as strings, OpenAI's form) are parsed here and range-checked against the vocabulary by
+    the app.
 
     Accepted and ignored, because they never change the output: ``user`` and
     ``safety_identifier`` (end-user identifiers for abuse monitoring), ``metadata`` and
@@ -416,7 +415,7 @@ class _GenerationBody(_StrictModel):
     allowed_token_ids: Any = None
     bad_words: Any = None
     logits_processors: Any = None
-    return_tokens_as_token_ids: Any = None
+    return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool | None = None
     use_beam_search: Any = None
     mm_processor_kwargs: Any = None

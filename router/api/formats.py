@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from contract.request import GenerationChunk, TokenLogprob
 from router.api.jobs import Job
-from router.api.token_strings import TokenStringsFn
+from router.api.token_strings import TokenStringsFn, as_token_ids
 from router.api.tool_formats import CallParser, ParsedCall
 from router.api.usage import ChoiceTally, Tally
 from router.errors import APIError
@@ -82,7 +82,7 @@ class ChatFormat:
 
     def __init__(self, job: Job, token_strings: TokenStringsFn):
         self.job = job
-        self.token_strings = token_strings
+        self.token_strings = _named(job, token_strings)
         self._parsers: dict[int, CallParser] = {}  # per choice, with tools
         self._calls_sent: dict[int, int] = {}  # per choice: tool calls streamed so far
 
@@ -215,7 +215,7 @@ class CompletionFormat:
     def __init__(self, job: Job, token_strings: TokenStringsFn,
                  batch: list[Job] | None = None):
         self.job = job
-        self.token_strings = token_strings
+        self.token_strings = _named(job, token_strings)
         self._jobs = batch or [job]
         self._offsets: dict[int, int] = {}  # per choice: text offset of its next token
         self._echoed: set[int] = set()  # choices whose prompt went out
@@ -346,6 +346,11 @@ class CompletionFormat:
         top.setdefault(text, entry.logprob)
         result.token_logprobs.append(entry.logprob)
         result.top_logprobs.append(top)
+
+
+def _named(job: Job, token_strings: TokenStringsFn) -> TokenStringsFn:
+    """How ``job``'s logprobs name tokens: by their text, or ``token_id:<id>`` when asked."""
+    return as_token_ids(token_strings) if job.tokens_as_ids else token_strings
 
 
 def _prompt_ids(job: Job) -> list[int] | None:

@@ -67,6 +67,8 @@ class Job:
             None without echo.
         return_token_ids: put the prompt's and the output's token ids in the answer (vLLM's
             ``return_token_ids``).
+        tokens_as_ids: logprobs name each token ``token_id:<id>`` instead of its text (vLLM's
+            ``return_tokens_as_token_ids``).
     """
 
     request: GenerationRequest
@@ -80,6 +82,7 @@ class Job:
     prompt_logprobs: int | None = None
     echo: str | None = None
     return_token_ids: bool = False
+    tokens_as_ids: bool = False
 
 
 def resolve_model(model: str | None, served_model_name: str,
@@ -254,7 +257,8 @@ class JobBuilder:
                    include_usage=options is not None and options.final_usage(),
                    continuous_usage=options is not None and options.usage_on_every_event(),
                    tool_use=tools, prompt_logprobs=body.prompt_logprobs,
-                   return_token_ids=bool(body.return_token_ids))
+                   return_token_ids=bool(body.return_token_ids),
+                   tokens_as_ids=bool(body.return_tokens_as_token_ids))
 
     def _tokens_and_digests(self, tokenize: Callable[[], list[int]], keep_last: int | None,
                             namespace: CacheNamespace, adapter: AdapterRef | None,

@@ -44,3 +44,10 @@ class TokenStrings:
                 return text, list(text.encode("utf-8"))
         raw = bytes(_BYTE_DECODER[c] for c in piece)
         return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+def as_token_ids(token_strings: TokenStringsFn) -> TokenStringsFn:
+    """``token_strings`` with each token's text replaced by ``token_id:<id>`` (vLLM's
+    ``return_tokens_as_token_ids``: a token whose bytes are not valid UTF-8 on their own can
+    still be told apart); the bytes stay the token's own."""
+    return lambda token_id: (f"token_id:{token_id}", token_strings(token_id)[1])

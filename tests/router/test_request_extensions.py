@@ -265,7 +265,6 @@ REFUSED = [
     (CHAT, "allowed_token_ids", [1, 2]),
     (CHAT, "bad_words", ["bad"]),
     (CHAT, "logits_processors", ["my.Processor"]),
-    (COMPLETIONS, "return_tokens_as_token_ids", True),
     (CHAT, "use_beam_search", True),
     (CHAT, "echo", True),
     (CHAT, "add_special_tokens", True),

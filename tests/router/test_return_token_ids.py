@@ -20,7 +20,7 @@ from openai_fakes import (
     sse_events,
 )
 
-from contract.request import GenerationChunk, GenerationRequest
+from contract.request import GenerationChunk, GenerationRequest, TokenLogprob
 from router.api.app import build_openai_app
 
 ASK = {"return_token_ids": True}
@@ -104,3 +104,39 @@ async def test_the_openai_sdk_reads_them_as_extra_fields(tokenizer):
                                                    extra_body=ASK)
     assert answer.model_extra["prompt_token_ids"] == backend.requests[0].token_ids
     assert answer.choices[0].model_extra["token_ids"] == [101, 102]
+
+
+# -- return_tokens_as_token_ids -----------------------------------------------------------------
+
+
+def with_logprobs(request: GenerationRequest) -> list[Any]:
+    """" Blue" (id 10062) with its logprob and one alternative, "." (id 30)."""
+    return [chunk(request), GenerationChunk(
+        request.request_id, [10062], " Blue", "stop", len(request.token_ids), 16, 1,
+        "worker-7", logprobs=[TokenLogprob(10062, -0.75, [(10062, -0.75), (30, -1.5)])])]
+
+
+async def test_logprobs_name_tokens_by_id_when_asked(client, backend):
+    backend.script = with_logprobs
+    chat = (await client.post(CHAT, json={"messages": HELLO, "logprobs": True,
+                                          "top_logprobs": 2,
+                                          "return_tokens_as_token_ids": True})).json()
+    [entry] = chat["choices"][0]["logprobs"]["content"]
+    assert (entry["token"], entry["bytes"]) == ("token_id:10062", list(b" Blue"))
+    assert [t["token"] for t in entry["top_logprobs"]] == ["token_id:10062", "token_id:30"]
+    assert chat["choices"][0]["message"]["content"] == " Blue"  # the text stays text
+    completion = (await client.post(COMPLETIONS, json={
+        "prompt": [5, 6], "logprobs": 1, "echo": True, "prompt_logprobs": 1,
+        "return_tokens_as_token_ids": True})).json()["choices"][0]
+    assert completion["logprobs"]["tokens"] == ["token_id:5", "token_id:6", "token_id:10062"]
+    assert completion["logprobs"]["top_logprobs"][2] == {"token_id:10062": -0.75,
+                                                        "token_id:30": -1.5}
+    assert completion["prompt_logprobs"][1]["6"]["decoded_token"] == "token_id:6"
+    plain = (await client.post(CHAT, json={"messages": HELLO, "logprobs": True})).json()
+    assert plain["choices"][0]["logprobs"]["content"][0]["token"] == " Blue"
+
+
+async def test_return_tokens_as_token_ids_must_be_a_boolean(client):
+    response = await client.post(COMPLETIONS, json={"prompt": "Hi",
+                                                    "return_tokens_as_token_ids": 1})
+    assert_error(response, 400, "return_tokens_as_token_ids", "invalid_type")
