@@ -98,6 +98,8 @@ class SamplingParams:
             default, ``raw_logprobs``).
         structured: a constraint the output must follow (:class:`StructuredOutput`): tokens
             it forbids are masked out before everything else; None for free text.
+        allowed_token_ids: the only tokens the output may hold (vLLM's ``allowed_token_ids``:
+            every other token's logit is -inf before the other processors); None for all.
         prompt_logprobs: None for none; otherwise every prompt token after the first gets
             its log-probability given the tokens before it, its rank, and this many most
             likely alternatives (0..20), of the raw model distribution (vLLM's
@@ -123,6 +125,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     structured: StructuredOutput | None = None
+    allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
 
     @property
@@ -160,6 +163,8 @@ class SamplingParams:
         if not 1 <= self.n <= MAX_CHOICES:
             raise InvalidRequestError(f"n must be in [1, {MAX_CHOICES}]", "n")
         self.check_min_tokens()
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise InvalidRequestError("allowed_token_ids must not be empty", "allowed_token_ids")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:

@@ -65,7 +65,6 @@ _GENERATION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_whitespace_pattern": (),
     "structural_tag": (),
     "skip_special_tokens": (True,),
-    "allowed_token_ids": (),
     "bad_words": ([],),
     "logits_processors": (),
     "use_beam_search": (False,),
@@ -80,7 +79,6 @@ _WHY_UNSUPPORTED: dict[str, str] = {
     "function_call": "the deprecated functions API is not served; use tool_choice",
     "echo": "the prompt is echoed by /v1/completions only",
     "skip_special_tokens": "special tokens are always left out of the text",
-    "allowed_token_ids": "the vocabulary cannot be restricted",
     "bad_words": "word bans are not implemented",
     "chat_template": "only the model's own chat template is used",
     "documents": "documents are not passed to the chat template",
@@ -360,8 +358,9 @@ class _GenerationBody(_StrictModel):
     (keep the prompt's last k tokens), ``request_id`` (the answer's ``id`` becomes
     ``<prefix>-<request_id>``), ``prompt_logprobs`` (each prompt token's logprob, its rank
     and this many alternatives; never streamed), ``return_token_ids`` (the prompt's and the
-    output's token ids in the answer) and ``return_tokens_as_token_ids`` (logprobs name each
-    token ``token_id:<id>``) are vLLM's extensions, spelled and meant as vLLM does. Ranges are
+    output's token ids in the answer), ``return_tokens_as_token_ids`` (logprobs name each
+    token ``token_id:<id>``) and ``allowed_token_ids`` (the only tokens the output may hold)
+    are vLLM's extensions, spelled and meant as vLLM does. Ranges are
     checked by :meth:`contract.request.SamplingParams.validate`; ``logit_bias`` keys (token
     ids as strings, OpenAI's form) are parsed here and range-checked against the vocabulary by
     the app.
@@ -412,7 +411,7 @@ class _GenerationBody(_StrictModel):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: Any = None
     prompt_logprobs: int | None = None
-    allowed_token_ids: Any = None
+    allowed_token_ids: list[int] | None = None
     bad_words: Any = None
     logits_processors: Any = None
     return_tokens_as_token_ids: bool | None = None

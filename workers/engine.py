@@ -246,6 +246,7 @@ class LLMEngine:
             raise InvalidRequestError("the prompt is empty", "prompt")
         self._check_token_ids(prompt, "prompt")
         self._check_token_ids(request.sampling.logit_bias, "logit_bias")
+        self._check_token_ids(request.sampling.allowed_token_ids or (), "allowed_token_ids")
         request.sampling.validate()
         if request.sampling.structured is not None:
             self.grammars.compile(request.sampling.structured)

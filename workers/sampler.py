@@ -3,7 +3,8 @@
 Per step, for the rows that sample a token (vLLM v1's order):
 
 1. raw log-probabilities, for rows that asked for logprobs (before anything below);
-2. a structured-output constraint's mask (``workers.structured``): forbidden tokens to -inf;
+2. a structured-output constraint's mask (``workers.structured``) and ``allowed_token_ids``:
+   forbidden tokens to -inf;
 3. ``min_tokens`` masking of EOS / stop token ids, and ``logit_bias``;
 4. repetition (prompt + output), presence and frequency (output) penalties;
 5. greedy rows: argmax. Sampled rows: temperature, then ``min_p``, ``top_k`` and ``top_p``
@@ -161,11 +162,11 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
 
 
 def needs_processing(row: SamplingRow) -> bool:
-    """Whether the row asks for a logits processor (a constraint's mask, min_tokens,
-    logit_bias, a penalty)."""
+    """Whether the row asks for a logits processor (a constraint's mask, allowed_token_ids,
+    min_tokens, logit_bias, a penalty)."""
     p = row.params
-    return bool(row.allowed is not None or p.logit_bias or p.repetition_penalty != 1.0
-                or p.presence_penalty or p.frequency_penalty
+    return bool(row.allowed is not None or p.allowed_token_ids or p.logit_bias
+                or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
                 or (row.num_output_tokens < p.min_tokens and row.stop_token_ids))
 
 
@@ -174,6 +175,11 @@ def _process_row(logits: torch.Tensor, row: SamplingRow) -> None:
     ``[V]`` logits in place."""
     p = row.params
     vocab = logits.shape[0]
+    if p.allowed_token_ids:
+        allowed = torch.tensor(p.allowed_token_ids, device=logits.device)
+        kept = logits[allowed]
+        logits.fill_(float("-inf"))
+        logits[allowed] = kept
     if row.num_output_tokens < p.min_tokens and row.stop_token_ids:
         logits[[t for t in row.stop_token_ids if t < vocab]] = float("-inf")
     if p.logit_bias:

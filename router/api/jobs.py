@@ -220,8 +220,8 @@ class JobBuilder:
         check_stream_options(body)
         if body.truncate_prompt_tokens is None:  # else its last tokens may well fit
             self.refuse_too_long(characters, prompt_param)
-        if body.stop_token_ids:
-            checked_ids(body.stop_token_ids, self.vocab_size, "stop_token_ids")
+        for param in ("stop_token_ids", "allowed_token_ids"):
+            checked_ids(getattr(body, param) or (), self.vocab_size, param)
         checked_ids(list(body.logit_bias_ids()), self.vocab_size, "logit_bias")
         sampling = sampling_params(body, max_tokens, max_param)
         if tools is not None:

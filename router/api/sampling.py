@@ -56,6 +56,7 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens:
         logprobs=body.logprobs_count(),
         structured=structured_output(body),
         prompt_logprobs=body.prompt_logprobs,
+        allowed_token_ids=body.allowed_token_ids,
     )
     # Chat asks for alternatives with ``top_logprobs``; completions with ``logprobs``.
     chat = isinstance(body, ChatCompletionRequest)

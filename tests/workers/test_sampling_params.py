@@ -217,3 +217,38 @@ def test_waiting_siblings_do_not_block_unrelated_requests(tiny_qwen, make_engine
     engine.step()
     assert engine.counters.prefill_tokens == 40 + 20 + 2 * 8
     assert engine.counters.batch_sizes[4] == 1
+
+
+def test_allowed_token_ids_restrict_greedy_and_sampled_output(tiny_qwen, make_engine):
+    engine = make_engine(tiny_qwen, num_blocks=32)
+    allowed = [321, 400, 777]
+    greedy = tokens(run(engine, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                               allowed_token_ids=allowed)))
+    # Each token is transformers' argmax over the allowed ids given everything before it.
+    model = tiny_qwen.model
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        with torch.inference_mode():
+            logits = model(torch.tensor([PROMPT + greedy])).logits[0].float()
+    finally:
+        model.set_attn_implementation(previous)
+    rows = logits[len(PROMPT) - 1:-1, allowed]
+    assert greedy == [allowed[i] for i in rows.argmax(dim=-1).tolist()]
+    sampled = tokens(run(engine, SamplingParams(temperature=1.0, seed=7, max_tokens=24,
+                                                ignore_eos=True, allowed_token_ids=allowed)))
+    assert set(sampled) <= set(allowed) and len(set(sampled)) > 1
+    plain = tokens(run(engine, SamplingParams(temperature=1.0, seed=7, max_tokens=24,
+                                              ignore_eos=True)))
+    assert not set(plain) <= set(allowed)  # unrestricted, it leaves the set
+
+
+@pytest.mark.parametrize(("allowed", "message"), [([], "must not be empty"),
+                                                  ([5, 1000], "outside the vocabulary")])
+def test_allowed_token_ids_are_checked(tiny_qwen, make_engine, allowed, message):
+    from contract.request import InvalidRequestError
+    engine = make_engine(tiny_qwen, num_blocks=8)
+    with pytest.raises(InvalidRequestError, match=message) as info:
+        engine.add_request(GenerationRequest("r", PROMPT,
+                                             SamplingParams(allowed_token_ids=allowed)))
+    assert info.value.param == "allowed_token_ids"
