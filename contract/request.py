@@ -100,6 +100,9 @@ class SamplingParams:
             it forbids are masked out before everything else; None for free text.
         allowed_token_ids: the only tokens the output may hold (vLLM's ``allowed_token_ids``:
             every other token's logit is -inf before the other processors); None for all.
+        bad_words_token_ids: token sequences the output may not contain (vLLM's
+            ``bad_words``, tokenized): a sequence's last token is banned wherever the output
+            so far ends with the rest of it (at once for a one-token sequence).
         prompt_logprobs: None for none; otherwise every prompt token after the first gets
             its log-probability given the tokens before it, its rank, and this many most
             likely alternatives (0..20), of the raw model distribution (vLLM's
@@ -126,6 +129,7 @@ class SamplingParams:
     logprobs: int | None = None
     structured: StructuredOutput | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     prompt_logprobs: int | None = None
 
     @property

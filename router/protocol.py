@@ -65,7 +65,6 @@ _GENERATION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_whitespace_pattern": (),
     "structural_tag": (),
     "skip_special_tokens": (True,),
-    "bad_words": ([],),
     "logits_processors": (),
     "use_beam_search": (False,),
     "mm_processor_kwargs": ({},),
@@ -79,7 +78,6 @@ _WHY_UNSUPPORTED: dict[str, str] = {
     "function_call": "the deprecated functions API is not served; use tool_choice",
     "echo": "the prompt is echoed by /v1/completions only",
     "skip_special_tokens": "special tokens are always left out of the text",
-    "bad_words": "word bans are not implemented",
     "chat_template": "only the model's own chat template is used",
     "documents": "documents are not passed to the chat template",
     "add_special_tokens": "special tokens are added as the endpoint's default only",
@@ -359,11 +357,11 @@ class _GenerationBody(_StrictModel):
     ``<prefix>-<request_id>``), ``prompt_logprobs`` (each prompt token's logprob, its rank
     and this many alternatives; never streamed), ``return_token_ids`` (the prompt's and the
     output's token ids in the answer), ``return_tokens_as_token_ids`` (logprobs name each
-    token ``token_id:<id>``) and ``allowed_token_ids`` (the only tokens the output may hold)
-    are vLLM's extensions, spelled and meant as vLLM does. Ranges are
-    checked by :meth:`contract.request.SamplingParams.validate`; ``logit_bias`` keys (token
-    ids as strings, OpenAI's form) are parsed here and range-checked against the vocabulary by
-    the app.
+    token ``token_id:<id>``), ``allowed_token_ids`` (the only tokens the output may hold) and
+    ``bad_words`` (words it may not hold) are vLLM's extensions, spelled and meant as vLLM
+    does. Ranges are checked by :meth:`contract.request.SamplingParams.validate`;
+    ``logit_bias`` keys (token ids as strings, OpenAI's form) are parsed here and
+    range-checked against the vocabulary by the app.
 
     Accepted and ignored, because they never change the output: ``user`` and
     ``safety_identifier`` (end-user identifiers for abuse monitoring), ``metadata`` and
@@ -412,7 +410,7 @@ class _GenerationBody(_StrictModel):
     skip_special_tokens: Any = None
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
-    bad_words: Any = None
+    bad_words: list[str] | None = None
     logits_processors: Any = None
     return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool | None = None

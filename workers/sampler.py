@@ -5,7 +5,7 @@ Per step, for the rows that sample a token (vLLM v1's order):
 1. raw log-probabilities, for rows that asked for logprobs (before anything below);
 2. a structured-output constraint's mask (``workers.structured``) and ``allowed_token_ids``:
    forbidden tokens to -inf;
-3. ``min_tokens`` masking of EOS / stop token ids, and ``logit_bias``;
+3. ``min_tokens`` masking of EOS / stop token ids, ``bad_words``, and ``logit_bias``;
 4. repetition (prompt + output), presence and frequency (output) penalties;
 5. greedy rows: argmax. Sampled rows: temperature, then ``min_p``, ``top_k`` and ``top_p``
    (nucleus, Holtzman et al. 2019), then one draw.
@@ -163,9 +163,10 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
 
 def needs_processing(row: SamplingRow) -> bool:
     """Whether the row asks for a logits processor (a constraint's mask, allowed_token_ids,
-    min_tokens, logit_bias, a penalty)."""
+    min_tokens, bad words, logit_bias, a penalty)."""
     p = row.params
-    return bool(row.allowed is not None or p.allowed_token_ids or p.logit_bias
+    return bool(row.allowed is not None or p.allowed_token_ids or p.bad_words_token_ids
+                or p.logit_bias
                 or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
                 or (row.num_output_tokens < p.min_tokens and row.stop_token_ids))
 
@@ -182,6 +183,9 @@ def _process_row(logits: torch.Tensor, row: SamplingRow) -> None:
         logits[allowed] = kept
     if row.num_output_tokens < p.min_tokens and row.stop_token_ids:
         logits[[t for t in row.stop_token_ids if t < vocab]] = float("-inf")
+    banned = _banned_words(p.bad_words_token_ids, row.token_ids[row.num_prompt_tokens:])
+    if banned:
+        logits[banned] = float("-inf")
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias), device=logits.device)
         logits.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()),
@@ -195,6 +199,14 @@ def _process_row(logits: torch.Tensor, row: SamplingRow) -> None:
         output = torch.tensor(list(row.token_ids[row.num_prompt_tokens:]), device=logits.device)
         counts = torch.bincount(output, minlength=vocab)[:vocab].to(logits.dtype)
         logits -= counts * p.frequency_penalty + (counts > 0).to(logits.dtype) * p.presence_penalty
+
+
+def _banned_words(words: list[list[int]], output: Sequence[int]) -> list[int]:
+    """The tokens ``words`` ban next after ``output``: each word's last token where the output
+    ends with the rest of the word (vLLM's ``bad_words``, which looks at the output only)."""
+    return [word[-1] for word in words
+            if len(word) <= len(output) + 1
+            and list(output[len(output) - len(word) + 1:]) == word[:-1]]
 
 
 def _apply_token_masks(logits: torch.Tensor, indices: list[int],

@@ -239,11 +239,14 @@ class JobBuilder:
             adapter, prompt_param)
         sampling = fit_context(sampling, len(token_ids), self.backend.max_model_len,
                                max_tokens is not None, prompt_param, max_param)
-        # A client's ``request_id`` names the answer (vLLM's format) but not the worker's
-        # request: two clients may send the same one, and the id cancels the request.
+        if body.bad_words:
+            sampling = replace(sampling, bad_words_token_ids=await anyio.to_thread.run_sync(
+                self._bad_words_ids, body.bad_words))
         # A request scoring its prompt reuses no cached block (a block has no logits), so
         # without digests the router places it by load alone, not on a prefix's holder.
         routed_digests = None if sampling.prompt_logprobs is not None else digests
+        # A client's ``request_id`` names the answer (vLLM's format) but not the worker's
+        # request: two clients may send the same one, and the id cancels the request.
         request = GenerationRequest(f"{id_prefix}-{uuid.uuid4().hex}", token_ids, sampling,
                                     namespace, routed_digests, adapter)
         response_id = f"{id_prefix}-{body.request_id}" if body.request_id else request.request_id
@@ -274,6 +277,21 @@ class JobBuilder:
         if keep_last is not None:
             token_ids = token_ids[-keep_last:]
         return token_ids, prompt_digests(self.backend.identity, namespace, token_ids, adapter)
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """The token sequences ``bad_words`` bans, as vLLM makes them (call from a worker
+        thread): each word as written, and with one leading space where that spells it with
+        other tokens of the same count (mid-text, a word usually follows a space)."""
+        sequences: list[list[int]] = []
+        for word in words:
+            bare = self.tokenized(lambda w=word: self.backend.tokenizer.encode(
+                w.lstrip(), add_special_tokens=False), "bad_words")
+            spaced = self.tokenized(lambda w=word: self.backend.tokenizer.encode(
+                " " + w.lstrip(), add_special_tokens=False), "bad_words")
+            sequences.append(bare)
+            if len(spaced) == len(bare) and spaced[0] != bare[0]:
+                sequences.append(spaced)
+        return [ids for ids in sequences if ids]
 
     def tokenized(self, tokenize: Callable[[], list[int]], prompt_param: str) -> list[int]:
         """``tokenize()`` under the tokenizer's lock (call from a worker thread).

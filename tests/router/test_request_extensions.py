@@ -264,7 +264,6 @@ REFUSED = [
     (CHAT, "structural_tag", "{}"),
     (CHAT, "guided_decoding_backend", "xgrammar"),
     (CHAT, "skip_special_tokens", False),
-    (CHAT, "bad_words", ["bad"]),
     (CHAT, "logits_processors", ["my.Processor"]),
     (CHAT, "use_beam_search", True),
     (CHAT, "echo", True),
@@ -326,3 +325,18 @@ async def test_openai_sdk_extra_body_passes(tokenizer):
     assert [chunk.usage.completion_tokens for chunk in chunks] == [0, 1, 2, 2, 2]
     sampling = backend.requests[0].sampling
     assert (sampling.top_k, sampling.ignore_eos, sampling.max_tokens) == (5, True, 2)
+
+
+async def test_bad_words_reach_the_worker_tokenized_as_vllm_does(client, backend, tokenizer):
+    response = await client.post(CHAT, json={"messages": HELLO,
+                                             "bad_words": ["Paris", " hello world", "  "]})
+    assert response.status_code == 200, response.text
+
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    # Each word as written and, where it is as many other tokens, after a space; a blank
+    # word bans nothing.
+    assert ids("Paris") != ids(" Paris") and len(ids("Paris")) == len(ids(" Paris"))
+    assert backend.requests[0].sampling.bad_words_token_ids == [
+        ids("Paris"), ids(" Paris"), ids("hello world"), ids(" hello world")]

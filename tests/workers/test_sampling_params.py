@@ -1,8 +1,10 @@
 """Sampling parameters through the engine (tiny random Qwen2, fp32): min_tokens, logit_bias,
 repetition penalty against transformers, raw logprobs, n > 1 choices sharing the prompt's
-blocks, seeds, and OpenAI's finish_reason rules."""
+blocks, seeds, OpenAI's finish_reason rules, and vLLM's allowed_token_ids and bad words."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -252,3 +254,19 @@ def test_allowed_token_ids_are_checked(tiny_qwen, make_engine, allowed, message)
         engine.add_request(GenerationRequest("r", PROMPT,
                                              SamplingParams(allowed_token_ids=allowed)))
     assert info.value.param == "allowed_token_ids"
+
+
+def test_bad_words_ban_a_sequences_last_token_after_the_rest(tiny_qwen, make_engine):
+    engine = make_engine(tiny_qwen, num_blocks=32)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    plain = tokens(run(engine, greedy))
+    first, second = plain[0], plain[1]
+    banned_once = tokens(run(engine, replace(greedy, bad_words_token_ids=[[first]])))
+    assert banned_once[0] != first and first not in banned_once
+    # A two-token word bans its second token only right after its first: the output keeps
+    # the first token, then parts from the plain run where the second would come.
+    pair = tokens(run(engine, replace(greedy, bad_words_token_ids=[[first, second]])))
+    assert pair[0] == first and pair[1] != second
+    # A word whose first token never came out changes nothing.
+    absent = tokens(run(engine, replace(greedy, bad_words_token_ids=[[999, first]])))
+    assert absent == plain
