@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator, Awaitable
 from contextlib import suppress
 from typing import Any, TypeVar
 
-import anyio
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -26,16 +25,18 @@ class ClientDisconnected(Exception):
 
 
 async def close_stream(chunks: AsyncIterator[Any]) -> None:
-    """Closes an async generator even while our task is being cancelled: closing is what tells
-    the worker to stop and free the request's blocks."""
+    """Closes an async generator even while our task is being cancelled (the cancellation is
+    raised once it is closed): closing is what tells the worker to stop and free the request's
+    blocks."""
     aclose = getattr(chunks, "aclose", None)
     if aclose is None:
         return
-    with anyio.CancelScope(shield=True):
-        try:
-            await aclose()
-        except Exception:
-            logger.warning("closing a response stream failed", exc_info=True)
+    closing = asyncio.ensure_future(aclose())
+    try:
+        await _settled(closing)
+    finally:
+        if not closing.cancelled() and closing.exception() is not None:
+            logger.warning("closing a response stream failed", exc_info=closing.exception())
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:
@@ -60,13 +61,29 @@ async def unless_disconnected(receive: Receive, work: Awaitable[_T]) -> _T:
         work_task.cancel()
         # Let both cancellations land: the caller closes the backend's generator next, which
         # fails while ``work_task`` is still inside it.
-        with anyio.CancelScope(shield=True):
-            await asyncio.wait((work_task, watch_task))
+        await _settled(work_task, watch_task)
     if not watch_task.cancelled():
         watch_task.exception()  # retrieved so asyncio does not warn about it
     if work_task.cancelled():
         raise ClientDisconnected
     return work_task.result()
+
+
+async def _settled(*tasks: asyncio.Future) -> None:
+    """Waits until ``tasks`` are done, even when this task is cancelled meanwhile, and then
+    raises that cancellation: a request's task is cancelled when its client goes away (Serve
+    calls ``Task.cancel``, which an anyio shield does not hold off), and work left unwinding
+    would still be inside the generator that is closed next, or a close cut short would not
+    reach the worker."""
+    cancelled = False
+    while True:
+        try:
+            await asyncio.wait(tasks)
+            break
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 class ClosingStreamingResponse(StreamingResponse):
