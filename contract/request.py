@@ -245,8 +245,8 @@ class TokenLogprob:
         top: the most likely tokens as ``(token_id, logprob)``, most likely first (as many as
             the request's ``logprobs`` or ``prompt_logprobs``; may or may not include
             ``token_id``).
-        rank: for a prompt token, how many tokens are at least as likely as it, itself
-            included (1: the most likely; vLLM's ``rank``); None for output tokens.
+        rank: for a prompt token, 1 + how many tokens are more likely than it (1: the most
+            likely; tokens of equal logprob share a rank); None for output tokens.
     """
 
     token_id: int

@@ -332,13 +332,13 @@ def prompt_logprobs(logits: torch.Tensor, next_tokens: list[int],
         count: most likely alternatives listed per token (0..20).
 
     Returns:
-        One :class:`TokenLogprob` per token, with its rank (tokens at least as likely,
-        itself included).
+        One :class:`TokenLogprob` per token, with its rank (1 + the tokens more likely:
+        ties share a rank, so the most likely tokens are always rank 1).
     """
     logprobs = logits.float().log_softmax(dim=-1).cpu()
     targets = torch.tensor(next_tokens, dtype=torch.long).unsqueeze(1)
     chosen = logprobs.gather(1, targets)
-    ranks = (logprobs >= chosen).sum(dim=1).tolist()
+    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
     return [TokenLogprob(token, value, _top(row, count), rank)
             for token, value, row, rank in zip(next_tokens, chosen.squeeze(1).tolist(),
                                                 logprobs, ranks, strict=True)]

@@ -403,9 +403,12 @@ def _ranked(entry: TokenLogprob, count: int, token_strings: TokenStringsFn,
     """One prompt position of vLLM's ``prompt_logprobs``: the prompt token first, then its
     ``count`` most likely alternatives (``entry.top`` may hold more, asked for an echo's
     logprobs); the prompt token keeps its own rank where it is among them."""
+    top = entry.top[:count]
+    # Ranked as the worker ranks the prompt token: 1 + the tokens more likely, so tokens of
+    # equal logprob share a rank (every token more likely than one of the top is in the top).
     ranked = [(entry.token_id, entry.logprob, entry.rank),
-              *((token_id, logprob, rank) for rank, (token_id, logprob)
-                in enumerate(entry.top[:count], start=1))]
+              *((token_id, logprob, 1 + sum(other > logprob for _, other in top))
+                for token_id, logprob in top)]
     result: dict[str, PromptLogprob] = {}
     for token_id, logprob, rank in ranked:
         result.setdefault(str(token_id), PromptLogprob(

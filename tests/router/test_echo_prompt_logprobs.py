@@ -9,6 +9,7 @@ Prompts used: "The sky is" is the tokens ``[504, 6376, 314]`` ("The", " sky", " 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -341,3 +342,22 @@ async def test_lm_eval_loglikelihood_through_the_openai_sdk(tokenizer):
     request = backend.requests[0]
     assert (request.sampling.max_tokens, request.sampling.logprobs,
             request.sampling.prompt_logprobs, request.sampling.temperature) == (1, 1, 1, 0.0)
+
+
+async def test_tied_tokens_share_a_rank(client, backend):
+    """Ties are frequent in bf16: the most likely tokens are all rank 1, the next one ranks
+    after all of them (the worker ranks the prompt token the same way)."""
+    def tied(request: GenerationRequest) -> list[Any]:
+        entries = [None, TokenLogprob(50, -0.5, [(49, -0.5), (50, -0.5), (51, -0.75)], rank=1)]
+        return [chunk(request), replace(chunk(request, " Blue", "stop", completion=1),
+                                        prompt_logprobs=entries)]
+
+    backend.sends_prompt_logprobs = False
+    backend.script = tied
+    response = await client.post(COMPLETIONS, json={"prompt": [56, 50], "prompt_logprobs": 3,
+                                                    "max_tokens": 1})
+    (choice,) = response.json()["choices"]
+    assert choice["prompt_logprobs"][1] == {
+        "50": {"logprob": -0.5, "rank": 1, "decoded_token": "B"},
+        "49": {"logprob": -0.5, "rank": 1, "decoded_token": "A"},
+        "51": {"logprob": -0.75, "rank": 3, "decoded_token": "C"}}

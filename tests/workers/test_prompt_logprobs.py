@@ -35,7 +35,7 @@ def assert_matches(entries, prompt: list[int], reference: torch.Tensor, top: int
         token = prompt[position + 1]
         assert entry.token_id == token
         assert entry.logprob == pytest.approx(float(row[token]), abs=1e-4)
-        assert entry.rank == int((row >= row[token]).sum())
+        assert entry.rank == 1 + int((row > row[token]).sum())
         values, ids = row.topk(top)
         assert [t for t, _ in entry.top] == ids.tolist()
         assert [v for _, v in entry.top] == pytest.approx(values.tolist(), abs=1e-4)
