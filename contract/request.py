@@ -82,7 +82,9 @@ class SamplingParams:
         seed: seeds a per-request generator, so the output does not depend on batch neighbours.
             With ``n > 1``, choice ``i`` uses ``seed + i``.
         n: independent choices generated from the one prompt (they share its KV blocks).
-        max_tokens: most tokens to generate.
+        max_tokens: most tokens to generate; 0 computes the prompt only (for its
+            ``prompt_logprobs``: a completion's ``echo`` with ``max_tokens: 0``, as vLLM serves
+            it) and ends with ``length``.
         min_tokens: EOS and ``stop_token_ids`` are masked out until this many tokens are
             generated (vLLM semantics; stop strings still apply).
         stop: strings that end generation; the matched string is not returned unless
@@ -146,7 +148,7 @@ class SamplingParams:
             raise InvalidRequestError("top_p must be in (0, 1]", "top_p")
         if self.top_k < -1:
             raise InvalidRequestError("top_k must be -1, 0 (disabled) or positive", "top_k")
-        if self.max_tokens < 1:
+        if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
             raise InvalidRequestError("max_tokens must be at least 1", "max_tokens")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty", "stop")

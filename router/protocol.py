@@ -593,10 +593,14 @@ class CompletionRequest(_GenerationBody):
     def prompt_logprobs_count(self) -> int | None:
         """Alternatives per prompt token the worker is asked for: ``prompt_logprobs``, raised
         to ``logprobs`` when the prompt is echoed with logprobs (its tokens then lead each
-        choice's ``logprobs``, as vLLM gives them); None when neither asks."""
-        if not self.echo or self.logprobs is None:
+        choice's ``logprobs``, as vLLM gives them); at least 0 for an echo of ``max_tokens:
+        0``, which scores the prompt and generates nothing; None when none asks."""
+        if not self.echo:
             return self.prompt_logprobs
-        return max(self.logprobs, self.prompt_logprobs or 0)
+        asked = [n for n in (self.logprobs, self.prompt_logprobs) if n is not None]
+        if self.max_tokens == 0:
+            asked.append(0)
+        return max(asked, default=None)
 
 
 MAX_BATCH_PROMPTS = 128

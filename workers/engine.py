@@ -455,8 +455,10 @@ class LLMEngine:
             if not seq.spec_token_ids:  # a verification commits what it accepts, later
                 self.block_manager.commit(seq, num_new)
         plain = [i for i, seq in enumerate(batch.seqs)
-                 if samples[i] and not seq.spec_token_ids]
-        chunks = []
+                 if samples[i] and not seq.spec_token_ids and seq.sampling.max_tokens]
+        chunks = [self._end_at_prompt(seq) for seq, sampled in zip(batch.seqs, samples,
+                                                                   strict=True)
+                  if sampled and not seq.sampling.max_tokens]
         if plain:
             rows = [self._sampling_row(batch.seqs[i], masks.get(i, [None])[0]) for i in plain]
             sampled = sample(logits[[offsets[i + 1] - 1 for i in plain]], rows, self._generator)
@@ -467,6 +469,12 @@ class LLMEngine:
                 chunks.append(self._verify(seq, logits[offsets[i]:offsets[i + 1]], elapsed,
                                            masks.get(i)))
         return chunks
+
+    def _end_at_prompt(self, seq: Sequence) -> GenerationChunk:
+        """Ends a request that only scores its prompt (``max_tokens`` 0) once the prompt is
+        computed: nothing is sampled; its last chunk carries the prompt logprobs."""
+        seq.finish("length")
+        return self._finish(seq, "")
 
     def _core_beside_forward(self, prompt_tokens: int) -> bool:
         """Whether a core is free while a step of ``prompt_tokens`` prompt tokens runs its

@@ -55,7 +55,9 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens:
         ignore_eos=bool(body.ignore_eos),
         logprobs=body.logprobs_count(),
         structured=structured_output(body),
-        prompt_logprobs=body.prompt_logprobs,
+        # The client's own value is range-checked first (see below).
+        prompt_logprobs=(body.prompt_logprobs if body.prompt_logprobs is not None
+                         else body.prompt_logprobs_count()),
         allowed_token_ids=body.allowed_token_ids,
     )
     # Chat asks for alternatives with ``top_logprobs``; completions with ``logprobs``.

@@ -79,3 +79,14 @@ def test_vllm_prompt_logprobs_rank_and_alternatives(cluster, client, base_model)
     paris = next(p for p in range(1, len(ids))
                  if "Paris" in entries[p][str(ids[p])]["decoded_token"])
     assert entries[paris][str(ids[paris])]["rank"] == 1  # " Paris" is the model's first guess
+
+
+def test_echo_of_max_tokens_0_scores_the_prompt_alone(cluster, client, base_model):
+    ids = served_ids(cluster, base_model, TEXT)
+    scored = client.completions.create(model=base_model, prompt=TEXT, max_tokens=0,
+                                       temperature=0, echo=True, logprobs=0)
+    choice = scored.choices[0]
+    assert (choice.text, choice.finish_reason) == (TEXT, "length")
+    assert choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(reference(ids).tolist(), abs=2e-3)
+    assert (scored.usage.prompt_tokens, scored.usage.completion_tokens) == (len(ids), 0)

@@ -22,6 +22,7 @@ from openai_fakes import (
     FakeBackend,
     assert_error,
     chunk,
+    fake_prompt_logprobs,
     sse_events,
     two_choices,
 )
@@ -361,3 +362,47 @@ async def test_tied_tokens_share_a_rank(client, backend):
         "50": {"logprob": -0.5, "rank": 1, "decoded_token": "B"},
         "49": {"logprob": -0.5, "rank": 1, "decoded_token": "A"},
         "51": {"logprob": -0.75, "rank": 3, "decoded_token": "C"}}
+
+
+def scored_only(request: GenerationRequest) -> list[Any]:
+    """What a worker answers ``max_tokens: 0``: the prompt scored, nothing generated."""
+    entries = fake_prompt_logprobs(request) if request.sampling.prompt_logprobs is not None \
+        else None
+    return [chunk(request), GenerationChunk(request.request_id, [], "", "length",
+                                            len(request.token_ids), 0, 0, "worker-7",
+                                            prompt_logprobs=entries)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_echo_of_max_tokens_0_answers_the_prompt_alone(client, backend, stream):
+    """As vLLM serves it (and lm-evaluation-harness-like scorers send it): the prompt and its
+    logprobs, no output, ``length``."""
+    backend.sends_prompt_logprobs = False
+    backend.script = scored_only
+    body = {"prompt": "The sky is", "echo": True, "logprobs": 1, "max_tokens": 0,
+            "stream": stream, "stream_options": {"include_usage": True} if stream else None}
+    response = await client.post(COMPLETIONS, json=body)
+    assert response.status_code == 200, response.text
+    if stream:
+        events = [e for e in sse_events(response) if e != "[DONE]"]
+        choices = [c for e in events for c in e["choices"]]
+        text = "".join(c["text"] for c in choices)
+        tokens = [t for c in choices if c["logprobs"] for t in c["logprobs"]["tokens"]]
+        reason, usage = choices[-1]["finish_reason"], events[-1]["usage"]
+    else:
+        (choice,) = response.json()["choices"]
+        text, tokens = choice["text"], choice["logprobs"]["tokens"]
+        reason, usage = choice["finish_reason"], response.json()["usage"]
+    assert (text, tokens, reason) == ("The sky is", ["The", " sky", " is"], "length")
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (3, 0)
+    assert backend.requests[0].sampling.max_tokens == 0
+    assert backend.requests[0].sampling.prompt_logprobs == 1
+
+
+async def test_max_tokens_0_without_echo_or_prompt_logprobs_is_refused(client, backend):
+    response = await client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 0})
+    assert_error(response, 400, "max_tokens", "invalid_value")
+    echoed = await client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 0,
+                                                  "echo": True})
+    assert echoed.status_code == 200  # echo alone scores with no alternatives
+    assert backend.requests[0].sampling.prompt_logprobs == 0

@@ -104,3 +104,17 @@ def test_prompt_logprobs_out_of_range_are_refused(tiny_qwen, make_engine, value)
     with pytest.raises(InvalidRequestError) as info:
         engine.add_request(GenerationRequest("r", PROMPT, SamplingParams(prompt_logprobs=value)))
     assert info.value.param == "prompt_logprobs"
+
+
+def test_max_tokens_0_scores_the_prompt_and_generates_nothing(tiny_qwen, make_engine):
+    engine = make_engine(tiny_qwen, num_blocks=32)
+    chunks = run(engine, SamplingParams(max_tokens=0, prompt_logprobs=1))
+    assert len(chunks) == 1
+    (last,) = chunks
+    assert (last.token_ids, last.text, last.finish_reason, last.completion_tokens) == (
+        [], "", "length", 0)
+    assert_matches(last.prompt_logprobs, PROMPT, reference_logprobs(tiny_qwen, PROMPT), 1)
+    assert engine.counters.prefill_tokens == len(PROMPT) and engine.pool.num_in_use == 0
+    with pytest.raises(InvalidRequestError) as info:  # nothing to score: nothing to do
+        engine.add_request(GenerationRequest("r2", PROMPT, SamplingParams(max_tokens=0)))
+    assert info.value.param == "max_tokens"
