@@ -33,9 +33,11 @@ def served_ids(cluster, model: str, text: str) -> list[int]:
     return answer.json()["tokens"]
 
 
-def reference(ids: list[int]) -> torch.Tensor:
-    """``[len(ids) - 1]``: each token's log-probability given those before it, by transformers
-    over the embedded model in fp32 with SDPA attention."""
+@pytest.fixture(scope="module")
+def reference(cluster, base_model) -> torch.Tensor:
+    """``[len(ids) - 1]`` for :data:`TEXT`'s served ids: each token's log-probability given
+    those before it, by transformers over the embedded model in fp32 with SDPA attention."""
+    ids = served_ids(cluster, base_model, TEXT)
     model = load_model("embedded", dtype="float32", device="cpu").model
     model.set_attn_implementation("sdpa")
     with torch.inference_mode():
@@ -44,9 +46,9 @@ def reference(ids: list[int]) -> torch.Tensor:
 
 
 def test_echo_scores_the_prompt_as_transformers_does_cached_or_not(cluster, client,
-                                                                   base_model):
+                                                                   base_model, reference):
     ids = served_ids(cluster, base_model, TEXT)
-    want = reference(ids).tolist()
+    want = reference.tolist()
     client.completions.create(model=base_model, prompt=TEXT, max_tokens=2, temperature=0)
     scored = client.completions.create(model=base_model, prompt=TEXT, max_tokens=1,
                                        temperature=0, echo=True, logprobs=1)
@@ -63,9 +65,9 @@ def test_echo_scores_the_prompt_as_transformers_does_cached_or_not(cluster, clie
     assert again.usage.prompt_tokens_details.cached_tokens > 0
 
 
-def test_vllm_prompt_logprobs_rank_and_alternatives(cluster, client, base_model):
+def test_vllm_prompt_logprobs_rank_and_alternatives(cluster, client, base_model, reference):
     ids = served_ids(cluster, base_model, TEXT)
-    want = reference(ids)
+    want = reference
     answer = client.completions.create(model=base_model, prompt=TEXT, max_tokens=1,
                                        temperature=0, extra_body={"prompt_logprobs": 2})
     entries = answer.choices[0].model_extra["prompt_logprobs"]
@@ -81,12 +83,13 @@ def test_vllm_prompt_logprobs_rank_and_alternatives(cluster, client, base_model)
     assert entries[paris][str(ids[paris])]["rank"] == 1  # " Paris" is the model's first guess
 
 
-def test_echo_of_max_tokens_0_scores_the_prompt_alone(cluster, client, base_model):
+def test_echo_of_max_tokens_0_scores_the_prompt_alone(cluster, client, base_model,
+                                                      reference):
     ids = served_ids(cluster, base_model, TEXT)
     scored = client.completions.create(model=base_model, prompt=TEXT, max_tokens=0,
                                        temperature=0, echo=True, logprobs=0)
     choice = scored.choices[0]
     assert (choice.text, choice.finish_reason) == (TEXT, "length")
     assert choice.logprobs.token_logprobs[0] is None
-    assert choice.logprobs.token_logprobs[1:] == pytest.approx(reference(ids).tolist(), abs=2e-3)
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(reference.tolist(), abs=2e-3)
     assert (scored.usage.prompt_tokens, scored.usage.completion_tokens) == (len(ids), 0)
