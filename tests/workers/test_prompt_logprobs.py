@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import reference_attention
 
 from contract.request import GenerationRequest, InvalidRequestError, SamplingParams
 from workers import scheduler
@@ -17,14 +18,8 @@ PROMPT = list(range(100, 140))  # 40 tokens: two full 16-token blocks plus 8
 def reference_logprobs(loaded: LoadedModel, prompt: list[int]) -> torch.Tensor:
     """``[len(prompt) - 1, V]``: row ``t`` is the distribution prompt token ``t + 1`` was
     drawn from, by transformers with plain SDPA attention."""
-    model = loaded.model
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("sdpa")
-    try:
-        with torch.inference_mode():
-            logits = model(torch.tensor([prompt])).logits[0].float()
-    finally:
-        model.set_attn_implementation(previous)
+    with reference_attention(loaded.model), torch.inference_mode():
+        logits = loaded.model(torch.tensor([prompt])).logits[0].float()
     return logits.log_softmax(-1)[:-1]
 
 

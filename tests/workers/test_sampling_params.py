@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from tiny_models import reference_attention
 
 from contract.request import GenerationChunk, GenerationRequest, SamplingParams
 from workers.model_loader import LoadedModel
@@ -26,16 +27,10 @@ def run(engine, sampling: SamplingParams, prompt: list[int] = PROMPT) -> list[Ge
 
 def hf_generate(loaded: LoadedModel, prompt: list[int], **kwargs) -> list[int]:
     """transformers ``generate``, greedy, with plain SDPA attention (restored afterwards)."""
-    model = loaded.model
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("sdpa")
-    try:
-        with torch.inference_mode():
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 eos_token_id=[EOS], pad_token_id=EOS, **kwargs)
-    finally:
-        model.set_attn_implementation(previous)
+    ids = torch.tensor([prompt])
+    with reference_attention(loaded.model), torch.inference_mode():
+        out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                    eos_token_id=[EOS], pad_token_id=EOS, **kwargs)
     return out[0, len(prompt):].tolist()
 
 
@@ -87,6 +82,12 @@ def test_repetition_penalty_matches_transformers(tiny_qwen, make_engine, penalty
     assert want != plain  # the penalty changed the output, so the test can fail
 
 
+def reference_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
+    """``[len(ids), V]`` float32 logits of transformers' forward pass with SDPA attention."""
+    with reference_attention(loaded.model), torch.inference_mode():
+        return loaded.model(torch.tensor([ids])).logits[0].float()
+
+
 def test_logprobs_are_of_the_raw_model_distribution(tiny_qwen, make_engine):
     engine = make_engine(tiny_qwen, num_blocks=32)
     sampling = SamplingParams(temperature=0.7, top_k=5, max_tokens=6, ignore_eos=True,
@@ -95,14 +96,7 @@ def test_logprobs_are_of_the_raw_model_distribution(tiny_qwen, make_engine):
     out = tokens(chunks)
     entries = [lp for c in chunks for lp in (c.logprobs or [])]
     assert [e.token_id for e in entries] == out
-    model = tiny_qwen.model
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("sdpa")
-    try:
-        with torch.inference_mode():
-            logits = model(torch.tensor([PROMPT + out])).logits[0].float()
-    finally:
-        model.set_attn_implementation(previous)
+    logits = reference_logits(tiny_qwen, PROMPT + out)
     raw = logits.log_softmax(-1)[len(PROMPT) - 1:-1]  # the rows that predicted each output
     for step, entry in enumerate(entries):
         assert entry.logprob == pytest.approx(float(raw[step, entry.token_id]), abs=1e-4)
@@ -227,15 +221,7 @@ def test_allowed_token_ids_restrict_greedy_and_sampled_output(tiny_qwen, make_en
     greedy = tokens(run(engine, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
                                                allowed_token_ids=allowed)))
     # Each token is transformers' argmax over the allowed ids given everything before it.
-    model = tiny_qwen.model
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("sdpa")
-    try:
-        with torch.inference_mode():
-            logits = model(torch.tensor([PROMPT + greedy])).logits[0].float()
-    finally:
-        model.set_attn_implementation(previous)
-    rows = logits[len(PROMPT) - 1:-1, allowed]
+    rows = reference_logits(tiny_qwen, PROMPT + greedy)[len(PROMPT) - 1:-1, allowed]
     assert greedy == [allowed[i] for i in rows.argmax(dim=-1).tolist()]
     sampled = tokens(run(engine, SamplingParams(temperature=1.0, seed=7, max_tokens=24,
                                                 ignore_eos=True, allowed_token_ids=allowed)))
