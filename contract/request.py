@@ -171,6 +171,8 @@ class SamplingParams:
         self.check_min_tokens()
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise InvalidRequestError("allowed_token_ids must not be empty", "allowed_token_ids")
+        if not all(self.bad_words_token_ids):
+            raise InvalidRequestError("bad_words must not hold an empty word", "bad_words")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:

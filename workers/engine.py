@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from itertools import chain
 
 import torch
 
@@ -247,6 +248,8 @@ class LLMEngine:
         self._check_token_ids(prompt, "prompt")
         self._check_token_ids(request.sampling.logit_bias, "logit_bias")
         self._check_token_ids(request.sampling.allowed_token_ids or (), "allowed_token_ids")
+        self._check_token_ids(chain.from_iterable(request.sampling.bad_words_token_ids),
+                              "bad_words")
         request.sampling.validate()
         if request.sampling.structured is not None:
             self.grammars.compile(request.sampling.structured)

@@ -256,3 +256,14 @@ def test_bad_words_ban_a_sequences_last_token_after_the_rest(tiny_qwen, make_eng
     # A word whose first token never came out changes nothing.
     absent = tokens(run(engine, replace(greedy, bad_words_token_ids=[[999, first]])))
     assert absent == plain
+
+
+@pytest.mark.parametrize(("words", "message"), [([[5], []], "empty word"),
+                                                ([[5, 1000]], "outside the vocabulary")])
+def test_bad_words_are_checked(tiny_qwen, make_engine, words, message):
+    from contract.request import InvalidRequestError
+    engine = make_engine(tiny_qwen, num_blocks=8)
+    with pytest.raises(InvalidRequestError, match=message) as info:
+        engine.add_request(GenerationRequest("r", PROMPT,
+                                             SamplingParams(bad_words_token_ids=words)))
+    assert info.value.param == "bad_words"
