@@ -177,6 +177,20 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
                 raise InvalidRequestError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}]", name)
+        self.check_bans_beside_a_grammar()
+
+    def check_bans_beside_a_grammar(self) -> None:
+        """Raises :class:`InvalidRequestError` for ``allowed_token_ids`` or ``bad_words`` beside
+        a constraint's grammar: together they could leave no token to draw, which the grammar
+        would then reject mid-step."""
+        if self.structured is None:
+            return
+        for name, value in (("allowed_token_ids", self.allowed_token_ids),
+                            ("bad_words", self.bad_words_token_ids)):
+            if value:
+                raise InvalidRequestError(
+                    f"{name} cannot be combined with a structured-output constraint "
+                    f"({self.structured.param or 'response_format'})", name)
 
     def check_min_tokens(self) -> None:
         """Raises :class:`InvalidRequestError` unless ``0 <= min_tokens <= max_tokens``."""

@@ -181,10 +181,12 @@ def _process_row(logits: torch.Tensor, row: SamplingRow) -> None:
         kept = logits[allowed]
         logits.fill_(float("-inf"))
         logits[allowed] = kept
-    if row.num_output_tokens < p.min_tokens and row.stop_token_ids:
-        logits[[t for t in row.stop_token_ids if t < vocab]] = float("-inf")
     banned = _banned_words(p.bad_words_token_ids, row.token_ids[row.num_prompt_tokens:])
-    if banned:
+    if row.num_output_tokens < p.min_tokens and row.stop_token_ids:
+        banned += [t for t in row.stop_token_ids if t < vocab]
+    # The output never leaves ``allowed_token_ids``: where the bans would leave none of them,
+    # they give way for this token (else the argmax of all -inf would be token 0).
+    if banned and not (p.allowed_token_ids and set(p.allowed_token_ids) <= set(banned)):
         logits[banned] = float("-inf")
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias), device=logits.device)

@@ -36,7 +36,7 @@ from router.api.prompts import (
     refuse_unpaired_surrogates,
     rendered_characters,
 )
-from router.api.sampling import chat_max_tokens, fit_context, sampling_params
+from router.api.sampling import as_api_error, chat_max_tokens, fit_context, sampling_params
 from router.api.tools import ToolUse, template_conversation, tool_use
 from router.errors import APIError, invalid_request
 from router.protocol import ChatCompletionRequest, CompletionRequest
@@ -242,6 +242,8 @@ class JobBuilder:
         if body.bad_words:
             sampling = replace(sampling, bad_words_token_ids=await anyio.to_thread.run_sync(
                 self._bad_words_ids, body.bad_words))
+        with as_api_error({}):  # the tools' grammar and the bad words are new since validated
+            sampling.check_bans_beside_a_grammar()
         # A request scoring its prompt reuses no cached block (a block has no logits), so
         # without digests the router places it by load alone, not on a prefix's holder.
         routed_digests = None if sampling.prompt_logprobs is not None else digests

@@ -15,6 +15,7 @@ from openai_fakes import (
     COMPLETIONS,
     HELLO,
     MODEL,
+    WEATHER,
     FakeBackend,
     assert_error,
     chunk,
@@ -340,3 +341,16 @@ async def test_bad_words_reach_the_worker_tokenized_as_vllm_does(client, backend
     assert ids("Paris") != ids(" Paris") and len(ids("Paris")) == len(ids(" Paris"))
     assert backend.requests[0].sampling.bad_words_token_ids == [
         ids("Paris"), ids(" Paris"), ids("hello world"), ids(" hello world")]
+
+
+@pytest.mark.parametrize("field", [{"allowed_token_ids": [5, 6]}, {"bad_words": ["Paris"]}])
+@pytest.mark.parametrize("constraint", [
+    {"response_format": {"type": "json_object"}},
+    {"tools": [WEATHER], "tool_choice": "required"}], ids=["json", "tools"])
+async def test_token_bans_beside_a_grammar_are_refused(client, backend, field, constraint):
+    """The two together could leave no token to draw, which the grammar would reject
+    mid-step (failing the step for every request in it)."""
+    backend.max_model_len = 1024  # room for the tools' system prompt
+    response = await client.post(CHAT, json={"messages": HELLO, **field, **constraint})
+    assert_error(response, 400, next(iter(field)), "invalid_value")
+    assert backend.requests == []

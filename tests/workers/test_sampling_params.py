@@ -267,3 +267,16 @@ def test_bad_words_are_checked(tiny_qwen, make_engine, words, message):
         engine.add_request(GenerationRequest("r", PROMPT,
                                              SamplingParams(bad_words_token_ids=words)))
     assert info.value.param == "bad_words"
+
+
+def test_bans_give_way_rather_than_leave_the_allowed_set(tiny_qwen, make_engine):
+    """Only EOS allowed, and min_tokens masking it: the output stays EOS, never token 0 (the
+    argmax of a row of -inf), as a fresh user's break test found."""
+    engine = make_engine(tiny_qwen, num_blocks=32)
+    out = tokens(run(engine, SamplingParams(temperature=0.0, max_tokens=6, min_tokens=3,
+                                            allowed_token_ids=[EOS])))
+    assert out == [EOS] * 4  # EOS ends it only once min_tokens are out
+    banned = tokens(run(engine, SamplingParams(temperature=1.0, seed=2, max_tokens=3,
+                                               ignore_eos=True, allowed_token_ids=[400],
+                                               bad_words_token_ids=[[400]])))
+    assert banned == [400] * 3
