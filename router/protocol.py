@@ -22,11 +22,9 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    SerializerFunctionWrapHandler,
     ValidationError,
     ValidationInfo,
     field_validator,
-    model_serializer,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -641,13 +639,15 @@ def _token_id_prompt(prompt: list[Any]) -> list[int]:
 # (``finish_reason``, ``logprobs``) stay in the output as ``null``, as clients expect.
 
 
-def _without_null(body: dict[str, Any], *keys: str) -> dict[str, Any]:
-    """``body`` without those of ``keys`` that are null: extensions OpenAI's shape lacks, or
-    fields OpenAI leaves out when empty."""
-    for key in keys:
-        if body.get(key) is None:
-            body.pop(key, None)
-    return body
+def _omitted_when_null(default: Any = None) -> Any:
+    """A field left out of the JSON while it is null: an extension OpenAI's shape lacks, or a
+    field OpenAI leaves out when empty. Applied by pydantic's core serializer, where a model's
+    own wrap serializer would run Python on every streamed event."""
+    return Field(default=default, exclude_if=_is_null)
+
+
+def _is_null(value: Any) -> bool:
+    return value is None
 
 
 class PromptTokensDetails(BaseModel):
@@ -657,11 +657,7 @@ class PromptTokensDetails(BaseModel):
     (fetched from another worker); present only when some came from the last two."""
 
     cached_tokens: int = 0
-    cached_tokens_by_source: dict[str, int] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_no_sources(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _without_null(handler(self), "cached_tokens_by_source")
+    cached_tokens_by_source: dict[str, int] | None = _omitted_when_null()
 
 
 class Usage(BaseModel):
@@ -741,11 +737,7 @@ class AssistantMessage(BaseModel):
 
     role: Literal["assistant"] = "assistant"
     content: str | None
-    tool_calls: list[ToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _without_null(handler(self), "tool_calls")
+    tool_calls: list[ToolCall] | None = _omitted_when_null()
 
 
 FinishReason = Literal["stop", "length", "tool_calls"]
@@ -764,11 +756,7 @@ class ChatChoice(BaseModel):
     stop_reason: int | str | None = None
     """vLLM's extension: the stop string or stop token id that ended the choice; null for the
     model's end-of-sequence token, ``max_tokens`` and every other end."""
-    token_ids: list[int] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unasked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _without_null(handler(self), "token_ids")
+    token_ids: list[int] | None = _omitted_when_null()
 
 
 class ChatCompletionResponse(BaseModel):
@@ -781,12 +769,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
-    prompt_logprobs: PromptLogprobs | None = None
-    prompt_token_ids: list[int] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unasked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _without_null(handler(self), "prompt_logprobs", "prompt_token_ids")
+    prompt_logprobs: PromptLogprobs | None = _omitted_when_null()
+    prompt_token_ids: list[int] | None = _omitted_when_null()
 
 
 class DeltaToolCall(ToolCall):
@@ -797,16 +781,12 @@ class DeltaToolCall(ToolCall):
 
 
 class ChatDelta(BaseModel):
-    """``choices[0].delta`` of a chat chunk; unset fields are left out of the JSON."""
+    """``choices[0].delta`` of a chat chunk; unset fields are left out of the JSON (OpenAI
+    deltas carry only what changed: the last one is ``{}``)."""
 
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # OpenAI deltas carry only what changed: the last one is ``{}``.
-        return {key: value for key, value in handler(self).items() if value is not None}
+    role: Literal["assistant"] | None = _omitted_when_null()
+    content: str | None = _omitted_when_null()
+    tool_calls: list[DeltaToolCall] | None = _omitted_when_null()
 
 
 class ChatChunkChoice(BaseModel):
@@ -820,11 +800,7 @@ class ChatChunkChoice(BaseModel):
     stop_reason: int | str | None = None
     """vLLM's extension: the stop string or stop token id that ended the choice; null for the
     model's end-of-sequence token, ``max_tokens`` and every other end."""
-    token_ids: list[int] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unasked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _without_null(handler(self), "token_ids")
+    token_ids: list[int] | None = _omitted_when_null()
 
 
 class ChatCompletionChunk(BaseModel):
@@ -837,11 +813,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
-    prompt_token_ids: list[int] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unasked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _without_null(handler(self), "prompt_token_ids")
+    prompt_token_ids: list[int] | None = _omitted_when_null()
 
 
 class CompletionChoice(BaseModel):
@@ -857,13 +829,9 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
     """vLLM's extension: the stop string or stop token id that ended the choice; null for the
     model's end-of-sequence token, ``max_tokens`` and every other end."""
-    prompt_logprobs: PromptLogprobs | None = None
-    prompt_token_ids: list[int] | None = None
-    token_ids: list[int] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unasked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _without_null(handler(self), "prompt_logprobs", "prompt_token_ids", "token_ids")
+    prompt_logprobs: PromptLogprobs | None = _omitted_when_null()
+    prompt_token_ids: list[int] | None = _omitted_when_null()
+    token_ids: list[int] | None = _omitted_when_null()
 
 
 class CompletionResponse(BaseModel):

@@ -231,15 +231,17 @@ def test_allowed_token_ids_restrict_greedy_and_sampled_output(tiny_qwen, make_en
     assert not set(plain) <= set(allowed)  # unrestricted, it leaves the set
 
 
-@pytest.mark.parametrize(("allowed", "message"), [([], "must not be empty"),
-                                                  ([5, 1000], "outside the vocabulary")])
-def test_allowed_token_ids_are_checked(tiny_qwen, make_engine, allowed, message):
+@pytest.mark.parametrize(("field", "value", "param", "message"), [
+    ("allowed_token_ids", [], "allowed_token_ids", "must not be empty"),
+    ("allowed_token_ids", [5, 1000], "allowed_token_ids", "outside the vocabulary"),
+    ("bad_words_token_ids", [[5], []], "bad_words", "empty word"),
+    ("bad_words_token_ids", [[5, 1000]], "bad_words", "outside the vocabulary")])
+def test_token_bans_are_checked(tiny_qwen, make_engine, field, value, param, message):
     from contract.request import InvalidRequestError
     engine = make_engine(tiny_qwen, num_blocks=8)
     with pytest.raises(InvalidRequestError, match=message) as info:
-        engine.add_request(GenerationRequest("r", PROMPT,
-                                             SamplingParams(allowed_token_ids=allowed)))
-    assert info.value.param == "allowed_token_ids"
+        engine.add_request(GenerationRequest("r", PROMPT, SamplingParams(**{field: value})))
+    assert info.value.param == param
 
 
 def test_bad_words_ban_a_sequences_last_token_after_the_rest(tiny_qwen, make_engine):
@@ -256,17 +258,6 @@ def test_bad_words_ban_a_sequences_last_token_after_the_rest(tiny_qwen, make_eng
     # A word whose first token never came out changes nothing.
     absent = tokens(run(engine, replace(greedy, bad_words_token_ids=[[999, first]])))
     assert absent == plain
-
-
-@pytest.mark.parametrize(("words", "message"), [([[5], []], "empty word"),
-                                                ([[5, 1000]], "outside the vocabulary")])
-def test_bad_words_are_checked(tiny_qwen, make_engine, words, message):
-    from contract.request import InvalidRequestError
-    engine = make_engine(tiny_qwen, num_blocks=8)
-    with pytest.raises(InvalidRequestError, match=message) as info:
-        engine.add_request(GenerationRequest("r", PROMPT,
-                                             SamplingParams(bad_words_token_ids=words)))
-    assert info.value.param == "bad_words"
 
 
 def test_bans_give_way_rather_than_leave_the_allowed_set(tiny_qwen, make_engine):
