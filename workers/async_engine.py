@@ -46,12 +46,13 @@ class AsyncEngine:
     """Runs the engine loop in a background thread.
 
     Fault handling: a failed step (:class:`~workers.engine.StepFailedError`) fails only the
-    streams of that step's batch; everyone else keeps going. Any other error inside the loop
-    (taking in requests, publishing events, delivering chunks) leaves the engine's state in
-    doubt, so every current stream is failed and the loop carries on with new requests. If the
-    loop cannot carry on (:data:`MAX_CONSECUTIVE_LOOP_FAILURES` in a row, or an error while
-    failing streams), the engine is dead: pending and later requests get
-    :class:`EngineDeadError` at once (never a hang) and :meth:`check_health` raises.
+    streams of the requests it names (its whole batch's, or one row's); everyone else keeps
+    going. Any other error inside the loop (taking in requests, publishing events, delivering
+    chunks) leaves the engine's state in doubt, so every current stream is failed and the loop
+    carries on with new requests. If the loop cannot carry on
+    (:data:`MAX_CONSECUTIVE_LOOP_FAILURES` in a row, or an error while failing streams), the
+    engine is dead: pending and later requests get :class:`EngineDeadError` at once (never a
+    hang) and :meth:`check_health` raises.
 
     Args:
         engine: the engine to drive; only this class's thread touches it after construction.
@@ -154,16 +155,17 @@ class AsyncEngine:
         self._drain_inbox(block=not self.engine.has_work())
         if not self.engine.has_work():
             return
+        failure = None
         try:
             chunks = self.engine.step()
-        except StepFailedError as exc:  # only that step's requests fail; others go on
+        except StepFailedError as exc:  # only the requests it names fail; others go on
             log.exception("engine step failed")
-            self._publish(self.engine.drain_events())
-            self._fail(exc.request_ids, exc)
-            return
+            chunks, failure = exc.chunks, exc
         # Events are queued for publishing before the chunks are delivered, so a flush
         # requested after a request finished covers its blocks.
         self._publish(self.engine.drain_events())
+        if failure is not None:
+            self._fail(failure.request_ids, failure)
         for chunk in chunks:
             self._deliver(chunk)
         self.heap_trimmer.maybe_trim()

@@ -9,10 +9,10 @@ import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import accumulate, chain
 
 import torch
 
@@ -60,18 +60,27 @@ log = logging.getLogger(__name__)
 
 
 class StepFailedError(RuntimeError):
-    """An engine step raised; only the requests of its batch were aborted.
+    """An engine step raised; only the requests it names were aborted.
+
+    A failure of the whole step (the forward pass, the block commit) names every request of
+    its batch. A failure of one row after the forward pass (its structured-output mask, its
+    sampling, committing its tokens) names only that row's request: the step's other rows
+    committed their tokens as usual, and their chunks are in :attr:`chunks`.
 
     Attributes:
-        request_ids: the requests whose sequences were in the failed step (now aborted).
-        cause: the original exception.
+        request_ids: the aborted requests.
+        cause: the (first) original exception.
+        chunks: the step's chunks for every request not aborted, to deliver as
+            :meth:`LLMEngine.step` would have returned them.
     """
 
-    def __init__(self, request_ids: list[str], cause: BaseException):
+    def __init__(self, request_ids: list[str], cause: BaseException,
+                 chunks: list[GenerationChunk] | None = None):
         super().__init__(f"engine step failed for {len(request_ids)} request(s): "
                          f"{type(cause).__name__}: {cause}")
         self.request_ids = request_ids
         self.cause = cause
+        self.chunks = chunks or []
 
 
 @dataclass
@@ -94,6 +103,36 @@ class EngineCounters:
     decode_tokens: int = 0
     batch_sizes: Counter = field(default_factory=Counter)
     spec: SpecUsage = field(default_factory=SpecUsage)
+
+
+@dataclass
+class StepRows:
+    """A computed step's outputs, per row of its batch.
+
+    Attributes:
+        logits: ``[N, V]`` float32: each row's ``num_logits[i]`` rows, in batch order.
+        num_logits: logit rows per batch row.
+        starts: each row's computed tokens before the step.
+        samples: whether each row samples (or verifies) this step.
+        masks: per constrained row that samples, its position masks, or the exception its
+            matcher raised.
+        elapsed: the forward pass's seconds.
+    """
+
+    logits: torch.Tensor
+    num_logits: list[int]
+    starts: list[int]
+    samples: list[bool]
+    masks: dict[int, list[PositionMask] | Exception]
+    elapsed: float
+    offsets: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.offsets = [0, *accumulate(self.num_logits)]
+
+    def of(self, i: int) -> torch.Tensor:
+        """Row ``i``'s logits, ``[num_logits[i], V]``."""
+        return self.logits[self.offsets[i]:self.offsets[i + 1]]
 
 
 class LLMEngine:
@@ -380,9 +419,11 @@ class LLMEngine:
         end mid-prompt commit nothing; a verification step may commit several tokens).
 
         Raises:
-            StepFailedError: the forward pass, commit or sampling raised. Every request with a
-                sequence in this step's batch is aborted (its blocks freed) and named in the
-                error; every other request is untouched and the engine keeps serving.
+            StepFailedError: the forward pass or the block commit raised, and every request
+                with a sequence in this step's batch is aborted (its blocks freed) and named
+                in the error; or one row's mask, sampling or commit raised, and only that
+                row's request is aborted, the error carrying the other rows' chunks. Every
+                request not named is untouched and the engine keeps serving.
         """
         self._claim_cores()
         drafted = self._propose()
@@ -393,6 +434,8 @@ class LLMEngine:
             self.request_metrics.scheduled(batch.seqs)
             try:
                 return self._run_batch(batch)
+            except StepFailedError:
+                raise
             except Exception as exc:
                 raise StepFailedError(self._abort_batch(batch), exc) from exc
         finally:
@@ -448,30 +491,62 @@ class LLMEngine:
             self.block_manager.observe_prefill(batch.num_tokens, elapsed)
         if all(n == 1 or seq.spec_token_ids for seq, n in _pairs(batch)):
             self.decode_steps.observe(batch.num_tokens, elapsed)
-        offsets = [0]
-        for n in num_logits:
-            offsets.append(offsets[-1] + n)
-        for i, seq in enumerate(batch.seqs):
-            if seq.wants_prompt_logprobs:
-                _record_prompt_logprobs(seq, logits[offsets[i]:offsets[i + 1]], starts[i])
         for seq, num_new in _pairs(batch):
             if not seq.spec_token_ids:  # a verification commits what it accepts, later
                 self.block_manager.commit(seq, num_new)
-        plain = [i for i, seq in enumerate(batch.seqs)
-                 if samples[i] and not seq.spec_token_ids and seq.sampling.max_tokens]
-        chunks = [self._end_at_prompt(seq) for seq, sampled in zip(batch.seqs, samples,
-                                                                   strict=True)
-                  if sampled and not seq.sampling.max_tokens]
-        if plain:
-            rows = [self._sampling_row(batch.seqs[i], masks.get(i, [None])[0]) for i in plain]
-            sampled = sample(logits[[offsets[i + 1] - 1 for i in plain]], rows, self._generator)
-            chunks += [self._append(batch.seqs[i], [token])
-                       for i, token in zip(plain, sampled, strict=True)]
-        for i, seq in enumerate(batch.seqs):
-            if seq.spec_token_ids:
-                chunks.append(self._verify(seq, logits[offsets[i]:offsets[i + 1]], elapsed,
-                                           masks.get(i)))
+        return self._commit_rows(batch.seqs, StepRows(logits, num_logits, starts, samples,
+                                                      masks, elapsed))
+
+    def _commit_rows(self, seqs: list[Sequence], rows: StepRows) -> list[GenerationChunk]:
+        """Each row's share of a computed step: prompt logprobs, then its sampled token or
+        verified drafts committed. A row whose mask, sampling or commit raises fails alone.
+
+        Raises:
+            StepFailedError: some rows failed (their requests aborted; every other row's
+                chunk carried in the error).
+        """
+        failed = {i: mask for i, mask in rows.masks.items() if isinstance(mask, Exception)}
+        _each_row(failed, [i for i, seq in enumerate(seqs) if seq.wants_prompt_logprobs],
+                  lambda i: _record_prompt_logprobs(seqs[i], rows.of(i), rows.starts[i]))
+        sampled = [i for i, seq in enumerate(seqs) if rows.samples[i] and i not in failed]
+        chunks = _each_row(failed, [i for i in sampled if not seqs[i].sampling.max_tokens],
+                           lambda i: self._end_at_prompt(seqs[i]))
+        plain = [i for i in sampled if not seqs[i].spec_token_ids and seqs[i].sampling.max_tokens]
+        tokens = dict(zip(plain, self._sample_rows(rows, plain, seqs), strict=True))
+        failed |= {i: token for i, token in tokens.items() if isinstance(token, Exception)}
+        chunks += _each_row(failed, plain, lambda i: self._append(seqs[i], [tokens[i]]))
+        chunks += _each_row(failed, [i for i in sampled if seqs[i].spec_token_ids],
+                            lambda i: self._verify(seqs[i], rows.of(i), rows.elapsed,
+                                                   rows.masks.get(i)))
+        if failed:
+            error = self._abort_rows(seqs, failed, chunks)
+            raise error from error.cause
         return chunks
+
+    def _sample_rows(self, rows: StepRows, plain: list[int],
+                     seqs: list[Sequence]) -> list[SampledToken | Exception]:
+        """One token for each ``plain`` row, sampled in one call; if that call raises, row by
+        row, so that a row that fails alone fails alone (its entry is its exception)."""
+        if not plain:
+            return []
+        params = [self._sampling_row(seqs[i], rows.masks.get(i, [None])[0]) for i in plain]
+        last = [rows.offsets[i + 1] - 1 for i in plain]
+        try:
+            return list(sample(rows.logits[last], params, self._generator))
+        except Exception:
+            log.exception("sampling %d rows failed; sampling them one at a time", len(plain))
+        return [_or_exception(lambda r=r, p=p: sample(rows.logits[[r]], [p], self._generator)[0])
+                for r, p in zip(last, params, strict=True)]
+
+    def _abort_rows(self, seqs: list[Sequence], failed: dict[int, Exception],
+                    chunks: list[GenerationChunk]) -> StepFailedError:
+        """Aborts the requests of the ``failed`` rows (every choice of theirs) and returns the
+        error that names them, carrying the step's chunks for every other request."""
+        request_ids = list(dict.fromkeys(seqs[i].request.request_id for i in sorted(failed)))
+        for request_id in request_ids:
+            self.abort(request_id)
+        kept = [chunk for chunk in chunks if chunk.request_id not in request_ids]
+        return StepFailedError(request_ids, failed[min(failed)], kept)
 
     def _end_at_prompt(self, seq: Sequence) -> GenerationChunk:
         """Ends a request that only scores its prompt (``max_tokens`` 0) once the prompt is
@@ -731,6 +806,31 @@ def _record_prompt_logprobs(seq: Sequence, logits: torch.Tensor, start: int) -> 
     seq.prompt_logprobs += prompt_logprobs(logits[first - start:end - start],
                                            seq.token_ids[first + 1:end + 1],
                                            seq.sampling.prompt_logprobs)
+
+
+def _each_row(failed: dict[int, Exception], rows: list[int],
+              work: Callable[[int], GenerationChunk | None]) -> list[GenerationChunk]:
+    """``work(i)`` for each row not yet ``failed``; the chunks it returns, in order. A row
+    whose work raises is entered in ``failed`` and skipped by every later stage of the step."""
+    chunks = []
+    for i in rows:
+        if i in failed:
+            continue
+        try:
+            chunk = work(i)
+        except Exception as exc:
+            failed[i] = exc
+            continue
+        if chunk is not None:
+            chunks.append(chunk)
+    return chunks
+
+
+def _or_exception(work: Callable[[], SampledToken]) -> SampledToken | Exception:
+    try:
+        return work()
+    except Exception as exc:
+        return exc
 
 
 def _pairs(batch: ScheduledBatch):

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 from helpers import greedy, output_ids, random_prompt
 
+import workers.engine as engine_module
 from contract.request import GenerationChunk, GenerationRequest
 from workers.async_engine import AsyncEngine, EngineDeadError
 from workers.engine import StepFailedError
@@ -64,6 +65,74 @@ def test_a_failed_step_aborts_only_its_batch(tiny_qwen, make_engine):
     assert_pool_at_rest(engine)
 
 
+def fail_row(engine, monkeypatch, request_id: str, stage: str, after_calls: int = 2) -> None:
+    """Make one row's work after the forward pass raise for ``request_id`` once it has run
+    ``after_calls`` times: sampling it (``"sample"``: every sampling call holding its row
+    raises from then on, the batched call and its own) or committing its token
+    (``"commit"``)."""
+    state = {"calls": 0}
+
+    def failing(seq_request_id: str) -> bool:
+        if seq_request_id == request_id:
+            state["calls"] += 1
+        return state["calls"] > after_calls and seq_request_id == request_id
+
+    if stage == "sample":
+        real = engine_module.sample
+        victim = {seq.request.request_id: seq for seq in engine._seqs.values()}[request_id]
+
+        def flaky_sample(logits, rows, generator):
+            if any(failing(request_id) for row in rows if row.params is victim.sampling):
+                raise RuntimeError("injected row fault")
+            return real(logits, rows, generator)
+
+        monkeypatch.setattr(engine_module, "sample", flaky_sample)
+    else:
+        append = engine._append
+
+        def flaky_append(seq, sampled, accepted_drafts=None):
+            if failing(seq.request.request_id):
+                raise RuntimeError("injected row fault")
+            return append(seq, sampled, accepted_drafts)
+
+        engine._append = flaky_append
+
+
+@pytest.mark.parametrize("stage", ["sample", "commit"])
+def test_a_failed_row_aborts_only_its_request(tiny_qwen, make_engine, monkeypatch, stage):
+    """A row that fails after the forward pass (its sampling, its commit) aborts its own
+    request; the rows beside it in that step commit their tokens, delivered with the error,
+    and every other request finishes as if nothing happened."""
+    requests = [greedy("bad", random_prompt(1, 40), 12, ignore_eos=True),
+                greedy("mate", random_prompt(2, 30), 12, ignore_eos=True),
+                greedy("choices", random_prompt(3, 35), 12, ignore_eos=True, n=2)]
+    reference = make_engine(tiny_qwen, num_blocks=64).generate(requests)
+    engine = make_engine(tiny_qwen, num_blocks=64)
+    for request in requests:
+        engine.add_request(request)
+    fail_row(engine, monkeypatch, "bad", stage)
+    chunks: dict[str, list[GenerationChunk]] = {r.request_id: [] for r in requests}
+    failures = []
+    while engine.has_work():
+        try:
+            step = engine.step()
+        except StepFailedError as error:
+            failures.append(error)
+            step = error.chunks
+        for chunk in step:
+            chunks[chunk.request_id].append(chunk)
+    assert [error.request_ids for error in failures] == [["bad"]]
+    assert "injected row fault" in str(failures[0])
+    assert {chunk.request_id for chunk in failures[0].chunks} == {"mate", "choices"}
+    assert len(output_ids(chunks["bad"])) == 2  # its two tokens before the fault
+    for rid in ("mate", "choices"):
+        for index in {chunk.index for chunk in reference[rid]}:
+            assert output_ids(c for c in chunks[rid] if c.index == index) == output_ids(
+                c for c in reference[rid] if c.index == index)
+    assert engine.sequence("bad") is None
+    assert_pool_at_rest(engine)
+
+
 async def collect(engine: AsyncEngine, request: GenerationRequest) -> list[GenerationChunk]:
     return [chunk async for chunk in engine.generate(request)]
 
@@ -91,6 +160,24 @@ async def test_a_failed_step_fails_only_its_streams(tiny_qwen, make_engine):
             collect(async_engine, greedy("again", random_prompt(4, 20), ignore_eos=True)), 60)
         assert output_ids(again) == output_ids(make_engine(tiny_qwen, num_blocks=64).generate(
             [greedy("again", random_prompt(4, 20), ignore_eos=True)])["again"])
+        assert_pool_at_rest(engine)
+    finally:
+        async_engine.shutdown()
+
+
+async def test_a_failed_row_fails_only_its_stream(tiny_qwen, make_engine, monkeypatch):
+    requests = [greedy("bad", random_prompt(1, 40), 12, ignore_eos=True),
+                greedy("mate", random_prompt(2, 30), 12, ignore_eos=True)]
+    reference = make_engine(tiny_qwen, num_blocks=64).generate(requests)
+    engine = make_engine(tiny_qwen, num_blocks=64)
+    fail_row(engine, monkeypatch, "bad", "commit")
+    async_engine = AsyncEngine(engine)
+    try:
+        bad, mate = await asyncio.wait_for(asyncio.gather(
+            *(collect(async_engine, r) for r in requests), return_exceptions=True), 60)
+        assert isinstance(bad, RuntimeError) and "injected row fault" in str(bad)
+        assert output_ids(mate) == output_ids(reference["mate"])  # its chunk of that step too
+        async_engine.check_health()
         assert_pool_at_rest(engine)
     finally:
         async_engine.shutdown()

@@ -19,7 +19,7 @@ from contract.request import (
     SamplingParams,
     StructuredOutput,
 )
-from workers.engine import LLMEngine
+from workers.engine import LLMEngine, StepFailedError
 from workers.speculative.config import SpeculativeConfig
 from workers.structured.step_masks import StepMasks
 
@@ -114,6 +114,46 @@ def test_max_tokens_cuts_a_constrained_output_at_a_prefix_of_the_grammar(engine,
     assert cut[-1].finish_reason == "length" and len(output_ids(cut)) == 6
     assert output_ids(cut) == output_ids(chunks["whole"])[:6]
     assert chunks["whole"][-1].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("method", ["masks_along", "consume"])
+def test_a_constraint_failing_mid_step_fails_its_request_alone(engine, smollm, method):
+    """A matcher that raises mid-step (computing its row's masks, or taking a committed token:
+    a defect either way) aborts its own request only; a constrained and a free row decoding
+    beside it, drafts verified, finish with their reference outputs."""
+    prompt = chat(smollm.tokenizer, "Describe one example as a JSON object.")
+    structured = StructuredOutput("json", json.dumps(SCHEMAS["order"]))
+    requests = [constrained(rid, prompt, spec)
+                for rid, spec in (("bad", structured), ("good", structured), ("free", None))]
+    reference = engine.generate(requests)
+    for request in requests:
+        engine.add_request(request)
+    matcher, calls = engine.sequence("bad").grammar, {"n": 0}
+    working = getattr(matcher, method)
+
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise RuntimeError("injected matcher fault")
+        return working(*args, **kwargs)
+
+    setattr(matcher, method, failing)
+    chunks = {request.request_id: [] for request in requests}
+    failures = []
+    while engine.has_work():
+        try:
+            step = engine.step()
+        except StepFailedError as error:
+            failures.append(error)
+            step = error.chunks
+        for chunk in step:
+            chunks[chunk.request_id].append(chunk)
+    assert [error.request_ids for error in failures] == [["bad"]]
+    assert "injected matcher fault" in str(failures[0].cause)
+    for rid in ("good", "free"):
+        assert output_ids(chunks[rid]) == output_ids(reference[rid])
+        assert chunks[rid][-1].finish_reason == reference[rid][-1].finish_reason
+    assert engine.pool.num_in_use == 0 and not engine.has_work()
 
 
 @pytest.mark.parametrize(("spec", "reason"), [
@@ -442,10 +482,10 @@ def test_a_small_budget_that_fits_the_call_leaves_the_model_free(engine, smollm)
     assert chunks["small"][-1].finish_reason == "stop"
 
 
-def test_masks_beside_the_forward_pass_equal_inline_and_raise_where_read(engine, smollm):
+def test_masks_beside_the_forward_pass_equal_inline_and_fail_per_row(engine, smollm):
     """A step's masks on the helper thread are the masks the engine's thread computes, for a
-    plain row and a verification's positions; a matcher's error reaches whoever reads the
-    result, after the job has settled."""
+    plain row and a verification's positions; a matcher's error is its row's entry, and the
+    other rows still get their masks."""
     structured = StructuredOutput("json", json.dumps(SCHEMAS["order"]))
     drafts = smollm.tokenizer.encode('{"id": "ORD-', add_special_tokens=False)
     masks = StepMasks()
@@ -454,11 +494,13 @@ def test_masks_beside_the_forward_pass_equal_inline_and_raise_where_read(engine,
         matchers = [engine.grammars.matcher(structured) for _ in range(2)]
         job = {0: (matchers[0], [], 100), 3: (matchers[1], drafts, 100)}
         results[beside] = masks.start(job, lambda beside=beside: beside).result()
-        bad = {1: (engine.grammars.matcher(structured), smollm.tokenizer.encode("x"), 100)}
+        bad = {1: (engine.grammars.matcher(structured), smollm.tokenizer.encode("x"), 100),
+               2: (engine.grammars.matcher(structured), [], 100)}
         pending = masks.start(bad, lambda beside=beside: beside)
         StepMasks.settle(pending)
-        with pytest.raises(RuntimeError, match="rejected token"):
-            pending.result()
+        failed = pending.result()
+        assert isinstance(failed[1], RuntimeError) and "rejected token" in str(failed[1])
+        assert torch.equal(failed[2][0].allowed, results[beside][0][0].allowed)
     assert [len(results[True][row]) for row in (0, 3)] == [1, len(drafts) + 1]
     for row in (0, 3):
         for one, other in zip(results[True][row], results[False][row], strict=True):

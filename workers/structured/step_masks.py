@@ -45,10 +45,10 @@ class StepMasks:
         self._thread: ThreadPoolExecutor | None = None
 
     def start(self, job: MaskJob, beside: Callable[[], bool]
-              ) -> Future[dict[int, list[PositionMask]]] | None:
+              ) -> Future[dict[int, list[PositionMask] | Exception]] | None:
         """Starts computing the masks of ``job``'s rows; None when it has none. The future's
         result maps each row to :meth:`GrammarMatcher.masks_along` of its drafts: ``len(drafts)
-        + 1`` position masks. It raises what a matcher raised.
+        + 1`` position masks, or to the exception its matcher raised.
 
         Args:
             job: the step's constrained rows.
@@ -63,11 +63,8 @@ class StepMasks:
             if self._thread is None:
                 self._thread = ThreadPoolExecutor(1, thread_name_prefix="nalar-masks")
             return self._thread.submit(_masks, job)
-        done: Future[dict[int, list[PositionMask]]] = Future()
-        try:
-            done.set_result(_masks(job))
-        except Exception as exc:  # raised where the caller reads the result, as a thread's
-            done.set_exception(exc)
+        done: Future[dict[int, list[PositionMask] | Exception]] = Future()
+        done.set_result(_masks(job))
         return done
 
     @staticmethod
@@ -78,6 +75,11 @@ class StepMasks:
             wait([pending])
 
 
-def _masks(job: MaskJob) -> dict[int, list[PositionMask]]:
-    return {row: matcher.masks_along(drafts, budget)
-            for row, (matcher, drafts, budget) in job.items()}
+def _masks(job: MaskJob) -> dict[int, list[PositionMask] | Exception]:
+    masks: dict[int, list[PositionMask] | Exception] = {}
+    for row, (matcher, drafts, budget) in job.items():
+        try:
+            masks[row] = matcher.masks_along(drafts, budget)
+        except Exception as exc:  # this row fails alone; the step's others go on
+            masks[row] = exc
+    return masks
