@@ -351,7 +351,8 @@ class _GenerationBody(_StrictModel):
 
     ``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``stop_token_ids``,
     ``ignore_eos``, ``include_stop_str_in_output``, ``cache_salt``, ``truncate_prompt_tokens``
-    (keep the prompt's last k tokens), ``request_id`` (the answer's ``id`` becomes
+    (keep the prompt's last k tokens; -1: as many as the context leaves beside the output,
+    :func:`router.api.prompts.kept_prompt_tokens`), ``request_id`` (the answer's ``id`` becomes
     ``<prefix>-<request_id>``), ``prompt_logprobs`` (each prompt token's logprob, its rank
     and this many alternatives; never streamed), ``return_token_ids`` (the prompt's and the
     output's token ids in the answer), ``return_tokens_as_token_ids`` (logprobs name each
@@ -388,7 +389,7 @@ class _GenerationBody(_StrictModel):
     cache_salt: str | None = Field(default=None, min_length=1)
     user: str | None = None
     safety_identifier: str | None = None
-    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     request_id: str | None = Field(default=None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)
     priority: int | None = None
     metadata: dict[str, str] | None = None
@@ -431,6 +432,15 @@ class _GenerationBody(_StrictModel):
             raise PydanticCustomError("invalid_value",
                                       "prompt_logprobs cannot be streamed; send stream: false")
         return count
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keeps_some_tokens(cls, keep: int | None) -> int | None:
+        if keep == 0:  # vLLM's range has it, but a prompt of no tokens is refused anyway
+            raise PydanticCustomError(
+                "invalid_value", "truncate_prompt_tokens keeps the prompt's last k tokens: "
+                "k >= 1, or -1 for as many as the context leaves beside the output")
+        return keep
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -31,6 +31,7 @@ from router.api.prompts import (
     chat_template_ids,
     check_template_kwargs,
     checked_ids,
+    kept_prompt_tokens,
     longest_token_characters,
     refuse_beyond_context,
     refuse_unpaired_surrogates,
@@ -234,9 +235,10 @@ class JobBuilder:
             tenant=tenant_from_api_key(bearer_key(authorization), self.backend.namespace_secret),
             cache_salt=body.cache_salt,
         )
+        keep_last = kept_prompt_tokens(body.truncate_prompt_tokens, max_tokens,
+                                       self.backend.max_model_len)
         token_ids, digests = await anyio.to_thread.run_sync(
-            self._tokens_and_digests, tokenize, body.truncate_prompt_tokens, namespace,
-            adapter, prompt_param)
+            self._tokens_and_digests, tokenize, keep_last, namespace, adapter, prompt_param)
         sampling = fit_context(sampling, len(token_ids), self.backend.max_model_len,
                                max_tokens is not None, prompt_param, max_param)
         if body.bad_words:

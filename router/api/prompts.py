@@ -79,6 +79,16 @@ def refuse_beyond_context(characters: int, longest_token: int, max_model_len: in
             param, "context_length_exceeded")
 
 
+def kept_prompt_tokens(truncate_prompt_tokens: int | None, max_tokens: int | None,
+                       max_model_len: int) -> int | None:
+    """How many of the prompt's last tokens ``truncate_prompt_tokens`` keeps (None: all).
+    -1 keeps as many as the context leaves beside ``max_tokens`` output tokens, or beside one
+    where the request sets no ``max_tokens`` (vLLM's -1 is the context less the output)."""
+    if truncate_prompt_tokens != -1:
+        return truncate_prompt_tokens
+    return max(1, max_model_len - (1 if max_tokens is None else max_tokens))
+
+
 def chat_template_ids(tokenizer: Any, messages: list[dict[str, Any]],
                       options: dict[str, Any]) -> list[int]:
     """Token ids of the chat template applied to ``messages``.

@@ -43,6 +43,19 @@ async def test_truncate_prompt_tokens_keeps_the_last_tokens(client, backend):
     assert backend.requests[1].token_ids == [1, 2, 3]
 
 
+@pytest.mark.parametrize(("max_tokens", "kept"), [(28, 100), (None, 127)])
+async def test_truncate_prompt_tokens_minus_one_keeps_what_the_context_leaves(
+        client, backend, max_tokens, kept):
+    """vLLM's -1: the prompt's last tokens, as many as the 128-token context holds beside the
+    output (beside one token where max_tokens is unset)."""
+    prompt = list(range(1, 301))
+    body = {"prompt": prompt, "truncate_prompt_tokens": -1, "max_tokens": max_tokens}
+    response = await client.post(COMPLETIONS, json=body)
+    assert response.status_code == 200, response.text
+    assert backend.requests[0].token_ids == prompt[-kept:]
+    assert backend.requests[0].sampling.max_tokens == 128 - kept
+
+
 async def test_truncate_prompt_tokens_applies_to_the_templated_chat(client, backend, tokenizer):
     response = await client.post(CHAT, json={"messages": HELLO, "truncate_prompt_tokens": 5})
     assert response.status_code == 200, response.text
@@ -291,6 +304,7 @@ async def test_refused_extension_is_a_400_naming_it(client, backend, path, field
 
 @pytest.mark.parametrize(("field", "value", "code"), [
     ("truncate_prompt_tokens", 0, "invalid_value"),
+    ("truncate_prompt_tokens", -2, "invalid_value"),
     ("request_id", "", "invalid_value"),
     ("request_id", "x" * 257, "invalid_value"),
     ("priority", "high", "invalid_type"),
