@@ -91,6 +91,9 @@ class SamplingParams:
             ``include_stop_str_in_output``.
         include_stop_str_in_output: end the text with the matched stop string (vLLM's
             extension); the text is then streamed without holding back what could start one.
+        skip_special_tokens: leave the tokenizer's special tokens out of the text (vLLM's
+            default); False writes them into it as their text (``<|im_start|>``). A stop
+            token (EOS among them) never enters the text either way.
         stop_token_ids: token ids that end generation (the model's EOS is added unless
             ``ignore_eos``); the stop token is not returned as text.
         ignore_eos: keep generating past the model's end-of-sequence token.
@@ -126,6 +129,7 @@ class SamplingParams:
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None

@@ -62,7 +62,6 @@ _GENERATION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_decoding_backend": ("auto", "guidance", "llguidance"),
     "guided_whitespace_pattern": (),
     "structural_tag": (),
-    "skip_special_tokens": (True,),
     "logits_processors": (),
     "use_beam_search": (False,),
     "mm_processor_kwargs": ({},),
@@ -75,7 +74,6 @@ _WHY_UNSUPPORTED: dict[str, str] = {
     "functions": "the deprecated functions API is not served; use tools",
     "function_call": "the deprecated functions API is not served; use tool_choice",
     "echo": "the prompt is echoed by /v1/completions only",
-    "skip_special_tokens": "special tokens are always left out of the text",
     "chat_template": "only the model's own chat template is used",
     "documents": "documents are not passed to the chat template",
     "add_special_tokens": "special tokens are added as the endpoint's default only",
@@ -356,8 +354,9 @@ class _GenerationBody(_StrictModel):
     ``<prefix>-<request_id>``), ``prompt_logprobs`` (each prompt token's logprob, its rank
     and this many alternatives; never streamed), ``return_token_ids`` (the prompt's and the
     output's token ids in the answer), ``return_tokens_as_token_ids`` (logprobs name each
-    token ``token_id:<id>``), ``allowed_token_ids`` (the only tokens the output may hold) and
-    ``bad_words`` (words it may not hold) are vLLM's extensions, spelled and meant as vLLM
+    token ``token_id:<id>``), ``allowed_token_ids`` (the only tokens the output may hold),
+    ``bad_words`` (words it may not hold) and ``skip_special_tokens`` (``false``: the special
+    tokens generated are in the text) are vLLM's extensions, spelled and meant as vLLM
     does. Ranges are checked by :meth:`contract.request.SamplingParams.validate`;
     ``logit_bias`` keys (token ids as strings, OpenAI's form) are parsed here and
     range-checked against the vocabulary by the app.
@@ -365,7 +364,8 @@ class _GenerationBody(_StrictModel):
     Accepted and ignored, because they never change the output: ``user`` and
     ``safety_identifier`` (end-user identifiers for abuse monitoring), ``metadata`` and
     ``store`` (nothing is stored), ``service_tier`` and ``priority`` (one tier, first come
-    first served), ``spaces_between_special_tokens`` (special tokens are never in the text).
+    first served), ``spaces_between_special_tokens`` (the text is the tokenizer's stream
+    decoding, as with vLLM's default ``true``).
     """
 
     model: str | None = None
@@ -406,7 +406,7 @@ class _GenerationBody(_StrictModel):
     structural_tag: Any = None
     structured_outputs: Any = None
     include_stop_str_in_output: bool | None = None
-    skip_special_tokens: Any = None
+    skip_special_tokens: bool | None = None
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None

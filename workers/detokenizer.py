@@ -9,9 +9,14 @@ needs holding back: the text streams as it comes, and ends with the stop string.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from tokenizers.decoders import DecodeStream
+
+PROMPT_CONTEXT_TOKENS = 8
+"""Prompt tokens the stream starts after: enough for any decoder's view of "what came
+before" (a leading space, a word piece's joint, a character's bytes)."""
 
 
 class IncrementalDetokenizer:
@@ -24,12 +29,23 @@ class IncrementalDetokenizer:
         min_tokens: stop strings are looked for only once more than this many tokens were
             added, and only ending in text added since (vLLM's ``min_tokens`` semantics).
         include_stop: end the text after the matched stop string instead of before it.
+        skip_special_tokens: leave special tokens out of the text.
+        prompt_ids: the prompt's token ids. The stream starts after its last
+            :data:`PROMPT_CONTEXT_TOKENS`, as vLLM's starts after the prompt: a decoder that
+            strips a text's leading space (SentencePiece's Metaspace: Llama 2, Mistral) would
+            otherwise take it from the first output token (" Paris" after "The capital of
+            France is" coming out as "Paris"). Not where they end mid-character: the stream
+            would then give their pending bytes as the output's first text.
     """
 
     def __init__(self, tokenizer: Any, stop: list[str], min_tokens: int = 0,
-                 include_stop: bool = False):
+                 include_stop: bool = False, skip_special_tokens: bool = True,
+                 prompt_ids: Sequence[int] = ()):
         self._backend = tokenizer._tokenizer
-        self._stream = DecodeStream(skip_special_tokens=True)
+        context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
+        if context and self._backend.decode(context, skip_special_tokens).endswith("\ufffd"):
+            context = []
+        self._stream = DecodeStream(ids=context or None, skip_special_tokens=skip_special_tokens)
         self._stop = stop
         self._min_tokens = min_tokens
         self._include_stop = include_stop

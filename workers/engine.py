@@ -344,7 +344,8 @@ class LLMEngine:
             self._seqs[seq.request_id] = seq
             self._detokenizers[seq.request_id] = IncrementalDetokenizer(
                 self.tokenizer, request.sampling.stop, request.sampling.min_tokens,
-                request.sampling.include_stop_str_in_output)
+                request.sampling.include_stop_str_in_output,
+                request.sampling.skip_special_tokens, request.token_ids)
             choices.append(seq)
         self._choices.add(request.request_id, choices)
         for seq in choices:

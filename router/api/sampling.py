@@ -51,6 +51,7 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens:
         min_tokens=min_tokens,
         stop=list(body.stop or []),
         include_stop_str_in_output=bool(body.include_stop_str_in_output),
+        skip_special_tokens=body.skip_special_tokens is not False,
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=bool(body.ignore_eos),
         logprobs=body.logprobs_count(),

@@ -212,15 +212,15 @@ async def test_vllm_sampling_extensions_reach_the_worker(client, backend):
     body = {"messages": HELLO, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1,
             "min_tokens": 2, "ignore_eos": True, "max_completion_tokens": 8,
             "stop_token_ids": [2], "seed": 3, "stop": ["\n"], "include_stop_str_in_output": True,
-            "allowed_token_ids": [5, 6]}
+            "allowed_token_ids": [5, 6], "skip_special_tokens": False}
     response = await client.post(CHAT, json=body)
     assert response.status_code == 200, response.text
     sampling = backend.requests[0].sampling
     assert (sampling.top_k, sampling.min_p, sampling.repetition_penalty, sampling.min_tokens,
             sampling.ignore_eos, sampling.max_tokens, sampling.stop_token_ids, sampling.seed,
-            sampling.stop, sampling.include_stop_str_in_output,
-            sampling.allowed_token_ids) == (20, 0.05, 1.1, 2, True, 8, [2], 3, ["\n"], True,
-                                            [5, 6])
+            sampling.stop, sampling.include_stop_str_in_output, sampling.allowed_token_ids,
+            sampling.skip_special_tokens) == (20, 0.05, 1.1, 2, True, 8, [2], 3, ["\n"], True,
+                                              [5, 6], False)
 
 
 # -- output constraints: every spelling reaches the worker as one StructuredOutput ------------
@@ -277,7 +277,6 @@ REFUSED = [
     (CHAT, "functions", [{"name": "f"}]),
     (CHAT, "structural_tag", "{}"),
     (CHAT, "guided_decoding_backend", "xgrammar"),
-    (CHAT, "skip_special_tokens", False),
     (CHAT, "logits_processors", ["my.Processor"]),
     (CHAT, "use_beam_search", True),
     (CHAT, "echo", True),

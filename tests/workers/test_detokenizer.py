@@ -201,3 +201,48 @@ def test_engine_returns_an_included_stop_string(smollm, make_engine):
     assert [c.text for c in chunks] == [" Paris", ".", "\n", "\n", "The"]
     assert chunks[-1].finish_reason == "stop"
     assert engine.pool.num_in_use == 0
+
+
+def metaspace_tokenizer():
+    """A SentencePiece-style tokenizer (Llama 2, Mistral): its Metaspace decoder strips the
+    leading space of a text's first token."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "▁The", "▁capital", "▁is", "▁Paris", "."]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+
+
+def test_the_first_output_token_keeps_its_space_after_the_prompt():
+    """Started after the prompt, as vLLM's stream is, a Metaspace decoder keeps " Paris"
+    whole; started alone it would strip its space, and a client that joins prompt and
+    completion would read "The capital isParis."."""
+    tokenizer = metaspace_tokenizer()
+    prompt, output = [1, 2, 3], [4, 5]
+    assert tokenizer.decode(output) == "Paris."  # the first token of a text loses its space
+    detok = IncrementalDetokenizer(tokenizer, [], prompt_ids=prompt)
+    assert [detok.add(t) for t in output] == [" Paris", "."]
+    assert tokenizer.decode(prompt) + " Paris." == tokenizer.decode(prompt + output)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens_are_in_the_text_only_when_not_skipped(smollm_tokenizer, ids, skip):
+    special = smollm_tokenizer.convert_tokens_to_ids("<|im_start|>")
+    tokens = [ids[0], special, ids[1], special]
+    detok = IncrementalDetokenizer(smollm_tokenizer, [], skip_special_tokens=skip,
+                                   prompt_ids=[special, ids[2]])
+    text = "".join(detok.add(t) for t in tokens) + detok.flush()
+    assert text == smollm_tokenizer.decode(tokens, skip_special_tokens=skip)
+    assert text == ("Hello world" if skip else "Hello<|im_start|> world<|im_start|>")
+
+
+def test_a_prompt_ending_mid_character_gives_none_of_its_bytes_to_the_output(smollm_tokenizer):
+    """The last prompt tokens hold the first bytes of a four-byte character: the stream starts
+    afresh rather than emit the prompt's pending bytes as the output's first text."""
+    clef = smollm_tokenizer.encode("𝄞", add_special_tokens=False)
+    assert len(clef) == 3 and smollm_tokenizer.decode(clef[:2]) == "\ufffd"
+    hello = smollm_tokenizer.encode("Hello", add_special_tokens=False)
+    detok = IncrementalDetokenizer(smollm_tokenizer, [], prompt_ids=hello + clef[:2])
+    assert "".join(detok.add(t) for t in hello) + detok.flush() == "Hello"

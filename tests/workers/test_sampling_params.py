@@ -215,6 +215,16 @@ def test_waiting_siblings_do_not_block_unrelated_requests(tiny_qwen, make_engine
     assert engine.counters.batch_sizes[4] == 1
 
 
+@pytest.mark.parametrize(("skip", "text"), [(True, ""), (False, "<|im_start|>" * 3)])
+def test_special_tokens_reach_the_text_only_when_not_skipped(tiny_qwen, make_engine, skip, text):
+    engine = make_engine(tiny_qwen, num_blocks=32)
+    special = engine.tokenizer.convert_tokens_to_ids("<|im_start|>")  # not a stop token
+    chunks = run(engine, SamplingParams(temperature=0.0, max_tokens=3, allowed_token_ids=[special],
+                                        skip_special_tokens=skip))
+    assert tokens(chunks) == [special] * 3
+    assert "".join(chunk.text for chunk in chunks) == text
+
+
 def test_allowed_token_ids_restrict_greedy_and_sampled_output(tiny_qwen, make_engine):
     engine = make_engine(tiny_qwen, num_blocks=32)
     allowed = [321, 400, 777]
