@@ -41,7 +41,6 @@ _CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "reasoning_effort": (),
     "verbosity": (),
     # vLLM's chat extensions.
-    "echo": (False,),
     "add_special_tokens": (False,),
     "chat_template": (),
     "documents": ([],),
@@ -73,7 +72,6 @@ _GENERATION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 _WHY_UNSUPPORTED: dict[str, str] = {
     "functions": "the deprecated functions API is not served; use tools",
     "function_call": "the deprecated functions API is not served; use tool_choice",
-    "echo": "the prompt is echoed by /v1/completions only",
     "chat_template": "only the model's own chat template is used",
     "documents": "documents are not passed to the chat template",
     "add_special_tokens": "special tokens are added as the endpoint's default only",
@@ -481,7 +479,11 @@ class _GenerationBody(_StrictModel):
 
 
 class ChatCompletionRequest(_GenerationBody):
-    """Body of ``POST /v1/chat/completions``."""
+    """Body of ``POST /v1/chat/completions``.
+
+    ``echo`` (vLLM's): each choice's content begins with the last message's, when that
+    message is the assistant's (a turn the answer continues, ``continue_final_message``).
+    """
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
@@ -502,7 +504,7 @@ class ChatCompletionRequest(_GenerationBody):
     web_search_options: Any = None
     reasoning_effort: Any = None
     verbosity: Any = None
-    echo: Any = None
+    echo: bool | None = None
     add_special_tokens: Any = None
     chat_template: Any = None
     documents: Any = None

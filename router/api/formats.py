@@ -94,14 +94,20 @@ class ChatFormat:
 
     def opening(self) -> list[BaseModel]:
         """The first delta of each choice announces the assistant's turn: with empty content,
-        or none where the answer can only be tool calls (as OpenAI streams them). The very
-        first carries the prompt's token ids when asked (vLLM's ``prompt_token_ids``)."""
+        or none where the answer can only be tool calls (as OpenAI streams them); with
+        ``echo``, a delta of the echoed message follows (as vLLM streams it). The very first
+        carries the prompt's token ids when asked (vLLM's ``prompt_token_ids``)."""
         use = self.job.tool_use
         content = None if use and use.forced else ""
+        choices = range(self.job.request.sampling.n)
         events = [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant",
                                                                         content=content))])
-                  for i in range(self.job.request.sampling.n)]
+                  for i in choices]
         events[0].prompt_token_ids = _prompt_ids(self.job)
+        if self.job.echo:
+            events += [self._chunk([ChatChunkChoice(index=i,
+                                                    delta=ChatDelta(content=self.job.echo))])
+                       for i in choices]
         return events
 
     def text(self, chunk: GenerationChunk) -> list[BaseModel]:
@@ -159,14 +165,16 @@ class ChatFormat:
                                       prompt_token_ids=_prompt_ids(job))
 
     def _message(self, text: str, reason: str) -> dict:
-        """A whole choice's message and finish reason: text, or content and tool calls."""
+        """A whole choice's message and finish reason: text, or content and tool calls (the
+        echoed message first, with ``echo``)."""
         use = self.job.tool_use
         parser = use.parser() if use else None
+        echo = self.job.echo or ""
         if parser is None:
-            return {"message": AssistantMessage(content=text), "finish_reason": reason}
+            return {"message": AssistantMessage(content=echo + text), "finish_reason": reason}
         content, calls = parser.feed(text)
         rest, more = parser.close()
-        content, calls = content + rest, calls + more
+        content, calls = echo + content + rest, calls + more
         message = AssistantMessage(content=content or (None if calls else ""),
                                    tool_calls=[_tool_call(call) for call in calls] or None)
         return {"message": message, "finish_reason": _with_calls(reason, parser)}

@@ -64,8 +64,8 @@ class Job:
         prompt_logprobs: the alternatives per prompt token of the answer's vLLM
             ``prompt_logprobs``, as the client asked; None leaves them out (the worker may
             still compute prompt logprobs, and more alternatives, for an echo).
-        echo: the prompt's text, which begins each choice's text (completions' ``echo``);
-            None without echo.
+        echo: the text each choice's text begins with: a completion's prompt, or a chat's
+            last message when it is the assistant's (``echo``); None without echo.
         return_token_ids: put the prompt's and the output's token ids in the answer (vLLM's
             ``return_token_ids``).
         tokens_as_ids: logprobs name each token ``token_id:<id>`` instead of its text (vLLM's
@@ -137,8 +137,12 @@ class JobBuilder:
         """
         max_tokens, max_param = chat_max_tokens(body)
         tokenize, characters, tools = self.chat_prompt(body)
-        return await self._job(body, tokenize, "messages", max_tokens, max_param,
-                               authorization, "chatcmpl", characters, tools)
+        job = await self._job(body, tokenize, "messages", max_tokens, max_param,
+                              authorization, "chatcmpl", characters, tools)
+        last = body.messages[-1]
+        if body.echo and last.role == "assistant" and last.content:
+            job = replace(job, echo=last.content)
+        return job
 
     def chat_prompt(self, body: ChatCompletionRequest,
                     ) -> tuple[Callable[[], list[int]], int, ToolUse | None]:

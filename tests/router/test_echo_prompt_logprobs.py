@@ -125,6 +125,38 @@ async def test_a_streamed_echo_whose_choice_wrote_no_text_still_sends_the_prompt
     assert response.json()["choices"][0]["text"] == "The sky is"
 
 
+# -- chat echo --------------------------------------------------------------------------------
+
+CONTINUED = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi, I"}]
+CONTINUE = {"messages": CONTINUED, "add_generation_prompt": False,
+            "continue_final_message": True, "echo": True}
+
+
+async def test_chat_echo_begins_each_choice_with_the_continued_message(client, backend):
+    backend.script = two_choices  # choice 0 says "ABC", choice 1 "xy"
+    response = await client.post(CHAT, json={**CONTINUE, "n": 2})
+    assert response.status_code == 200, response.text
+    assert [c["message"]["content"] for c in response.json()["choices"]] == [
+        "Hi, IABC", "Hi, Ixy"]
+    streamed = sse_events(await client.post(CHAT, json={**CONTINUE, "n": 2, "stream": True}))
+    deltas = [(e["choices"][0]["index"], e["choices"][0]["delta"]) for e in streamed[:-1]]
+    # Each choice's role, then its echo, as vLLM streams them, then the output.
+    assert deltas[:4] == [(0, {"role": "assistant", "content": ""}),
+                          (1, {"role": "assistant", "content": ""}),
+                          (0, {"content": "Hi, I"}), (1, {"content": "Hi, I"})]
+    assert ["".join(d.get("content") or "" for i, d in deltas if i == index)
+            for index in (0, 1)] == ["Hi, IABC", "Hi, Ixy"]
+
+
+async def test_chat_echo_adds_nothing_after_a_users_message(client, backend):
+    response = await client.post(CHAT, json={"messages": HELLO, "echo": True})
+    assert response.json()["choices"][0]["message"]["content"] == "Hello world"
+    events = sse_events(await client.post(CHAT, json={"messages": HELLO, "echo": True,
+                                                     "stream": True}))
+    assert "".join(e["choices"][0]["delta"].get("content") or ""
+                   for e in events[:-1] if e["choices"]) == "Hello world"
+
+
 # -- echo with logprobs ----------------------------------------------------------------------
 
 

@@ -279,7 +279,6 @@ REFUSED = [
     (CHAT, "guided_decoding_backend", "xgrammar"),
     (CHAT, "logits_processors", ["my.Processor"]),
     (CHAT, "use_beam_search", True),
-    (CHAT, "echo", True),
     (CHAT, "add_special_tokens", True),
     (COMPLETIONS, "add_special_tokens", False),
     (CHAT, "chat_template", "{{ messages }}"),
