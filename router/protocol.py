@@ -111,11 +111,13 @@ def _quoted(text: str, limit: int = 40) -> str:
     return json.dumps(text[:limit]) + ("..." if len(text) > limit else "")
 
 
-def _refuse_unless_neutral(value: Any, name: str, neutral: tuple[Any, ...]) -> Any:
-    """Returns ``value`` if it asks for nothing; otherwise raises ``unsupported_parameter``."""
+def refuse_unless_neutral(value: Any, name: str, neutral: tuple[Any, ...],
+                          why: str | None = None) -> Any:
+    """Returns ``value`` if it asks for nothing (null, or one of ``neutral``); otherwise
+    raises ``unsupported_parameter``, saying ``why`` (by default, as this module records)."""
     if value is None or value in neutral:
         return value
-    why = _WHY_UNSUPPORTED.get(name)
+    why = why or _WHY_UNSUPPORTED.get(name)
     message = "{name} is not supported by this server" + (f" ({why})" if why else "")
     if neutral:
         message += "; the only value accepted is " + " or ".join(
@@ -296,7 +298,7 @@ class ChatMessage(_StrictModel):
     @field_validator(*_MESSAGE_UNSUPPORTED)
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        return _refuse_unless_neutral(value, info.field_name, _MESSAGE_UNSUPPORTED[info.field_name])
+        return refuse_unless_neutral(value, info.field_name, _MESSAGE_UNSUPPORTED[info.field_name])
 
     @model_validator(mode="after")
     def _tool_fields_fit_the_role(self) -> ChatMessage:
@@ -420,7 +422,7 @@ class _GenerationBody(_StrictModel):
     @classmethod
     def _unsupported_extension(cls, value: Any, info: ValidationInfo) -> Any:
         neutral = _GENERATION_UNSUPPORTED[info.field_name]
-        return _refuse_unless_neutral(value, info.field_name, neutral)
+        return refuse_unless_neutral(value, info.field_name, neutral)
 
     @field_validator("prompt_logprobs")
     @classmethod
@@ -520,7 +522,7 @@ class ChatCompletionRequest(_GenerationBody):
     @field_validator(*_CHAT_UNSUPPORTED)
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        return _refuse_unless_neutral(value, info.field_name, _CHAT_UNSUPPORTED[info.field_name])
+        return refuse_unless_neutral(value, info.field_name, _CHAT_UNSUPPORTED[info.field_name])
 
     @field_validator("tool_choice")
     @classmethod
@@ -594,7 +596,7 @@ class CompletionRequest(_GenerationBody):
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         neutral = _COMPLETION_UNSUPPORTED[info.field_name]
-        return _refuse_unless_neutral(value, info.field_name, neutral)
+        return refuse_unless_neutral(value, info.field_name, neutral)
 
     def logprobs_count(self) -> int | None:
         """Alternatives per token the worker is asked for; None when logprobs are off."""

@@ -30,7 +30,8 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
@@ -51,6 +52,7 @@ from router.api.disconnect import (
 )
 from router.api.formats import ChatFormat, CompletionFormat, Format
 from router.api.jobs import Job, JobBuilder, resolve_model
+from router.api.responses import ResponsesFormat, chat_request, parse_request, response_events
 from router.api.stream import collect, next_chunk, sse_events
 from router.api.token_strings import TokenStrings
 from router.api.tokenize import detokenize, tokenize
@@ -121,6 +123,19 @@ def build_openai_app(backend: ServingBackend, admission: Admission | None = None
         return await ingress.serve(
             admitted, lambda: ingress.jobs.completion_job(body, authorization),
             CompletionFormat, request.receive)
+
+    @app.post("/v1/responses", response_model=None)
+    async def responses(raw: dict[str, Any], request: Request) -> Response:
+        """OpenAI's Responses API over the chat path (:mod:`router.api.responses`); not
+        stored, streamed as the Responses events when ``stream``."""
+        body = parse_request(raw)
+        chat = chat_request(body)
+        admitted = ingress.admit(chat)
+        return await ingress.serve(
+            admitted, lambda: ingress.jobs.chat_job(chat, request.headers.get("authorization"),
+                                                    "resp"),
+            lambda job, token_strings: ResponsesFormat(job, token_strings, body),
+            request.receive, response_events)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
@@ -239,9 +254,11 @@ class _Ingress:
 
     async def serve(self, admitted: AdmittedStream, build_job: Callable[[], Awaitable[Job]],
                     format_for: Callable[[Job, TokenStrings], Format],
-                    receive: Receive) -> Response:
+                    receive: Receive, events: Callable[..., AsyncIterator[str]] = sse_events,
+                    ) -> Response:
         """Builds the admitted request's job, runs it on the backend and answers with JSON or
-        an SSE stream; ``admitted`` is closed on every path (by the stream when streaming)."""
+        an SSE stream (``events(job, fmt, first_chunk, chunks)``: chat's and completions' by
+        default); ``admitted`` is closed on every path (by the stream when streaming)."""
         try:
             job = await build_job()
         except BaseException:
@@ -259,7 +276,7 @@ class _Ingress:
             headers[WORKER_HEADER] = first.worker_id or "unknown"
             if job.stream:
                 response = ClosingStreamingResponse(
-                    sse_events(job, fmt, first, chunks), chunks, headers=headers)
+                    events(job, fmt, first, chunks), chunks, headers=headers)
                 streaming = True  # the response owns ``chunks`` from here on
                 return response
             tally = await unless_disconnected(receive, collect(job, first, chunks))

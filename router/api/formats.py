@@ -176,7 +176,7 @@ class ChatFormat:
         rest, more = parser.close()
         content, calls = echo + content + rest, calls + more
         message = AssistantMessage(content=content or (None if calls else ""),
-                                   tool_calls=[_tool_call(call) for call in calls] or None)
+                                   tool_calls=[tool_call(call) for call in calls] or None)
         return {"message": message, "finish_reason": _with_calls(reason, parser)}
 
     def _parser(self, index: int) -> CallParser | None:
@@ -196,7 +196,7 @@ class ChatFormat:
         for call in calls:
             number = self._calls_sent.get(index, 0)
             self._calls_sent[index] = number + 1
-            delta = DeltaToolCall(index=number, **_tool_call(call).model_dump())
+            delta = DeltaToolCall(index=number, **tool_call(call).model_dump())
             events.append(self._chunk([ChatChunkChoice(
                 index=index, delta=ChatDelta(tool_calls=[delta]))]))
         return events
@@ -424,7 +424,7 @@ def _ranked(entry: TokenLogprob, count: int, token_strings: TokenStringsFn,
     return result
 
 
-def _tool_call(call: ParsedCall) -> ToolCall:
+def tool_call(call: ParsedCall) -> ToolCall:
     """A parsed call as OpenAI returns it: a fresh id, the arguments as JSON text."""
     return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
                     function=FunctionCall(name=call.name, arguments=json.dumps(

@@ -126,9 +126,10 @@ class JobBuilder:
         with self._tokenizer_lock:
             return longest_token_characters(self.backend.tokenizer)
 
-    async def chat_job(self, body: ChatCompletionRequest, authorization: str | None) -> Job:
+    async def chat_job(self, body: ChatCompletionRequest, authorization: str | None,
+                       id_prefix: str = "chatcmpl") -> Job:
         """Validates a chat request and tokenizes it through the chat template, tools and
-        tool turns included (:mod:`router.api.tools`).
+        tool turns included (:mod:`router.api.tools`); its ids begin with ``id_prefix``.
 
         Raises:
             APIError: 400 naming the parameter at fault, 401 for a malformed
@@ -138,7 +139,7 @@ class JobBuilder:
         max_tokens, max_param = chat_max_tokens(body)
         tokenize, characters, tools = self.chat_prompt(body)
         job = await self._job(body, tokenize, "messages", max_tokens, max_param,
-                              authorization, "chatcmpl", characters, tools)
+                              authorization, id_prefix, characters, tools)
         last = body.messages[-1]
         if body.echo and last.role == "assistant" and last.content:
             job = replace(job, echo=last.content)

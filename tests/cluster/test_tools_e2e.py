@@ -139,3 +139,31 @@ def test_bad_tool_requests_are_400s_and_the_cluster_keeps_serving(client):
     again = client.chat.completions.create(model=model_name(client), messages=QUESTION,
                                            max_tokens=2)
     assert again.choices[0].finish_reason == "length"
+
+
+def test_the_responses_api_is_the_chat_turn_it_stands_for(client):
+    """A tool round trip through ``client.responses``: the call and the final answer are the
+    chat path's, greedy, for the same conversation."""
+    model, tool = model_name(client), {"type": "function", **WEATHER["function"]}
+    asked = {"model": model, "instructions": QUESTION[0]["content"], "tools": [tool],
+             "temperature": 0}
+    first = client.responses.create(input=QUESTION[1]["content"], tool_choice="required",
+                                    max_output_tokens=60, **asked)
+    [call] = first.output
+    assert (call.type, call.name, first.status) == ("function_call", "get_weather", "completed")
+    chat = client.chat.completions.create(model=model, messages=QUESTION, tools=[WEATHER],
+                                          tool_choice="required", temperature=0, max_tokens=60)
+    assert json.loads(call.arguments) == json.loads(
+        chat.choices[0].message.tool_calls[0].function.arguments)
+    second = client.responses.create(input=[
+        {"role": "user", "content": QUESTION[1]["content"]}, call,
+        {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees, sunny"}],
+        max_output_tokens=40, **asked)
+    answer = client.chat.completions.create(model=model, tools=[WEATHER], temperature=0,
+                                            max_tokens=40, messages=[*QUESTION, {
+        "role": "assistant", "content": None, "tool_calls": [{
+            "id": call.call_id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "18 degrees, sunny"}])
+    assert second.output_text == answer.choices[0].message.content
+    assert second.usage.input_tokens == answer.usage.prompt_tokens
