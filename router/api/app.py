@@ -52,7 +52,13 @@ from router.api.disconnect import (
 )
 from router.api.formats import ChatFormat, CompletionFormat, Format
 from router.api.jobs import Job, JobBuilder, resolve_model
-from router.api.responses import ResponsesFormat, chat_request, parse_request, response_events
+from router.api.responses import (
+    ResponsesFormat,
+    chat_request,
+    parse_request,
+    response_events,
+    responses_job,
+)
 from router.api.stream import collect, next_chunk, sse_events
 from router.api.token_strings import TokenStrings
 from router.api.tokenize import detokenize, tokenize
@@ -132,9 +138,9 @@ def build_openai_app(backend: ServingBackend, admission: Admission | None = None
         chat = chat_request(body)
         admitted = ingress.admit(chat)
         return await ingress.serve(
-            admitted, lambda: ingress.jobs.chat_job(chat, request.headers.get("authorization"),
-                                                    "resp"),
-            lambda job, token_strings: ResponsesFormat(job, token_strings, body),
+            admitted, lambda: responses_job(ingress.jobs.chat_job(
+                chat, request.headers.get("authorization"), "resp")),
+            lambda job, _: ResponsesFormat(job, body),
             request.receive, response_events)
 
     @app.get("/v1/models")

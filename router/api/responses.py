@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -33,12 +33,12 @@ from pydantic import (
 
 from contract.request import GenerationChunk
 from router.api.disconnect import close_stream
-from router.api.formats import ChatFormat, tool_call
+from router.api.formats import tool_call
 from router.api.jobs import Job
 from router.api.stream import finish_reason, next_chunk
-from router.api.token_strings import TokenStringsFn
+from router.api.tool_formats import ParsedCall
 from router.api.usage import Tally
-from router.errors import from_backend_exception, from_validation_errors, invalid_request
+from router.errors import APIError, from_backend_exception, from_validation_errors, invalid_request
 from router.protocol import ChatCompletionRequest, Usage, refuse_unless_neutral
 
 
@@ -262,17 +262,32 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate(
             {key: value for key, value in chat.items() if value is not None})
     except ValidationError as exc:
-        error = from_validation_errors(exc.errors())
-        param = error.param or ""
-        named = next((ours for theirs, ours in _PARAMS if param.startswith(theirs)), param)
-        error.message = f"{named}: {error.message.removeprefix(param + ': ')}"
-        error.param = named
-        raise error from None
+        raise in_responses_terms(from_validation_errors(exc.errors())) from None
+
+
+async def responses_job(job: Awaitable[Job]) -> Job:
+    """The chat job, its 400s naming the Responses parameters (:func:`in_responses_terms`)."""
+    try:
+        return await job
+    except APIError as exc:
+        raise in_responses_terms(exc) from None
 
 
 # Chat parameters and the Responses parameters a client set them through.
 _PARAMS = (("messages", "input"), ("tools", "tools"), ("tool_choice", "tool_choice"),
-           ("response_format", "text.format"), ("max_completion_tokens", "max_output_tokens"))
+           ("response_format", "text.format"), ("max_completion_tokens", "max_output_tokens"),
+           ("max_tokens", "max_output_tokens"))
+
+
+def in_responses_terms(error: APIError) -> APIError:
+    """``error`` naming the Responses parameter that set the chat parameter it names (the
+    conversation's ``messages`` are ``input``)."""
+    param = error.param
+    named = next((ours for theirs, ours in _PARAMS if param and param.startswith(theirs)), None)
+    if named is not None:
+        error.message = error.message.replace(param, named)
+        error.param = named
+    return error
 
 
 def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
@@ -310,7 +325,7 @@ def _response_format(text_format: TextFormat) -> dict[str, Any]:
             "json_schema": {key: value for key, value in schema.items() if value is not None}}
 
 
-class ResponsesFormat(ChatFormat):
+class ResponsesFormat:
     """A chat job's output as Responses output items, streamed as events or whole.
 
     The output is split into items as it comes: text goes to a message item (opened at its
@@ -319,9 +334,10 @@ class ResponsesFormat(ChatFormat):
     answer runs the same steps over the whole text, so both give the same items.
     """
 
-    def __init__(self, job: Job, token_strings: TokenStringsFn, body: ResponsesRequest):
-        super().__init__(job, token_strings)
+    def __init__(self, job: Job, body: ResponsesRequest):
+        self.job = job
         self.body = body
+        self._calls = job.tool_use.parser() if job.tool_use is not None else None
         self.items: list[dict[str, Any]] = []
         self._message: dict[str, Any] | None = None  # the open message item
         self._sequence = 0
@@ -339,19 +355,17 @@ class ResponsesFormat(ChatFormat):
 
     def text_events(self, text: str) -> list[str]:
         """The events of a piece of the output's text (calls completed by it included)."""
-        parser = self._parser(0)
         calls = []
-        if parser is not None:
-            text, calls = parser.feed(text)
+        if self._calls is not None:
+            text, calls = self._calls.feed(text)
         return self._text(text) + [event for call in calls for event in self._call(call)]
 
     def finish_events(self) -> list[str]:
         """What the parser held back, then the open message closed (an empty one where the
         output made no item at all)."""
-        parser = self._parser(0)
         events: list[str] = []
-        if parser is not None:
-            text, calls = parser.close()
+        if self._calls is not None:
+            text, calls = self._calls.close()
             events += self._text(text) + [event for call in calls
                                          for event in self._call(call)]
         if not self.items:
@@ -422,7 +436,7 @@ class ResponsesFormat(ChatFormat):
         return events + [self.event("response.output_item.done",
                                     output_index=self.items.index(message), item=message)]
 
-    def _call(self, call) -> list[str]:
+    def _call(self, call: ParsedCall) -> list[str]:
         """A completed call as a ``function_call`` item: added, its arguments, done."""
         events = self._close_message()
         parsed = tool_call(call)

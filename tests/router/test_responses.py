@@ -169,9 +169,12 @@ async def test_truncation_auto_keeps_the_last_tokens_that_fit(client, backend):
     ({"input": [{"type": "function_call", "call_id": "c1", "name": "f",
                  "arguments": "not json"}]}, "input", "invalid_value"),
     ({"max_output_tokens": 0}, "max_output_tokens", "invalid_value"),
+    ({"input": "word " * 400}, "input", "context_length_exceeded"),
+    ({"max_output_tokens": 500}, "max_output_tokens", "context_length_exceeded"),
     ({"tokens": 5}, "tokens", "unknown_parameter"),
 ])
 async def test_what_cannot_be_served_is_a_400_naming_it(client, backend, body, param, code):
     response = await client.post(RESPONSES, json={"input": "Hi", **body})
-    assert_error(response, 400, param, code)
+    error = assert_error(response, 400, param, code)
+    assert not any(chat in error["message"] for chat in ("messages", "max_completion_tokens"))
     assert backend.requests == []
