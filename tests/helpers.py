@@ -67,6 +67,25 @@ def output_ids(chunks: Iterable[GenerationChunk]) -> list[int]:
     return [token for chunk in chunks for token in chunk.token_ids]
 
 
+def step_through_failures(engine, requests: list[GenerationRequest],
+                          ) -> tuple[dict[str, list[GenerationChunk]], list]:
+    """Steps ``engine`` until it has no work, past steps in which some rows failed: each
+    request's chunks (those a ``StepFailedError`` carried included) and the errors, in order."""
+    from workers.engine import StepFailedError  # here: most tests need no torch
+
+    chunks: dict[str, list[GenerationChunk]] = {r.request_id: [] for r in requests}
+    failures = []
+    while engine.has_work():
+        try:
+            step = engine.step()
+        except StepFailedError as error:
+            failures.append(error)
+            step = error.chunks
+        for chunk in step:
+            chunks[chunk.request_id].append(chunk)
+    return chunks, failures
+
+
 def count_calls(monkeypatch: pytest.MonkeyPatch, owner: object,
                 names: Iterable[str]) -> dict[str, int]:
     """Wraps the methods ``names`` of ``owner`` (a class or module) for the test's duration;

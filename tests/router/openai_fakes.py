@@ -51,6 +51,18 @@ def chunk(request: GenerationRequest, text: str = "", finish: str | None = None,
                            len(request.token_ids), cached, completion, "worker-7")
 
 
+def scripted(*texts: str, finish: str = "stop") -> Script:
+    """A script answering with a token-less first chunk, then one chunk per text, the last
+    with ``finish``."""
+    def script(request: GenerationRequest) -> list[Any]:
+        pieces = [chunk(request)]
+        for n, text in enumerate(texts, 1):
+            pieces.append(chunk(request, text, finish if n == len(texts) else None,
+                                completion=n))
+        return pieces
+    return script
+
+
 def hello_world(request: GenerationRequest) -> list[Any]:
     """A token-less first chunk (as workers send), two text chunks, finished by a stop."""
     return [chunk(request), chunk(request, "Hello", completion=1),

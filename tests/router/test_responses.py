@@ -11,23 +11,13 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from openai_fakes import CHAT, WEATHER, FakeBackend, assert_error, chunk
+from openai_fakes import CHAT, WEATHER, FakeBackend, assert_error, scripted
 
 from router.api.app import build_openai_app
 
 RESPONSES = "/v1/responses"
 TOOL = {"type": "function", **WEATHER["function"]}  # the Responses spelling of WEATHER
 CALL = '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</tool_call>'
-
-
-def scripted(*texts: str, finish: str = "stop"):
-    def script(request):
-        pieces = [chunk(request)]
-        for n, text in enumerate(texts, 1):
-            pieces.append(chunk(request, text, finish if n == len(texts) else None,
-                                completion=n))
-        return pieces
-    return script
 
 
 @pytest.fixture

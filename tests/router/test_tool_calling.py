@@ -12,7 +12,15 @@ from typing import Any
 import llguidance
 import llguidance.hf
 import pytest
-from openai_fakes import CHAT, HELLO, WEATHER, FakeBackend, assert_error, chunk, sse_events
+from openai_fakes import (
+    CHAT,
+    HELLO,
+    WEATHER,
+    FakeBackend,
+    assert_error,
+    scripted,
+    sse_events,
+)
 
 from router.api.tool_formats import (
     HERMES,
@@ -187,16 +195,6 @@ TURN_2 = [{"role": "user", "content": "Weather in Paris?"},
               "id": "call_1", "type": "function",
               "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
           {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
-
-
-def scripted(*texts: str, finish: str = "stop"):
-    def script(request):
-        pieces = [chunk(request)]
-        for n, text in enumerate(texts, 1):
-            pieces.append(chunk(request, text, finish if n == len(texts) else None,
-                                completion=n))
-        return pieces
-    return script
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import threading
 from types import SimpleNamespace
 
 import pytest
-from helpers import greedy, output_ids, random_prompt
+from helpers import greedy, output_ids, random_prompt, step_through_failures
 
 import workers.engine as engine_module
 from contract.request import GenerationChunk, GenerationRequest
@@ -111,16 +111,7 @@ def test_a_failed_row_aborts_only_its_request(tiny_qwen, make_engine, monkeypatc
     for request in requests:
         engine.add_request(request)
     fail_row(engine, monkeypatch, "bad", stage)
-    chunks: dict[str, list[GenerationChunk]] = {r.request_id: [] for r in requests}
-    failures = []
-    while engine.has_work():
-        try:
-            step = engine.step()
-        except StepFailedError as error:
-            failures.append(error)
-            step = error.chunks
-        for chunk in step:
-            chunks[chunk.request_id].append(chunk)
+    chunks, failures = step_through_failures(engine, requests)
     assert [error.request_ids for error in failures] == [["bad"]]
     assert "injected row fault" in str(failures[0])
     assert {chunk.request_id for chunk in failures[0].chunks} == {"mate", "choices"}

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 import torch
-from helpers import output_ids
+from helpers import output_ids, step_through_failures
 
 from contract.request import (
     GenerationRequest,
@@ -19,7 +19,7 @@ from contract.request import (
     SamplingParams,
     StructuredOutput,
 )
-from workers.engine import LLMEngine, StepFailedError
+from workers.engine import LLMEngine
 from workers.speculative.config import SpeculativeConfig
 from workers.structured.step_masks import StepMasks
 
@@ -138,16 +138,7 @@ def test_a_constraint_failing_mid_step_fails_its_request_alone(engine, smollm, m
         return working(*args, **kwargs)
 
     setattr(matcher, method, failing)
-    chunks = {request.request_id: [] for request in requests}
-    failures = []
-    while engine.has_work():
-        try:
-            step = engine.step()
-        except StepFailedError as error:
-            failures.append(error)
-            step = error.chunks
-        for chunk in step:
-            chunks[chunk.request_id].append(chunk)
+    chunks, failures = step_through_failures(engine, requests)
     assert [error.request_ids for error in failures] == [["bad"]]
     assert "injected matcher fault" in str(failures[0].cause)
     for rid in ("good", "free"):
