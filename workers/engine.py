@@ -661,16 +661,20 @@ class LLMEngine:
                     and seq.num_output_tokens > sampling.min_tokens):
                 if seq.grammar is not None:
                     seq.grammar.end(token.steered)
-                seq.finish(_stop_reason(seq))
                 if token.token_id not in self.eos_token_ids or sampling.ignore_eos:
-                    seq.stop_reason = token.token_id  # a requested stop token, not EOS
+                    seq.finish("stop")  # a requested stop token, not EOS: steered or not
+                    seq.stop_reason = token.token_id
+                else:
+                    seq.finish(_stop_reason(seq))
                 break
             if seq.grammar is not None:
                 seq.grammar.consume(token.token_id, token.steered)
             texts.append(detokenizer.add(token.token_id))
-            if detokenizer.stopped or (seq.grammar is not None and seq.grammar.is_stopped):
-                seq.finish(_stop_reason(seq))
+            if detokenizer.stopped:  # a requested stop string: "stop", steered or not
+                seq.finish("stop")
                 seq.stop_reason = detokenizer.matched
+            elif seq.grammar is not None and seq.grammar.is_stopped:
+                seq.finish(_stop_reason(seq))
             elif (seq.num_output_tokens >= sampling.max_tokens
                   or seq.num_tokens >= self.max_model_len):
                 seq.finish("length")
@@ -839,6 +843,8 @@ def _pairs(batch: ScheduledBatch):
 
 
 def _stop_reason(seq: Sequence) -> FinishReason:
-    """``stop``, unless closing steered the constrained output to end before the model would
-    have (``workers/structured/closing.py``): then ``length``, for the budget ended it."""
+    """How the model's own end (EOS, or its constraint complete) finishes ``seq``: ``stop``,
+    unless closing steered the constrained output to end before the model would have
+    (``workers/structured/closing.py``): then ``length``, for the budget ended it. A stop
+    string or stop token the client asked for is always ``stop``."""
     return "length" if seq.grammar is not None and seq.grammar.steered else "stop"

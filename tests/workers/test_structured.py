@@ -260,6 +260,17 @@ def test_an_output_about_to_run_past_max_tokens_is_closed_so_it_parses(engine, s
     assert text_of(cut)[:24] == text[:24]  # the same digits, until closing began
 
 
+def test_a_stop_string_that_cuts_a_closed_output_is_stop(engine, smollm):
+    """Closing writes the object's "}"; a stop string the client asked for matches it. The
+    output ended at the client's stop, so it is ``stop`` with that ``stop_reason``, as vLLM
+    reports a matched stop string, not ``length``."""
+    (closed,) = engine.generate([runaway("closed", smollm.tokenizer)]).values()
+    (stopped,) = engine.generate([runaway("stopped", smollm.tokenizer, stop=["}"])]).values()
+    assert closed[-1].finish_reason == "length"  # steered to its end by closing
+    assert (stopped[-1].finish_reason, stopped[-1].stop_reason) == ("stop", "}")
+    assert text_of(closed).startswith(text_of(stopped)) and "}" not in text_of(stopped)
+
+
 def test_closing_tokens_are_packed_as_the_sampler_reads_them(engine, smollm):
     """Bit ``t % 32`` of word ``t // 32``, the sign bit included; the preference classes hold
     EOS, then closing quotes, then closing brackets, then those with commas, then what opens
