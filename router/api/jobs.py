@@ -241,7 +241,7 @@ class JobBuilder:
             cache_salt=body.cache_salt,
         )
         keep_last = kept_prompt_tokens(body.truncate_prompt_tokens, max_tokens,
-                                       self.backend.max_model_len)
+                                       self.backend.max_model_len, max_param)
         token_ids, digests = await anyio.to_thread.run_sync(
             self._tokens_and_digests, tokenize, keep_last, namespace, adapter, prompt_param)
         sampling = fit_context(sampling, len(token_ids), self.backend.max_model_len,

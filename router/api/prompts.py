@@ -80,13 +80,23 @@ def refuse_beyond_context(characters: int, longest_token: int, max_model_len: in
 
 
 def kept_prompt_tokens(truncate_prompt_tokens: int | None, max_tokens: int | None,
-                       max_model_len: int) -> int | None:
+                       max_model_len: int, max_param: str) -> int | None:
     """How many of the prompt's last tokens ``truncate_prompt_tokens`` keeps (None: all).
     -1 keeps as many as the context leaves beside ``max_tokens`` output tokens, or beside one
-    where the request sets no ``max_tokens`` (vLLM's -1 is the context less the output)."""
+    where the request sets none or 0 (vLLM's -1 is the context less the output).
+
+    Raises:
+        APIError: 400 ``context_length_exceeded`` naming ``max_param`` when -1 is asked and
+            ``max_tokens`` leaves no room for a prompt.
+    """
     if truncate_prompt_tokens != -1:
         return truncate_prompt_tokens
-    return max(1, max_model_len - (1 if max_tokens is None else max_tokens))
+    room = max_model_len - max(1, max_tokens or 0)
+    if room < 1:
+        raise invalid_request(
+            f"{max_param} ({max_tokens}) leaves no room for the prompt in the "
+            f"{max_model_len}-token context", max_param, "context_length_exceeded")
+    return room
 
 
 def chat_template_ids(tokenizer: Any, messages: list[dict[str, Any]],

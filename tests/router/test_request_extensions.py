@@ -43,17 +43,29 @@ async def test_truncate_prompt_tokens_keeps_the_last_tokens(client, backend):
     assert backend.requests[1].token_ids == [1, 2, 3]
 
 
-@pytest.mark.parametrize(("max_tokens", "kept"), [(28, 100), (None, 127)])
+@pytest.mark.parametrize(("fields", "kept"), [({"max_tokens": 28}, 100), ({}, 127),
+                                              ({"max_tokens": 0, "echo": True}, 127)])
 async def test_truncate_prompt_tokens_minus_one_keeps_what_the_context_leaves(
-        client, backend, max_tokens, kept):
+        client, backend, fields, kept):
     """vLLM's -1: the prompt's last tokens, as many as the 128-token context holds beside the
-    output (beside one token where max_tokens is unset)."""
+    output (beside one token where max_tokens is unset, or 0 for an echo's scoring)."""
     prompt = list(range(1, 301))
-    body = {"prompt": prompt, "truncate_prompt_tokens": -1, "max_tokens": max_tokens}
+    body = {"prompt": prompt, "truncate_prompt_tokens": -1, **fields}
     response = await client.post(COMPLETIONS, json=body)
     assert response.status_code == 200, response.text
     assert backend.requests[0].token_ids == prompt[-kept:]
-    assert backend.requests[0].sampling.max_tokens == 128 - kept
+    assert backend.requests[0].sampling.max_tokens == fields.get("max_tokens", 128 - kept)
+
+
+@pytest.mark.parametrize("max_tokens", [128, 9000])
+async def test_truncate_prompt_tokens_minus_one_beside_a_max_tokens_filling_the_context(
+        client, backend, max_tokens):
+    body = {"prompt": list(range(1, 301)), "truncate_prompt_tokens": -1,
+            "max_tokens": max_tokens}
+    error = assert_error(await client.post(COMPLETIONS, json=body), 400, "max_tokens",
+                         "context_length_exceeded")
+    assert error["message"] == (f"max_tokens ({max_tokens}) leaves no room for the prompt in "
+                                "the 128-token context")
 
 
 async def test_truncate_prompt_tokens_applies_to_the_templated_chat(client, backend, tokenizer):
