@@ -7,6 +7,7 @@ request's cache namespace for the prefix-aware router.
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import threading
@@ -14,6 +15,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 import anyio
 
@@ -106,12 +108,26 @@ def resolve_model(model: str | None, served_model_name: str,
     return adapter
 
 
+T = TypeVar("T")
+
+LARGE_TEXT_CHARACTERS = 65_536
+"""Texts longer than this are tokenized by a copy of the tokenizer of their own. A tokenizer
+takes one call at a time, at about 1 MB of text a second: a client's megabytes (a prompt cut
+by ``truncate_prompt_tokens``, which only its tokens can cut) would otherwise hold every
+other request's tokenizing back for seconds."""
+
+Tokenize = Callable[[Any], T]
+"""Work on a tokenizer (given as its argument), returning ``T``."""
+
+
 class JobBuilder:
     """Builds :class:`Job` objects for one backend (its tokenizer, context and identity)."""
 
     def __init__(self, backend: ServingBackend, tokenizer_lock: threading.Lock):
         self.backend = backend
-        self._tokenizer_lock = tokenizer_lock  # held around every tokenizer call
+        self._tokenizer_lock = tokenizer_lock  # held around every call on the tokenizer
+        self._large_lock = threading.Lock()  # held around every call on its large-text copy
+        self._large_tokenizer: Any = None
 
     @functools.cached_property
     def vocab_size(self) -> int:
@@ -146,7 +162,7 @@ class JobBuilder:
         return job
 
     def chat_prompt(self, body: ChatCompletionRequest,
-                    ) -> tuple[Callable[[], list[int]], int, ToolUse | None]:
+                    ) -> tuple[Tokenize[list[int]], int, ToolUse | None]:
         """How a chat request's conversation becomes its prompt: a function that renders it
         through the chat template (tools and tool turns included) and tokenizes it, the
         characters it renders to at most, and its tool use.
@@ -168,9 +184,8 @@ class JobBuilder:
         tools = tool_use(body, template)
         messages, tool_options = template_conversation(body, tools, template)
 
-        def tokenize() -> list[int]:
-            return chat_template_ids(self.backend.tokenizer, messages,
-                                     {**options, **tool_options})
+        def tokenize(tokenizer: Any) -> list[int]:
+            return chat_template_ids(tokenizer, messages, {**options, **tool_options})
         return tokenize, characters, tools
 
     async def completion_job(self, body: CompletionRequest, authorization: str | None) -> Job:
@@ -194,9 +209,9 @@ class JobBuilder:
         if isinstance(body.prompt, str) and body.truncate_prompt_tokens is None:
             return body.prompt
         return await anyio.to_thread.run_sync(
-            self.tokenized, lambda: self.backend.tokenizer.decode(token_ids), "prompt")
+            self.tokenized, lambda tokenizer: tokenizer.decode(token_ids), "prompt")
 
-    def completion_prompt(self, body: CompletionRequest) -> tuple[Callable[[], list[int]], int]:
+    def completion_prompt(self, body: CompletionRequest) -> tuple[Tokenize[list[int]], int]:
         """How a completion request's one prompt becomes its tokens (a text tokenized, or
         token ids range-checked), and the characters of a text (0 for token ids).
 
@@ -206,8 +221,8 @@ class JobBuilder:
         prompt = body.prompt
         if isinstance(prompt, str):
             refuse_unpaired_surrogates(prompt, "prompt")
-            return lambda: list(self.backend.tokenizer.encode(prompt)), len(prompt)
-        return lambda: checked_ids(prompt, self.vocab_size, "prompt"), 0
+            return lambda tokenizer: list(tokenizer.encode(prompt)), len(prompt)
+        return lambda _: checked_ids(prompt, self.vocab_size, "prompt"), 0
 
     def refuse_too_long(self, characters: int, prompt_param: str) -> None:
         """:func:`~router.api.prompts.refuse_beyond_context` for this backend's context."""
@@ -215,7 +230,7 @@ class JobBuilder:
                               prompt_param)
 
     async def _job(self, body: ChatCompletionRequest | CompletionRequest,
-                   tokenize: Callable[[], list[int]], prompt_param: str,
+                   tokenize: Tokenize[list[int]], prompt_param: str,
                    max_tokens: int | None, max_param: str, authorization: str | None,
                    id_prefix: str, characters: int, tools: ToolUse | None = None) -> Job:
         """Checks what needs no tokens first (cheap refusals: a text of ``characters`` too
@@ -243,7 +258,8 @@ class JobBuilder:
         keep_last = kept_prompt_tokens(body.truncate_prompt_tokens, max_tokens,
                                        self.backend.max_model_len, max_param)
         token_ids, digests = await anyio.to_thread.run_sync(
-            self._tokens_and_digests, tokenize, keep_last, namespace, adapter, prompt_param)
+            self._tokens_and_digests, tokenize, keep_last, namespace, adapter, prompt_param,
+            characters)
         sampling = fit_context(sampling, len(token_ids), self.backend.max_model_len,
                                max_tokens is not None, prompt_param, max_param)
         if body.bad_words:
@@ -272,9 +288,10 @@ class JobBuilder:
                    return_token_ids=bool(body.return_token_ids),
                    tokens_as_ids=bool(body.return_tokens_as_token_ids))
 
-    def _tokens_and_digests(self, tokenize: Callable[[], list[int]], keep_last: int | None,
+    def _tokens_and_digests(self, tokenize: Tokenize[list[int]], keep_last: int | None,
                             namespace: CacheNamespace, adapter: AdapterRef | None,
-                            prompt_param: str) -> tuple[list[int], PromptDigests]:
+                            prompt_param: str, characters: int,
+                            ) -> tuple[list[int], PromptDigests]:
         """Runs in a worker thread: tokenization and hashing are CPU work the event loop
         should not wait on. ``keep_last`` (``truncate_prompt_tokens``) keeps only the prompt's
         last tokens, as vLLM truncates: from the left.
@@ -282,7 +299,7 @@ class JobBuilder:
         Raises:
             APIError: as :meth:`tokenized`.
         """
-        token_ids = self.tokenized(tokenize, prompt_param)
+        token_ids = self.tokenized(tokenize, prompt_param, characters)
         if keep_last is not None:
             token_ids = token_ids[-keep_last:]
         return token_ids, prompt_digests(self.backend.identity, namespace, token_ids, adapter)
@@ -293,28 +310,42 @@ class JobBuilder:
         other tokens of the same count (mid-text, a word usually follows a space)."""
         sequences: list[list[int]] = []
         for word in words:
-            bare = self.tokenized(lambda w=word: self.backend.tokenizer.encode(
+            bare = self.tokenized(lambda tokenizer, w=word: tokenizer.encode(
                 w.lstrip(), add_special_tokens=False), "bad_words")
-            spaced = self.tokenized(lambda w=word: self.backend.tokenizer.encode(
+            spaced = self.tokenized(lambda tokenizer, w=word: tokenizer.encode(
                 " " + w.lstrip(), add_special_tokens=False), "bad_words")
             sequences.append(bare)
             if len(spaced) == len(bare) and spaced[0] != bare[0]:
                 sequences.append(spaced)
         return [ids for ids in sequences if ids]
 
-    def tokenized(self, tokenize: Callable[[], list[int]], prompt_param: str) -> list[int]:
-        """``tokenize()`` under the tokenizer's lock (call from a worker thread).
+    def tokenized(self, tokenize: Tokenize[T], prompt_param: str, characters: int = 0) -> T:
+        """``tokenize(tokenizer)`` under that tokenizer's lock (call from a worker thread):
+        the backend's, or for a text of more than :data:`LARGE_TEXT_CHARACTERS`
+        ``characters``, a copy of it kept for large texts.
 
         Raises:
             APIError: 400 naming ``prompt_param`` when the tokenizer rejects the text (e.g. a
                 lone UTF-16 surrogate, which no UTF-8 encoding can carry): case R6.
         """
-        with self._tokenizer_lock:
+        tokenizer, lock = self.backend.tokenizer, self._tokenizer_lock
+        if characters > LARGE_TEXT_CHARACTERS:
+            tokenizer, lock = self._large_text_tokenizer(), self._large_lock
+        with lock:
             try:
-                return tokenize()
+                return tokenize(tokenizer)
             except (TypeError, ValueError, UnicodeError) as exc:
                 raise invalid_request(f"the tokenizer rejected the {prompt_param}: {exc}",
                                       prompt_param) from exc
+
+    def _large_text_tokenizer(self) -> Any:
+        """The copy of the tokenizer that large texts use, made on first use (while the
+        backend's is not in use)."""
+        with self._large_lock:
+            if self._large_tokenizer is None:
+                with self._tokenizer_lock:
+                    self._large_tokenizer = copy.deepcopy(self.backend.tokenizer)
+            return self._large_tokenizer
 
 
 def check_stream_options(body: ChatCompletionRequest | CompletionRequest) -> None:

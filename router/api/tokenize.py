@@ -9,7 +9,7 @@ from typing import TypeVar
 import anyio
 from pydantic import ValidationError
 
-from router.api.jobs import JobBuilder, resolve_model
+from router.api.jobs import JobBuilder, Tokenize, resolve_model
 from router.api.prompts import checked_ids
 from router.errors import from_validation_errors, invalid_request
 from router.protocol import (
@@ -41,14 +41,14 @@ async def tokenize(jobs: JobBuilder, body: TokenizeRequest) -> TokenizeResponse:
         raise invalid_request("send exactly one of prompt (a text) and messages (a chat)",
                               "prompt")
     if body.messages is not None:
-        param, text = "messages", _chat_prompt(jobs, body)
+        param, (text, characters) = "messages", _chat_prompt(jobs, body)
     else:
-        param, text = "prompt", _text_prompt(jobs, body)
-    token_ids = await anyio.to_thread.run_sync(jobs.tokenized, text, param)
+        param, (text, characters) = "prompt", _text_prompt(jobs, body)
+    token_ids = await anyio.to_thread.run_sync(jobs.tokenized, text, param, characters)
     strings = None
     if body.return_token_strs:
         strings = await anyio.to_thread.run_sync(
-            jobs.tokenized, lambda: backend.tokenizer.convert_ids_to_tokens(token_ids), param)
+            jobs.tokenized, lambda tokenizer: tokenizer.convert_ids_to_tokens(token_ids), param)
     return TokenizeResponse(count=len(token_ids), max_model_len=backend.max_model_len,
                             tokens=token_ids, token_strs=strings)
 
@@ -64,23 +64,23 @@ async def detokenize(jobs: JobBuilder, body: DetokenizeRequest) -> DetokenizeRes
     resolve_model(body.model, backend.served_model_name, backend.adapters)
     token_ids = checked_ids(body.tokens, jobs.vocab_size, "tokens")
     text = await anyio.to_thread.run_sync(
-        jobs.tokenized, lambda: backend.tokenizer.decode(token_ids), "tokens")
+        jobs.tokenized, lambda tokenizer: tokenizer.decode(token_ids), "tokens")
     return DetokenizeResponse(prompt=text)
 
 
-def _chat_prompt(jobs: JobBuilder, body: TokenizeRequest) -> Callable[[], list[int]]:
+def _chat_prompt(jobs: JobBuilder, body: TokenizeRequest) -> tuple[Tokenize[list[int]], int]:
     tokenize, characters, _ = jobs.chat_prompt(_validated(body.chat_request))
     jobs.refuse_too_long(characters, "messages")
-    return tokenize
+    return tokenize, characters
 
 
-def _text_prompt(jobs: JobBuilder, body: TokenizeRequest) -> Callable[[], list[int]]:
+def _text_prompt(jobs: JobBuilder, body: TokenizeRequest) -> tuple[Tokenize[list[int]], int]:
     for field in CHAT_ONLY:
         if getattr(body, field) is not None:
             raise invalid_request(f"{field} goes with messages, not with prompt", field)
     tokenize, characters = jobs.completion_prompt(_validated(body.completion_request))
     jobs.refuse_too_long(characters, "prompt")
-    return tokenize
+    return tokenize, characters
 
 
 def _validated(request: Callable[[], T]) -> T:

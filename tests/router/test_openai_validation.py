@@ -222,6 +222,41 @@ async def test_a_text_too_long_for_any_tokenization_is_refused_before_tokenizing
     assert len(backend.requests[0].token_ids) == 8
 
 
+async def test_a_large_texts_tokenizing_holds_no_other_request_back(client, backend,
+                                                                    monkeypatch):
+    """A text of more than LARGE_TEXT_CHARACTERS (here cut by truncate_prompt_tokens, which
+    only its tokens can cut) is tokenized on a copy of the tokenizer of its own: while its
+    tokenizing is held, a small request is tokenized and answered."""
+    import asyncio
+    import threading
+
+    from router.api import jobs
+
+    release, started = threading.Event(), threading.Event()
+    large = jobs.JobBuilder._large_text_tokenizer
+
+    def held(builder):
+        tokenizer = large(builder)
+
+        class Held:
+            def encode(self, text):
+                started.set()
+                release.wait(30)
+                return tokenizer.encode(text)
+        return Held()
+
+    monkeypatch.setattr(jobs.JobBuilder, "_large_text_tokenizer", held)
+    text = "ab " * (jobs.LARGE_TEXT_CHARACTERS // 3 + 1)
+    big = asyncio.create_task(client.post(COMPLETIONS, json={
+        "prompt": text, "truncate_prompt_tokens": 8, "max_tokens": 2}))
+    await asyncio.to_thread(started.wait, 30)
+    small = await asyncio.wait_for(client.post(COMPLETIONS, json={"prompt": "Hi"}), 10)
+    assert small.status_code == 200 and not big.done()
+    release.set()
+    assert (await big).status_code == 200
+    assert [len(r.token_ids) for r in backend.requests] == [1, 8]
+
+
 async def test_prompt_exactly_filling_the_context_with_output_is_accepted(client, backend):
     response = await client.post(COMPLETIONS, json={"prompt": [1] * 100, "max_tokens": 28})
     assert response.status_code == 200, response.text
