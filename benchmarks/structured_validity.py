@@ -11,10 +11,13 @@ early by ``workers/structured/closing.py``) included; they are listed apart.
 
 ``--suite bench-json`` sends ``nalar bench --workload json``'s requests instead (its five
 schemas, about random subjects; ``--requests`` of them per temperature), in this process: the
-same outputs as through HTTP, without a server.
+same outputs as through HTTP, without a server. ``--suite open`` sends open objects (what
+``response_format: json_object`` asks, and schemas that leave ``additionalProperties`` open),
+which the model nests as deep as it likes: a fresh user's break test found them cut unparsed
+at ``max_tokens``.
 
     .venv/bin/python benchmarks/structured_validity.py [--requests 2] [--max-tokens 512]
-        [--suite fifty|bench-json]
+        [--suite fifty|bench-json|open]
 """
 
 from __future__ import annotations
@@ -174,12 +177,26 @@ SCHEMAS: dict[str, dict[str, Any]] = {
 }
 
 
+OPEN_SCHEMAS: dict[str, dict[str, Any]] = {
+    "any_object": {"type": "object"},  # response_format json_object
+    "open_string": {"type": "object", "properties": {"d": S}, "required": ["d"]},
+    "open_nested": {"type": "object", "properties": {"d": {"type": "object"}},
+                    "required": ["d"]},
+    "open_pet": {"type": "object", "properties": {
+        "name": S, "species": S, "traits": {"type": "object"}, "tags": {"type": "array"}},
+        "required": ["name", "species", "traits"]},
+}
+"""Open objects: any property may be added, and any value nested in it."""
+
+OPEN_SUBJECTS = ("a pet", "a city", "a software project", "a recipe")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=2, help="per schema and temperature")
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--suite", choices=("fifty", "bench-json"), default="fifty")
+    parser.add_argument("--suite", choices=("fifty", "bench-json", "open"), default="fifty")
     parser.add_argument("--out", default=str(common.OUT_DIR / "structured_validity.json"))
     return parser.parse_args(argv)
 
@@ -196,8 +213,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                     kv_cache_bytes=512 << 20))
     tokenizer = engine.tokenizer
     compiler = GrammarCompiler(tokenizer, engine.vocab_size)  # its own: no cache shared
-    schemas, cases = (_bench_json_cases(args.requests) if args.suite == "bench-json"
-                      else _fifty_cases(args.requests))
+    suites = {"fifty": _fifty_cases, "bench-json": _bench_json_cases, "open": _open_cases}
+    schemas, cases = suites[args.suite](args.requests)
     compile_s, requests = {}, []
     for name, schema in schemas.items():
         started = time.perf_counter()
@@ -240,6 +257,15 @@ def _fifty_cases(requests: int) -> tuple[dict[str, dict], list[tuple[str, str, f
         (name, f"Give one realistic example of a {name.replace('_', ' ')} as JSON.",
          temperature, i)
         for name in SCHEMAS for temperature in (0.0, 1.0) for i in range(requests)]
+
+
+def _open_cases(requests: int) -> tuple[dict[str, dict], list[tuple[str, str, float, int]]]:
+    """:data:`OPEN_SCHEMAS`, and ``requests`` cases of each per temperature and subject of
+    :data:`OPEN_SUBJECTS`, as :func:`_fifty_cases` gives them."""
+    return OPEN_SCHEMAS, [
+        (name, f"Describe {subject} as JSON.", temperature, i)
+        for name in OPEN_SCHEMAS for subject in OPEN_SUBJECTS for temperature in (0.0, 0.7)
+        for i in range(requests)]
 
 
 def _bench_json_cases(requests: int) -> tuple[dict[str, dict],
