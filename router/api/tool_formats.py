@@ -319,14 +319,14 @@ def _call_schema(tools: Sequence[ToolDefinition], arguments_key: str) -> str:
     """The JSON Schema of one call to any of ``tools``, ``name`` first, in standard spacing."""
     options = [{"type": "object",
                 "properties": {"name": {"const": tool.function.name},
-                               arguments_key: _arguments_schema(tool.function.parameters)},
+                               arguments_key: arguments_schema(tool.function.parameters)},
                 "required": ["name", arguments_key], "additionalProperties": False}
                for tool in tools]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     return json.dumps({**schema, "x-guidance": _STANDARD_SPACING})
 
 
-def _arguments_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
+def arguments_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
     """A function's arguments: only the named ones unless the schema says otherwise
     (``additionalProperties``), so a function without parameters gets ``{}``; JSON Schema's
     own default would let the model invent arguments no function takes."""

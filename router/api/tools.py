@@ -16,10 +16,13 @@ constraint on output where calls are required.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import llguidance
 
 from contract.request import StructuredOutput
 from router.api.tool_formats import (
@@ -27,6 +30,7 @@ from router.api.tool_formats import (
     CallParser,
     ParsedCall,
     ToolCallFormat,
+    arguments_schema,
     tool_call_format,
 )
 from router.errors import invalid_request
@@ -119,7 +123,32 @@ def tool_use(body: ChatCompletionRequest, chat_template: str) -> ToolUse | None:
     if fmt is None and kind != "none":
         raise invalid_request("this model's chat template writes tool calls in a format the "
                               "server does not parse; tool_choice 'none' only", "tools")
+    if kind != "none":  # the calls' grammar holds each tool's arguments to its schema
+        _refuse_bad_parameters(tools)
     return ToolUse(fmt or SMOLLM2, tools, kind, named, body.parallel_tool_calls is not False)
+
+
+def _refuse_bad_parameters(tools: Sequence[ToolDefinition]) -> None:
+    """Refuses a tool whose arguments' schema the calls' grammar cannot hold them to, naming
+    the tool and llguidance's reason (the worker, checking the whole grammar, could only name
+    the call's own ``arguments``, or cut the reason short).
+
+    Raises:
+        APIError: 400 naming ``tools[i].function.parameters``.
+    """
+    for index, tool in enumerate(tools):
+        error = _schema_error(json.dumps(arguments_schema(tool.function.parameters)))
+        if error:
+            param = f"tools[{index}].function.parameters"
+            raise invalid_request(f"{param}: {error}", param)
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_error(schema: str) -> str:
+    """llguidance's objection to a JSON schema (its text), checked without a tokenizer; ""
+    for none. Cached: a client sends the same tools turn after turn."""
+    return llguidance.LLMatcher.validate_grammar(
+        llguidance.LLMatcher.grammar_from_json_schema(schema))
 
 
 def template_conversation(body: ChatCompletionRequest, use: ToolUse | None,

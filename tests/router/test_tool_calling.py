@@ -358,6 +358,32 @@ def with_tools(**fields: Any) -> dict[str, Any]:
     return {"messages": HELLO, "tools": [WEATHER], **fields}
 
 
+def with_parameters(properties: dict[str, Any]) -> dict[str, Any]:
+    return with_tools(tools=[WEATHER, {"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": properties,
+                                    "required": list(properties)}}}])
+
+
+@pytest.mark.parametrize(("body", "reason"), [
+    (with_parameters({"code": {"type": "string", "minLength": 5, "maxLength": 2}}),
+     "Unsatisfiable schema: required property 'code' is unsatisfiable"),
+    (with_parameters({"code": {"type": "string", "pattern": "(["}}),
+     "regex parse error:\n    ([\n     ^\nerror: unclosed character class"),
+    (with_parameters({"code": {"type": "string", "if": {}}}), 'Unimplemented keys: ["if"]'),
+])
+async def test_a_tools_arguments_schema_no_call_could_follow_is_refused_naming_it(
+        client, long_backend, body, reason):
+    """The tool and llguidance's whole reason, where the worker could only name the call's
+    own ``arguments`` or cut the reason at its first line; unless tool_choice is none, which
+    constrains nothing."""
+    error = assert_error(await client.post(CHAT, json=body), 400,
+                         "tools[1].function.parameters", "invalid_value")
+    assert error["message"] == f"tools[1].function.parameters: {reason}"
+    assert long_backend.requests == []
+    none = await client.post(CHAT, json={**body, "tool_choice": "none"})
+    assert none.status_code == 200, none.text
+
+
 @pytest.mark.parametrize("body, param", [
     (with_tools(tool_choice={"type": "function", "function": {"name": "add"}}), "tool_choice"),
     (with_tools(tool_choice="sometimes"), "tool_choice"),
