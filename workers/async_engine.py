@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from contract.kv_events import KVEvent
-from contract.request import GenerationChunk, GenerationRequest
+from contract.request import GenerationChunk, GenerationRequest, InvalidRequestError
 from workers.engine import LLMEngine, StepFailedError
 from workers.heap_trim import HeapTrimmer
 
@@ -225,12 +225,16 @@ class AsyncEngine:
             del self._streams[chunk.request_id]
         _send(stream, chunk)
 
-    def _fail(self, request_ids: list[str], exc: BaseException) -> None:
-        """Fail these requests' streams (the engine has already aborted them)."""
+    def _fail(self, request_ids: list[str], exc: StepFailedError) -> None:
+        """Fail these requests' streams (the engine has already aborted them): with the
+        request's own fault where that was the cause (an ``InvalidRequestError``: its
+        constraint reached a dead end), else as the engine's."""
+        error = (exc.cause if isinstance(exc.cause, InvalidRequestError)
+                 else RuntimeError(f"engine failed: {exc}"))
         for request_id in request_ids:
             stream = self._streams.pop(request_id, None)
             if stream is not None:
-                _send(stream, RuntimeError(f"engine failed: {exc}"))
+                _send(stream, error)
 
     def _fail_all(self, exc: BaseException) -> None:
         """Abort every request the engine holds and fail its stream."""

@@ -12,7 +12,7 @@ import pytest
 from helpers import greedy, output_ids, random_prompt, step_through_failures
 
 import workers.engine as engine_module
-from contract.request import GenerationChunk, GenerationRequest
+from contract.request import GenerationChunk, GenerationRequest, InvalidRequestError
 from workers.async_engine import AsyncEngine, EngineDeadError
 from workers.engine import StepFailedError
 
@@ -65,11 +65,13 @@ def test_a_failed_step_aborts_only_its_batch(tiny_qwen, make_engine):
     assert_pool_at_rest(engine)
 
 
-def fail_row(engine, monkeypatch, request_id: str, stage: str, after_calls: int = 2) -> None:
-    """Make one row's work after the forward pass raise for ``request_id`` once it has run
-    ``after_calls`` times: sampling it (``"sample"``: every sampling call holding its row
-    raises from then on, the batched call and its own) or committing its token
-    (``"commit"``)."""
+def fail_row(engine, monkeypatch, request_id: str, stage: str, after_calls: int = 2,
+             error: Exception | None = None) -> None:
+    """Make one row's work after the forward pass raise ``error`` (by default a
+    RuntimeError) for ``request_id`` once it has run ``after_calls`` times: sampling it
+    (``"sample"``: every sampling call holding its row raises from then on, the batched call
+    and its own) or committing its token (``"commit"``)."""
+    error = error or RuntimeError("injected row fault")
     state = {"calls": 0}
 
     def failing(seq_request_id: str) -> bool:
@@ -83,7 +85,7 @@ def fail_row(engine, monkeypatch, request_id: str, stage: str, after_calls: int 
 
         def flaky_sample(logits, rows, generator):
             if any(failing(request_id) for row in rows if row.params is victim.sampling):
-                raise RuntimeError("injected row fault")
+                raise error
             return real(logits, rows, generator)
 
         monkeypatch.setattr(engine_module, "sample", flaky_sample)
@@ -92,7 +94,7 @@ def fail_row(engine, monkeypatch, request_id: str, stage: str, after_calls: int 
 
         def flaky_append(seq, sampled, accepted_drafts=None):
             if failing(seq.request.request_id):
-                raise RuntimeError("injected row fault")
+                raise error
             return append(seq, sampled, accepted_drafts)
 
         engine._append = flaky_append
@@ -156,17 +158,22 @@ async def test_a_failed_step_fails_only_its_streams(tiny_qwen, make_engine):
         async_engine.shutdown()
 
 
-async def test_a_failed_row_fails_only_its_stream(tiny_qwen, make_engine, monkeypatch):
+@pytest.mark.parametrize("fault", [RuntimeError("injected row fault"),
+                                   InvalidRequestError("injected row fault", "tools")])
+async def test_a_failed_row_fails_only_its_stream(tiny_qwen, make_engine, monkeypatch, fault):
+    """The failed row's stream gets the engine's error, or, where the request's own fault
+    was the cause (a constraint's dead end), that fault, which the router answers as a 400."""
     requests = [greedy("bad", random_prompt(1, 40), 12, ignore_eos=True),
                 greedy("mate", random_prompt(2, 30), 12, ignore_eos=True)]
     reference = make_engine(tiny_qwen, num_blocks=64).generate(requests)
     engine = make_engine(tiny_qwen, num_blocks=64)
-    fail_row(engine, monkeypatch, "bad", "commit")
+    fail_row(engine, monkeypatch, "bad", "commit", error=fault)
     async_engine = AsyncEngine(engine)
     try:
         bad, mate = await asyncio.wait_for(asyncio.gather(
             *(collect(async_engine, r) for r in requests), return_exceptions=True), 60)
-        assert isinstance(bad, RuntimeError) and "injected row fault" in str(bad)
+        assert type(bad) is type(fault) and "injected row fault" in str(bad)
+        assert (bad is fault) == isinstance(fault, InvalidRequestError)
         assert output_ids(mate) == output_ids(reference["mate"])  # its chunk of that step too
         async_engine.check_health()
         assert_pool_at_rest(engine)

@@ -21,6 +21,7 @@ from contract.request import (
 )
 from workers.engine import LLMEngine
 from workers.speculative.config import SpeculativeConfig
+from workers.structured.masks import admits
 from workers.structured.step_masks import StepMasks
 
 SCHEMAS = {
@@ -258,6 +259,43 @@ def test_an_output_about_to_run_past_max_tokens_is_closed_so_it_parses(engine, s
     with pytest.raises(json.JSONDecodeError):
         json.loads(text_of(cut))
     assert text_of(cut)[:24] == text[:24]  # the same digits, until closing began
+
+
+def test_a_dead_end_fails_its_request_alone_with_its_own_fault(engine, smollm):
+    """A grammar whose every output dead-ends after its first token (its first mask is
+    fine, so compiling passes): that request fails with a 400-kind error naming its field;
+    a free request in the same steps is answered as alone."""
+    prompt = chat(smollm.tokenizer, "Hi")
+    dead = constrained("dead", prompt, StructuredOutput("grammar", DEAD_END))
+    free = constrained("free", prompt, None, max_tokens=12)
+    reference = engine.generate([free])
+    for request in (dead, free):
+        engine.add_request(request)
+    chunks, failures = step_through_failures(engine, [dead, free])
+    assert [error.request_ids for error in failures] == [["dead"]]
+    cause = failures[0].cause
+    assert isinstance(cause, InvalidRequestError) and cause.param == "structured_outputs"
+    assert "dead end after 1 output tokens" in str(cause)
+    assert output_ids(chunks["free"]) == output_ids(reference["free"])
+    assert engine.pool.num_in_use == 0 and not engine.has_work()
+
+
+DEAD_END = 'start: "x" A\nA: /a/ & /b/'
+"""Admits "x", after which nothing may come: no output completes it."""
+
+
+def test_a_dry_run_into_a_dead_end_leaves_the_matcher_as_it_was(engine, smollm):
+    """Closing's dry run prefers closers: here ``}``, a branch that dead-ends. Computing a
+    mask there puts a matcher in error for good (rollback cannot undo it); on the sequence's
+    own matcher that made its mask EOS alone, and the request was answered with nothing."""
+    structured = StructuredOutput("grammar", 'start: "}" A | "ab"\nA: /a/ & /b/')
+    matcher = engine.grammars.matcher(structured)
+    mask = matcher.allowed(10)  # in closing's window: a dry run first
+    ab = smollm.tokenizer.encode("ab", add_special_tokens=False)
+    assert len(ab) == 1 and admits(mask.allowed, ab[0])
+    assert not admits(mask.allowed, smollm.tokenizer.eos_token_id)
+    matcher.consume(ab[0])
+    assert matcher.is_stopped
 
 
 def depth(value) -> int:

@@ -36,6 +36,7 @@ whose every completion is longer than the budget (a long ``minLength``), still e
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import itertools
 from collections.abc import Iterator, Sequence
@@ -217,10 +218,13 @@ class ClosingEstimate:
     Args:
         matcher: the sequence's llguidance matcher; a dry run leaves it where it was.
         tokens: the preference classes.
+
+    Attributes:
+        matcher: the matcher dry runs start from (a verification's drafts swap in a copy).
     """
 
     def __init__(self, matcher: llguidance.LLMatcher, tokens: ClosingTokens):
-        self._matcher = matcher
+        self.matcher = matcher
         self._tokens = tokens
         self._scratch = MaskBuffer(tokens.vocab_size)
         self._after = MaskBuffer(tokens.vocab_size)
@@ -235,7 +239,7 @@ class ClosingEstimate:
         positions whose :func:`mask_key` are ``history``, oldest first."""
         if previous.closing or budget > min(previous.next_check, CLOSING_WINDOW):
             return previous
-        if self._matcher.is_accepting():
+        if self.matcher.is_accepting():
             # Cut here, the output is whole: nothing to steer (free text before a tool call
             # was ended early by the margin below). Look again at the next position.
             return replace(previous, next_check=budget - 1)
@@ -275,7 +279,7 @@ class ClosingEstimate:
         and again. Measuring at every such position cost 330 µs a position on ``nalar
         bench``'s json requests at 128 tokens (a throwaway profile)."""
         if (state.closing or state.estimate is None or budget > CLOSING_WINDOW
-                or self._matcher.is_accepting()):
+                or self.matcher.is_accepting()):
             return None
         here, opening = mask.numpy(), self._tokens.openers.numpy()
         openers, held = here & opening, here & ~opening
@@ -296,15 +300,13 @@ class ClosingEstimate:
         """The closing path's length after ``opener`` at the position whose mask's key is
         ``key``: None if longer than ``limit``; -1 where the opener leaves the mask as it
         was (text in a string), or the matcher refuses it (nothing to hold)."""
-        if not self._matcher.consume_token(opener):
-            return -1
-        try:
-            if mask_key(self._after.fill(self._matcher).numpy()) == key:
+        with self._on_a_copy():
+            if not self.matcher.consume_token(opener):
+                return -1
+            if mask_key(self._after.fill(self.matcher).numpy()) == key:
                 return -1
             path = self.closing_path(limit, [*history, key])
             return None if path is None else len(path)
-        finally:
-            self._matcher.rollback(1)
 
     def tokens_to_close(self, limit: int, history: Sequence[int] = ()) -> int | None:
         """Tokens (EOS included) the closing path (:meth:`closing_path`) takes to end the
@@ -315,7 +317,7 @@ class ClosingEstimate:
     def closing_path(self, limit: int, history: Sequence[int] = ()) -> list[int] | None:
         """The preferred way to end the output from here: at most ``limit`` token ids, the
         last EOS unless the constraint stops by itself; None if there is none that short.
-        The matcher is left where it was.
+        The matcher is left where it was (the path is tried on a copy).
 
         At each position it takes the first token, in the preference classes' order and by
         lowest id within each, that does not loop: that does not lead back to the mask of
@@ -329,12 +331,12 @@ class ClosingEstimate:
         inside an array item and after the array, ``,`` may come), so only nearby positions
         are compared. After :data:`SEARCH_TRIES` tokens tried, it takes each position's
         first."""
-        mask = self._scratch.fill(self._matcher).numpy().copy()
+        mask = self._scratch.fill(self.matcher).numpy().copy()
         recent = collections.deque([*history, mask_key(mask)], maxlen=LOOP_SPAN)
         tries = SEARCH_TRIES
         path: list[int] = []  # consumed, so EOS is never in it
-        try:
-            while not self._matcher.is_stopped():
+        with self._on_a_copy():
+            while not self.matcher.is_stopped():
                 if len(path) == limit:
                     return None
                 ending = mask & self._tokens.stack[0]
@@ -348,8 +350,20 @@ class ClosingEstimate:
                 tries -= tried
                 recent.append(mask_key(mask))
             return path
+
+    @contextlib.contextmanager
+    def _on_a_copy(self) -> Iterator[None]:
+        """Runs a dry run on a copy of the matcher (about 2 µs), left where it was. A token
+        after which nothing may follow (a grammar's dead end) leaves a matcher in error once
+        its next mask is computed, which ``rollback`` cannot undo: met in a dry run, it made
+        the sequence's own next mask EOS alone, and a request was answered with an empty
+        "complete" output (a fresh user's break test)."""
+        real = self.matcher
+        self.matcher = real.deep_copy()
+        try:
+            yield
         finally:
-            self._matcher.rollback(len(path))
+            self.matcher = real
 
     def _next_step(self, mask: np.ndarray, recent: collections.deque[int],
                    tries: int) -> tuple[int, np.ndarray, int] | None:
@@ -361,22 +375,22 @@ class ClosingEstimate:
         tried = 0
         for tier, token in itertools.islice(self._candidates(mask), tries):
             tried += 1
-            if not self._matcher.consume_token(token):
+            if not self.matcher.consume_token(token):
                 continue
-            after = self._after.fill(self._matcher).numpy().copy()
+            after = self._after.fill(self.matcher).numpy().copy()
             # A token made of closers (and separators) is compared with its own position
             # only: closing nested structure alternates two masks (after each `]` of a tree,
             # `}` must come; after each `}`, `]` or `,` may), which is progress, not the loop
             # `.` then `}` is in an email.
             compared = recent if tier >= FIRST_OPEN_ENDED_TIER else (recent[-1],)
-            if (self._matcher.is_stopped() or mask_key(after) not in compared
+            if (self.matcher.is_stopped() or mask_key(after) not in compared
                     or (tier <= LAST_CLOSER_TIER and self._leads_out(token, mask_key(after)))):
                 return token, after, tried
-            self._matcher.rollback(1)
+            self.matcher.rollback(1)
             looping = looping or (token, after)
         if looping is None:
             return None
-        self._matcher.consume_token(looping[0])
+        self.matcher.consume_token(looping[0])
         return (*looping, tried)
 
     def _leads_out(self, closer: int, key: int) -> bool:
@@ -392,15 +406,15 @@ class ClosingEstimate:
         taken = 0
         try:
             for _ in range(NESTING_PROBE):
-                if not self._matcher.consume_token(closer):
+                if not self.matcher.consume_token(closer):
                     return True
                 taken += 1
-                if (self._matcher.is_stopped()
-                        or mask_key(self._after.fill(self._matcher).numpy()) != key):
+                if (self.matcher.is_stopped()
+                        or mask_key(self._after.fill(self.matcher).numpy()) != key):
                     return True
             return False
         finally:
-            self._matcher.rollback(taken)
+            self.matcher.rollback(taken)
 
     def _candidates(self, mask: np.ndarray) -> Iterator[tuple[int, int]]:
         """The tokens of packed ``mask`` in closing's order, each with the index of its

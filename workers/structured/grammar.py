@@ -101,7 +101,8 @@ class GrammarCompiler:
         """A fresh matcher for one sequence that may end after ``min_tokens`` output tokens
         (raises as :meth:`compile`)."""
         return GrammarMatcher(llguidance.LLMatcher(self._tokenizer, self.compile(structured)),
-                              self.closing_tokens, min_tokens)
+                              self.closing_tokens, min_tokens,
+                              structured.param or _PARAMS[structured.kind])
 
 
 class GrammarMatcher:
@@ -112,6 +113,7 @@ class GrammarMatcher:
         closing_tokens: what closing near the end of the budget prefers.
         min_tokens: output tokens before EOS is allowed (the request's ``min_tokens``), so
             closing does not narrow a mask to EOS alone where the sampler forbids it.
+        param: the request field the constraint came from, named by a dead end's error.
 
     Attributes:
         steered: closing chose a committed token where the model would have chosen another,
@@ -119,8 +121,9 @@ class GrammarMatcher:
     """
 
     def __init__(self, matcher: llguidance.LLMatcher, closing_tokens: ClosingTokens,
-                 min_tokens: int = 0):
+                 min_tokens: int = 0, param: str = "structured_outputs"):
         self._matcher = matcher
+        self._param = param
         self._min_tokens = min_tokens
         self._closing_tokens = closing_tokens
         self._estimate = ClosingEstimate(matcher, closing_tokens)
@@ -131,17 +134,30 @@ class GrammarMatcher:
         self._closing: list[tuple[ClosingState, int | None]] = []
         self.steered = False
 
-    def allowed(self, budget: int) -> PositionMask:
+    def allowed(self, budget: int, after_drafts: bool = False) -> PositionMask:
         """What the constraint admits next, with ``budget`` tokens left to produce: its
         tokens (EOS only where it may end) and, from where closing must start, the part of
         them closing admits (``closing.py``). ``allowed`` is the matcher's own buffer,
-        rewritten by the next call."""
+        rewritten by the next call.
+
+        Raises:
+            InvalidRequestError: naming the constraint's field, where it has reached a dead
+                end: the output so far admits no next token, nor an end (a grammar that
+                cannot be completed, which the check at compile time finds only at the
+                start). Not ``after_drafts`` (a position a draft leads to: the target may
+                not take it there).
+        """
         position = self._position
         del self._closing[position:]  # entries past here were a verification's drafts'
         previous = self._closing[-1][0] if self._closing else ClosingState.start(budget)
         history = [key for _, key in self._closing[1 - LOOP_SPAN:] if key is not None]
         state = self._estimate.decide(previous, budget, history)
         mask = self._mask.fill(self._matcher)
+        if self._matcher.is_error() and not after_drafts:
+            raise InvalidRequestError(
+                f"{self._param}: the constraint reached a dead end after {position} output "
+                f"tokens: no token may follow, and the output may not end there "
+                f"({self._matcher.get_error().splitlines()[0]})", self._param)
         self._closing.append((state, mask_key(mask.numpy()) if budget <= CLOSING_WINDOW else None))
         if not state.closing:
             return PositionMask(mask, self._estimate.hold_openers(mask, state, budget, history))
@@ -175,15 +191,24 @@ class GrammarMatcher:
         """The masks at each of the ``len(tokens) + 1`` positions of a verification block:
         here, then after each of ``tokens`` (which the constraint must admit, see
         :meth:`valid_prefix`), with ``budget`` tokens left to produce here; each its own
-        copy. The matcher is rolled back to where it was."""
-        masks = []
-        for i, token in enumerate([*tokens, None]):
-            here = self.allowed(budget - i)
-            masks.append(here._replace(allowed=here.allowed.clone()))
-            if token is not None:
+        copy. The drafts are taken on a copy of the matcher: one that leads to a dead end
+        leaves a matcher in error, which ``rollback`` cannot undo.
+
+        Raises:
+            InvalidRequestError: as :meth:`allowed`, for this position only.
+        """
+        here = self.allowed(budget)
+        masks = [here._replace(allowed=here.allowed.clone())]
+        real = self._matcher
+        self._matcher = self._estimate.matcher = real.deep_copy()
+        try:
+            for i, token in enumerate(tokens, start=1):
                 self.consume(token)
-        self._matcher.rollback(len(tokens))
-        self._position -= len(tokens)
+                after = self.allowed(budget - i, after_drafts=True)
+                masks.append(after._replace(allowed=after.allowed.clone()))
+        finally:
+            self._matcher = self._estimate.matcher = real
+            self._position -= len(tokens)
         return masks
 
     @property
