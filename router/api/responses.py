@@ -372,8 +372,7 @@ class ResponsesFormat:
             events += self._open_message()
         return events + self._close_message()
 
-    def snapshot(self, status: str, tally: Tally | None = None,
-                 reason: str | None = None) -> dict[str, Any]:
+    def snapshot(self, status: str, tally: Tally | None = None) -> dict[str, Any]:
         """The ``response`` object: as it stands (``in_progress``), or finished from the
         tally's usage (``completed``, or ``incomplete`` when cut at ``max_output_tokens``)."""
         body = self.body
