@@ -159,7 +159,7 @@ class AsyncEngine:
         try:
             chunks = self.engine.step()
         except StepFailedError as exc:  # only the requests it names fail; others go on
-            log.exception("engine step failed")
+            _log_failure(exc)
             chunks, failure = exc.chunks, exc
         # Events are queued for publishing before the chunks are delivered, so a flush
         # requested after a request finished covers its blocks.
@@ -226,15 +226,16 @@ class AsyncEngine:
         _send(stream, chunk)
 
     def _fail(self, request_ids: list[str], exc: StepFailedError) -> None:
-        """Fail these requests' streams (the engine has already aborted them): with the
-        request's own fault where that was the cause (an ``InvalidRequestError``: its
-        constraint reached a dead end), else as the engine's."""
-        error = (exc.cause if isinstance(exc.cause, InvalidRequestError)
-                 else RuntimeError(f"engine failed: {exc}"))
+        """Fail these requests' streams (the engine has already aborted them): each with its
+        own fault where that was its cause (an ``InvalidRequestError``: its constraint
+        reached a dead end), else as the engine's."""
         for request_id in request_ids:
             stream = self._streams.pop(request_id, None)
-            if stream is not None:
-                _send(stream, error)
+            if stream is None:
+                continue
+            cause = exc.cause_of(request_id)
+            _send(stream, cause if isinstance(cause, InvalidRequestError)
+                  else RuntimeError(f"engine failed: {exc}"))
 
     def _fail_all(self, exc: BaseException) -> None:
         """Abort every request the engine holds and fail its stream."""
@@ -301,6 +302,17 @@ class EngineStream:
         if not self._finished:
             self._finished = True
             self._abort()
+
+
+def _log_failure(exc: StepFailedError) -> None:
+    """A failed step with its traceback, unless every request it aborted failed for a fault
+    of its own (a constraint's dead end): a client's error, logged as refusals are."""
+    causes = [exc.cause_of(request_id) for request_id in exc.request_ids]
+    if causes and all(isinstance(cause, InvalidRequestError) for cause in causes):
+        for request_id, cause in zip(exc.request_ids, causes, strict=True):
+            log.info("request %s refused mid-output: %s", request_id, cause)
+    else:
+        log.exception("engine step failed")
 
 
 def _coalesce(chunk: GenerationChunk, inbox: asyncio.Queue,

@@ -69,18 +69,26 @@ class StepFailedError(RuntimeError):
 
     Attributes:
         request_ids: the aborted requests.
-        cause: the (first) original exception.
+        cause: the original exception (a failed row's, where rows failed: the first's).
+        causes: each aborted request's own cause, where rows failed (its row's exception:
+            two requests may fail in one step for reasons of their own).
         chunks: the step's chunks for every request not aborted, to deliver as
             :meth:`LLMEngine.step` would have returned them.
     """
 
     def __init__(self, request_ids: list[str], cause: BaseException,
-                 chunks: list[GenerationChunk] | None = None):
+                 chunks: list[GenerationChunk] | None = None,
+                 causes: dict[str, BaseException] | None = None):
         super().__init__(f"engine step failed for {len(request_ids)} request(s): "
                          f"{type(cause).__name__}: {cause}")
         self.request_ids = request_ids
         self.cause = cause
+        self.causes = causes or {}
         self.chunks = chunks or []
+
+    def cause_of(self, request_id: str) -> BaseException:
+        """Why ``request_id`` was aborted."""
+        return self.causes.get(request_id, self.cause)
 
 
 @dataclass
@@ -543,11 +551,13 @@ class LLMEngine:
                     chunks: list[GenerationChunk]) -> StepFailedError:
         """Aborts the requests of the ``failed`` rows (every choice of theirs) and returns the
         error that names them, carrying the step's chunks for every other request."""
-        request_ids = list(dict.fromkeys(seqs[i].request.request_id for i in sorted(failed)))
-        for request_id in request_ids:
+        causes: dict[str, Exception] = {}
+        for i in sorted(failed):
+            causes.setdefault(seqs[i].request.request_id, failed[i])
+        for request_id in causes:
             self.abort(request_id)
-        kept = [chunk for chunk in chunks if chunk.request_id not in request_ids]
-        return StepFailedError(request_ids, failed[min(failed)], kept)
+        kept = [chunk for chunk in chunks if chunk.request_id not in causes]
+        return StepFailedError(list(causes), failed[min(failed)], kept, causes)
 
     def _end_at_prompt(self, seq: Sequence) -> GenerationChunk:
         """Ends a request that only scores its prompt (``max_tokens`` 0) once the prompt is

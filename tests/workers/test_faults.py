@@ -5,6 +5,7 @@ replica's health check; aborting an unknown or finished request is harmless."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from types import SimpleNamespace
 
@@ -160,9 +161,12 @@ async def test_a_failed_step_fails_only_its_streams(tiny_qwen, make_engine):
 
 @pytest.mark.parametrize("fault", [RuntimeError("injected row fault"),
                                    InvalidRequestError("injected row fault", "tools")])
-async def test_a_failed_row_fails_only_its_stream(tiny_qwen, make_engine, monkeypatch, fault):
+async def test_a_failed_row_fails_only_its_stream(tiny_qwen, make_engine, monkeypatch, fault,
+                                                  caplog):
     """The failed row's stream gets the engine's error, or, where the request's own fault
-    was the cause (a constraint's dead end), that fault, which the router answers as a 400."""
+    was the cause (a constraint's dead end), that fault, which the router answers as a 400,
+    logged as a refusal is: without an error and its traceback."""
+    caplog.set_level(logging.INFO, logger="workers.async_engine")
     requests = [greedy("bad", random_prompt(1, 40), 12, ignore_eos=True),
                 greedy("mate", random_prompt(2, 30), 12, ignore_eos=True)]
     reference = make_engine(tiny_qwen, num_blocks=64).generate(requests)
@@ -174,6 +178,9 @@ async def test_a_failed_row_fails_only_its_stream(tiny_qwen, make_engine, monkey
             *(collect(async_engine, r) for r in requests), return_exceptions=True), 60)
         assert type(bad) is type(fault) and "injected row fault" in str(bad)
         assert (bad is fault) == isinstance(fault, InvalidRequestError)
+        logged = [record for record in caplog.records if record.name == "workers.async_engine"]
+        assert [r.levelno for r in logged] == (
+            [logging.INFO] if isinstance(fault, InvalidRequestError) else [logging.ERROR])
         assert output_ids(mate) == output_ids(reference["mate"])  # its chunk of that step too
         async_engine.check_health()
         assert_pool_at_rest(engine)

@@ -263,19 +263,23 @@ def test_an_output_about_to_run_past_max_tokens_is_closed_so_it_parses(engine, s
 
 def test_a_dead_end_fails_its_request_alone_with_its_own_fault(engine, smollm):
     """A grammar whose every output dead-ends after its first token (its first mask is
-    fine, so compiling passes): that request fails with a 400-kind error naming its field;
-    a free request in the same steps is answered as alone."""
+    fine, so compiling passes): each request with it fails with a 400-kind error of its
+    own, naming the field it came in (two fail in one step); a free request in the same
+    steps is answered as alone."""
     prompt = chat(smollm.tokenizer, "Hi")
     dead = constrained("dead", prompt, StructuredOutput("grammar", DEAD_END))
+    guided = constrained("guided", prompt,
+                         StructuredOutput("grammar", DEAD_END, "guided_grammar"))
     free = constrained("free", prompt, None, max_tokens=12)
     reference = engine.generate([free])
-    for request in (dead, free):
+    for request in (dead, guided, free):
         engine.add_request(request)
-    chunks, failures = step_through_failures(engine, [dead, free])
-    assert [error.request_ids for error in failures] == [["dead"]]
-    cause = failures[0].cause
-    assert isinstance(cause, InvalidRequestError) and cause.param == "structured_outputs"
-    assert "dead end after 1 output tokens" in str(cause)
+    chunks, failures = step_through_failures(engine, [dead, guided, free])
+    assert [sorted(error.request_ids) for error in failures] == [["dead", "guided"]]
+    for request_id, param in (("dead", "structured_outputs"), ("guided", "guided_grammar")):
+        cause = failures[0].cause_of(request_id)
+        assert isinstance(cause, InvalidRequestError) and cause.param == param
+        assert str(cause).startswith(f"{param}: the constraint reached a dead end after 1 ")
     assert output_ids(chunks["free"]) == output_ids(reference["free"])
     assert engine.pool.num_in_use == 0 and not engine.has_work()
 
