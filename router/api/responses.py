@@ -16,8 +16,11 @@ Responses are not stored (``store`` is accepted and changes nothing): a request 
 from __future__ import annotations
 
 import json
+import re
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -43,10 +46,11 @@ from router.protocol import ChatCompletionRequest, Usage, refuse_unless_neutral
 
 
 class _Item(BaseModel):
-    """Base of ``input`` items: unknown fields are errors; ``id`` and ``status``, which the
-    items of an earlier response carry when a client sends them back, are accepted."""
+    """Base of ``input`` items. Fields it does not know are ignored: an earlier response's
+    items come back as the SDK dumps them, with fields of its version (``phase``,
+    ``namespace``, ``caller`` ...) that name nothing the output depends on."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True)
     id: str | None = None
     status: str | None = None
 
@@ -55,7 +59,7 @@ class TextPart(BaseModel):
     """A text part of a message's ``content``: the user's ``input_text``, or an earlier
     answer's ``output_text`` (its ``annotations`` and ``logprobs`` ignored)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["input_text", "output_text"]
     text: str
     annotations: list[Any] | None = None
@@ -245,6 +249,9 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     if body.tools is not None:
         chat["tools"] = [{"type": "function", "function": tool.model_dump(
             exclude={"type"}, exclude_none=True)} for tool in body.tools]
+    if isinstance(body.tool_choice, str) and body.tool_choice not in ("none", "auto", "required"):
+        raise invalid_request('tool_choice must be "none", "auto", "required" or '
+                              '{"type": "function", "name": <string>}', "tool_choice")
     if isinstance(body.tool_choice, dict):
         if set(body.tool_choice) != {"type", "name"} or body.tool_choice["type"] != "function":
             raise invalid_request('tool_choice must be "none", "auto", "required" or '
@@ -266,27 +273,35 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
 
 
 async def responses_job(job: Awaitable[Job]) -> Job:
-    """The chat job, its 400s naming the Responses parameters (:func:`in_responses_terms`)."""
+    """The chat job, its 400s naming the Responses parameters (:func:`in_responses_terms`),
+    and its output constraint too, where ``text.format`` set it (the worker names it in a
+    refusal)."""
     try:
-        return await job
+        job = await job
     except APIError as exc:
         raise in_responses_terms(exc) from None
+    structured = job.request.sampling.structured
+    if structured is None or structured.param not in (None, "response_format"):
+        return job
+    sampling = replace(job.request.sampling, structured=replace(structured, param="text.format"))
+    return replace(job, request=replace(job.request, sampling=sampling))
 
 
-# Chat parameters and the Responses parameters a client set them through.
-_PARAMS = (("messages", "input"), ("tools", "tools"), ("tool_choice", "tool_choice"),
-           ("response_format", "text.format"), ("max_completion_tokens", "max_output_tokens"),
-           ("max_tokens", "max_output_tokens"))
+# Chat's names of what a Responses request set, and the Responses names: a conversation's
+# message is somewhere in ``input`` (items and messages do not map one to one).
+_RENAMES = ((re.compile(r"tools\[(\d+)\]\.function\."), r"tools[\1]."),
+            (re.compile(r"messages(\[\d+\])?(\.[\w\[\].]*\w)?"), "input"),
+            (re.compile(r"response_format"), "text.format"),
+            (re.compile(r"max_completion_tokens|max_tokens"), "max_output_tokens"))
 
 
 def in_responses_terms(error: APIError) -> APIError:
-    """``error`` naming the Responses parameter that set the chat parameter it names (the
-    conversation's ``messages`` are ``input``)."""
-    param = error.param
-    named = next((ours for theirs, ours in _PARAMS if param and param.startswith(theirs)), None)
-    if named is not None:
-        error.message = error.message.replace(param, named)
-        error.param = named
+    """``error`` naming, in its ``param`` and its message, the Responses parameters that set
+    the chat parameters it names."""
+    for pattern, name in _RENAMES:
+        error.message = pattern.sub(name, error.message)
+        if error.param:
+            error.param = pattern.sub(name, error.param)
     return error
 
 
@@ -360,9 +375,10 @@ class ResponsesFormat:
             text, calls = self._calls.feed(text)
         return self._text(text) + [event for call in calls for event in self._call(call)]
 
-    def finish_events(self) -> list[str]:
+    def finish_events(self, status: str) -> list[str]:
         """What the parser held back, then the open message closed (an empty one where the
-        output made no item at all)."""
+        output made no item at all) with the response's ``status``: ``incomplete`` where
+        the output was cut."""
         events: list[str] = []
         if self._calls is not None:
             text, calls = self._calls.close()
@@ -370,7 +386,7 @@ class ResponsesFormat:
                                          for event in self._call(call)]
         if not self.items:
             events += self._open_message()
-        return events + self._close_message()
+        return events + self._close_message(status)
 
     def snapshot(self, status: str, tally: Tally | None = None) -> dict[str, Any]:
         """The ``response`` object: as it stands (``in_progress``), or finished from the
@@ -380,6 +396,7 @@ class ResponsesFormat:
         return {
             "id": self.job.response_id, "object": "response", "created_at": self.job.created,
             "status": status, "model": self.job.model, "output": self.items,
+            "completed_at": int(time.time()) if status == "completed" else None,
             "incomplete_details": ({"reason": "max_output_tokens"} if status == "incomplete"
                                    else None),
             "error": None, "instructions": body.instructions,
@@ -398,10 +415,10 @@ class ResponsesFormat:
     def response(self, tally: Tally) -> ResponseObject:
         """The whole answer (``stream: false``)."""
         choice = tally.choices.get(0)
+        status = _status(choice.finish_reason if choice else "stop")
         self.text_events("".join(choice.text) if choice else "")
-        self.finish_events()
-        reason = choice.finish_reason if choice else "stop"
-        return ResponseObject(**self.snapshot(_status(reason), tally))
+        self.finish_events(status)
+        return ResponseObject(**self.snapshot(status, tally))
 
     def _text(self, text: str) -> list[str]:
         if not text:
@@ -422,7 +439,7 @@ class ResponsesFormat:
                            item={**self._message, "content": []}),
                 self.event("response.content_part.added", part=empty, **self._where())]
 
-    def _close_message(self) -> list[str]:
+    def _close_message(self, status: str = "completed") -> list[str]:
         message = self._message
         if message is None:
             return []
@@ -430,7 +447,7 @@ class ResponsesFormat:
         events = [self.event("response.output_text.done", text=part["text"], logprobs=[],
                              **self._where()),
                   self.event("response.content_part.done", part=part, **self._where())]
-        message["status"] = "completed"
+        message["status"] = status
         self._message = None
         return events + [self.event("response.output_item.done",
                                     output_index=self.items.index(message), item=message)]
@@ -485,7 +502,7 @@ async def response_events(job: Job, fmt: ResponsesFormat, first: GenerationChunk
                 status = _status(finish_reason(chunk.finish_reason))
                 break
             chunk = await next_chunk(chunks)
-        for event in fmt.finish_events():
+        for event in fmt.finish_events(status):
             yield event
         yield fmt.event(f"response.{status}", response=fmt.snapshot(status, tally))
     except Exception as exc:

@@ -6,6 +6,7 @@ served is a 400 naming its field."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -65,6 +66,7 @@ async def test_the_stream_is_the_responses_events_adding_up_to_the_answer(sdk):
     assert final.output_text == whole.output_text and final.status == "completed"
     assert final.usage.model_dump() == whole.usage.model_dump()
     assert events[0].response.status == "in_progress" and events[0].response.output == []
+    assert whole.completed_at >= whole.created_at
 
 
 async def test_an_answer_cut_at_max_output_tokens_is_incomplete(sdk, backend):
@@ -72,9 +74,13 @@ async def test_an_answer_cut_at_max_output_tokens_is_incomplete(sdk, backend):
     answer = await sdk.responses.create(input="Hello there", max_output_tokens=2)
     assert (answer.status, answer.incomplete_details.reason) == ("incomplete",
                                                                  "max_output_tokens")
+    assert [item.status for item in answer.output] == ["incomplete"]
+    assert answer.completed_at is None
     events = await events_of(sdk, input="Hello there", max_output_tokens=2)
     assert events[-1].type == "response.incomplete"
     assert events[-1].response.output_text == "Hello wor"
+    done = [e.item.status for e in events if e.type == "response.output_item.done"]
+    assert done == ["incomplete"]
 
 
 async def test_a_call_is_a_function_call_item_and_its_output_goes_back_as_a_tool_turn(
@@ -106,6 +112,19 @@ async def test_a_call_is_a_function_call_item_and_its_output_goes_back_as_a_tool
     assert backend.requests[-2].token_ids == backend.requests[-1].token_ids
 
 
+async def test_an_earlier_answers_items_come_back_as_the_sdk_dumps_them(sdk, backend):
+    """``model_dump()`` of an answer's items holds the fields of the SDK's version (``phase``,
+    ``namespace`` ...): they are accepted, and the turn is the chat turn of their content."""
+    backend.script = scripted("<tool_", CALL[6:])
+    first = await sdk.responses.create(input="Weather in Paris?", tools=[TOOL])
+    items = [{**item.model_dump(), "phase": None, "namespace": None} for item in first.output]
+    backend.script = scripted("It is 18 C.")
+    follow = await sdk.responses.create(tools=[TOOL], input=[
+        {"role": "user", "content": "Weather in Paris?"}, *items,
+        {"type": "function_call_output", "call_id": first.output[0].call_id, "output": "18"}])
+    assert follow.output_text == "It is 18 C."
+
+
 async def test_text_then_a_call_are_two_items_in_the_order_written(sdk, backend):
     backend.script = scripted("Let me check. ", CALL)
     answer = await sdk.responses.create(input="Weather in Paris?", tools=[TOOL])
@@ -132,8 +151,10 @@ async def test_text_format_and_tool_choice_reach_the_worker_as_chats_do(sdk, bac
                                   "tools": [WEATHER], "tool_choice": {
                                       "type": "function", "function": {"name": "get_weather"}}})
     first, first_chat, second, second_chat = backend.requests
-    assert first.sampling.structured is not None
-    assert first.sampling.structured == first_chat.sampling.structured
+    # The same constraint, named for the worker's refusals by the field that set it.
+    assert first.sampling.structured.param == "text.format"
+    assert first.sampling.structured == replace(first_chat.sampling.structured,
+                                                param="text.format")
     assert (second.token_ids, second.sampling) == (second_chat.token_ids, second_chat.sampling)
 
 
@@ -162,9 +183,16 @@ async def test_truncation_auto_keeps_the_last_tokens_that_fit(client, backend):
     ({"input": "word " * 400}, "input", "context_length_exceeded"),
     ({"max_output_tokens": 500}, "max_output_tokens", "context_length_exceeded"),
     ({"tokens": 5}, "tokens", "unknown_parameter"),
+    ({"tool_choice": "sometimes"}, "tool_choice", "invalid_value"),
+    ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "1"}]},
+     "input", "invalid_value"),
+    ({"tools": [TOOL, {**TOOL, "name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "string", "minLength": 5, "maxLength": 2}}, "required": ["a"]}}]},
+     "tools[1].parameters", "invalid_value"),
 ])
 async def test_what_cannot_be_served_is_a_400_naming_it(client, backend, body, param, code):
     response = await client.post(RESPONSES, json={"input": "Hi", **body})
     error = assert_error(response, 400, param, code)
-    assert not any(chat in error["message"] for chat in ("messages", "max_completion_tokens"))
+    assert not any(chat in error["message"] for chat in (
+        "messages", "max_completion_tokens", "function.", '"function": {'))
     assert backend.requests == []
