@@ -109,9 +109,15 @@ class StepTimeTarget:
 
     def prompt_tokens(self, decode_rows: int) -> int | None:
         """Prompt tokens that fit beside ``decode_rows`` decode and draft rows; None while
-        either cost is unmeasured (then only the token budget applies)."""
+        the prompt tokens' cost is unmeasured (then only the token budget applies). While the
+        decodes' cost is unmeasured it counts as none: a worker that has prefilled without
+        pause since it started (a long prompt beside short requests) has seen no step of
+        decodes alone to measure it, and waiting for one left each of its steps the whole
+        token budget (seconds on a CPU core) while the short requests decoded a token a
+        step."""
         per_token = self.prefill_s_per_token()
-        if per_token is None or not self.decode_steps.known:
+        if per_token is None:
             return None
-        left = self.seconds - self.decode_steps.time(decode_rows)
+        decodes_s = self.decode_steps.time(decode_rows) if self.decode_steps.known else 0.0
+        left = self.seconds - decodes_s
         return max(self.min_tokens, int(left / per_token))

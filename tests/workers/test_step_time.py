@@ -29,9 +29,9 @@ def test_target_leaves_what_the_decodes_do_not_take():
     assert target.prompt_tokens(300) == 16  # decodes alone past the target: min_tokens
 
 
-def test_target_waits_for_both_costs():
+def test_target_waits_for_the_prompt_cost_and_counts_unmeasured_decodes_as_free():
     assert StepTimeTarget(0.25, fitted(0.01, 0.001), lambda: None, 16).prompt_tokens(4) is None
-    assert StepTimeTarget(0.25, StepCostModel(), lambda: 0.002, 16).prompt_tokens(4) is None
+    assert StepTimeTarget(0.25, StepCostModel(), lambda: 0.002, 16).prompt_tokens(4) == 125
 
 
 @pytest.mark.parametrize("seconds, min_tokens", [(0.0, 16), (-1.0, 16), (0.25, 0)])
