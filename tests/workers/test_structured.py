@@ -302,6 +302,23 @@ def test_a_dry_run_into_a_dead_end_leaves_the_matcher_as_it_was(engine, smollm):
     assert matcher.is_stopped
 
 
+def test_a_draft_into_a_dead_end_leaves_the_matcher_as_it_was(engine, smollm):
+    """A verification's masks follow its drafts; one that leads to a dead end (``}`` here)
+    gets that position's mask, EOS alone, and the sequence's matcher stays where it was,
+    still admitting the way that completes."""
+    structured = StructuredOutput("grammar", 'start: "}" A | "ab"\nA: /a/ & /b/')
+    matcher = engine.grammars.matcher(structured)
+    brace = smollm.tokenizer.encode("}", add_special_tokens=False)
+    ab = smollm.tokenizer.encode("ab", add_special_tokens=False)
+    here, after = matcher.masks_along(brace, 300)  # outside closing's window: masks alone
+    eos = smollm.tokenizer.eos_token_id
+    assert admits(here.allowed, brace[0]) and admits(here.allowed, ab[0])
+    assert int(after.allowed.count_nonzero()) == 1 and admits(after.allowed, eos)
+    assert admits(matcher.allowed(300).allowed, ab[0])
+    matcher.consume(ab[0])
+    assert matcher.is_stopped
+
+
 def depth(value) -> int:
     """How deep objects and arrays nest in a JSON value (a scalar is 0)."""
     if isinstance(value, dict):

@@ -154,10 +154,11 @@ class GrammarMatcher:
         state = self._estimate.decide(previous, budget, history)
         mask = self._mask.fill(self._matcher)
         if self._matcher.is_error() and not after_drafts:
+            reason = (self._matcher.get_error().splitlines() or ["no reason given"])[0]
             raise InvalidRequestError(
                 f"{self._param}: the constraint reached a dead end after {position} output "
-                f"tokens: no token may follow, and the output may not end there "
-                f"({self._matcher.get_error().splitlines()[0]})", self._param)
+                f"tokens: no token may follow, and the output may not end there ({reason})",
+                self._param)
         self._closing.append((state, mask_key(mask.numpy()) if budget <= CLOSING_WINDOW else None))
         if not state.closing:
             return PositionMask(mask, self._estimate.hold_openers(mask, state, budget, history))
