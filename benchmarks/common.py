@@ -309,10 +309,12 @@ class EngineRun:
         self.cached_tokens: dict[str, int] = {}
         self.token_ids: dict[str, list[int]] = {}
 
-    def add(self, request) -> None:
-        """Queue a request now (raises as ``LLMEngine.add_request``)."""
+    def add(self, request, arrived_at: float | None = None) -> None:
+        """Queue a request now (raises as ``LLMEngine.add_request``); its latencies count
+        from ``arrived_at`` (a perf_counter time; None: now), as a request that arrived while
+        a step ran waits for it."""
         self.engine.add_request(request)
-        self.submitted[request.request_id] = time.perf_counter()
+        self.submitted[request.request_id] = arrived_at or time.perf_counter()
         self.arrivals[request.request_id] = []
         self.token_ids[request.request_id] = []
 

@@ -89,7 +89,12 @@ class ClusterConfig(BaseModel):
     default, chooses by the worker's weights (``workers.step_time.auto_target_s``): 250 ms on
     a CPU with dense weights, where it cost no throughput and halved the ITL tail under a
     burst, and off for weights kept as stored (the default Q4_1), where it cost 17-20% of the
-    throughput (docs/performance.md, "A step-time target").
+    throughput (docs/performance.md, "A step-time target"). ``max_step_time_ms`` caps every
+    step's prompt chunks the same way, with or without decodes, so a request that arrives
+    while a long prompt is prefilled waits about that long for the step in progress rather
+    than for a 2,048-token chunk (seconds on a CPU core); 0 turns it off. None, the default,
+    is 1,000 ms on a CPU and off on a GPU (``workers.step_time.auto_cap_s``;
+    docs/performance.md, "A step-time cap").
 
     ``routing`` is the request-routing policy: ``prefix`` (longest cached prefix weighed
     against load, the default), ``round-robin`` or ``power-of-two`` (the less loaded of two
@@ -150,6 +155,7 @@ class ClusterConfig(BaseModel):
     max_num_partial_prefills: int = Field(1, ge=1)
     long_prefill_token_threshold: int | None = Field(None, ge=1)
     step_time_target_ms: float | None = Field(None, ge=0)
+    max_step_time_ms: float | None = Field(None, ge=0)
     scheduling_policy: Literal["fcfs", "prefix"] = "fcfs"
     max_model_len: int | None = Field(None, ge=2)
     worker_cpus: float = Field(0.5, gt=0)
@@ -266,8 +272,8 @@ class ClusterConfig(BaseModel):
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_partial_prefills=self.max_num_partial_prefills,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
-            step_time_target_s=(AUTO if self.step_time_target_ms is None
-                                else self.step_time_target_ms / 1000 or None),
+            step_time_target_s=_seconds_or_auto(self.step_time_target_ms),
+            max_step_time_s=_seconds_or_auto(self.max_step_time_ms),
             scheduling_policy=self.scheduling_policy,
             max_model_len=self.max_model_len, num_threads=self.threads_per_worker(),
             borrow_idle_cores=self.borrow_idle_cores,
@@ -323,3 +329,8 @@ class ClusterConfig(BaseModel):
         20 in process on 1 thread (docs/design-decisions.md).
         """
         return self.worker_threads or max(1, available_cores() // self.num_workers)
+
+
+def _seconds_or_auto(milliseconds: float | None) -> float | str | None:
+    """A step-time setting in the engine's terms: None (unset) is ``auto``, 0 is off."""
+    return AUTO if milliseconds is None else milliseconds / 1000 or None

@@ -47,6 +47,11 @@ class EngineConfig:
             (``workers.step_time``); the decodes themselves are never cut. None (the default
             in the engine) applies only ``max_num_batched_tokens``; ``auto`` (the server's
             default) chooses by the weights and device (``workers.step_time.auto_target_s``).
+        max_step_time_s: the longest a step's prompt chunks may make it, in seconds, by
+            the same measured costs: a request that arrives while a long prompt is prefilled
+            waits about this long for the step in progress. None (the default in the engine)
+            is no cap; ``auto`` (the server's default) is 1 s on a CPU and no cap on a GPU
+            (``workers.step_time.auto_cap_s``).
         scheduling_policy: ``fcfs``, or ``prefix`` (longest cached prefix first, with aging);
             see ``workers.scheduler``.
         max_model_len: longest prompt + output in tokens; None uses the model's limit (always
@@ -87,6 +92,7 @@ class EngineConfig:
     max_num_partial_prefills: int = 1
     long_prefill_token_threshold: int | None = None
     step_time_target_s: float | Literal["auto"] | None = None
+    max_step_time_s: float | Literal["auto"] | None = None
     scheduling_policy: str = "fcfs"
     max_model_len: int | None = None
     num_threads: int | None = None

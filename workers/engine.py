@@ -51,7 +51,14 @@ from workers.sequence import Sequence
 from workers.speculative.build import build_proposer
 from workers.speculative.decoding import SpeculativeDecoding
 from workers.speculative.proposer import Proposer
-from workers.step_time import AUTO, StepCostModel, StepTimeTarget, auto_target_s
+from workers.step_time import (
+    AUTO,
+    PromptCostModel,
+    StepCostModel,
+    StepTimeTarget,
+    auto_cap_s,
+    auto_target_s,
+)
 from workers.structured.grammar import GrammarCompiler
 from workers.structured.masks import PositionMask
 from workers.structured.step_masks import MaskJob, StepMasks
@@ -160,8 +167,8 @@ class LLMEngine:
 
     Raises:
         ValueError: an invalid speculative configuration, the ``model`` proposer asked for
-            without being given, or a ``step_time_target_s`` that is neither seconds, None nor
-            ``auto``.
+            without being given, or a ``step_time_target_s`` or ``max_step_time_s`` that is
+            neither seconds, None nor ``auto``.
     """
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
@@ -181,6 +188,7 @@ class LLMEngine:
         self.pool.tier = _second_tier(config, kv_cache)
         self.block_manager = BlockManager(self.pool)
         self.decode_steps = StepCostModel()
+        self.prompt_costs = PromptCostModel()
         self.step_masks = StepMasks()
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens,
@@ -234,16 +242,14 @@ class LLMEngine:
             self.adapters.load(name, path)
 
     def _step_target(self) -> StepTimeTarget | None:
-        seconds = self.config.step_time_target_s
-        if isinstance(seconds, str):
-            if seconds != AUTO:
-                raise ValueError(f"step_time_target_s is seconds, None or {AUTO!r}; got "
-                                 f"{seconds!r}")
-            seconds = auto_target_s(self.loaded.device.type, self.loaded.quantization)
-        if seconds is None:
+        device, quantization = self.loaded.device.type, self.loaded.quantization
+        seconds = _step_limit("step_time_target_s", self.config.step_time_target_s,
+                              lambda: auto_target_s(device, quantization))
+        cap_s = _step_limit("max_step_time_s", self.config.max_step_time_s,
+                            lambda: auto_cap_s(device))
+        if seconds is None and cap_s is None:
             return None
-        return StepTimeTarget(seconds, self.decode_steps,
-                              lambda: self.block_manager.recompute_s_per_token,
+        return StepTimeTarget(seconds, cap_s, self.decode_steps, self.prompt_costs,
                               self.config.block_size)
 
     def adapters_in_use(self) -> set[str]:
@@ -498,6 +504,7 @@ class LLMEngine:
         self.counters.borrowed_core_steps += bool(threads and threads > self.config.num_threads)
         if prompt_tokens >= batch.num_tokens // 2 and prompt_tokens >= self.config.block_size:
             self.block_manager.observe_prefill(batch.num_tokens, elapsed)
+            self.prompt_costs.observe(_prompt_chunks(batch, starts), elapsed, batch.num_tokens)
         if all(n == 1 or seq.spec_token_ids for seq, n in _pairs(batch)):
             self.decode_steps.observe(batch.num_tokens, elapsed)
         for seq, num_new in _pairs(batch):
@@ -791,6 +798,27 @@ def tier_medium(asked: str, device: torch.device) -> str:
     if asked != "auto":
         return asked
     return "host" if device.type == "cuda" else "disk"
+
+
+def _step_limit(name: str, value: float | str | None,
+                auto: Callable[[], float | None]) -> float | None:
+    """A step-time limit in seconds from its setting: seconds, None (off) or ``auto``.
+
+    Raises:
+        ValueError: any other string.
+    """
+    if isinstance(value, str):
+        if value != AUTO:
+            raise ValueError(f"{name} is seconds, None or {AUTO!r}; got {value!r}")
+        return auto()
+    return value
+
+
+def _prompt_chunks(batch: ScheduledBatch, starts: list[int]) -> list[tuple[int, int]]:
+    """``(first position, tokens)`` of each chunk of more than one token that ``batch``
+    computes without drafts (prompts, or a preempted sequence's recompute)."""
+    return [(start, num_new) for (seq, num_new), start in zip(_pairs(batch), starts, strict=True)
+            if num_new > 1 and not seq.spec_token_ids]
 
 
 def _prompt_tokens(batch: ScheduledBatch) -> int:

@@ -12,12 +12,13 @@ out a token budget (``max_num_batched_tokens``) in this order:
    started is finished before new ones start;
 3. waiting requests, in the order of the scheduling policy.
 
-A step-time target (``step_target``, off unless configured) caps the prompt tokens of a step
-that has decodes by seconds rather than tokens: the decodes are scheduled first and uncut, then
-prompt chunks get what the target leaves by the step costs measured on this machine, at least
-one block. Without decodes, a step takes the whole token budget: no stream is waiting on it.
-This is Sarathi-Serve's stall-free batching (Agrawal et al. 2024) with the budget measured
-online (``workers.step_time``).
+Step-time limits (``step_target``, off unless configured) budget a step's prompt tokens in
+seconds as well as tokens, by the step costs measured on this machine
+(``workers.step_time``): a target while sequences decode (Sarathi-Serve's stall-free batching,
+Agrawal et al. 2024), and a cap on every step, so a request that arrives during a long
+prefill waits for a short step, not a long chunk. The decodes are scheduled first and uncut;
+each prompt chunk then gets the tokens that fit in the seconds left at its depth in its
+prompt (a deep token attends to more keys and costs more), the first at least one block.
 
 Chunked prefill without starvation. A prompt longer than what is left of the budget is
 prefilled in chunks. At most ``max_num_partial_prefills`` prompts are mid-prefill at once (vLLM's
@@ -135,8 +136,8 @@ class Scheduler:
             while other requests wait; None means half of ``max_num_batched_tokens``.
         policy: ``fcfs`` or ``prefix`` (see the module docstring).
         aging_steps: steps after which a waiting request outranks fresh ones (``prefix``).
-        step_target: while sequences decode, the prompt tokens a step may add within a
-            step-time target (see the module docstring); None applies the token budget alone.
+        step_target: the seconds a step's prompt chunks may take (see the module
+            docstring); None applies the token budget alone.
 
     Raises:
         ValueError: an unknown policy or a non-positive limit.
@@ -163,6 +164,8 @@ class Scheduler:
         self.aging_steps = aging_steps
         self.step_target = step_target
         self._limit = max_num_batched_tokens  # this step's token limit
+        self._prompt_s: float | None = None  # seconds left for this step's prompt chunks
+        self._prompt_tokens = 0  # prompt tokens in this step so far
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
@@ -179,6 +182,7 @@ class Scheduler:
         """Pick this step's sequences; may preempt running ones when blocks run out."""
         self._step += 1
         self._limit = self.max_num_batched_tokens
+        self._prompt_tokens = 0
         batch = ScheduledBatch()
         preempted = self._schedule_running(batch)
         if not preempted:  # the pool is tight: let the preempted ones back first
@@ -201,17 +205,24 @@ class Scheduler:
         decodes = [seq for seq in self.running if not _in_prefill(seq)]
         prefills = [seq for seq in self.running if _in_prefill(seq)]
         preempted = self._schedule_each(decodes, batch)
-        self._limit_prompt_tokens(batch)
+        self._prompt_s = (None if self.step_target is None
+                          else self.step_target.prompt_seconds(batch.num_tokens))
         return self._schedule_each(prefills, batch) or preempted
 
-    def _limit_prompt_tokens(self, batch: ScheduledBatch) -> None:
-        """Lowers this step's token limit to the decodes just scheduled plus the prompt
-        tokens the step-time target leaves beside them (no decodes: no stream to stall)."""
-        if self.step_target is None or not batch.seqs:
-            return
-        prompt_tokens = self.step_target.prompt_tokens(batch.num_tokens)
-        if prompt_tokens is not None:
-            self._limit = min(self._limit, batch.num_tokens + prompt_tokens)
+    def _prompt_room(self, depth: int, budget: int) -> int:
+        """Tokens of a prompt chunk from position ``depth`` that fit in ``budget`` tokens and
+        the seconds this step has left for prompts; the step's chunks get at least
+        ``min_tokens`` together, so prompts advance however long the decodes take."""
+        if self._prompt_s is None:
+            return budget
+        room = self.step_target.prompt_costs.tokens_within(self._prompt_s, depth)
+        return min(budget, max(room, self.step_target.min_tokens - self._prompt_tokens))
+
+    def _spend(self, depth: int, num_tokens: int) -> None:
+        """Account for a prompt chunk of ``num_tokens`` from position ``depth``."""
+        self._prompt_tokens += num_tokens
+        if self._prompt_s is not None:
+            self._prompt_s -= self.step_target.prompt_costs.seconds(depth, num_tokens)
 
     def _schedule_each(self, seqs: list[Sequence], batch: ScheduledBatch) -> bool:
         """Adds each running sequence of ``seqs`` with its next tokens, while budget lasts;
@@ -223,8 +234,13 @@ class Scheduler:
                 break
             if seq not in self.running:  # preempted for an older sequence this step
                 continue
+            prefill = _in_prefill(seq)
+            if prefill:
+                budget = self._prompt_room(seq.num_computed_tokens, budget)
+                if budget <= 0:
+                    break  # the step's seconds are spent
             num_tokens = min(seq.num_uncomputed_tokens + len(seq.spec_token_ids), budget)
-            if _in_prefill(seq):
+            if prefill:
                 partial = sum(1 for other in self.running if _in_prefill(other))
                 num_tokens = _logit_rows_cap(seq, self._chunk(seq, num_tokens, budget, partial))
             if seq.spec_token_ids:
@@ -233,6 +249,8 @@ class Scheduler:
             preempted |= preempted_now
             if fits:
                 batch.add(seq, num_tokens)
+                if prefill:
+                    self._spend(seq.num_computed_tokens, num_tokens)
         return preempted
 
     def _fit_drafts(self, seq: Sequence, num_tokens: int) -> int:
@@ -258,11 +276,20 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, num_tokens: int, budget: int, partial: int) -> int:
         """``seq``'s prefill chunk of ``num_tokens`` out of ``budget``, cut to
-        ``long_prefill_token_threshold`` when the rest could admit another waiting request
-        this step. ``partial``: prompts mid-prefill once ``seq`` runs, ``seq`` included.
-        A waiting prompt's size is taken without its cached prefix, so a cut is never made
-        for a request that cannot use it."""
+        ``long_prefill_token_threshold`` (under a step-time limit, also to half of
+        ``budget``, the tokens the seconds left hold) when the rest could admit another
+        waiting request this step. ``partial``: prompts mid-prefill once ``seq`` runs, ``seq``
+        included. A waiting prompt's size is taken without its cached prefix, so a cut is
+        never made for a request that cannot use it.
+
+        Half, rather than what the waiting prompts need: a step that gives someone their first
+        token should be short. Leaving only what they need made that step the whole cap:
+        short requests' TTFT p50 1.4 s against 0.8 s beside an 8,000-token prompt under a
+        1 s cap (``benchmarks/arrival_wait.py``, Q4_1, one Zen 4 core; that variant was
+        tried, not committed), for a long prompt 1% sooner."""
         cap = self.long_prefill_token_threshold
+        if self._prompt_s is not None:
+            cap = min(cap, max(1, budget // 2))
         seats = self.max_num_seqs - len(self.running) - (seq not in self.running)
         if num_tokens <= cap or seats <= 0:
             return num_tokens
@@ -292,7 +319,11 @@ class Scheduler:
             if _next_block(seq, len(hits)) in in_flight:
                 self.counters.shared_prefix_waits += 1
                 continue  # a running prompt computes it: reuse it next step
-            remaining = seq.num_tokens - len(hits) * self.blocks.block_size
+            depth = len(hits) * self.blocks.block_size
+            budget = self._prompt_room(depth, budget)
+            if budget <= 0:
+                return  # the step's seconds are spent
+            remaining = seq.num_tokens - depth
             num_tokens = _logit_rows_cap(seq, min(remaining, budget))
             chunked = num_tokens < remaining
             if chunked:
@@ -302,6 +333,7 @@ class Scheduler:
             if not self.blocks.can_admit(seq, hits, num_tokens):
                 return  # out of blocks: the ones behind it wait too (no starvation by size)
             self._admit(seq, hits, num_tokens, batch)
+            self._spend(depth, num_tokens)
             in_flight.update(_blocks_in_flight(seq))
             partial += chunked
 

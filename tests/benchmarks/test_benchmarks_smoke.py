@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import (  # noqa: E402
+    arrival_wait,
     common,
     gpu_first_start,
     interference,
@@ -169,6 +170,19 @@ def test_interference_quick(tmp_path):
         assert max(step[2] for step in after_arrival) == chunk, name
     assert result["goal"]["best"] in ("16", "32", "32@0.001ms")
     assert len(result["goal"]["checks"]) == 2
+
+
+def test_arrival_wait_quick(tmp_path):
+    result = run_main(arrival_wait, tmp_path)
+    off, capped = result["settings"]["off"][0], result["settings"]["0.001"][0]
+    assert off["short_requests"] == 1  # due at once: computed beside the whole long prompt
+    assert off["steps"][0][2] == 96 + 8
+    # a cap far below any step: the long prompt and the arrivals share a block a step
+    assert max(step[2] for step in capped["steps"]) == 16
+    assert capped["short_requests"] > 1
+    assert sum(step[2] for step in capped["steps"]) == 96 + 8 * capped["short_requests"]
+    assert off["short_ttft_max_ms"] >= off["short_ttft"]["p50_ms"]
+    assert result["goal"] == {"checks": [], "met": None}  # no 1,000 ms row in --quick
 
 
 def test_step_profile_quick(tmp_path):

@@ -100,6 +100,11 @@ def test_step_time_target_flag_reaches_the_engine_in_seconds():
     assert engine("--step-time-target-ms", "250").step_time_target_s == 0.25
     with pytest.raises(pydantic.ValidationError):
         engine("--step-time-target-ms", "-5")
+    assert engine().max_step_time_s == "auto"  # chosen by the worker's device
+    assert engine("--max-step-time-ms", "0").max_step_time_s is None
+    assert engine("--max-step-time-ms", "500").max_step_time_s == 0.5
+    with pytest.raises(pydantic.ValidationError):
+        engine("--max-step-time-ms", "-1")
 
 
 def test_idle_cores_are_borrowed_unless_the_flag_says_not():

@@ -18,7 +18,7 @@ from workers.block_manager import BlockManager
 from workers.block_pool import BlockPool
 from workers.scheduler import Scheduler
 from workers.sequence import Sequence
-from workers.step_time import StepCostModel, StepTimeTarget
+from workers.step_time import PromptCostModel, StepCostModel, StepTimeTarget
 
 BLOCK = 4
 ROOT = b"\0" * 32
@@ -147,13 +147,27 @@ def test_unknown_policy_is_refused():
         make_scheduler(policy="lifo")
 
 
-def target_scheduler(prompt_ms: int, budget: int = 64) -> Scheduler:
+def prompt_costs(per_token_s: float, per_key_s: float = 0.0) -> PromptCostModel:
+    """Prompt tokens costing ``per_token_s + per_key_s * depth`` each (fitted at depths
+    0-192, and known exactly)."""
+    model = PromptCostModel()
+    for start in [0, 64, 128, 192] * 2:
+        seconds = sum(per_token_s + per_key_s * (start + i + 0.5) for i in range(BLOCK))
+        model.observe([(start, BLOCK)], seconds, BLOCK)
+    return model
+
+
+def target_scheduler(prompt_ms: int | None, budget: int = 64, cap_ms: int | None = None,
+                     costs: PromptCostModel | None = None) -> Scheduler:
     """A scheduler whose step-time target leaves ``prompt_ms`` prompt tokens beside one decode
-    row: a decode row costs 1 ms, a prompt token 1 ms, the target is ``1 + prompt_ms`` ms."""
+    row: a decode row costs 1 ms, a prompt token 1 ms (``costs``), the target is
+    ``1 + prompt_ms`` ms; ``cap_ms`` caps every step."""
     decode = StepCostModel()
     for rows in [1, 2, 3, 4] * 3:
         decode.observe(rows, 0.001 * rows)
-    target = StepTimeTarget(0.001 * (1 + prompt_ms), decode, lambda: 0.001, BLOCK)
+    target = StepTimeTarget(None if prompt_ms is None else 0.001 * (1 + prompt_ms),
+                            None if cap_ms is None else 0.001 * cap_ms, decode,
+                            costs or prompt_costs(0.001), BLOCK)
     return make_scheduler(budget=budget, step_target=target)
 
 
@@ -184,6 +198,41 @@ def test_step_time_target_never_cuts_decodes():
     # its one block
     scheduler.add(make_seq("late", 12, first=500))
     assert step(scheduler) == [(request_id, 1) for request_id in ids] + [("late", BLOCK)]
+
+
+def test_step_time_cap_chunks_a_lone_prompt_and_cuts_deep_chunks_shorter():
+    # a prompt token costs 1 ms plus 0.025 ms per key before it; a 40 ms cap
+    costs = prompt_costs(0.001, 0.000025)
+    scheduler = target_scheduler(None, budget=256, cap_ms=40, costs=costs)
+    scheduler.add(make_seq("long", 200))
+    chunks = [step(scheduler)[0][1] for _ in range(4)]
+    assert chunks == [29, 20, 16, 14]  # 29 * (1 ms + 0.025 ms * 14.5) = 39.5 ms; 30: 41.3
+    depth = 0
+    for chunk in chunks:
+        assert costs.seconds(depth, chunk) <= 0.040 < costs.seconds(depth, chunk + 1)
+        depth += chunk
+
+
+def test_step_time_cap_admits_an_arrival_beside_a_long_prompt():
+    scheduler = target_scheduler(None, budget=256, cap_ms=40)
+    scheduler.add(make_seq("long", 400))
+    assert step(scheduler) == [("long", 40)]  # 1 ms a token
+    scheduler.add(make_seq("short", 12, first=900))
+    # the long chunk leaves half the step to the arrival, whose whole prompt fits in it
+    assert step(scheduler) == [("long", 20), ("short", 12)]
+    scheduler.add(make_seq("longer", 60, first=2000))  # it would wait for a chunking slot
+    assert step(scheduler) == [("short", 1), ("long", 39)]  # the cap, less a decode row
+
+
+def test_the_lower_of_target_and_cap_applies_beside_decodes():
+    scheduler = target_scheduler(prompt_ms=6, cap_ms=4)
+    scheduler.add(make_seq("first", 20))
+    assert step(scheduler) == [("first", 4)]
+    scheduler = target_scheduler(prompt_ms=6, cap_ms=40)
+    scheduler.add(make_seq("first", 20))
+    assert step(scheduler) == [("first", 20)]
+    scheduler.add(make_seq("second", 30, first=100))
+    assert step(scheduler) == [("first", 1), ("second", 6)]
 
 
 # ---- engine level --------------------------------------------------------------------------
@@ -377,6 +426,25 @@ def test_a_burst_sharing_a_new_prefix_computes_it_once_and_outputs_equal_cold(
     engine.pool.check_invariants()
 
 
+def test_the_engine_fits_prompt_costs_by_depth_and_caps_steps_by_them(
+        tiny_qwen, make_engine, monkeypatch):
+    engine = make_engine(tiny_qwen, max_num_batched_tokens=32, max_step_time_s=1e-9)
+    seen = []
+    observe = engine.prompt_costs.observe
+    monkeypatch.setattr(engine.prompt_costs, "observe",
+                        lambda chunks, seconds, tokens: (seen.append((chunks, tokens)),
+                                                         observe(chunks, seconds, tokens)))
+    first = greedy("first", random_prompt(5, 100), max_tokens=2, ignore_eos=True)
+    reference = make_engine(tiny_qwen).generate([first])
+    # unmeasured at first: the token budget alone; the last chunk (4 tokens) is below a block
+    assert output_ids(engine.generate([first])["first"]) == output_ids(reference["first"])
+    assert seen == [([(0, 32)], 32), ([(32, 32)], 32), ([(64, 32)], 32)]
+    seen.clear()
+    engine.generate([greedy("second", random_prompt(6, 70), max_tokens=1)])
+    # measured: a cap far below any step leaves a block (16 tokens) a step
+    assert seen == [([(0, 16)], 16), ([(16, 16)], 16), ([(32, 16)], 16), ([(48, 16)], 16)]
+
+
 def test_outputs_do_not_change_under_a_step_time_target(tiny_qwen, make_engine, monkeypatch):
     """fp32 greedy outputs are the same when every prompt arriving beside a decode is
     computed a block a step (a target of a microsecond: min_tokens applies once measured)."""
@@ -391,7 +459,8 @@ def test_outputs_do_not_change_under_a_step_time_target(tiny_qwen, make_engine, 
     def recording():
         batch = schedule()
         prompt_chunks.extend(n for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
-                             if seq.num_uncomputed_tokens > 1 and seq.request_id != "first")
+                             if seq.num_computed_tokens < seq.num_prompt_tokens
+                             and seq.request_id != "first")
         return batch
 
     monkeypatch.setattr(engine.scheduler, "schedule", recording)

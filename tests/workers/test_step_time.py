@@ -1,11 +1,12 @@
-"""Step costs and the step-time target: the fitted decode step time and the prompt tokens a
-target leaves beside the decodes (the scheduler applying it is in test_scheduler.py)."""
+"""Step costs and step-time limits: the fitted decode step time, the fitted prompt-token cost
+by depth, and the seconds a target or cap leaves for prompt chunks (the scheduler applying
+them is in test_scheduler.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from workers.step_time import StepCostModel, StepTimeTarget
+from workers.step_time import PromptCostModel, StepCostModel, StepTimeTarget
 
 
 def fitted(base_s: float, per_row_s: float) -> StepCostModel:
@@ -23,18 +24,63 @@ def test_cost_model_recovers_a_linear_step_time():
     assert model.time(5) == pytest.approx(0.060, rel=1e-6)
 
 
+def prompt_costs(base_s: float, per_key_s: float = 0.0) -> PromptCostModel:
+    """A model fitted on prompt chunks of 256 tokens at depths 0-3,840 whose tokens cost
+    ``base_s + per_key_s * depth`` each, beside 4 decode rows."""
+    model = PromptCostModel()
+    for start in [0, 1024, 256, 3584, 512, 2048] * 4:
+        chunk_s = sum(base_s + per_key_s * (start + i + 0.5) for i in range(256))
+        model.observe([(start, 256)], chunk_s * 260 / 256, 260)  # decodes at the same rate
+    return model
+
+
+def test_prompt_cost_model_recovers_a_cost_growing_with_depth():
+    model = prompt_costs(0.001, 1e-7)
+    # 512 tokens from 6,000: 512 * (0.001 + 1e-7 * 6,256) s, past the depths it was fitted on
+    assert model.seconds(6000, 512) == pytest.approx(512 * 0.0016256, rel=1e-6)
+    assert model.seconds(6000, 512) > 1.5 * model.seconds(0, 512)
+    for start in (0, 3000, 7000):
+        seconds = model.seconds(start, 300)
+        assert model.tokens_within(seconds * 1.0001, start) == 300
+        assert model.tokens_within(seconds * 0.999, start) == 299
+    assert model.tokens_within(0.0, 0) == model.tokens_within(-1.0, 0) == 0
+
+
+def test_prompt_cost_without_spread_in_depth_is_flat():
+    model = PromptCostModel()
+    model.observe([(100, 16)], 0.016, 16)
+    assert model.known and model.slope() == 0.0
+    assert model.tokens_within(0.1, 5000) == 100
+    model.observe([], 1.0, 4)  # a step of no prompt chunk tells nothing of their cost
+    assert model.observations == 1 and model.seconds(0, 10) == pytest.approx(0.010)
+
+
 def test_target_leaves_what_the_decodes_do_not_take():
-    target = StepTimeTarget(0.250, fitted(0.010, 0.001), lambda: 0.002, min_tokens=16)
-    assert target.prompt_tokens(4) in (117, 118)  # decodes 14 ms; 236 ms left, 2 ms a token
-    assert target.prompt_tokens(300) == 16  # decodes alone past the target: min_tokens
+    target = StepTimeTarget(0.250, None, fitted(0.010, 0.001), prompt_costs(0.002), 16)
+    assert target.prompt_seconds(4) == pytest.approx(0.236)  # decodes take 14 ms
+    assert target.prompt_seconds(300) < 0  # decodes alone past the target
+    assert target.prompt_seconds(0) is None  # no decodes and no cap: the token budget alone
 
 
-def test_target_waits_for_the_prompt_cost_and_counts_unmeasured_decodes_as_free():
-    assert StepTimeTarget(0.25, fitted(0.01, 0.001), lambda: None, 16).prompt_tokens(4) is None
-    assert StepTimeTarget(0.25, StepCostModel(), lambda: 0.002, 16).prompt_tokens(4) == 125
+def test_the_cap_applies_to_every_step_and_the_lower_limit_wins():
+    decode = fitted(0.010, 0.001)
+    capped = StepTimeTarget(None, 1.0, decode, prompt_costs(0.002), 16)
+    assert capped.prompt_seconds(0) == 1.0
+    assert capped.prompt_seconds(4) == pytest.approx(0.986)
+    both = StepTimeTarget(0.25, 1.0, decode, prompt_costs(0.002), 16)
+    assert both.prompt_seconds(0) == 1.0 and both.prompt_seconds(4) == pytest.approx(0.236)
 
 
-@pytest.mark.parametrize("seconds, min_tokens", [(0.0, 16), (-1.0, 16), (0.25, 0)])
-def test_a_target_must_be_positive(seconds, min_tokens):
+def test_limits_wait_for_the_prompt_cost_and_count_unmeasured_decodes_as_free():
+    unmeasured = StepTimeTarget(0.25, 1.0, fitted(0.01, 0.001), PromptCostModel(), 16)
+    assert unmeasured.prompt_seconds(4) is None and unmeasured.prompt_seconds(0) is None
+    fresh = StepTimeTarget(0.25, None, StepCostModel(), prompt_costs(0.002), 16)
+    assert fresh.prompt_seconds(4) == 0.25
+
+
+@pytest.mark.parametrize("seconds, cap_s, min_tokens",
+                         [(0.0, None, 16), (-1.0, 1.0, 16), (0.25, 0.0, 16), (None, None, 16),
+                          (0.25, None, 0)])
+def test_limits_must_be_positive(seconds, cap_s, min_tokens):
     with pytest.raises(ValueError):
-        StepTimeTarget(seconds, StepCostModel(), lambda: None, min_tokens)
+        StepTimeTarget(seconds, cap_s, StepCostModel(), PromptCostModel(), min_tokens)

@@ -28,7 +28,7 @@ from workers.models.llama import _fuse
 from workers.models.weight_formats import StoredWeight, WeightFormat, quantize_int8_per_channel
 from workers.speculative.config import SpeculativeConfig
 from workers.speculative.ngram import NgramProposer
-from workers.step_time import DENSE_CPU_TARGET_S, auto_target_s
+from workers.step_time import CPU_CAP_S, DENSE_CPU_TARGET_S, auto_cap_s, auto_target_s
 from workers.stored_weights import (
     _attach,
     attach_int8_weights,
@@ -249,8 +249,20 @@ def test_the_auto_step_time_target_is_on_for_dense_weights_and_off_for_stored(
     dense = make_engine(tiny_qwen, num_blocks=16, step_time_target_s="auto")
     stored = make_engine(stored_smollm, num_blocks=16, step_time_target_s="auto")
     assert dense.scheduler.step_target.seconds == DENSE_CPU_TARGET_S == 0.25
+    assert dense.scheduler.step_target.cap_s is None
     assert stored.scheduler.step_target is None
     assert make_engine(tiny_qwen, num_blocks=16).scheduler.step_target is None  # engine: off
     assert auto_target_s("cuda", "none") is None and auto_target_s("cpu", "int8") is None
-    with pytest.raises(ValueError, match="'fast'"):
+    with pytest.raises(ValueError, match="step_time_target_s .*'fast'"):
         make_engine(tiny_qwen, num_blocks=16, step_time_target_s="fast")
+
+
+def test_the_auto_step_time_cap_is_on_for_any_cpu_worker(stored_smollm, make_engine):
+    """The server's default cap, 1 s on a CPU, applies to weights kept as stored too."""
+    stored = make_engine(stored_smollm, num_blocks=16, step_time_target_s="auto",
+                         max_step_time_s="auto")
+    assert (stored.scheduler.step_target.seconds, stored.scheduler.step_target.cap_s) == (
+        None, CPU_CAP_S)
+    assert CPU_CAP_S == 1.0 and auto_cap_s("cuda") is None
+    with pytest.raises(ValueError, match="max_step_time_s .*'soon'"):
+        make_engine(stored_smollm, num_blocks=16, max_step_time_s="soon")
