@@ -46,11 +46,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--caps", default=f"{OFF},{DEFAULT_CAP}",
                         help=f"comma-separated step-time caps in ms; {OFF!r}: none")
     parser.add_argument("--rounds", type=int, default=2, help="rounds, settings alternating")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="the token budget (the cap cuts only prompts longer than it)")
     args = parser.parse_args(argv)
     if args.quick:
         args.long_prompt, args.short_prompt, args.short_output = 96, 8, 2
         args.first_ms, args.every_ms, args.rounds = 0.0, 1.0, 1
-        args.caps, args.kv_cache_mib = f"{OFF},0.001", 16
+        args.caps, args.kv_cache_mib, args.max_num_batched_tokens = f"{OFF},0.001", 16, 48
     args.caps = [c.strip() for c in args.caps.split(",") if c.strip()]
     return args
 
@@ -63,6 +65,7 @@ def run_setting(loaded, long_prompt: list[int], shorts: list[list[int]], cap: st
                 args: argparse.Namespace) -> dict:
     """One engine with the given cap through the scenario."""
     engine = common.build_engine(loaded, threads=args.threads, kv_cache_mib=args.kv_cache_mib,
+                                 max_num_batched_tokens=args.max_num_batched_tokens,
                                  max_step_time_s=cap_seconds(cap))
     warmup = common.EngineRun(engine)  # measures the prompt cost the cap is applied by
     warmup.add(common.greedy_request("warmup", shorts[-2] + shorts[-1], 1))
@@ -134,7 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
                            "short_prompt_tokens": args.short_prompt,
                            "short_output_tokens": args.short_output,
                            "first_ms": args.first_ms, "every_ms": args.every_ms,
-                           "rounds": args.rounds},
+                           "rounds": args.rounds,
+                           "max_num_batched_tokens": args.max_num_batched_tokens},
               "settings": settings, "goal": goal_check(settings)}
     common.log_goals(result["goal"]["checks"])
     common.write_json(result, args.out)

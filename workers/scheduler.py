@@ -18,7 +18,10 @@ seconds as well as tokens, by the step costs measured on this machine
 Agrawal et al. 2024), and a cap on every step, so a request that arrives during a long
 prefill waits for a short step, not a long chunk. The decodes are scheduled first and uncut;
 each prompt chunk then gets the tokens that fit in the seconds left at its depth in its
-prompt (a deep token attends to more keys and costs more), the first at least one block.
+prompt (a deep token attends to more keys and costs more), the step's chunks at least one
+block together. A newly admitted prompt that the token budget holds whole is not cut by the
+cap (the target still applies): the step then gives it its first token, and a burst of short
+prompts computed together rather than split kept its throughput.
 
 Chunked prefill without starvation. A prompt longer than what is left of the budget is
 prefilled in chunks. At most ``max_num_partial_prefills`` prompts are mid-prefill at once (vLLM's
@@ -164,7 +167,8 @@ class Scheduler:
         self.aging_steps = aging_steps
         self.step_target = step_target
         self._limit = max_num_batched_tokens  # this step's token limit
-        self._prompt_s: float | None = None  # seconds left for this step's prompt chunks
+        self._target_s: float | None = None  # seconds left for prompts under the target
+        self._cap_s: float | None = None  # and under the cap
         self._prompt_tokens = 0  # prompt tokens in this step so far
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -205,24 +209,29 @@ class Scheduler:
         decodes = [seq for seq in self.running if not _in_prefill(seq)]
         prefills = [seq for seq in self.running if _in_prefill(seq)]
         preempted = self._schedule_each(decodes, batch)
-        self._prompt_s = (None if self.step_target is None
-                          else self.step_target.prompt_seconds(batch.num_tokens))
+        self._target_s, self._cap_s = (
+            (None, None) if self.step_target is None
+            else self.step_target.seconds_left(batch.num_tokens))
         return self._schedule_each(prefills, batch) or preempted
 
-    def _prompt_room(self, depth: int, budget: int) -> int:
+    def _prompt_room(self, depth: int, budget: int, capped: bool = True) -> int:
         """Tokens of a prompt chunk from position ``depth`` that fit in ``budget`` tokens and
-        the seconds this step has left for prompts; the step's chunks get at least
-        ``min_tokens`` together, so prompts advance however long the decodes take."""
-        if self._prompt_s is None:
+        the seconds this step has left for prompts: under the target, and under the cap
+        where ``capped``; the step's chunks get at least ``min_tokens`` together, so prompts
+        advance however long the decodes take."""
+        limits = [s for s in (self._target_s, self._cap_s if capped else None) if s is not None]
+        if not limits:
             return budget
-        room = self.step_target.prompt_costs.tokens_within(self._prompt_s, depth)
+        room = self.step_target.prompt_costs.tokens_within(min(limits), depth)
         return min(budget, max(room, self.step_target.min_tokens - self._prompt_tokens))
 
     def _spend(self, depth: int, num_tokens: int) -> None:
         """Account for a prompt chunk of ``num_tokens`` from position ``depth``."""
         self._prompt_tokens += num_tokens
-        if self._prompt_s is not None:
-            self._prompt_s -= self.step_target.prompt_costs.seconds(depth, num_tokens)
+        if self.step_target is not None:
+            seconds = self.step_target.prompt_costs.seconds(depth, num_tokens)
+            self._target_s = None if self._target_s is None else self._target_s - seconds
+            self._cap_s = None if self._cap_s is None else self._cap_s - seconds
 
     def _schedule_each(self, seqs: list[Sequence], batch: ScheduledBatch) -> bool:
         """Adds each running sequence of ``seqs`` with its next tokens, while budget lasts;
@@ -288,7 +297,7 @@ class Scheduler:
         1 s cap (``benchmarks/arrival_wait.py``, Q4_1, one Zen 4 core; that variant was
         tried, not committed), for a long prompt 1% sooner."""
         cap = self.long_prefill_token_threshold
-        if self._prompt_s is not None:
+        if self._target_s is not None or self._cap_s is not None:
             cap = min(cap, max(1, budget // 2))
         seats = self.max_num_seqs - len(self.running) - (seq not in self.running)
         if num_tokens <= cap or seats <= 0:
@@ -320,10 +329,13 @@ class Scheduler:
                 self.counters.shared_prefix_waits += 1
                 continue  # a running prompt computes it: reuse it next step
             depth = len(hits) * self.blocks.block_size
-            budget = self._prompt_room(depth, budget)
+            remaining = seq.num_tokens - depth
+            # a prompt that the token budget holds whole runs past the cap: the step gives it
+            # its first token (a burst of short prompts is not split), where a long prompt's
+            # chunk gives nobody one
+            budget = self._prompt_room(depth, budget, capped=remaining > budget)
             if budget <= 0:
                 return  # the step's seconds are spent
-            remaining = seq.num_tokens - depth
             num_tokens = _logit_rows_cap(seq, min(remaining, budget))
             chunked = num_tokens < remaining
             if chunked:

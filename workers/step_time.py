@@ -204,19 +204,19 @@ class StepTimeTarget:
         self.prompt_costs = prompt_costs
         self.min_tokens = min_tokens
 
-    def prompt_seconds(self, decode_rows: int) -> float | None:
+    def seconds_left(self, decode_rows: int) -> tuple[float | None, float | None]:
         """Seconds a step's prompt chunks may take beside ``decode_rows`` decode and draft
-        rows (the target applies with decodes, the cap always); None while the prompt
-        tokens' cost is unmeasured, or with no decodes and no cap (then only the token
-        budget applies). While the decodes' cost is unmeasured it counts as none: a worker
-        that has prefilled without pause since it started (a long prompt beside short
+        rows: ``(under the target, under the cap)``, each None where it does not apply (the
+        target applies only with decodes; either may be unset) and both None while the prompt
+        tokens' cost is unmeasured. While the decodes' cost is unmeasured it counts as none: a
+        worker that has prefilled without pause since it started (a long prompt beside short
         requests) has seen no step of decodes alone to measure it, and waiting for one left
         each of its steps the whole token budget (seconds on a CPU core) while the short
         requests decoded a token a step."""
-        limits = [s for s in (self.seconds if decode_rows else None, self.cap_s)
-                  if s is not None]
-        if not limits or not self.prompt_costs.known:
-            return None
+        if not self.prompt_costs.known:
+            return None, None
         decodes_s = (self.decode_steps.time(decode_rows)
                      if decode_rows and self.decode_steps.known else 0.0)
-        return min(limits) - decodes_s
+        target = None if self.seconds is None or not decode_rows else self.seconds - decodes_s
+        cap = None if self.cap_s is None else self.cap_s - decodes_s
+        return target, cap

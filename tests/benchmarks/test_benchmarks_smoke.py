@@ -175,13 +175,15 @@ def test_interference_quick(tmp_path):
 def test_arrival_wait_quick(tmp_path):
     result = run_main(arrival_wait, tmp_path)
     off, capped = result["settings"]["off"][0], result["settings"]["0.001"][0]
-    assert off["short_requests"] == 1  # due at once: computed beside the whole long prompt
-    assert off["steps"][0][2] == 96 + 8
-    # a cap far below any step: the long prompt and the arrivals share a block a step
-    assert max(step[2] for step in capped["steps"]) == 16
-    assert capped["short_requests"] > 1
-    assert sum(step[2] for step in capped["steps"]) == 96 + 8 * capped["short_requests"]
-    assert off["short_ttft_max_ms"] >= off["short_ttft"]["p50_ms"]
+    for row in (off, capped):
+        prefill_per_step = [step[2] for step in row["steps"]]
+        assert sum(prefill_per_step) == 96 + 8 * row["short_requests"]
+        assert max(prefill_per_step) <= 48  # the token budget
+        assert row["short_ttft"]["p50_ms"] <= row["short_ttft_max_ms"]
+    # a cap far below any step: the long prompt advances a block a step beside the arrivals,
+    # which take many more steps to reach its first token
+    assert capped["short_requests"] > off["short_requests"]
+    assert len(capped["steps"]) > len(off["steps"])
     assert result["goal"] == {"checks": [], "met": None}  # no 1,000 ms row in --quick
 
 

@@ -203,8 +203,8 @@ def test_step_time_target_never_cuts_decodes():
 def test_step_time_cap_chunks_a_lone_prompt_and_cuts_deep_chunks_shorter():
     # a prompt token costs 1 ms plus 0.025 ms per key before it; a 40 ms cap
     costs = prompt_costs(0.001, 0.000025)
-    scheduler = target_scheduler(None, budget=256, cap_ms=40, costs=costs)
-    scheduler.add(make_seq("long", 200))
+    scheduler = target_scheduler(None, budget=64, cap_ms=40, costs=costs)
+    scheduler.add(make_seq("long", 200))  # longer than the token budget
     chunks = [step(scheduler)[0][1] for _ in range(4)]
     assert chunks == [29, 20, 16, 14]  # 29 * (1 ms + 0.025 ms * 14.5) = 39.5 ms; 30: 41.3
     depth = 0
@@ -214,19 +214,22 @@ def test_step_time_cap_chunks_a_lone_prompt_and_cuts_deep_chunks_shorter():
 
 
 def test_step_time_cap_admits_an_arrival_beside_a_long_prompt():
-    scheduler = target_scheduler(None, budget=256, cap_ms=40)
+    scheduler = target_scheduler(None, budget=64, cap_ms=40)
     scheduler.add(make_seq("long", 400))
     assert step(scheduler) == [("long", 40)]  # 1 ms a token
     scheduler.add(make_seq("short", 12, first=900))
     # the long chunk leaves half the step to the arrival, whose whole prompt fits in it
     assert step(scheduler) == [("long", 20), ("short", 12)]
-    scheduler.add(make_seq("longer", 60, first=2000))  # it would wait for a chunking slot
     assert step(scheduler) == [("short", 1), ("long", 39)]  # the cap, less a decode row
+    # a prompt that the token budget holds whole runs past the cap: the step gives it its
+    # first token
+    scheduler.add(make_seq("whole", 20, first=2000))
+    assert step(scheduler) == [("short", 1), ("long", 19), ("whole", 20)]
 
 
 def test_the_lower_of_target_and_cap_applies_beside_decodes():
     scheduler = target_scheduler(prompt_ms=6, cap_ms=4)
-    scheduler.add(make_seq("first", 20))
+    scheduler.add(make_seq("first", 100))  # longer than the token budget
     assert step(scheduler) == [("first", 4)]
     scheduler = target_scheduler(prompt_ms=6, cap_ms=40)
     scheduler.add(make_seq("first", 20))
@@ -436,13 +439,15 @@ def test_the_engine_fits_prompt_costs_by_depth_and_caps_steps_by_them(
                                                          observe(chunks, seconds, tokens)))
     first = greedy("first", random_prompt(5, 100), max_tokens=2, ignore_eos=True)
     reference = make_engine(tiny_qwen).generate([first])
-    # unmeasured at first: the token budget alone; the last chunk (4 tokens) is below a block
     assert output_ids(engine.generate([first])["first"]) == output_ids(reference["first"])
-    assert seen == [([(0, 32)], 32), ([(32, 32)], 32), ([(64, 32)], 32)]
+    # unmeasured at first: the token budget alone; then a cap far below any step leaves the
+    # prompt longer than the budget a block (16 tokens) a step (its last 4 tokens, below a
+    # block, tell nothing of the cost)
+    assert seen == [([(0, 32)], 32), ([(32, 16)], 16), ([(48, 16)], 16), ([(64, 16)], 16),
+                    ([(80, 16)], 16)]
     seen.clear()
-    engine.generate([greedy("second", random_prompt(6, 70), max_tokens=1)])
-    # measured: a cap far below any step leaves a block (16 tokens) a step
-    assert seen == [([(0, 16)], 16), ([(16, 16)], 16), ([(32, 16)], 16), ([(48, 16)], 16)]
+    engine.generate([greedy("second", random_prompt(6, 30), max_tokens=1, ignore_eos=True)])
+    assert seen == [([(0, 30)], 30)]  # the budget holds it whole: past the cap
 
 
 def test_outputs_do_not_change_under_a_step_time_target(tiny_qwen, make_engine, monkeypatch):

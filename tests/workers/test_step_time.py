@@ -57,25 +57,26 @@ def test_prompt_cost_without_spread_in_depth_is_flat():
 
 def test_target_leaves_what_the_decodes_do_not_take():
     target = StepTimeTarget(0.250, None, fitted(0.010, 0.001), prompt_costs(0.002), 16)
-    assert target.prompt_seconds(4) == pytest.approx(0.236)  # decodes take 14 ms
-    assert target.prompt_seconds(300) < 0  # decodes alone past the target
-    assert target.prompt_seconds(0) is None  # no decodes and no cap: the token budget alone
+    assert target.seconds_left(4) == (pytest.approx(0.236), None)  # decodes take 14 ms
+    assert target.seconds_left(300)[0] < 0  # decodes alone past the target
+    assert target.seconds_left(0) == (None, None)  # no decodes and no cap: tokens alone
 
 
-def test_the_cap_applies_to_every_step_and_the_lower_limit_wins():
+def test_the_cap_applies_to_every_step_beside_the_target():
     decode = fitted(0.010, 0.001)
     capped = StepTimeTarget(None, 1.0, decode, prompt_costs(0.002), 16)
-    assert capped.prompt_seconds(0) == 1.0
-    assert capped.prompt_seconds(4) == pytest.approx(0.986)
+    assert capped.seconds_left(0) == (None, 1.0)
+    assert capped.seconds_left(4) == (None, pytest.approx(0.986))
     both = StepTimeTarget(0.25, 1.0, decode, prompt_costs(0.002), 16)
-    assert both.prompt_seconds(0) == 1.0 and both.prompt_seconds(4) == pytest.approx(0.236)
+    assert both.seconds_left(0) == (None, 1.0)
+    assert both.seconds_left(4) == (pytest.approx(0.236), pytest.approx(0.986))
 
 
 def test_limits_wait_for_the_prompt_cost_and_count_unmeasured_decodes_as_free():
     unmeasured = StepTimeTarget(0.25, 1.0, fitted(0.01, 0.001), PromptCostModel(), 16)
-    assert unmeasured.prompt_seconds(4) is None and unmeasured.prompt_seconds(0) is None
-    fresh = StepTimeTarget(0.25, None, StepCostModel(), prompt_costs(0.002), 16)
-    assert fresh.prompt_seconds(4) == 0.25
+    assert unmeasured.seconds_left(4) == unmeasured.seconds_left(0) == (None, None)
+    fresh = StepTimeTarget(0.25, 1.0, StepCostModel(), prompt_costs(0.002), 16)
+    assert fresh.seconds_left(4) == (0.25, 1.0)
 
 
 @pytest.mark.parametrize("seconds, cap_s, min_tokens",
