@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     threads = common.set_threads(args.threads)
     loaded = common.load(args.model, args.dtype, quantization=args.quantization)
-    count = int(args.long_prompt / max(args.every_ms, 1.0)) + 8  # more than can arrive
+    # more than can arrive while the long prompt is prefilled at 10 ms a token
+    count = int(args.long_prompt * 10 / max(args.every_ms, 1.0)) + 8
     prompts = common.text_prompts(loaded.tokenizer, count + 1, args.short_prompt)
     long_prompt = common.text_prompts(loaded.tokenizer, 1, args.long_prompt,
                                       offset=(count + 1) * args.short_prompt)[0]
