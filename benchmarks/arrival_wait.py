@@ -2,9 +2,10 @@
 
 One in-process LLMEngine. A --long-prompt 8,000-token prompt arrives alone; from --first-ms
 after it, a short request (--short-prompt tokens, --short-output output tokens) arrives every
---every-ms until the long prompt's first token. A request that arrives while a step runs waits
-for it (the engine loop takes new requests between steps), so each short request's TTFT
-counts from its arrival time, not from the step boundary that admitted it. Per
+--every-ms for --window-s seconds (the same arrivals in every setting, so the same work). A
+request that arrives while a step runs waits for it (the engine loop takes new requests
+between steps), so each short request's TTFT counts from its arrival time, not from the step
+boundary that admitted it. Per
 --caps setting (``off``, or a step-time cap in ms, ``max_step_time_s``), rounds alternating,
 the JSON reports the short requests' TTFT p50 / p90 / max, the long prompt's TTFT, and the
 per-step series ``[end s, step ms, prefill tokens, decode tokens]``.
@@ -43,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--short-output", type=int, default=4, help="tokens")
     parser.add_argument("--first-ms", type=float, default=250.0)
     parser.add_argument("--every-ms", type=float, default=500.0)
+    parser.add_argument("--window-s", type=float, default=20.0,
+                        help="seconds over which the short requests arrive")
     parser.add_argument("--caps", default=f"{OFF},{DEFAULT_CAP}",
                         help=f"comma-separated step-time caps in ms; {OFF!r}: none")
     parser.add_argument("--rounds", type=int, default=2, help="rounds, settings alternating")
@@ -51,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.long_prompt, args.short_prompt, args.short_output = 96, 8, 2
-        args.first_ms, args.every_ms, args.rounds = 0.0, 1.0, 1
+        args.first_ms, args.every_ms, args.window_s, args.rounds = 0.0, 1.0, 0.03, 1
         args.caps, args.kv_cache_mib, args.max_num_batched_tokens = f"{OFF},0.001", 16, 48
     args.caps = [c.strip() for c in args.caps.split(",") if c.strip()]
     return args
@@ -73,11 +76,13 @@ def run_setting(loaded, long_prompt: list[int], shorts: list[list[int]], cap: st
     run = common.EngineRun(engine)
     run.add(common.greedy_request(LONG_ID, long_prompt, 1))
     due = [run.start + (args.first_ms + i * args.every_ms) / 1000
-           for i in range(len(shorts) - 2)]
+           for i in range(len(shorts) - 2)]  # the last two make the warm-up prompt
     short_ids = []
-    while engine.has_work():
+    while engine.has_work() or due:
+        if not engine.has_work():
+            time.sleep(max(0.0, due[0] - time.perf_counter()))
         now = time.perf_counter()
-        while due and due[0] <= now and not run.arrivals[LONG_ID]:
+        while due and due[0] <= now:
             short_ids.append(f"short-{len(short_ids)}")
             run.add(common.greedy_request(short_ids[-1], shorts[len(short_ids) - 1],
                                           args.short_output), arrived_at=due.pop(0))
@@ -115,11 +120,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     threads = common.set_threads(args.threads)
     loaded = common.load(args.model, args.dtype, quantization=args.quantization)
-    # more than can arrive while the long prompt is prefilled at 10 ms a token
-    count = int(args.long_prompt * 10 / max(args.every_ms, 1.0)) + 8
-    prompts = common.text_prompts(loaded.tokenizer, count + 1, args.short_prompt)
+    arrivals = int((args.window_s * 1000 - args.first_ms) / args.every_ms) + 1
+    prompts = common.text_prompts(loaded.tokenizer, arrivals + 2, args.short_prompt)
     long_prompt = common.text_prompts(loaded.tokenizer, 1, args.long_prompt,
-                                      offset=(count + 1) * args.short_prompt)[0]
+                                      offset=(arrivals + 2) * args.short_prompt)[0]
     settings: dict[str, list[dict]] = {cap: [] for cap in args.caps}
     for round_index in range(args.rounds):
         order = args.caps if round_index % 2 == 0 else args.caps[::-1]
@@ -138,6 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
                            "short_prompt_tokens": args.short_prompt,
                            "short_output_tokens": args.short_output,
                            "first_ms": args.first_ms, "every_ms": args.every_ms,
+                           "window_s": args.window_s,
                            "rounds": args.rounds,
                            "max_num_batched_tokens": args.max_num_batched_tokens},
               "settings": settings, "goal": goal_check(settings)}

@@ -71,10 +71,11 @@ def _serve_parser(commands) -> None:
                                 "250 on a CPU with dense weights, off for weights kept as "
                                 "stored)")
     serve_cmd.add_argument("--max-step-time-ms", type=float, default=None,
-                           help="the longest a step's prompt chunks may make it, by step "
-                                "costs measured on the worker: what a request arriving during "
-                                "a long prefill waits for the step in progress; 0: off "
-                                "(default: 1000 on a CPU, off on a GPU)")
+                           help="the longest a step may take with chunks of a prompt "
+                                "longer than the token budget, by step costs measured on the "
+                                "worker: what a request arriving during a long prefill waits "
+                                "for the step in progress; 0: off (default: 1000 on a CPU, "
+                                "off on a GPU)")
     serve_cmd.add_argument("--scheduling-policy", choices=["fcfs", "prefix"], default="fcfs",
                            help="admission order: arrival (fcfs) or longest cached prefix "
                                 "first, with aging (prefix)")

@@ -89,12 +89,12 @@ class ClusterConfig(BaseModel):
     default, chooses by the worker's weights (``workers.step_time.auto_target_s``): 250 ms on
     a CPU with dense weights, where it cost no throughput and halved the ITL tail under a
     burst, and off for weights kept as stored (the default Q4_1), where it cost 17-20% of the
-    throughput (docs/performance.md, "A step-time target"). ``max_step_time_ms`` caps every
-    step's prompt chunks the same way, with or without decodes, so a request that arrives
-    while a long prompt is prefilled waits about that long for the step in progress rather
-    than for a 2,048-token chunk (seconds on a CPU core); 0 turns it off. None, the default,
-    is 1,000 ms on a CPU and off on a GPU (``workers.step_time.auto_cap_s``;
-    docs/performance.md, "A step-time cap").
+    throughput (docs/performance.md, "A step-time target"). ``max_step_time_ms`` caps the
+    same way the chunks of a prompt longer than ``max_num_batched_tokens``, with or without
+    decodes, so a request that arrives while a long prompt is prefilled waits about that long
+    for the step in progress rather than for a 2,048-token chunk (seconds on a CPU core); 0
+    turns it off. None, the default, is 1,000 ms on a CPU and off on a GPU
+    (``workers.step_time.auto_cap_s``; docs/performance.md, "A step-time cap").
 
     ``routing`` is the request-routing policy: ``prefix`` (longest cached prefix weighed
     against load, the default), ``round-robin`` or ``power-of-two`` (the less loaded of two

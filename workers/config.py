@@ -47,8 +47,9 @@ class EngineConfig:
             (``workers.step_time``); the decodes themselves are never cut. None (the default
             in the engine) applies only ``max_num_batched_tokens``; ``auto`` (the server's
             default) chooses by the weights and device (``workers.step_time.auto_target_s``).
-        max_step_time_s: the longest a step's prompt chunks may make it, in seconds, by
-            the same measured costs: a request that arrives while a long prompt is prefilled
+        max_step_time_s: the longest a step with chunks of a prompt longer than
+            ``max_num_batched_tokens`` may take, in seconds, by the same measured costs
+            (``workers.scheduler``): a request that arrives while a long prompt is prefilled
             waits about this long for the step in progress. None (the default in the engine)
             is no cap; ``auto`` (the server's default) is 1 s on a CPU and no cap on a GPU
             (``workers.step_time.auto_cap_s``).

@@ -13,8 +13,10 @@ step's prompt tokens in seconds instead, with two limits:
   target leaves (Sarathi-Serve's stall-free batching, Agrawal et al. 2024, with its token
   budget derived from the time-between-tokens target by measurement, here online rather than
   by an offline profile);
-- a cap on every step, so a request arriving during a long prompt's prefill waits about that
-  long for the step in progress, and is admitted beside the prompt's next chunk.
+- a cap on the chunks of a prompt longer than the token budget, with or without decodes, so
+  a request arriving during a long prompt's prefill waits about that long for the step in
+  progress, and is admitted beside the prompt's next chunk (``workers.scheduler`` says which
+  prompts it cuts).
 
 A prompt token's cost grows with the keys it attends to: one Zen 4 core took 2.8 s for the
 first 2,048 tokens of a prompt and 7.0 s for tokens 6,144-8,000. :class:`PromptCostModel`
@@ -181,8 +183,8 @@ class StepTimeTarget:
     Args:
         seconds: the target step time while sequences are decoding (the inter-token latency
             a prompt's arrival may cause); None: no target.
-        cap_s: the longest any step's prompt chunks may make it (what a request arriving
-            during a long prefill waits for the step in progress); None: no cap.
+        cap_s: the longest a step with a long prompt's chunk may take (what a request
+            arriving during a long prefill waits for the step in progress); None: no cap.
         decode_steps: the fitted decode step time.
         prompt_costs: the fitted prompt-token cost by depth.
         min_tokens: prompt tokens a step always gets, so prompts advance however long the
