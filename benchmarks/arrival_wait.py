@@ -92,6 +92,8 @@ def run_setting(loaded, long_prompt: list[int], shorts: list[list[int]], cap: st
             "short_ttft": common.latency_summary(ttfts),
             "short_ttft_max_ms": max(ttfts) * 1000 if ttfts else None,
             "long_ttft_ms": run.ttft_s(LONG_ID) * 1000,
+            "long_prefill_steps": sum(1 for step in run.steps
+                                      if run.start + step[0] <= run.arrivals[LONG_ID][0]),
             "steps_columns": ["end_s", "step_ms", "prefill_tokens", "decode_tokens"],
             "steps": run.steps}
 
