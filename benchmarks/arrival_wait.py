@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import time
 
 try:
@@ -100,7 +101,7 @@ def run_setting(loaded, long_prompt: list[int], shorts: list[list[int]], cap: st
 
 def median_of(rounds: list[dict], key: str) -> float | None:
     values = [r[key] for r in rounds if r[key] is not None]
-    return sorted(values)[len(values) // 2] if values else None
+    return statistics.median(values) if values else None
 
 
 def goal_check(settings: dict[str, list[dict]]) -> dict:

@@ -15,8 +15,8 @@ out a token budget (``max_num_batched_tokens``) in this order:
 Step-time limits (``step_target``, off unless configured) budget a step's prompt tokens in
 seconds as well as tokens, by the step costs measured on this machine
 (``workers.step_time``): a target while sequences decode (Sarathi-Serve's stall-free batching,
-Agrawal et al. 2024), and a cap on every step, so a request that arrives during a long
-prefill waits for a short step, not a long chunk. The decodes are scheduled first and uncut;
+Agrawal et al. 2024), and a cap with or without decodes, so a request that arrives during a
+long prefill waits for a short step, not a long chunk. The decodes are scheduled first and uncut;
 each prompt chunk then gets the tokens that fit in the seconds left at its depth in its
 prompt (a deep token attends to more keys and costs more), the step's chunks at least one
 block together. A newly admitted prompt that the token budget holds whole is not cut by the
@@ -166,7 +166,6 @@ class Scheduler:
         self.policy = policy
         self.aging_steps = aging_steps
         self.step_target = step_target
-        self._limit = max_num_batched_tokens  # this step's token limit
         self._target_s: float | None = None  # seconds left for prompts under the target
         self._cap_s: float | None = None  # and under the cap
         self._prompt_tokens = 0  # prompt tokens in this step so far
@@ -185,7 +184,6 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         """Pick this step's sequences; may preempt running ones when blocks run out."""
         self._step += 1
-        self._limit = self.max_num_batched_tokens
         self._prompt_tokens = 0
         batch = ScheduledBatch()
         preempted = self._schedule_running(batch)
@@ -202,7 +200,7 @@ class Scheduler:
         self.blocks.free(seq)
 
     def _budget_left(self, batch: ScheduledBatch) -> int:
-        return self._limit - batch.num_tokens
+        return self.max_num_batched_tokens - batch.num_tokens
 
     def _schedule_running(self, batch: ScheduledBatch) -> bool:
         """Decodes first, then partial prefills; returns whether anything was preempted."""
