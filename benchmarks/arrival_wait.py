@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
 import time
 
 try:
@@ -100,8 +99,7 @@ def run_setting(loaded, long_prompt: list[int], shorts: list[list[int]], cap: st
 
 
 def median_of(rounds: list[dict], key: str) -> float | None:
-    values = [r[key] for r in rounds if r[key] is not None]
-    return statistics.median(values) if values else None
+    return common.percentile([r[key] for r in rounds if r[key] is not None], 50)
 
 
 def goal_check(settings: dict[str, list[dict]]) -> dict:

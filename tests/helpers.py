@@ -19,6 +19,7 @@ import redis
 
 from contract.identity import CacheNamespace
 from contract.request import GenerationChunk, GenerationRequest, SamplingParams
+from workers.step_time import PromptCostModel, StepCostModel
 
 
 def free_port() -> int:
@@ -224,3 +225,22 @@ def cold(engine, request: GenerationRequest) -> list[int]:
     out, cached, prefilled = serve(engine, request)
     assert (cached, prefilled) == (0, len(request.token_ids))
     return out
+
+
+def fitted_decode_costs(base_s: float, per_row_s: float) -> StepCostModel:
+    """A decode step-time model fitted exactly on steps of 1-8 rows costing
+    ``base_s + per_row_s * rows`` seconds."""
+    model = StepCostModel()
+    for rows in [1, 4, 2, 8, 3, 6] * 5:
+        model.observe(rows, base_s + per_row_s * rows)
+    return model
+
+
+def fitted_prompt_costs(per_token_s: float, per_key_s: float = 0.0) -> PromptCostModel:
+    """A prompt-token cost model fitted exactly on 16-token chunks at depths 0-3,584 whose
+    tokens cost ``per_token_s + per_key_s * depth`` seconds each."""
+    model = PromptCostModel()
+    for start in [0, 1024, 256, 3584, 512, 2048] * 2:
+        seconds = sum(per_token_s + per_key_s * (start + i + 0.5) for i in range(16))
+        model.observe([(start, 16)], seconds, 16)
+    return model

@@ -19,9 +19,9 @@ Agrawal et al. 2024), and a cap with or without decodes, so a request that arriv
 long prefill waits for a short step, not a long chunk. The decodes are scheduled first and uncut;
 each prompt chunk then gets the tokens that fit in the seconds left at its depth in its
 prompt (a deep token attends to more keys and costs more), the step's chunks at least one
-block together. A newly admitted prompt that the token budget holds whole is not cut by the
-cap (the target still applies): the step then gives it its first token, and a burst of short
-prompts computed together rather than split kept its throughput.
+block together. A newly admitted prompt that what is left of the step's token budget holds
+whole is not cut by the cap (the target still applies): the step then gives it its first
+token, and a burst of short prompts computed together rather than split kept its throughput.
 
 Chunked prefill without starvation. A prompt longer than what is left of the budget is
 prefilled in chunks. At most ``max_num_partial_prefills`` prompts are mid-prefill at once (vLLM's

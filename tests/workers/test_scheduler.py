@@ -11,14 +11,14 @@ from __future__ import annotations
 import logging
 
 import pytest
-from helpers import greedy, output_ids, random_prompt
+from helpers import fitted_decode_costs, fitted_prompt_costs, greedy, output_ids, random_prompt
 
 from contract.request import GenerationChunk, GenerationRequest, InvalidRequestError, SamplingParams
 from workers.block_manager import BlockManager
 from workers.block_pool import BlockPool
 from workers.scheduler import Scheduler
 from workers.sequence import Sequence
-from workers.step_time import PromptCostModel, StepCostModel, StepTimeTarget
+from workers.step_time import PromptCostModel, StepTimeTarget
 
 BLOCK = 4
 ROOT = b"\0" * 32
@@ -147,27 +147,15 @@ def test_unknown_policy_is_refused():
         make_scheduler(policy="lifo")
 
 
-def prompt_costs(per_token_s: float, per_key_s: float = 0.0) -> PromptCostModel:
-    """Prompt tokens costing ``per_token_s + per_key_s * depth`` each (fitted at depths
-    0-192, and known exactly)."""
-    model = PromptCostModel()
-    for start in [0, 64, 128, 192] * 2:
-        seconds = sum(per_token_s + per_key_s * (start + i + 0.5) for i in range(BLOCK))
-        model.observe([(start, BLOCK)], seconds, BLOCK)
-    return model
-
-
 def target_scheduler(prompt_ms: int | None, budget: int = 64, cap_ms: int | None = None,
                      costs: PromptCostModel | None = None) -> Scheduler:
     """A scheduler whose step-time target leaves ``prompt_ms`` prompt tokens beside one decode
     row: a decode row costs 1 ms, a prompt token 1 ms (``costs``), the target is
     ``1 + prompt_ms`` ms; ``cap_ms`` caps every step."""
-    decode = StepCostModel()
-    for rows in [1, 2, 3, 4] * 3:
-        decode.observe(rows, 0.001 * rows)
     target = StepTimeTarget(None if prompt_ms is None else 0.001 * (1 + prompt_ms),
-                            None if cap_ms is None else 0.001 * cap_ms, decode,
-                            costs or prompt_costs(0.001), BLOCK)
+                            None if cap_ms is None else 0.001 * cap_ms,
+                            fitted_decode_costs(0.0, 0.001), costs or fitted_prompt_costs(0.001),
+                            BLOCK)
     return make_scheduler(budget=budget, step_target=target)
 
 
@@ -202,7 +190,7 @@ def test_step_time_target_never_cuts_decodes():
 
 def test_step_time_cap_chunks_a_lone_prompt_and_cuts_deep_chunks_shorter():
     # a prompt token costs 1 ms plus 0.025 ms per key before it; a 40 ms cap
-    costs = prompt_costs(0.001, 0.000025)
+    costs = fitted_prompt_costs(0.001, 0.000025)
     scheduler = target_scheduler(None, budget=64, cap_ms=40, costs=costs)
     scheduler.add(make_seq("long", 200))  # longer than the token budget
     chunks = [step(scheduler)[0][1] for _ in range(4)]

@@ -5,37 +5,20 @@ them is in test_scheduler.py)."""
 from __future__ import annotations
 
 import pytest
+from helpers import fitted_decode_costs, fitted_prompt_costs
 
 from workers.step_time import PromptCostModel, StepCostModel, StepTimeTarget
 
 
-def fitted(base_s: float, per_row_s: float) -> StepCostModel:
-    """A model fitted on decode steps of 1-8 rows costing ``base_s + per_row_s * rows``."""
-    model = StepCostModel()
-    for rows in [1, 4, 2, 8, 3, 6] * 5:
-        model.observe(rows, base_s + per_row_s * rows)
-    return model
-
-
 def test_cost_model_recovers_a_linear_step_time():
-    model = fitted(0.050, 0.002)
+    model = fitted_decode_costs(0.050, 0.002)
     model.observe(4096, 9.0)  # a prefill step is not fitted
     assert model.per_row() == pytest.approx(0.002, rel=1e-6)
     assert model.time(5) == pytest.approx(0.060, rel=1e-6)
 
 
-def prompt_costs(base_s: float, per_key_s: float = 0.0) -> PromptCostModel:
-    """A model fitted on prompt chunks of 256 tokens at depths 0-3,840 whose tokens cost
-    ``base_s + per_key_s * depth`` each, beside 4 decode rows."""
-    model = PromptCostModel()
-    for start in [0, 1024, 256, 3584, 512, 2048] * 4:
-        chunk_s = sum(base_s + per_key_s * (start + i + 0.5) for i in range(256))
-        model.observe([(start, 256)], chunk_s * 260 / 256, 260)  # decodes at the same rate
-    return model
-
-
 def test_prompt_cost_model_recovers_a_cost_growing_with_depth():
-    model = prompt_costs(0.001, 1e-7)
+    model = fitted_prompt_costs(0.001, 1e-7)
     # 512 tokens from 6,000: 512 * (0.001 + 1e-7 * 6,256) s, past the depths it was fitted on
     assert model.seconds(6000, 512) == pytest.approx(512 * 0.0016256, rel=1e-6)
     assert model.seconds(6000, 512) > 1.5 * model.seconds(0, 512)
@@ -56,26 +39,27 @@ def test_prompt_cost_without_spread_in_depth_is_flat():
 
 
 def test_target_leaves_what_the_decodes_do_not_take():
-    target = StepTimeTarget(0.250, None, fitted(0.010, 0.001), prompt_costs(0.002), 16)
+    target = StepTimeTarget(0.250, None, fitted_decode_costs(0.010, 0.001),
+                            fitted_prompt_costs(0.002), 16)
     assert target.seconds_left(4) == (pytest.approx(0.236), None)  # decodes take 14 ms
     assert target.seconds_left(300)[0] < 0  # decodes alone past the target
     assert target.seconds_left(0) == (None, None)  # no decodes and no cap: tokens alone
 
 
 def test_the_cap_applies_to_every_step_beside_the_target():
-    decode = fitted(0.010, 0.001)
-    capped = StepTimeTarget(None, 1.0, decode, prompt_costs(0.002), 16)
+    decode = fitted_decode_costs(0.010, 0.001)
+    capped = StepTimeTarget(None, 1.0, decode, fitted_prompt_costs(0.002), 16)
     assert capped.seconds_left(0) == (None, 1.0)
     assert capped.seconds_left(4) == (None, pytest.approx(0.986))
-    both = StepTimeTarget(0.25, 1.0, decode, prompt_costs(0.002), 16)
+    both = StepTimeTarget(0.25, 1.0, decode, fitted_prompt_costs(0.002), 16)
     assert both.seconds_left(0) == (None, 1.0)
     assert both.seconds_left(4) == (pytest.approx(0.236), pytest.approx(0.986))
 
 
 def test_limits_wait_for_the_prompt_cost_and_count_unmeasured_decodes_as_free():
-    unmeasured = StepTimeTarget(0.25, 1.0, fitted(0.01, 0.001), PromptCostModel(), 16)
+    unmeasured = StepTimeTarget(0.25, 1.0, fitted_decode_costs(0.01, 0.001), PromptCostModel(), 16)
     assert unmeasured.seconds_left(4) == unmeasured.seconds_left(0) == (None, None)
-    fresh = StepTimeTarget(0.25, 1.0, StepCostModel(), prompt_costs(0.002), 16)
+    fresh = StepTimeTarget(0.25, 1.0, StepCostModel(), fitted_prompt_costs(0.002), 16)
     assert fresh.seconds_left(4) == (0.25, 1.0)
 
 
