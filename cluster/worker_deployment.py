@@ -62,14 +62,14 @@ class TokenRate:
 
 class TransferCost:
     """Whether fetching KV blocks from another worker beats computing them, from measured
-    rates: the moving average of a fetch's seconds per block, against the engine's prefill
-    seconds per token. Once fetches measure slower, one fetch is still tried every
-    :attr:`RETRY_S` (a circuit breaker's half-open state): a fetch that was slow while the
-    holder was busy would otherwise stop fetching for the worker's lifetime, since without
-    fetches the average never moves again.
+    rates: the moving average of a fetch's seconds per block, against what the engine measures
+    a prompt token to cost at its depth (``BlockManager.recompute_s``). Once fetches measure
+    slower, one fetch is still tried every :attr:`RETRY_S` (a circuit breaker's half-open
+    state): a fetch that was slow while the holder was busy would otherwise stop fetching for
+    the worker's lifetime, since without fetches the average never moves again.
 
     Args:
-        block_manager: the engine's, which measures the prefill rate.
+        block_manager: the engine's, which predicts what computing blocks costs.
         weight: the newest fetch's share of the average, in (0, 1].
         clock: seconds, monotonic.
     """
@@ -86,15 +86,15 @@ class TransferCost:
         self.fetch_s_per_block: float | None = None
         self._last_try = -math.inf
 
-    def deadline_s(self, num_blocks: int) -> float | None:
-        """How long a fetch of ``num_blocks`` may take: what computing them would (at least
-        :attr:`MIN_DEADLINE_S`); None when the last fetches were slower than computing and a
-        fetch was tried within :attr:`RETRY_S`. Returning a deadline counts as a try: ask
-        only for a fetch that will be made."""
-        per_token = self.block_manager.recompute_s_per_token
-        if per_token is None:
+    def deadline_s(self, first_block: int, num_blocks: int) -> float | None:
+        """How long a fetch of a prompt's ``num_blocks`` blocks from block ``first_block`` on
+        may take: what computing them would (at least :attr:`MIN_DEADLINE_S`); None when the
+        last fetches were slower than computing and a fetch was tried within
+        :attr:`RETRY_S`. Returning a deadline counts as a try: ask only for a fetch that will
+        be made."""
+        compute_s = self.block_manager.recompute_s(first_block, num_blocks)
+        if compute_s is None:
             return self.UNMEASURED_DEADLINE_S
-        compute_s = per_token * self.block_manager.block_size * num_blocks
         now = self.clock()
         if (self.fetch_s_per_block is not None and self.fetch_s_per_block * num_blocks >= compute_s
                 and now - self._last_try < self.RETRY_S):
@@ -223,7 +223,7 @@ class NalarWorker:
             wanted = request.prompt_digests.digests[held:end]
             if not wanted:
                 return
-            deadline = self.transfer_cost.deadline_s(len(wanted))  # records a try
+            deadline = self.transfer_cost.deadline_s(held, len(wanted))  # records a try
             if deadline is None:
                 return
             started = time.perf_counter()

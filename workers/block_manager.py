@@ -10,9 +10,7 @@ from __future__ import annotations
 from workers.block_pool import Block, BlockPool
 from workers.kv_tier import TierEntry
 from workers.sequence import Sequence
-
-RECOMPUTE_COST_SMOOTHING = 0.2
-"""Weight of the newest step in the moving average of prefill seconds per token."""
+from workers.step_time import PromptCostModel
 
 Hit = Block | TierEntry
 """One block of a cached prefix: in the working pool, or in the second tier."""
@@ -23,14 +21,15 @@ class BlockManager:
 
     Args:
         pool: the block pool shared by every sequence of the engine.
+        prompt_costs: the engine's fit of a prompt token's cost by its depth, which a
+            second-tier load (and a fetch from another worker) is weighed against; a fresh,
+            unmeasured one by default.
     """
 
-    def __init__(self, pool: BlockPool):
+    def __init__(self, pool: BlockPool, prompt_costs: PromptCostModel | None = None):
         self.pool = pool
         self.block_size = pool.block_size
-        self.recompute_s_per_token: float | None = None
-        """Moving average of prefill seconds per token, measured by the engine; None until
-        measured."""
+        self.prompt_costs = prompt_costs or PromptCostModel()
 
     def cached_prefix(self, seq: Sequence) -> list[Hit]:
         """The longest run of leading full blocks of ``seq`` that the cache verifiably holds:
@@ -41,26 +40,27 @@ class BlockManager:
         it to get logits.
         """
         hits: list[Hit] = []
-        tier = self.pool.tier if self._loading_pays() else None
+        tier = self.pool.tier
         for index in range(seq.num_reusable_blocks):
             key = (seq.digest(index), seq.block_tokens(index), seq.parent_digest(index))
             hit: Hit | None = None
             if not hits or isinstance(hits[-1], Block):
                 hit = self.pool.lookup(*key, hits[-1] if hits else None)
-            if hit is None and tier is not None:
+            if hit is None and tier is not None and self._loading_pays(index):
                 hit = tier.lookup(*key, seq.prefix_check(index))
             if hit is None:
                 break
             hits.append(hit)
         return hits
 
-    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
-        """A step computed ``num_tokens`` prompt tokens in ``seconds`` (the recompute cost
-        a second-tier load is weighed against)."""
-        sample = seconds / num_tokens
-        last = self.recompute_s_per_token
-        self.recompute_s_per_token = sample if last is None else (
-            RECOMPUTE_COST_SMOOTHING * sample + (1 - RECOMPUTE_COST_SMOOTHING) * last)
+    def recompute_s(self, first_block: int, num_blocks: int) -> float | None:
+        """Predicted seconds to compute the KV of ``num_blocks`` blocks of a prompt from block
+        ``first_block`` on, by the measured cost of a prompt token at its depth; None until a
+        prefill has been measured."""
+        if not self.prompt_costs.known:
+            return None
+        return self.prompt_costs.seconds(first_block * self.block_size,
+                                         num_blocks * self.block_size)
 
     def can_admit(self, seq: Sequence, hits: list[Hit], num_new_tokens: int) -> bool:
         """Whether the pool can hold ``hits`` plus blocks for ``num_new_tokens`` more tokens
@@ -108,14 +108,16 @@ class BlockManager:
         self.pool.release([block.block_id])
         return False
 
-    def _loading_pays(self) -> bool:
-        """Whether a second-tier load is cheaper than computing the block, as measured
-        (optimistic until both are)."""
+    def _loading_pays(self, index: int) -> bool:
+        """Whether loading block ``index`` of a prompt from the second tier is cheaper than
+        computing it at its depth, as measured (optimistic until both are). A deeper block
+        costs more to compute and the same to load, so where a block's load does not pay,
+        neither does that of any shallower one."""
         tier = self.pool.tier
-        if tier is None or not len(tier):
+        if not len(tier):
             return False
-        load, recompute = tier.counters.load_s_per_block, self.recompute_s_per_token
-        return load is None or recompute is None or load < recompute * self.block_size
+        load, recompute = tier.counters.load_s_per_block, self.recompute_s(index, 1)
+        return load is None or recompute is None or load < recompute
 
     def reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow ``seq``'s table to hold ``num_new_tokens`` more tokens; all or nothing."""

@@ -186,9 +186,9 @@ class LLMEngine:
                                             self.loaded.device)
         self.pool = BlockPool(kv_cache.num_blocks, config.block_size)
         self.pool.tier = _second_tier(config, kv_cache)
-        self.block_manager = BlockManager(self.pool)
-        self.decode_steps = StepCostModel()
         self.prompt_costs = PromptCostModel()
+        self.block_manager = BlockManager(self.pool, self.prompt_costs)
+        self.decode_steps = StepCostModel()
         self.step_masks = StepMasks()
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens,
@@ -503,7 +503,6 @@ class LLMEngine:
         self._count(batch, prompt_tokens)
         self.counters.borrowed_core_steps += bool(threads and threads > self.config.num_threads)
         if prompt_tokens >= batch.num_tokens // 2 and prompt_tokens >= self.config.block_size:
-            self.block_manager.observe_prefill(batch.num_tokens, elapsed)
             self.prompt_costs.observe(_prompt_chunks(batch, starts), elapsed, batch.num_tokens)
         if all(n == 1 or seq.spec_token_ids for seq, n in _pairs(batch)):
             self.decode_steps.observe(batch.num_tokens, elapsed)

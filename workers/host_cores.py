@@ -20,9 +20,9 @@ before an idle worker's share may be lent was tried and dropped: when the router
 client's requests between two workers, each is idle only for the moment between two requests,
 and the grace stopped every borrow (docs/performance.md, "Borrowing idle cores").
 
-The prefill rate the engine measures (``BlockManager.recompute_s_per_token``, which the
-step-time target and the second tier weigh against) mixes steps with and without borrowed
-cores.
+The prompt-token cost the engine fits (``workers.step_time.PromptCostModel``, which the
+step-time limits, the second tier and fetches from other workers weigh against) mixes steps
+with and without borrowed cores.
 """
 
 from __future__ import annotations

@@ -8,13 +8,17 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+from helpers import fitted_prompt_costs
 from ray.exceptions import RayActorError
 
 from cluster.worker_deployment import NalarWorker, TransferCost
 from contract.identity import PromptDigests
 from contract.kv_transfer import KVExportRequest, KVSource
 from contract.request import GenerationRequest
+from workers.block_manager import BlockManager
+from workers.block_pool import BlockPool
 from workers.kv_transfer import TransferCounters
+from workers.step_time import PromptCostModel
 
 DIGESTS = [bytes([n]) * 32 for n in range(62)]
 HOLDER = KVSource("holder", 62)
@@ -42,6 +46,12 @@ class OnEngineThread:
         return fn(*args)
 
 
+def block_manager(costs: PromptCostModel | None = None) -> BlockManager:
+    """A block manager of 16-token blocks whose recompute cost is ``costs``' (unmeasured
+    where None)."""
+    return BlockManager(BlockPool(64, 16), costs)
+
+
 def fetcher(holder: Holder, recompute_s_per_token: float = 1e-3) -> NalarWorker:
     worker = object.__new__(NalarWorker)
     worker.worker_id = "me"
@@ -53,8 +63,7 @@ def fetcher(holder: Holder, recompute_s_per_token: float = 1e-3) -> NalarWorker:
         or len(blocks))
     worker.imported = imported
     worker.async_engine = OnEngineThread()
-    worker.transfer_cost = TransferCost(SimpleNamespace(
-        recompute_s_per_token=recompute_s_per_token, block_size=16))
+    worker.transfer_cost = TransferCost(block_manager(fitted_prompt_costs(recompute_s_per_token)))
     worker._worker_handle = holder
     return worker
 
@@ -97,31 +106,40 @@ async def test_no_fetch_without_a_source_a_tier_or_when_fetching_is_slower():
 
 
 def test_the_fetch_deadline_is_what_computing_would_take():
-    cost = TransferCost(SimpleNamespace(recompute_s_per_token=None, block_size=16))
-    assert cost.deadline_s(10) == TransferCost.UNMEASURED_DEADLINE_S
-    cost.block_manager.recompute_s_per_token = 0.01
-    assert cost.deadline_s(10) == pytest.approx(1.6)
-    assert cost.deadline_s(1) == TransferCost.MIN_DEADLINE_S
+    cost = TransferCost(block_manager())
+    assert cost.deadline_s(0, 10) == TransferCost.UNMEASURED_DEADLINE_S
+    cost = TransferCost(block_manager(fitted_prompt_costs(0.01)))
+    assert cost.deadline_s(0, 10) == pytest.approx(1.6)
+    assert cost.deadline_s(0, 1) == TransferCost.MIN_DEADLINE_S
     cost.observe(10, 2.0)
-    assert cost.deadline_s(10) is None  # 0.2 s per block against 0.16 s computing
+    assert cost.deadline_s(0, 10) is None  # 0.2 s per block against 0.16 s computing
+
+
+def test_the_fetch_deadline_grows_with_the_depth_of_the_blocks():
+    # A token 100 blocks deep attends to 1,600 more keys: at 1e-6 s a key, 1.6 ms more.
+    cost = TransferCost(block_manager(fitted_prompt_costs(0.01, per_key_s=1e-6)))
+    shallow = 16 * sum(0.01 + 1e-6 * (b * 16 + 8) for b in range(10))
+    deep = 16 * sum(0.01 + 1e-6 * (b * 16 + 8) for b in range(100, 110))
+    assert cost.deadline_s(0, 10) == pytest.approx(shallow)
+    assert cost.deadline_s(100, 10) == pytest.approx(deep)
+    assert deep - shallow == pytest.approx(160 * 1600 * 1e-6)
 
 
 def test_fetching_measured_slower_is_tried_again_after_a_while():
     # A fetch slowed by a busy holder must not stop fetching for good: without fetches the
     # average never moves again.
     now = [0.0]
-    cost = TransferCost(SimpleNamespace(recompute_s_per_token=0.01, block_size=16),
-                        clock=lambda: now[0])
-    assert cost.deadline_s(10) == pytest.approx(1.6)
+    cost = TransferCost(block_manager(fitted_prompt_costs(0.01)), clock=lambda: now[0])
+    assert cost.deadline_s(0, 10) == pytest.approx(1.6)
     cost.observe(10, 2.0)  # 0.2 s per block against 0.16 s computing
     now[0] = TransferCost.RETRY_S - 1
-    assert cost.deadline_s(10) is None
+    assert cost.deadline_s(0, 10) is None
     now[0] = TransferCost.RETRY_S
-    assert cost.deadline_s(10) == pytest.approx(1.6)  # one try
+    assert cost.deadline_s(0, 10) == pytest.approx(1.6)  # one try
     now[0] += 1
-    assert cost.deadline_s(10) is None
+    assert cost.deadline_s(0, 10) is None
     cost.observe(10, 0.5)  # that try was fast: the average falls below computing
-    assert cost.deadline_s(10) == pytest.approx(1.6)
+    assert cost.deadline_s(0, 10) == pytest.approx(1.6)
 
 
 def test_the_tier_load_and_fetch_costs_are_reported_in_tokens_of_work():

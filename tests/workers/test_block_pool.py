@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from helpers import fitted_prompt_costs
 
 from contract.identity import block_digests
 from contract.kv_events import KVEvent, decode_events, encode_events
@@ -419,3 +420,12 @@ def test_the_block_manager_grows_a_table_into_adjacent_blocks():
     assert a.block_table == [0, 1, 2, 3, 4]
     assert manager.reserve(a, 5 * BLOCK)  # 5 is free and next: the run goes on
     assert a.block_table == [0, 1, 2, 3, 4, 5, 6, 7]
+
+
+def test_recomputing_blocks_costs_what_the_engine_measured_at_their_depth():
+    assert BlockManager(BlockPool(8, 16)).recompute_s(0, 4) is None  # nothing measured yet
+    manager = BlockManager(BlockPool(8, 16), fitted_prompt_costs(1e-3, per_key_s=1e-6))
+    # Blocks 2-4 are tokens 32-79: 48 tokens at 1 ms plus 1 µs per key before each.
+    assert manager.recompute_s(2, 3) == pytest.approx(48 * 1e-3 + 1e-6 * sum(
+        t + 0.5 for t in range(32, 80)))
+    assert manager.recompute_s(100, 1) > manager.recompute_s(0, 1)

@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from helpers import cold, greedy, output_ids, random_prompt, serve
+from helpers import cold, fitted_prompt_costs, greedy, output_ids, random_prompt, serve
 
 from contract.identity import CacheNamespace, block_digests
 from contract.kv_events import KVEvent
@@ -145,7 +145,7 @@ def test_a_full_tier_drops_its_oldest_block_and_the_index_hears_of_it(smollm, ma
 def test_the_tier_is_used_only_while_loading_beats_recomputing(smollm, make_engine, tmp_path):
     engine = tier_engine(make_engine, smollm, tmp_path)
     evict_to_tier(engine)
-    engine.block_manager.recompute_s_per_token = 1e-12  # as if computing were free
+    engine.block_manager.prompt_costs = fitted_prompt_costs(1e-6)  # 16 µs a block
     engine.pool.tier.counters.load_s_per_block = 1e-3
     _, cached, _ = serve(engine, greedy("again", PROMPT, max_tokens=2, ignore_eos=True))
     assert cached == 0
