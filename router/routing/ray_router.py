@@ -293,10 +293,12 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._forget_finished_before(now - self._ledger.max_age_s)
         by_id = {worker_id_of(replica.replica_id): replica for replica in replicas}
         self._note_model_keys(by_id)
-        loads = {wid: self._load_tokens(wid, replica) for wid, replica in by_id.items()}
         plan = routing_input(pending_request)
         key = _request_key(pending_request)
         lookup = await self._attempt_lookup(key, pending_request, plan, by_id, now)
+        # From here to recording the choice nothing awaits, so each routing sees every
+        # request routed before it, those routed while its lookup was awaited included.
+        loads = {wid: self._load_tokens(wid, replica) for wid, replica in by_id.items()}
         recorded = self._recorded_blocks(plan, lookup, by_id, now)
         views = [self._view(wid, plan, lookup, recorded, loads[wid], now,
                             self._adapter_tokens(wid, replica, plan), _stats(replica))

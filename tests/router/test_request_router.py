@@ -906,3 +906,29 @@ def test_token_rate_follows_busy_readings_and_keeps_it_when_idle():
     assert rate.update(200, 1.0) == 200.0
     assert rate.update(600, 2.0) == 300.0  # (400 + 200) / 2
     assert rate.update(600, 5.0) == 300.0  # idle: the last rate stands
+
+
+
+@pytest.mark.parametrize("seed", range(8))
+async def test_requests_routed_while_an_index_lookup_is_awaited_count_as_load(seed):
+    # A real index answers after the loop has run other routings: the load each worker
+    # carries must include the requests routed meanwhile. Here an 8,000-token prompt goes to
+    # one worker and a 100-token one to the other while the first request's lookup is
+    # awaited; that request then belongs with the short one.
+    class SlowIndex(FakeIndex):
+        def __init__(self, delays):
+            super().__init__()
+            self.delays = iter(delays)
+
+        async def match(self, model_key, digests, worker_ids):
+            await asyncio.sleep(next(self.delays))
+            return await super().match(model_key, digests, worker_ids)
+
+    router = make_router(SlowIndex([0.05, 0.0, 0.0]), seed=seed)
+    replicas = [FakeReplica(w, {"queued_tokens": 0, "time": 0.0}) for w in "ab"]
+    waiting = asyncio.ensure_future(route(router, replicas, pending(gen_request(2000, salt="w"))))
+    await asyncio.sleep(0.01)  # its lookup is in flight
+    long = await route(router, replicas, pending(gen_request(8000, salt="long")))
+    short = await route(router, replicas, pending(gen_request(100, salt="short")))
+    assert {long, short} == {"a", "b"}
+    assert await waiting == short
