@@ -501,9 +501,16 @@ class LLMEngine:
             StepMasks.settle(pending)
         masks = pending.result() if pending is not None else {}
         self._count(batch, prompt_tokens)
-        self.counters.borrowed_core_steps += bool(threads and threads > self.config.num_threads)
+        borrowed = bool(threads and threads > self.config.num_threads)
+        self.counters.borrowed_core_steps += borrowed
         if prompt_tokens >= batch.num_tokens // 2 and prompt_tokens >= self.config.block_size:
-            self.prompt_costs.observe(_prompt_chunks(batch, starts), elapsed, batch.num_tokens)
+            # Costs are kept for the worker's own cores, as if the step had run on them: the
+            # next step may find no core to borrow, and the step-time limits must hold then.
+            # A prompt's arithmetic splits over threads nearly evenly, so this overstates it a
+            # little (a 1,024-token Q4_1 prefill on a Zen 4: 1,130 tokens/s on 2 threads, 618
+            # on 1; docs/performance.md, "Where a decode step goes").
+            own_s = elapsed * threads / self.config.num_threads if borrowed else elapsed
+            self.prompt_costs.observe(_prompt_chunks(batch, starts), own_s, batch.num_tokens)
         if all(n == 1 or seq.spec_token_ids for seq, n in _pairs(batch)):
             self.decode_steps.observe(batch.num_tokens, elapsed)
         for seq, num_new in _pairs(batch):

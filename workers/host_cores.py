@@ -21,8 +21,8 @@ client's requests between two workers, each is idle only for the moment between 
 and the grace stopped every borrow (docs/performance.md, "Borrowing idle cores").
 
 The prompt-token cost the engine fits (``workers.step_time.PromptCostModel``, which the
-step-time limits, the second tier and fetches from other workers weigh against) mixes steps
-with and without borrowed cores.
+step-time limits, the second tier and fetches from other workers weigh against) is that of the
+worker's own cores: a step that borrowed is counted as if its threads' work had run on them.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -130,20 +131,34 @@ def test_an_engines_long_prefill_borrows_and_its_output_is_unchanged(
     engine = make_engine(smollm, num_threads=1, borrow_idle_cores=True)
     cores, outputs = engine.host_cores, {}
     threads_per_step: list[int] = []
+    seconds_per_step: list[float] = []
     execute = engine.runner.execute
 
     def counting(batch, num_logits):
         threads_per_step.append(torch.get_num_threads())
-        return execute(batch, num_logits)
+        started = time.perf_counter()
+        try:
+            return execute(batch, num_logits)
+        finally:
+            seconds_per_step.append(time.perf_counter() - started)
 
     engine.runner.execute = counting
+    prefill_s = {}
+    observe = engine.prompt_costs.observe
+    engine.prompt_costs.observe = lambda chunks, seconds, num_tokens: (
+        prefill_s.setdefault(borrow, seconds), observe(chunks, seconds, num_tokens))
     for borrow in (False, True):
         engine.host_cores = cores if borrow else None
         engine.reset_prefix_cache()
         threads_per_step.clear()
+        seconds_per_step.clear()
         outputs[borrow] = output_ids(
             engine.generate([greedy(f"r{borrow}", prompt, 6, ignore_eos=True)])[f"r{borrow}"])
         assert threads_per_step == ([cores.cores] + [1] * 5 if borrow else [1] * 6)
+        # The prefill's cost is kept as if computed on the worker's one thread: the
+        # borrowed step's seconds times its threads.
+        threads, seconds = threads_per_step[0], seconds_per_step[0]
+        assert seconds * threads <= prefill_s[borrow] < (seconds + 0.05) * threads
     assert read_claim(cores) == 0  # idle again: its share is lent
     assert engine.counters.borrowed_core_steps == 1
     cores.close()
