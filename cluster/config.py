@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 
+from contract.identity import adapter_name_fault
 from workers import devices
 from workers.config import EngineConfig, MiB
 from workers.host_cores import available_cores
@@ -228,10 +229,14 @@ class ClusterConfig(BaseModel):
         return [str(Path(path).expanduser().absolute()) for path in value]
 
     @model_validator(mode="after")
-    def _adapter_names_are_not_the_model(self) -> ClusterConfig:
+    def _adapter_names_are_names(self) -> ClusterConfig:
         taken = {self.model, self.served_model_name} & set(self.lora_modules)
         if taken:
             raise ValueError(f"adapter name {taken.pop()!r} is the served model's name")
+        for name in self.lora_modules:
+            fault = adapter_name_fault(name)
+            if fault is not None:
+                raise ValueError(f"adapter name {name!r}: {fault}")
         return self
 
     @model_validator(mode="after")

@@ -43,6 +43,17 @@ class AdapterRef:
     source: str = ""
 
 
+def adapter_name_fault(name: str) -> str | None:
+    """Why ``name`` cannot name an adapter, or None where it can: a name with surrounding
+    whitespace or a control character would be listed beside a name it cannot be told from
+    (``"m "`` beside the served model ``"m"``)."""
+    if name != name.strip():
+        return "an adapter name may not begin or end with whitespace"
+    if any(not char.isprintable() for char in name.replace(" ", "")):
+        return "an adapter name may not hold control characters"
+    return None
+
+
 @dataclass(frozen=True)
 class CacheNamespace:
     """Who may share a cached prefix.

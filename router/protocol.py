@@ -29,6 +29,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from contract.identity import adapter_name_fault
+
 # Neutral values of the parameters we accept but do not implement: any other non-null value is
 # refused by name. ``None`` (JSON null) always means "not given".
 _CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -946,6 +948,14 @@ class LoadLoRAAdapterRequest(_StrictModel):
 
     lora_name: str = Field(min_length=1, max_length=256)
     lora_path: str = Field(min_length=1, max_length=4096)
+
+    @field_validator("lora_name")
+    @classmethod
+    def _nameable(cls, value: str) -> str:
+        fault = adapter_name_fault(value)
+        if fault is not None:
+            raise ValueError(fault)
+        return value
 
 
 class UnloadLoRAAdapterRequest(_StrictModel):

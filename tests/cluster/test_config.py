@@ -56,3 +56,13 @@ def test_the_ingress_admits_what_the_workers_serve_queues_hold(workers, ongoing,
     config = ClusterConfig(num_workers=workers, worker_max_ongoing_requests=ongoing,
                            worker_max_queued_requests=queued)
     assert config.max_requests_in_flight() == expected
+
+
+@pytest.mark.parametrize(("name", "fault"), [
+    ("SmolLM2-135M-Instruct", "is the served model's name"),
+    ("SmolLM2-135M-Instruct ", "whitespace"),
+    ("sq\tl", "control characters")])
+def test_an_adapter_name_a_client_could_not_tell_apart_is_refused(name, fault):
+    with pytest.raises(ValueError, match=fault):
+        ClusterConfig(served_model_name="SmolLM2-135M-Instruct", lora_modules={name: "/a"})
+    assert ClusterConfig(lora_modules={"sql v2": "/a"}).lora_modules.keys() == {"sql v2"}

@@ -130,6 +130,11 @@ async def test_malformed_load_bodies_are_400s(client, admin_backend):
     for body, param in (({"lora_name": "x"}, "lora_path"),
                         ({"lora_name": "", "lora_path": "/a"}, "lora_name"),
                         ({"lora_name": MODEL, "lora_path": "/a"}, "lora_name"),
+                        # names a client cannot tell from another in /v1/models
+                        ({"lora_name": f"{MODEL} ", "lora_path": "/a"}, "lora_name"),
+                        ({"lora_name": " ", "lora_path": "/a"}, "lora_name"),
+                        ({"lora_name": "s\u200bql", "lora_path": "/a"}, "lora_name"),
+                        ({"lora_name": "s\tql", "lora_path": "/a"}, "lora_name"),
                         ({"lora_name": "x", "lora_path": "/a", "extra": 1}, "extra")):
         response = await post_admin(client, "/v1/load_lora_adapter", body, ADMIN)
         assert response.status_code == 400, response.text

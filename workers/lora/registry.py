@@ -168,7 +168,8 @@ class AdapterRegistry:
         if adapter.digest != ref.weights_digest:
             raise InvalidRequestError(
                 f"The adapter '{ref.adapter_id}' at {ref.source} changed since it was loaded; "
-                "load it again", "model", "model_not_found")
+                "unload it (POST /v1/unload_lora_adapter) and load it again", "model",
+                "model_not_found")
         with self._lock:
             self._hold(adapter)
             self._known.setdefault(ref.adapter_id, adapter.ref)
