@@ -18,6 +18,7 @@ from contract.request import GenerationChunk, TokenLogprob
 from router.api.jobs import Job
 from router.api.token_strings import TokenStringsFn, as_token_ids
 from router.api.tool_formats import CallParser, ParsedCall
+from router.api.tools import ToolUse
 from router.api.usage import ChoiceTally, Tally
 from router.errors import APIError
 from router.protocol import (
@@ -138,7 +139,7 @@ class ChatFormat:
                 events.append(self._chunk([ChatChunkChoice(index=index,
                                                            delta=ChatDelta(content=text))]))
             events += self._call_events(index, calls)
-            reason = _with_calls(reason, parser)
+            reason = _with_calls(reason, parser, self.job.tool_use)
         return events + [self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(),
                                                       finish_reason=reason,
                                                       stop_reason=stop_reason)])]
@@ -177,7 +178,7 @@ class ChatFormat:
         content, calls = echo + content + rest, calls + more
         message = AssistantMessage(content=content or (None if calls else ""),
                                    tool_calls=[tool_call(call) for call in calls] or None)
-        return {"message": message, "finish_reason": _with_calls(reason, parser)}
+        return {"message": message, "finish_reason": _with_calls(reason, parser, use)}
 
     def _parser(self, index: int) -> CallParser | None:
         use = self.job.tool_use
@@ -431,7 +432,9 @@ def tool_call(call: ParsedCall) -> ToolCall:
                         call.arguments, ensure_ascii=False)))
 
 
-def _with_calls(reason: str, parser: CallParser) -> str:
-    """``stop`` becomes ``tool_calls`` when the choice made calls (OpenAI's meaning); a
-    ``length`` stays: the answer was cut, whatever it held."""
-    return "tool_calls" if reason == "stop" and parser.calls_made else reason
+def _with_calls(reason: str, parser: CallParser, use: ToolUse) -> str:
+    """``stop`` becomes ``tool_calls`` when the choice made calls (OpenAI's meaning), except
+    for a function forced by name, which OpenAI and vLLM finish with ``stop``; a ``length``
+    stays: the answer was cut, whatever it held."""
+    called = reason == "stop" and parser.calls_made and use.choice != "named"
+    return "tool_calls" if called else reason

@@ -238,6 +238,27 @@ async def test_a_streamed_call_is_one_tool_calls_delta_after_the_content(client,
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+@pytest.mark.parametrize("choice, reason", [
+    ("required", "tool_calls"), ({"type": "function", "function": {"name": "add"}}, "stop")])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_function_forced_by_name_finishes_with_stop(client, long_backend, choice, reason,
+                                                           stream):
+    """As OpenAI and vLLM answer it: ``tool_calls`` only where the model chose to call."""
+    long_backend.script = scripted('<tool_call>[{"name": "add", "arguments": ',
+                                   '{"a": 2, "b": 3}}]</tool_call>')
+    response = await client.post(CHAT, json={"messages": HELLO, "tools": [WEATHER, ADD],
+                                             "tool_choice": choice, "stream": stream})
+    if stream:
+        events = [e for e in sse_events(response) if e != "[DONE]"]
+        calls = [c for e in events for c in e["choices"][0]["delta"].get("tool_calls", [])]
+        finish = events[-1]["choices"][0]["finish_reason"]
+    else:
+        answer = response.json()["choices"][0]
+        calls, finish = answer["message"]["tool_calls"], answer["finish_reason"]
+    assert [c["function"]["name"] for c in calls] == ["add"]
+    assert finish == reason
+
+
 async def test_text_without_calls_is_content_and_a_cut_call_stays_length(client, long_backend):
     long_backend.script = scripted("No tools needed.")
     answer = (await client.post(CHAT, json={"messages": HELLO, "tools": [ADD]})).json()
