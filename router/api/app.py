@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib.metadata
 import logging
 import threading
 import time
@@ -185,8 +186,11 @@ def build_openai_app(backend: ServingBackend, admission: Admission | None = None
                                  "successfully.")
 
     # HEAD too, as load balancers' health checks send it (the server drops the body); not in
-    # the schema, where it would repeat GET's operation.
+    # the schema, where it would repeat GET's operation. /ping is vLLM's name for the same
+    # check (SageMaker's), POST included.
     @app.head("/health", response_model=None, include_in_schema=False)
+    @app.get("/ping", response_model=None, include_in_schema=False)
+    @app.post("/ping", response_model=None, include_in_schema=False)
     @app.get("/health", response_model=None)
     async def health() -> Response:
         """200 when the cluster can serve, else 503 (``shutting_down`` while draining)."""
@@ -196,6 +200,12 @@ def build_openai_app(backend: ServingBackend, admission: Admission | None = None
             return JSONResponse({"status": "ok"})
         return APIError(503, "the cluster is not ready to serve", code="not_ready").response()
 
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        """The server's version (vLLM's route)."""
+        return {"version": importlib.metadata.version("nalar-serve")}
+
+    @app.head("/metrics", response_model=None, include_in_schema=False)
     @app.get("/metrics", response_model=None)
     async def metrics() -> Response:
         """Prometheus text exposition of the backend's registry, rendered in a worker thread

@@ -36,7 +36,7 @@ ADMIN_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 """Paths that take the operator's admin key (:class:`AdminKey`), checked by their routes,
 never a tenant's key."""
 
-PUBLIC_PATHS = ("/health", "/metrics", "/dashboard")
+PUBLIC_PATHS = ("/health", "/ping", "/metrics", "/dashboard")
 """Paths (and their sub-paths) served without a key: probes and scrapers (a kubelet, Prometheus)
 carry no key, and they reveal load figures, not prompts or answers. Keep them on a private
 network all the same."""

@@ -95,15 +95,17 @@ async def test_v1_routes_serve_each_accepted_key(client, backend, keys, method, 
     assert len(backend.requests) == (1 if method == "POST" else 0)
 
 
-@pytest.mark.parametrize("path,status", [("/health", 200), ("/metrics", 404),
+@pytest.mark.parametrize("path,status", [("/health", 200), ("/ping", 200), ("/metrics", 404),
                                          ("/dashboard", 404), ("/dashboard/data", 404)])
 async def test_probes_and_scrapes_need_no_key(client, keys, path, status):
     # The fake backend has no metrics registry and the bare app no dashboard: a 404, not 401.
     assert (await client.get(path)).status_code == status
+    if path in ("/health", "/metrics"):  # probes may send HEAD
+        assert (await client.head(path)).status_code == status
 
 
 @pytest.mark.parametrize("path", ["/v1/nope", "/healthz", "/metricsx", "/openapi.json", "/docs",
-                                  "/"])
+                                  "/version", "/"])
 async def test_every_other_path_needs_a_key(client, keys, path):
     """An allowlist: a route nobody classified is guarded, and a near-miss is not public."""
     assert_error(await client.get(path), 401, None, "invalid_api_key")

@@ -6,6 +6,7 @@ streamed usage have their own files."""
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import logging
 from typing import Any
@@ -540,6 +541,14 @@ async def test_health(client, backend, ready, status):
     assert (await client.get("/health")).status_code == status
     head = await client.head("/health")  # load balancers' checks send HEAD
     assert (head.status_code, head.content) == (status, b"")
+    # vLLM's /ping, by GET and POST
+    assert [(await ping("/ping")).status_code for ping in (client.get, client.post)] == [
+        status, status]
+
+
+async def test_version_is_the_package_version(client):
+    assert (await client.get("/version")).json() == {
+        "version": importlib.metadata.version("nalar-serve")}
 
 
 async def test_unknown_route_is_openai_shaped(client):
