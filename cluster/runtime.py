@@ -185,8 +185,10 @@ def start_cluster(config: ClusterConfig, http: bool = True) -> DeploymentHandle:
 
 
 def stop_cluster() -> None:
-    """Tear down Serve and Ray, leaving no processes behind."""
-    _OWNED_INDEXES.clear()
+    """Tear down Serve and Ray, leaving no processes behind. The embedded index outlives the
+    workers, which remove their entries from it as they stop."""
     if ray.is_initialized():
         serve.shutdown()
+    _OWNED_INDEXES.clear()
+    if ray.is_initialized():
         ray.shutdown()

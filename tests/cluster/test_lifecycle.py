@@ -68,3 +68,20 @@ def test_the_processes_ray_starts_carry_the_serve_settings(ray_session):
 
     assert ray.get(environment.remote(list(SERVE_ENV))) == {
         "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(2**31 - 1)}
+
+
+def test_the_embedded_index_outlives_the_workers_on_stop(monkeypatch):
+    """The workers remove their entries from the embedded index as Serve stops them: the
+    index's handle is dropped only after (dropped first, Ray collected the index and each
+    worker logged that it could not reach it)."""
+    from cluster import runtime
+
+    held_during_shutdown = []
+    monkeypatch.setattr(runtime.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(runtime.ray, "shutdown", lambda: None)
+    monkeypatch.setattr(runtime.serve, "shutdown",
+                        lambda: held_during_shutdown.append(dict(runtime._OWNED_INDEXES)))
+    monkeypatch.setattr(runtime, "_OWNED_INDEXES", {"index": object()})
+    runtime.stop_cluster()
+    assert [list(held) for held in held_during_shutdown] == [["index"]]
+    assert runtime._OWNED_INDEXES == {}
