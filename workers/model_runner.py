@@ -136,7 +136,8 @@ class ModelRunner:
             [seq.num_computed_tokens for seq in batch.seqs], batch.num_new_tokens, self.device,
             [bool(seq.spec_token_ids) for seq in batch.seqs],
             native_decode=self.decode_kernel == NATIVE_DECODE,
-            native_prefill=self.prefill_kernel != FLASH_PREFILL)
+            native_prefill=self.prefill_kernel != FLASH_PREFILL,
+            prompt=[seq.num_computed_tokens < seq.num_prompt_tokens for seq in batch.seqs])
         # int64 even when empty: a step that only runs a middle prefill chunk samples nothing.
         sample_index = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         ids = torch.tensor(input_ids, device=self.device)

@@ -27,6 +27,7 @@ from near_tie import GreedyTrace, assert_matches_until_near_tie, captured_logits
 
 from contract.request import GenerationRequest, SamplingParams
 from workers import kernels
+from workers.attention.kernel_choice import FLASH_PREFILL, prefill_kernel
 from workers.model_loader import LoadedModel, load_model
 from workers.speculative.config import SpeculativeConfig
 from workers.speculative.ngram import NgramProposer
@@ -155,6 +156,32 @@ def test_a_seeded_bf16_request_is_the_same_beside_other_requests(smollm_bf16, ma
     batched = run("batched", 3)
     assert engine.counters.batch_sizes[4] >= 30  # it really shared its steps
     assert len(alone) == 32 and batched == alone
+
+
+@pytest.mark.skipif(prefill_kernel(torch.bfloat16, torch.device("cpu"), 64) == FLASH_PREFILL,
+                    reason="the bf16 prefill kernel needs AVX512-BF16 or AMX")
+def test_a_prompt_cached_but_its_last_token_answers_as_cold(smollm_bf16, make_engine):
+    """The same 33-token prompt twice: the second run finds 32 tokens cached and computes only
+    the last. That token attends as in the cold prefill (a single prompt token once took the
+    decode path, whose sums in bf16 moved the first token's logprob from -1.99 to -1.95 and
+    changed a greedy answer of the default Q4_1 model to "Say hi!"), so both runs give the
+    same tokens and the same logprobs, to the bit."""
+    if not bf16_matmul_rows_are_their_own(smollm_bf16):
+        pytest.skip("oneDNN's bf16 matmul rounds a row by the matmul's row count on this CPU")
+    prompt = smollm_bf16.tokenizer.encode(" ".join(TEXTS), add_special_tokens=False)
+    prompt = prompt[:2 * BLOCK + 1]
+    engine = make_engine(smollm_bf16, num_blocks=64)
+
+    def run(label: str) -> tuple[list[int], list[float], int]:
+        request = GenerationRequest(label, prompt, SamplingParams(
+            temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1))
+        chunks = engine.generate([request])[label]
+        return ([t for c in chunks for t in c.token_ids],
+                [lp.logprob for c in chunks for lp in c.logprobs], chunks[-1].cached_tokens)
+
+    cold, warm = run("cold"), run("warm")
+    assert (cold[2], warm[2]) == (0, 2 * BLOCK)
+    assert warm[:2] == cold[:2] and len(cold[0]) == 8
 
 
 @pytest.mark.skipif(kernels.packed_linear() is None or not kernels.packed_linear().bf16_pairs,

@@ -111,12 +111,18 @@ def build_metadata(kv_cache: PagedKVCache, block_tables: list[list[int]],
                    num_computed: list[int], num_new: list[int],
                    device: torch.device, verify: list[bool] | None = None,
                    native_decode: bool | None = None,
-                   native_prefill: bool | None = None) -> AttentionMetadata:
+                   native_prefill: bool | None = None,
+                   prompt: list[bool] | None = None) -> AttentionMetadata:
     """Metadata for a step where sequence ``i`` already has ``num_computed[i]`` tokens cached
     and computes ``num_new[i]`` more, its rows following those of sequence ``i - 1``.
 
     ``verify[i]`` marks a verification block (a decode token and its draft tokens): its rows
-    take the batched short-query path instead of the per-sequence span path. Work is
+    take the batched short-query path instead of the per-sequence span path, as does a single
+    new token, unless ``prompt[i]`` marks it as a prompt's: a prompt's last token after a
+    cache hit then attends as in a cold prefill of the whole prompt (the span path's result
+    does not depend on where a span starts; the short-query path sums its keys in other
+    blocks, which in bf16 moved SmolLM2's first-token logits by 0.04 and changed a greedy
+    answer). Work is
     proportional to the step's new tokens and block-table lengths, never to a sequence's whole
     context in slots.
 
@@ -127,15 +133,16 @@ def build_metadata(kv_cache: PagedKVCache, block_tables: list[list[int]],
     """
     block_size = kv_cache.block_size
     verify = verify or [False] * len(num_new)
+    prompt = prompt or [False] * len(num_new)
     slots: list[int] = []
     spans: list[PrefillSpan] = []
     short: list[_ShortQuery] = []
     row = 0
-    for table, computed, new, is_verify in zip(block_tables, num_computed, num_new, verify,
-                                               strict=True):
+    for table, computed, new, is_verify, is_prompt in zip(
+            block_tables, num_computed, num_new, verify, prompt, strict=True):
         slots.extend(table[pos // block_size] * block_size + pos % block_size
                      for pos in range(computed, computed + new))
-        if new == 1 or is_verify:
+        if is_verify or (new == 1 and not is_prompt):
             length = computed + new
             short.append(_ShortQuery(row, new, table[:-(-length // block_size)], length))
         else:
