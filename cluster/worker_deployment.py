@@ -165,6 +165,7 @@ class NalarWorker:
             self.proposer = RemoteProposer(draft, config.draft_deadline_s,
                                            name=f"remote-{config.speculative}")
         self.engine = LLMEngine(engine_config, proposer=self.proposer)
+        warm_up_s = self.engine.warm_up()  # before the index hears of anything
         self.identity = self.engine.identity
         index = make_index(config.redis_url, config.key_prefix, config.worker_ttl_s,
                            config.index_actor_name, actor_namespace=INDEX_ACTOR_NAMESPACE)
@@ -179,9 +180,9 @@ class NalarWorker:
         if self.engine.pool.tier is not None:  # transfers land in the tier: none without it
             self._peers_ready = asyncio.get_running_loop().create_task(self._connect_to_peers())
         self.startup_s = time.perf_counter() - started
-        log.info("worker %s ready in %.1f s: %d KV blocks of %d tokens, dtype %s", self.worker_id,
-                 self.startup_s, self.engine.pool.num_blocks, config.block_size,
-                 self.engine.loaded.dtype)
+        log.info("worker %s ready in %.1f s (warm-up %.2f s): %d KV blocks of %d tokens, dtype %s",
+                 self.worker_id, self.startup_s, warm_up_s, self.engine.pool.num_blocks,
+                 config.block_size, self.engine.loaded.dtype)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Stream the request's chunks, each stamped with this worker's id.
