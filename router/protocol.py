@@ -954,7 +954,7 @@ class LoadLoRAAdapterRequest(_StrictModel):
     def _nameable(cls, value: str) -> str:
         fault = adapter_name_fault(value)
         if fault is not None:
-            raise ValueError(fault)
+            raise PydanticCustomError("invalid_value", fault)
         return value
 
 

@@ -139,4 +139,5 @@ async def test_malformed_load_bodies_are_400s(client, admin_backend):
         response = await post_admin(client, "/v1/load_lora_adapter", body, ADMIN)
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == param
+        assert "Value error" not in response.json()["error"]["message"]
     assert admin_backend.adapters.keys() == {"sql", "chat"}
