@@ -684,7 +684,8 @@ class LLMEngine:
         return self._seqs.get(request_id)
 
     def generate(self, requests: list[GenerationRequest]) -> dict[str, list[GenerationChunk]]:
-        """Run requests to completion, batched together (for tests and benchmarks)."""
+        """Run requests to completion, batched together (for tests, benchmarks and
+        :meth:`warm_up`)."""
         for request in requests:
             self.add_request(request)
         chunks: dict[str, list[GenerationChunk]] = {r.request_id: [] for r in requests}

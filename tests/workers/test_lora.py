@@ -595,7 +595,7 @@ def test_a_source_changed_on_disk_or_outside_the_allowed_dirs_is_refused(
     ref = engine.adapters.load("copy", str(adapter_dir), runtime=True).ref
     engine.adapters.unload("copy")
     edit_config(adapter_dir, lora_alpha=9)  # other content under the same path
-    with pytest.raises(InvalidRequestError, match="changed since it was loaded"):
+    with pytest.raises(InvalidRequestError, match="changed since it was loaded; unload it"):
         engine.adapters.ensure(ref)
     outside = dataclasses.replace(engine.adapters.refs()["all"], adapter_id="elsewhere")
     with pytest.raises(InvalidRequestError, match="outside the allowed"):

@@ -138,3 +138,26 @@ def test_smollm2_geometry_decodes_match_the_reference_at_every_length_shape():
         torch.testing.assert_close(out[row], torch.einsum("hk,khd->hd", probs, vv),
                                    atol=1e-5, rtol=1e-5)
 
+
+
+def test_a_prompts_single_token_over_a_cached_prefix_attends_as_a_span():
+    """A prompt's last token left after a cache hit takes the span (prefill) path, as the
+    cold prefill of the whole prompt did; a decode's single token takes the short-query path.
+    Both paths give the reference's attention."""
+    generator = torch.Generator().manual_seed(3)
+    cache = PagedKVCache(1, 16, BLOCK, KV_HEADS, DIM, torch.float32, CPU)
+    tables, computed = [[0, 1, 2], [4, 5, 6]], [2 * BLOCK, 2 * BLOCK]
+    metadata = build_metadata(cache, tables, computed, [1, 1], CPU, prompt=[True, False])
+    assert [(span.start, span.end, span.num_cached) for span in metadata.spans] == [
+        (0, 1, 2 * BLOCK)]
+    assert [group.rows.tolist() for group in metadata.decode_groups] == [[1]]
+    contexts = [random_sequence(generator, 2 * BLOCK + 1) for _ in tables]
+    queries = [torch.randn(1, HEADS, DIM, generator=generator) for _ in tables]
+    for table, (k, v) in zip(tables, contexts, strict=True):
+        slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(2 * BLOCK)])
+        cache.write(0, slots, k[:2 * BLOCK], v[:2 * BLOCK])
+    key = torch.cat([k[-1:] for k, _ in contexts])
+    value = torch.cat([v[-1:] for _, v in contexts])
+    outputs = paged_attention(0, torch.cat(queries), key, value, metadata, DIM ** -0.5).split(1)
+    for out, query, (k, v) in zip(outputs, queries, contexts, strict=True):
+        torch.testing.assert_close(out, reference(query, k, v, 2 * BLOCK), atol=1e-5, rtol=1e-5)

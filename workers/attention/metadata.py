@@ -121,7 +121,7 @@ def build_metadata(kv_cache: PagedKVCache, block_tables: list[list[int]],
     new token, unless ``prompt[i]`` marks it as a prompt's: a prompt's last token after a
     cache hit then attends as in a cold prefill of the whole prompt (the span path's result
     does not depend on where a span starts; the short-query path sums its keys in other
-    blocks, which in bf16 moved SmolLM2's first-token logits by 0.04 and changed a greedy
+    blocks, which in bf16 moved SmolLM2's first-token logprob by 0.04 and changed a greedy
     answer). Work is
     proportional to the step's new tokens and block-table lengths, never to a sequence's whole
     context in slots.
