@@ -229,7 +229,13 @@ def _serve_actions() -> list[argparse.Action]:
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    from cluster.runtime import NotEnoughGPUsError, PortInUseError, start_cluster, stop_cluster
+    from cluster.runtime import (
+        NotEnoughGPUsError,
+        PortInUseError,
+        TierStoreError,
+        start_cluster,
+        stop_cluster,
+    )
 
     try:
         config = serve_config(args)
@@ -248,7 +254,7 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"nalar: cannot serve: {exc}. Stop the other server or pass --port.",
               file=sys.stderr)
         return 1
-    except NotEnoughGPUsError as exc:
+    except (NotEnoughGPUsError, TierStoreError) as exc:
         print(f"nalar: cannot serve: {exc}", file=sys.stderr)
         return 1
     stop = threading.Event()

@@ -6,9 +6,12 @@ import asyncio
 import logging
 import math
 import os
+import shutil
 import socket
+import tempfile
 from collections.abc import Mapping
 
+import psutil
 import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -33,6 +36,11 @@ token stream through Serve")."""
 
 class PortInUseError(OSError):
     """The HTTP port is taken by another process."""
+
+
+class TierStoreError(RuntimeError):
+    """The second KV tier asked for cannot be had on this host: its directory is missing or
+    read-only, or the disk or memory cannot hold every worker's."""
 
 
 class NotEnoughGPUsError(RuntimeError):
@@ -108,6 +116,60 @@ def gpu_shortage_message(config: ClusterConfig, have: float, fit: int) -> str:
     return f"{message}: pass {' or '.join(remedies)}"
 
 
+def check_kv_tier(config: ClusterConfig, other_nodes: bool = False) -> None:
+    """Refuses a deployment whose second KV tier this host cannot hold, instead of workers
+    that each start without one, or one with and one without, and only log it: a worker
+    whose tier's file or memory cannot be had serves without it (``workers.engine``), which
+    suits a disk that fills later, not a flag that was wrong from the start.
+
+    Args:
+        config: the cluster configuration (``num_workers`` tiers of ``kv_tier_mib`` MiB, on
+            the medium ``kv_tier_medium`` resolves to).
+        other_nodes: the cluster was joined (``$RAY_ADDRESS``), so workers may run on other
+            nodes than this one, with their own disks: log a warning instead of refusing.
+
+    Raises:
+        TierStoreError: the directory is missing, not one, or read-only; or its disk's free
+            space (a disk tier) or the host's available memory (a host tier) is below every
+            worker's tier together. The message names the flags to change.
+    """
+    if config.kv_tier_mib == 0:
+        return
+    engine = config.engine_config()
+    medium = engine.tier_medium("cuda" if gpu_demand(config) else "cpu")
+    need = config.num_workers * engine.kv_tier_bytes
+    fault = (_tier_memory_fault(need) if medium == "host"
+             else _tier_disk_fault(config.kv_tier_dir or tempfile.gettempdir(), need))
+    if fault is None:
+        return
+    message = (f"the second KV tier ({config.num_workers} x --kv-tier-mib "
+               f"{config.kv_tier_mib}, {medium}) cannot be had: {fault}")
+    if other_nodes:
+        log.warning("%s on this host; workers on other nodes may still have it", message)
+        return
+    raise TierStoreError(message)
+
+
+def _tier_disk_fault(directory: str, need: int) -> str | None:
+    if not os.path.isdir(directory):
+        return f"{directory} is not a directory (--kv-tier-dir)"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return f"{directory} is not writable (--kv-tier-dir)"
+    free = shutil.disk_usage(directory).free
+    if free < need:
+        return (f"{directory} has {free >> 20} MiB free, and the tiers need {need >> 20} MiB "
+                "(pass a smaller --kv-tier-mib or another --kv-tier-dir)")
+    return None
+
+
+def _tier_memory_fault(need: int) -> str | None:
+    available = psutil.virtual_memory().available
+    if available < need:
+        return (f"the host has {available >> 20} MiB of memory available, and the tiers need "
+                f"{need >> 20} MiB (pass a smaller --kv-tier-mib, or --kv-tier-medium disk)")
+    return None
+
+
 def check_port_free(host: str, port: int) -> None:
     """Raises :class:`PortInUseError` when ``host:port`` cannot be bound."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
@@ -173,9 +235,12 @@ def start_cluster(config: ClusterConfig, http: bool = True) -> DeploymentHandle:
         PortInUseError: the HTTP port is taken.
         NotEnoughGPUsError: the worker replicas ask for more GPUs than the Ray cluster has
             (a warning instead when the cluster was joined through ``$RAY_ADDRESS``).
+        TierStoreError: this host cannot hold the second KV tier asked for (a warning
+            instead when the cluster was joined).
     """
     if http:
         check_port_free(config.host, config.port)
+    check_kv_tier(config, other_nodes=joins_existing_cluster())
     init_ray()
     check_gpus(config, ray.cluster_resources(), may_grow=joins_existing_cluster())
     start_index_actor(config)

@@ -105,3 +105,12 @@ class EngineConfig:
     max_loras: int = 8
     max_cpu_loras: int | None = None
     lora_dirs: list[str] = field(default_factory=list)
+
+    def tier_medium(self, device_type: str) -> str:
+        """Where the second tier keeps blocks on a worker whose KV cache is on a
+        ``device_type`` (``cpu``, ``cuda``) device: ``kv_tier_medium`` as asked, or for
+        ``auto`` host memory beside a GPU's KV cache and a file on disk beside a CPU's (whose
+        KV cache already is host memory)."""
+        if self.kv_tier_medium != "auto":
+            return self.kv_tier_medium
+        return "host" if device_type == "cuda" else "disk"

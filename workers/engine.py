@@ -807,7 +807,7 @@ def _second_tier(config: EngineConfig, kv_cache: PagedKVCache) -> KVTier | None:
     if num_blocks < 1:
         return None
     device = kv_cache.keys[0].device
-    medium = tier_medium(config.kv_tier_medium, device)
+    medium = config.tier_medium(device.type)
     try:
         if medium == "host":
             slots = HostSlots(num_blocks, kv_cache.block_bytes, pinned=device.type == "cuda")
@@ -833,15 +833,6 @@ def _host_cores(config: EngineConfig, device: torch.device) -> HostCores | None:
     except OSError as exc:
         log.warning("idle workers' cores will not be borrowed: %s", exc)
         return None
-
-
-def tier_medium(asked: str, device: torch.device) -> str:
-    """Where the second tier keeps blocks: ``asked`` (``host`` or ``disk``), or for ``auto``
-    host memory beside a GPU's KV cache and a file on disk beside a CPU's (whose KV cache
-    already is host memory)."""
-    if asked != "auto":
-        return asked
-    return "host" if device.type == "cuda" else "disk"
 
 
 def _step_limit(name: str, value: float | str | None,

@@ -11,12 +11,11 @@ import dataclasses
 import os
 
 import pytest
-import torch
 from helpers import cold, fitted_prompt_costs, greedy, output_ids, random_prompt, serve
 
 from contract.identity import CacheNamespace, block_digests
 from contract.kv_events import KVEvent
-from workers.engine import tier_medium
+from workers.config import EngineConfig
 from workers.kv_cache import PagedKVCache
 
 BLOCK = 16
@@ -161,10 +160,13 @@ def test_another_namespace_never_hits_the_tier(smollm, make_engine, tmp_path):
 
 
 def test_the_tier_medium_follows_the_device_unless_asked():
-    assert tier_medium("auto", torch.device("cuda", 0)) == "host"
-    assert tier_medium("auto", torch.device("cpu")) == "disk"
-    assert tier_medium("host", torch.device("cpu")) == "host"
-    assert tier_medium("disk", torch.device("cuda", 0)) == "disk"
+    def medium(asked: str, device_type: str) -> str:
+        return EngineConfig(kv_tier_medium=asked).tier_medium(device_type)
+
+    assert medium("auto", "cuda") == "host"
+    assert medium("auto", "cpu") == "disk"
+    assert medium("host", "cpu") == "host"
+    assert medium("disk", "cuda") == "disk"
 
 
 @pytest.mark.parametrize("fault", ["missing directory", "disk full"])
