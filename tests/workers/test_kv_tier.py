@@ -127,6 +127,30 @@ def test_a_corrupt_stored_block_is_recomputed_never_used(smollm, make_engine, tm
     assert digests[1] in removed(engine.drain_events(), "tier")
 
 
+def test_a_damaged_tier_heals_once_the_prompt_is_computed_again(smollm, make_engine, tmp_path):
+    """Blocks 1-3 damaged: the first request loads block 0 and computes the rest, and the
+    tier forgets blocks 2 and 3 with block 1, so that their fresh copies take their place
+    once evicted: the next request loads all four. (Kept, each request got one block
+    further, failing the next check.)"""
+    engine = tier_engine(make_engine, smollm, tmp_path)
+    reference = cold(engine, greedy("ref", PROMPT, max_tokens=8, ignore_eos=True))
+    digests = evict_to_tier(engine)
+    tier = engine.pool.tier
+    for digest in digests[1:4]:
+        flip_stored_bit(tier, digest, 7)
+    engine.drain_events()
+
+    output, cached, _ = serve(engine, greedy("damaged", PROMPT, max_tokens=8, ignore_eos=True))
+    assert (output, cached, tier.counters.corrupt_blocks) == (reference, BLOCK, 1)
+    assert [digest in tier for digest in digests[:4]] == [True, False, False, False]
+    assert set(digests[1:4]) <= removed(engine.drain_events(), "tier")
+
+    assert evict_to_tier(engine) == digests
+    output, cached, _ = serve(engine, greedy("healed", PROMPT, max_tokens=8, ignore_eos=True))
+    assert (output, cached, tier.counters.corrupt_blocks) == (reference, 4 * BLOCK, 1)
+    engine.pool.check_invariants()
+
+
 def test_a_full_tier_drops_its_oldest_block_and_the_index_hears_of_it(smollm, make_engine,
                                                                       tmp_path):
     engine = tier_engine(make_engine, smollm, tmp_path, tier_blocks=2)
