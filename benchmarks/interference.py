@@ -16,7 +16,8 @@ Goal: at the best chunked setting, longest stall <= 0.3x unchunked while the lon
 prompt's TTFT stays within 1.1x of unchunked. SmolLM2's max_position_embeddings is 8,192, so
 the long prompt plus its output must stay within it.
 
-    .venv/bin/python benchmarks/interference.py [--chunks 256,512,2048,2048@250ms,off] [--quick]
+    .venv/bin/python benchmarks/interference.py [--chunks 256,512,2048,2048@250ms,2048@auto,off]
+        [--quantization gguf] [--cap-ms 1000] [--quick]
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ except ImportError:  # run as a script: benchmarks/ is on sys.path, the repo roo
     import common
 
 OFF = "off"
+AUTO = "auto"
 LONG_ID = "long"
 
 
@@ -43,9 +45,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--long-output-tokens", type=int, default=16)
     parser.add_argument("--arrive-after", type=int, default=8,
                         help="stream tokens decoded before the long prompt arrives")
+    parser.add_argument("--quantization", default="none", choices=["none", "gguf", "int8"],
+                        help="how the weights are held (gguf: the embedded Q4_1 as stored, "
+                             "the server's default)")
+    parser.add_argument("--cap-ms", type=float, default=None,
+                        help="a step-time cap (max_step_time_s) in every chunked setting, as "
+                             "the server's default of 1,000 ms on a CPU; default: none")
     parser.add_argument("--chunks", default=f"256,512,2048,2048@250ms,{OFF}",
                         help=f"per-step token budgets; {OFF!r} = no chunking; B@Tms = budget B "
-                             "with a step-time target of T ms")
+                             "with a step-time target of T ms; B@auto = with the server's "
+                             "default target")
     args = parser.parse_args(argv)
     if args.quick:
         args.streams, args.stream_prompt, args.decode_tokens = 2, 8, 12
@@ -57,19 +66,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def setting_of(chunk: str, args: argparse.Namespace) -> tuple[int, float | None]:
+def setting_of(chunk: str, args: argparse.Namespace) -> tuple[int, float | str | None]:
     """A setting's per-step token budget (``off`` fits the long prompt and every decode) and
-    step-time target in seconds (``B@Tms``; None without)."""
-    budget, _, target_ms = chunk.partition("@")
+    step-time target: seconds (``B@Tms``), the server's default (``B@auto``: ``auto``, which
+    for weights kept as stored covers long prompts only), or None (no target)."""
+    budget, _, target = chunk.partition("@")
     tokens = args.long_prompt + args.streams if budget == OFF else int(budget)
-    return tokens, float(target_ms.removesuffix("ms")) / 1000 if target_ms else None
+    if target == AUTO:
+        return tokens, AUTO
+    return tokens, float(target.removesuffix("ms")) / 1000 if target else None
 
 
 def run_setting(loaded, prompts: list[list[int]], long_prompt: list[int], budget: int,
-                target_s: float | None, args: argparse.Namespace) -> dict:
+                target_s: float | str | None, args: argparse.Namespace) -> dict:
     """One engine with the given token budget and step-time target through the scenario."""
+    unchunked = budget >= len(long_prompt) + len(prompts)
+    cap_s = None if args.cap_ms is None or unchunked else args.cap_ms / 1000
     engine = common.build_engine(loaded, threads=args.threads, max_num_batched_tokens=budget,
-                                 kv_cache_mib=args.kv_cache_mib, step_time_target_s=target_s)
+                                 kv_cache_mib=args.kv_cache_mib, step_time_target_s=target_s,
+                                 max_step_time_s=cap_s)
     warmup = common.EngineRun(engine)
     warmup.add(common.greedy_request("warmup", prompts[0], 2))
     warmup.run()
@@ -88,7 +103,10 @@ def run_setting(loaded, prompts: list[list[int]], long_prompt: list[int], budget
     wall_s = run.run(maybe_arrive)
     streams = common.stream_summary({rid: run.submitted[rid] for rid in stream_ids},
                                     {rid: run.arrivals[rid] for rid in stream_ids})
-    return {"token_budget": budget, "step_time_target_s": target_s,
+    limits = engine.scheduler.step_target
+    return {"token_budget": budget, "step_time_target_s": target_s, "max_step_time_s": cap_s,
+            "target_in_effect_s": limits.seconds if limits else None,
+            "target_long_prompts_only": limits.long_prompts_only if limits else None,
             "streams_itl": streams["itl"],
             "longest_stall_ms": streams["longest_stall_ms"],
             "long_prompt_ttft_ms": _ms(run.ttft_s(LONG_ID)) if LONG_ID in run.submitted
@@ -130,7 +148,7 @@ def goal_check(settings: dict[str, dict]) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     threads = common.set_threads(args.threads)
-    loaded = common.load(args.model, args.dtype)
+    loaded = common.load(args.model, args.dtype, quantization=args.quantization)
     limit = getattr(loaded.model.config, "max_position_embeddings", None)
     if limit and args.long_prompt + args.long_output_tokens > limit:
         raise SystemExit(f"--long-prompt {args.long_prompt} + {args.long_output_tokens} output "
@@ -151,7 +169,8 @@ def main(argv: list[str] | None = None) -> dict:
                    f"{s['output_tokens_per_s']:.1f} output tokens/s")
         gc.collect()
     result = {"benchmark": "interference", "machine": common.machine_info(loaded.dtype),
-              "threads": threads, "model": args.model, "quick": args.quick,
+              "threads": threads, "model": args.model, "quantization": loaded.quantization,
+              "quick": args.quick,
               "workload": {"streams": args.streams, "stream_prompt_tokens": args.stream_prompt,
                            "decode_tokens": args.decode_tokens,
                            "long_prompt_tokens": args.long_prompt,

@@ -68,8 +68,9 @@ def _serve_parser(commands) -> None:
     serve_cmd.add_argument("--step-time-target-ms", type=float, default=None,
                            help="while sequences decode, the step time prompt chunks fill up "
                                 "to, by step costs measured on the worker; 0: off (default: "
-                                "250 on a CPU with dense weights, off for weights kept as "
-                                "stored)")
+                                "250 on a CPU with dense weights; for weights kept as stored, "
+                                "500 on the chunks of prompts longer than "
+                                "--max-num-batched-tokens only)")
     serve_cmd.add_argument("--max-step-time-ms", type=float, default=None,
                            help="the longest a step may take with chunks of a prompt "
                                 "longer than the token budget, by step costs measured on the "

@@ -89,8 +89,10 @@ class ClusterConfig(BaseModel):
     streams for about that long rather than for its whole prefill; 0 turns it off. None, the
     default, chooses by the worker's weights (``workers.step_time.auto_target_s``): 250 ms on
     a CPU with dense weights, where it cost no throughput and halved the ITL tail under a
-    burst, and off for weights kept as stored (the default Q4_1), where it cost 17-20% of the
-    throughput (docs/performance.md, "A step-time target"). ``max_step_time_ms`` caps the
+    burst; for weights kept as stored (the default Q4_1), where it cost 17-20% of the
+    throughput applied to every prompt, 500 ms on the chunks of prompts longer than
+    ``max_num_batched_tokens`` only, which halved the streams' ITL p99 beside a 6,000-token
+    prompt (docs/performance.md, "A step-time target"). ``max_step_time_ms`` caps the
     same way the chunks of a prompt longer than ``max_num_batched_tokens``, with or without
     decodes, so a request that arrives while a long prompt is prefilled waits about that long
     for the step in progress rather than for a 2,048-token chunk (seconds on a CPU core); 0

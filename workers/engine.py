@@ -58,6 +58,7 @@ from workers.step_time import (
     StepCostModel,
     StepTimeTarget,
     auto_cap_s,
+    auto_target_long_prompts_only,
     auto_target_s,
 )
 from workers.structured.grammar import GrammarCompiler
@@ -258,8 +259,10 @@ class LLMEngine:
                             lambda: auto_cap_s(device))
         if seconds is None and cap_s is None:
             return None
+        long_only = (self.config.step_time_target_s == AUTO
+                     and auto_target_long_prompts_only(quantization))
         return StepTimeTarget(seconds, cap_s, self.decode_steps, self.prompt_costs,
-                              self.config.block_size)
+                              self.config.block_size, long_prompts_only=long_only)
 
     def adapters_in_use(self) -> set[str]:
         """Names of the adapters some sequence (running, waiting or preempted) is using; safe

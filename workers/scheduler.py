@@ -22,6 +22,8 @@ prompt (a deep token attends to more keys and costs more), the step's chunks at 
 block together. A newly admitted prompt that what is left of the step's token budget holds
 whole is not cut by the cap (the target still applies): the step then gives it its first
 token, and a burst of short prompts computed together rather than split kept its throughput.
+A target may cover long prompts only, as the cap does (the server's default for weights kept
+as stored, whose prompt tokens do not ride along a decode step nearly free).
 
 Chunked prefill without starvation. A prompt longer than what is left of the budget is
 prefilled in chunks. At most ``max_num_partial_prefills`` prompts are mid-prefill at once (vLLM's
@@ -214,10 +216,13 @@ class Scheduler:
 
     def _prompt_room(self, depth: int, budget: int, capped: bool = True) -> int:
         """Tokens of a prompt chunk from position ``depth`` that fit in ``budget`` tokens and
-        the seconds this step has left for prompts: under the target, and under the cap
-        where ``capped``; the step's chunks get at least ``min_tokens`` together, so prompts
-        advance however long the decodes take."""
-        limits = [s for s in (self._target_s, self._cap_s if capped else None) if s is not None]
+        the seconds this step has left for prompts: under the target (for a target of long
+        prompts only, where ``capped``), and under the cap where ``capped``; the step's
+        chunks get at least ``min_tokens`` together, so prompts advance however long the
+        decodes take."""
+        long_only = self.step_target is not None and self.step_target.long_prompts_only
+        target = self._target_s if capped or not long_only else None
+        limits = [s for s in (target, self._cap_s if capped else None) if s is not None]
         if not limits:
             return budget
         room = self.step_target.prompt_costs.tokens_within(min(limits), depth)

@@ -43,6 +43,17 @@ kept as stored (Q4_1) are not: their step is bound by arithmetic, as the prompt 
 the same target cost them 0.80-0.83x the throughput (docs/performance.md, "A step-time
 target")."""
 
+STORED_CPU_TARGET_S = 0.5
+"""``auto``'s target on a CPU worker with weights kept as stored (GGUF, int8), applied to the
+chunks of prompts longer than the token budget only (:attr:`StepTimeTarget.long_prompts_only`).
+A prompt the budget holds whole is not cut: applied to every prompt, a target of 250 ms cost
+16 concurrent streams of 256-token prompts 0.80-0.83x their throughput (the note on
+:data:`DENSE_CPU_TARGET_S`). A long prompt is chunked anyway, by the cap. Four streams decoding
+on one Zen 4 core (Q4_1) while a 6,000-token prompt arrived (``benchmarks/interference.py
+--quantization gguf --threads 1 --cap-ms 1000``, three runs): under the cap alone their ITL p99
+was 1,040-1,053 ms; with a 500 ms target 541-546 ms, the prompt's TTFT 1.07-1.10x; with 250 ms
+270-293 ms, its TTFT 1.12-1.28x (docs/performance.md, "A step-time target")."""
+
 CPU_CAP_S = 1.0
 """``auto``'s step-time cap on a CPU worker. A lone 8,000-token prompt on one Zen 4 core
 (``benchmarks/arrival_wait.py``; docs/performance.md, "A step-time cap") took 1.7% longer
@@ -51,10 +62,18 @@ step's fixed cost is small beside a second of prompt tokens."""
 
 
 def auto_target_s(device: str, quantization: str) -> float | None:
-    """The step-time target ``auto`` stands for, in seconds: :data:`DENSE_CPU_TARGET_S` on a
-    CPU (``device``) with dense weights (``quantization`` ``none``), else None (off: not
-    measured on a GPU)."""
-    return DENSE_CPU_TARGET_S if device == "cpu" and quantization == "none" else None
+    """The step-time target ``auto`` stands for, in seconds: on a CPU (``device``)
+    :data:`DENSE_CPU_TARGET_S` with dense weights (``quantization`` ``none``), else
+    :data:`STORED_CPU_TARGET_S`; None (off) on a GPU, where it was not measured."""
+    if device != "cpu":
+        return None
+    return DENSE_CPU_TARGET_S if quantization == "none" else STORED_CPU_TARGET_S
+
+
+def auto_target_long_prompts_only(quantization: str) -> bool:
+    """Whether the target ``auto`` stands for applies to long prompts' chunks only: for
+    weights kept as stored (:data:`STORED_CPU_TARGET_S`)."""
+    return quantization != "none"
 
 
 def auto_cap_s(device: str) -> float | None:
@@ -189,13 +208,17 @@ class StepTimeTarget:
         prompt_costs: the fitted prompt-token cost by depth.
         min_tokens: prompt tokens a step always gets, so prompts advance however long the
             decodes alone take.
+        long_prompts_only: the target applies, as the cap does, only to the chunks of
+            prompts longer than the step's token budget; a prompt the budget holds whole runs
+            whole beside the decodes.
 
     Raises:
         ValueError: neither limit is set, one is not positive, or ``min_tokens`` is below 1.
     """
 
     def __init__(self, seconds: float | None, cap_s: float | None,
-                 decode_steps: StepCostModel, prompt_costs: PromptCostModel, min_tokens: int):
+                 decode_steps: StepCostModel, prompt_costs: PromptCostModel, min_tokens: int,
+                 long_prompts_only: bool = False):
         limits = [s for s in (seconds, cap_s) if s is not None]
         if not limits or min(limits) <= 0 or min_tokens < 1:
             raise ValueError("a step-time limit needs a target or a cap, each > 0 seconds, "
@@ -205,6 +228,7 @@ class StepTimeTarget:
         self.decode_steps = decode_steps
         self.prompt_costs = prompt_costs
         self.min_tokens = min_tokens
+        self.long_prompts_only = long_prompts_only
 
     def seconds_left(self, decode_rows: int) -> tuple[float | None, float | None]:
         """Seconds a step's prompt chunks may take beside ``decode_rows`` decode and draft

@@ -148,14 +148,15 @@ def test_unknown_policy_is_refused():
 
 
 def target_scheduler(prompt_ms: int | None, budget: int = 64, cap_ms: int | None = None,
-                     costs: PromptCostModel | None = None) -> Scheduler:
+                     costs: PromptCostModel | None = None,
+                     long_prompts_only: bool = False) -> Scheduler:
     """A scheduler whose step-time target leaves ``prompt_ms`` prompt tokens beside one decode
     row: a decode row costs 1 ms, a prompt token 1 ms (``costs``), the target is
     ``1 + prompt_ms`` ms; ``cap_ms`` caps every step."""
     target = StepTimeTarget(None if prompt_ms is None else 0.001 * (1 + prompt_ms),
                             None if cap_ms is None else 0.001 * cap_ms,
                             fitted_decode_costs(0.0, 0.001), costs or fitted_prompt_costs(0.001),
-                            BLOCK)
+                            BLOCK, long_prompts_only=long_prompts_only)
     return make_scheduler(budget=budget, step_target=target)
 
 
@@ -166,6 +167,17 @@ def test_step_time_target_caps_prompt_tokens_only_beside_decodes():
     scheduler.add(make_seq("second", 30, first=100))
     assert step(scheduler) == [("first", 1), ("second", 6)]
     assert step(scheduler) == [("first", 1), ("second", 6)]
+
+
+def test_a_target_for_long_prompts_only_leaves_whole_a_prompt_the_budget_holds():
+    scheduler = target_scheduler(prompt_ms=6, long_prompts_only=True)
+    scheduler.add(make_seq("first", 20))
+    assert step(scheduler) == [("first", 20)]
+    scheduler.add(make_seq("second", 30, first=100))  # the 64-token budget holds it whole
+    assert step(scheduler) == [("first", 1), ("second", 30)]
+    scheduler.add(make_seq("long", 200, first=300))  # longer than the budget: 7 ms - 2 rows
+    assert step(scheduler) == [("first", 1), ("second", 1), ("long", 5)]
+    assert step(scheduler) == [("first", 1), ("second", 1), ("long", 5)]
 
 
 def test_step_time_target_still_gives_prompts_a_block():

@@ -28,7 +28,13 @@ from workers.models.llama import _fuse
 from workers.models.weight_formats import StoredWeight, WeightFormat, quantize_int8_per_channel
 from workers.speculative.config import SpeculativeConfig
 from workers.speculative.ngram import NgramProposer
-from workers.step_time import CPU_CAP_S, DENSE_CPU_TARGET_S, auto_cap_s, auto_target_s
+from workers.step_time import (
+    CPU_CAP_S,
+    DENSE_CPU_TARGET_S,
+    STORED_CPU_TARGET_S,
+    auto_cap_s,
+    auto_target_s,
+)
 from workers.stored_weights import (
     _attach,
     attach_int8_weights,
@@ -242,17 +248,24 @@ def test_projections_of_mixed_formats_fuse_as_one_dense_weight(stored_smollm):
                                            dim=1))
 
 
-def test_the_auto_step_time_target_is_on_for_dense_weights_and_off_for_stored(
+def test_the_auto_step_time_target_covers_every_prompt_with_dense_weights_and_long_ones_stored(
         stored_smollm, tiny_qwen, make_engine):
-    """The server's default: 250 ms on a CPU with dense weights, where it cost no throughput,
-    none for weights kept as stored, whose steps are bound by arithmetic."""
+    """The server's default: 250 ms on a CPU with dense weights, where it cost no throughput;
+    500 ms for weights kept as stored, whose steps are bound by arithmetic, and only on the
+    chunks of prompts longer than the token budget. A target asked for in seconds covers every
+    prompt whatever the weights."""
     dense = make_engine(tiny_qwen, num_blocks=16, step_time_target_s="auto")
     stored = make_engine(stored_smollm, num_blocks=16, step_time_target_s="auto")
     assert dense.scheduler.step_target.seconds == DENSE_CPU_TARGET_S == 0.25
+    assert not dense.scheduler.step_target.long_prompts_only
     assert dense.scheduler.step_target.cap_s is None
-    assert stored.scheduler.step_target is None
+    assert stored.scheduler.step_target.seconds == STORED_CPU_TARGET_S == 0.5
+    assert stored.scheduler.step_target.long_prompts_only
+    asked = make_engine(stored_smollm, num_blocks=16, step_time_target_s=0.5)
+    assert not asked.scheduler.step_target.long_prompts_only
     assert make_engine(tiny_qwen, num_blocks=16).scheduler.step_target is None  # engine: off
-    assert auto_target_s("cuda", "none") is None and auto_target_s("cpu", "int8") is None
+    assert auto_target_s("cuda", "none") is None and auto_target_s("cuda", "gguf") is None
+    assert auto_target_s("cpu", "int8") == STORED_CPU_TARGET_S
     with pytest.raises(ValueError, match="step_time_target_s .*'fast'"):
         make_engine(tiny_qwen, num_blocks=16, step_time_target_s="fast")
 
@@ -262,7 +275,7 @@ def test_the_auto_step_time_cap_is_on_for_any_cpu_worker(stored_smollm, make_eng
     stored = make_engine(stored_smollm, num_blocks=16, step_time_target_s="auto",
                          max_step_time_s="auto")
     assert (stored.scheduler.step_target.seconds, stored.scheduler.step_target.cap_s) == (
-        None, CPU_CAP_S)
+        STORED_CPU_TARGET_S, CPU_CAP_S)
     assert CPU_CAP_S == 1.0 and auto_cap_s("cuda") is None
     with pytest.raises(ValueError, match="max_step_time_s .*'soon'"):
         make_engine(stored_smollm, num_blocks=16, max_step_time_s="soon")
