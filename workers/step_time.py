@@ -50,9 +50,10 @@ A prompt the budget holds whole is not cut: applied to every prompt, a target of
 16 concurrent streams of 256-token prompts 0.80-0.83x their throughput (the note on
 :data:`DENSE_CPU_TARGET_S`). A long prompt is chunked anyway, by the cap. Four streams decoding
 on one Zen 4 core (Q4_1) while a 6,000-token prompt arrived (``benchmarks/interference.py
---quantization gguf --threads 1 --cap-ms 1000``, three runs): under the cap alone their ITL p99
-was 1,040-1,053 ms; with a 500 ms target 541-546 ms, the prompt's TTFT 1.07-1.10x; with 250 ms
-270-293 ms, its TTFT 1.12-1.28x (docs/performance.md, "A step-time target")."""
+--quantization gguf --threads 1 --cap-ms 1000``, three runs,
+``benchmarks/results/epyc-avx512bf16/stored-long-target-3c6153e/``): under the cap alone their
+ITL p99 was 1,058-1,116 ms; with this target 524-546 ms, the prompt's TTFT 1.01-1.09x; with
+250 ms 283-298 ms, its TTFT 1.13-1.17x (docs/performance.md, "A step-time target")."""
 
 CPU_CAP_S = 1.0
 """``auto``'s step-time cap on a CPU worker. A lone 8,000-token prompt on one Zen 4 core
