@@ -83,7 +83,7 @@ class BlockManager:
         seq.block_table = [block.block_id for block in in_pool]
         for index, entry in enumerate(hits[len(in_pool):], len(in_pool)):
             if not self._load(seq, index, entry):
-                self._forget_in_tier(hits[index + 1:])
+                self._drop_from_tier(hits[index + 1:])
                 break
         if not seq.admitted:  # sources count once, as the hit does
             taken = hits[:len(seq.block_table)]
@@ -109,7 +109,7 @@ class BlockManager:
         self.pool.release([block.block_id])
         return False
 
-    def _forget_in_tier(self, entries: list[TierEntry]) -> None:
+    def _drop_from_tier(self, entries: list[TierEntry]) -> None:
         """Drops the second-tier entries of a prompt's blocks past one that failed to load:
         the prompt computes those blocks now. The tier keeps a digest it holds when the block
         is evicted again, so a kept entry would shadow the fresh copy; and where the failure

@@ -230,9 +230,7 @@ class LLMEngine:
                                       config.block_size)
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = self._eos_token_ids()
-        self.counters = EngineCounters()
-        self.transfers = TransferCounters()
-        self.request_metrics = RequestMetrics()
+        self._zero_counts()
         self._seqs: dict[str, Sequence] = {}
         self._choices = Choices()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -658,11 +656,16 @@ class LLMEngine:
             max_tokens=1, temperature=0.0, ignore_eos=True))])
         self.reset_prefix_cache()
         self.drain_events()
-        self.counters = EngineCounters(spec=self.counters.spec)  # one token: no drafts counted
+        self.scheduler.counters = SchedulerCounters()
+        self._zero_counts(spec=self.counters.spec)  # one token: no drafts counted
+        return time.perf_counter() - started
+
+    def _zero_counts(self, spec: SpecUsage | None = None) -> None:
+        """Fresh engine, transfer and per-request counts; ``spec``: the speculation's counts
+        to keep (the same object, which the speculation controller holds), else fresh ones."""
+        self.counters = EngineCounters() if spec is None else EngineCounters(spec=spec)
         self.transfers = TransferCounters()
         self.request_metrics = RequestMetrics()
-        self.scheduler.counters = SchedulerCounters()
-        return time.perf_counter() - started
 
     def drain_events(self) -> list[KVEvent]:
         """KV events (stored / removed / cleared digests) since the last call."""
