@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import (  # noqa: E402
     arrival_wait,
+    batch_invariance,
     common,
     gpu_first_start,
     interference,
@@ -317,6 +318,16 @@ def test_speculative_compare_reports_where_outputs_part():
                                 "lengths": [3, 3]}]
     assert speculative.compare([[1, 2]], [[1, 2, 3]], [[0]], ["c"])["parted"][0][
         "position"] == 2
+
+
+def test_batch_invariance_compares_logprobs_up_to_the_first_different_token():
+    reference = ([5, 6, 7, 8], [-1.0, -0.5, -2.0, -0.25])
+    parted = batch_invariance.compare(([5, 6, 9, 8], [-1.25, -0.5, -0.125, -0.25]), reference)
+    assert parted == (False, 2, [0.25, 0.0])
+    assert batch_invariance.compare(reference, reference) == (True, 4, [0.0] * 4)
+    row = batch_invariance.summarize([parted, (True, 4, [0.0, 0.5, 0.0, 0.0])])
+    assert row == {"identical_outputs": 0.5, "mean_tokens_before_first_difference": 3.0,
+                   "max_abs_logprob_difference": 0.5, "median_abs_logprob_difference": 0.0}
 
 
 def test_paper_formula_and_controlled_proposer():
