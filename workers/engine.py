@@ -409,17 +409,19 @@ class LLMEngine:
         worker, each checked against the request's own prompt, in the working pool where it
         has room for them, else in the second tier
         (:func:`workers.kv_transfer.import_blocks`); returns how many were accepted. None is
-        without a second tier."""
+        without a second tier. Blocks it came to hold meanwhile are accepted, not counted as
+        imported."""
         if self.pool.tier is None:
             return 0
         seq = self._probe(request)
-        accepted = import_blocks(self.pool, self.runner.kv_cache, seq,
+        imported = import_blocks(self.pool, self.runner.kv_cache, seq,
                                  self.block_manager.cached_prefix(seq), first, blocks)
         counters = self.transfers
-        counters.imported_blocks += accepted
-        counters.imported_bytes += sum(block.kv.nbytes for block in blocks[:accepted])
-        counters.rejected_blocks += len(blocks) - accepted
-        return accepted
+        counters.imported_blocks += imported.stored
+        counters.imported_bytes += imported.stored * self.pool.tier.block_bytes
+        counters.already_held_blocks += imported.accepted - imported.stored
+        counters.rejected_blocks += len(blocks) - imported.accepted
+        return imported.accepted
 
     def _probe(self, request: GenerationRequest) -> Sequence:
         """A sequence of ``request``'s prompt, for lookups (never scheduled)."""

@@ -17,6 +17,7 @@ that fails ends the import; the rest of the prompt is computed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -39,6 +40,9 @@ class TransferCounters:
         exported_blocks, exported_bytes, export_seconds: blocks sent to other workers.
         imported_blocks, imported_bytes, import_seconds: blocks received and stored, and the
             time from asking to stored (the round trip included).
+        already_held_blocks: received blocks that passed the checks but were not stored,
+            since this worker had come to hold them meanwhile (it computed them, or another
+            fetch brought them, while this fetch was under way).
         rejected_blocks: received blocks refused by a check.
         failed_fetches: fetches that failed or ran out of time (the prompt was computed).
     """
@@ -49,6 +53,7 @@ class TransferCounters:
     imported_blocks: int = 0
     imported_bytes: int = 0
     import_seconds: float = 0.0
+    already_held_blocks: int = 0
     rejected_blocks: int = 0
     failed_fetches: int = 0
 
@@ -74,11 +79,19 @@ def export_blocks(pool: BlockPool, kv_cache: PagedKVCache, digests: list[bytes],
     return exported
 
 
+class Imported(NamedTuple):
+    """What an import did: the leading blocks accepted (checked, and held now), and how many
+    of them it stored (the rest this worker held already)."""
+
+    accepted: int
+    stored: int
+
+
 def import_blocks(pool: BlockPool, kv_cache: PagedKVCache, seq: Sequence, held: list[Hit],
-                  first: int, blocks: list[KVBlock]) -> int:
+                  first: int, blocks: list[KVBlock]) -> Imported:
     """Stores ``blocks``, block ``first`` of ``seq``'s prompt onwards, after checking each
-    against ``seq``; returns how many were accepted (the first refusal, or the first block
-    that cannot be stored, ends the import).
+    against ``seq`` (the first refusal, or the first block that cannot be stored, ends the
+    import).
 
     They go into the working pool as cached copies, where admission finds them as it finds
     this worker's own, when ``held`` (the prefix this worker holds now, as
@@ -92,12 +105,13 @@ def import_blocks(pool: BlockPool, kv_cache: PagedKVCache, seq: Sequence, held: 
         if not _matches(pool, seq, index, block):
             break
         checked.append(block)
+    held_already = [pool.cached_block(block.digest) is not None or block.digest in pool.tier
+                    for block in checked]
     in_pool = [hit for hit in held[:first] if isinstance(hit, Block)]
-    if len(in_pool) == first:
-        stored = _into_pool(pool, kv_cache, in_pool, checked)
-        if stored is not None:
-            return stored
-    return _into_tier(pool, checked)
+    accepted = _into_pool(pool, kv_cache, in_pool, checked) if len(in_pool) == first else None
+    if accepted is None:
+        accepted = _into_tier(pool, checked)
+    return Imported(accepted, accepted - sum(held_already[:accepted]))
 
 
 def _into_pool(pool: BlockPool, kv_cache: PagedKVCache, prefix: list[Block],

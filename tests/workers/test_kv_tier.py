@@ -326,6 +326,31 @@ def test_fetched_blocks_extend_the_prefix_the_pool_holds(smollm, make_engine, tm
     assert output_ids(chunks) == cold(make_engine(smollm, num_blocks=32), request)
 
 
+@pytest.mark.parametrize("into", ["pool", "tier"])
+def test_blocks_computed_while_the_fetch_ran_are_accepted_not_counted_as_imported(
+        smollm, make_engine, tmp_path, into):
+    """The requester computed the prompt's first blocks (a request beside the one that asked)
+    before the holder's copies came: they are accepted, since they are the same blocks, but
+    counted as already held; the one block it lacked is imported."""
+    holder, requester = holder_and_requester(make_engine, smollm, tmp_path)
+    request = greedy("again", PROMPT, max_tokens=8, ignore_eos=True)
+    blocks = holder.export_blocks(digests_of(requester, PROMPT))
+    serve(requester, greedy("beside", PROMPT[:3 * BLOCK + 1], max_tokens=1, ignore_eos=True))
+    pool = requester.pool
+    busy = [pool.allocate() for _ in range(pool.num_available - 3)] if into == "tier" else []
+    assert requester.import_blocks(request, 0, blocks) == 4
+    pool.release(block.block_id for block in busy)
+    transfers = requester.transfers
+    assert (transfers.imported_blocks, transfers.already_held_blocks,
+            transfers.rejected_blocks) == (1, 3, 0)
+    assert transfers.imported_bytes == pool.tier.block_bytes
+    assert requester.fetch_range(request, 9) == (4, 4)
+    chunks = requester.generate([request])["again"]
+    assert chunks[-1].cached_tokens == 4 * BLOCK
+    assert output_ids(chunks) == cold(make_engine(smollm, num_blocks=32), request)
+    pool.check_invariants()
+
+
 def tampered(block, **changes):
     return dataclasses.replace(block, **changes)
 
