@@ -17,7 +17,10 @@ request again and is compared with it, token by token, up to the first token tha
   reused);
 - ``hit16``: alone, after a 17-token prompt put its first block in the cache (the rest of the
   prompt is one chunk starting at token 16, as after a one-block tier load or transfer);
-- ``batch4``, ``batch16``: from an empty cache, beside 3 or 15 other prompts arriving with it.
+- ``batch4``, ``batch16``: from an empty cache, beside 3 or 15 other prompts arriving with it;
+- ``threads2``: alone from an empty cache on two threads where the reference ran on --threads
+  (1 by default), as when a prompt's step borrows an idle worker's core
+  (``workers/host_cores.py``).
 
 It reports, per variant and condition, the share of identical outputs, the mean number of
 tokens before the first difference, and the largest and median absolute difference of a
@@ -26,12 +29,16 @@ token).
 
     .venv/bin/python benchmarks/batch_invariance.py [--variants dense-fp32,gguf-bf16]
         [--prompts 8] [--prompt-tokens 600] [--max-tokens 24] [--threads 1]
+
+The machine needs two cores for ``threads2``.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+
+import torch
 
 try:
     from benchmarks import common
@@ -40,7 +47,7 @@ except ImportError:  # run as a script: benchmarks/ is on sys.path, the repo roo
     import common
     from quantized_accuracy import VARIANTS, load_variant
 
-CONDITIONS = ("again", "cached", "hit16", "batch4", "batch16")
+CONDITIONS = ("again", "cached", "hit16", "batch4", "batch16", "threads2")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=600)
     parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=str(common.OUT_DIR / "batch_invariance.json"))
     args = parser.parse_args(argv)
@@ -99,6 +106,13 @@ class Runner:
         if name == "hit16":
             self.run([prompt[:17]])
             return self.run([prompt], cold=False)[0]
+        if name == "threads2":
+            threads = torch.get_num_threads()
+            torch.set_num_threads(2)
+            try:
+                return self.run([prompt])[0]
+            finally:
+                torch.set_num_threads(threads)
         size = int(name.removeprefix("batch"))
         return self.run([prompt] + others[:size - 1])[0]
 
