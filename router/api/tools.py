@@ -25,6 +25,7 @@ from typing import Any
 import llguidance
 
 from contract.request import StructuredOutput
+from contract.schema_limits import schema_fault
 from router.api.tool_formats import (
     SMOLLM2,
     CallParser,
@@ -137,7 +138,8 @@ def _refuse_bad_parameters(tools: Sequence[ToolDefinition]) -> None:
         APIError: 400 naming ``tools[i].function.parameters``.
     """
     for index, tool in enumerate(tools):
-        error = _schema_error(json.dumps(arguments_schema(tool.function.parameters)))
+        schema = arguments_schema(tool.function.parameters)
+        error = schema_fault(schema) or _schema_error(json.dumps(schema))
         if error:
             param = f"tools[{index}].function.parameters"
             raise invalid_request(f"{param}: {error}", param)

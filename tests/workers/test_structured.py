@@ -19,6 +19,7 @@ from contract.request import (
     SamplingParams,
     StructuredOutput,
 )
+from contract.schema_limits import schema_fault
 from workers.engine import LLMEngine
 from workers.speculative.config import SpeculativeConfig
 from workers.structured.masks import admits
@@ -160,6 +161,16 @@ def test_a_constraint_failing_mid_step_fails_its_request_alone(engine, smollm, m
     # The server's own grammar around a tool's schema: the fault, without the grammar.
     (StructuredOutput("grammar", 'start: "<" call ">"\ncall: %json {"if": {}}', "tools"),
      r'^invalid tool parameters: failed to compile JSON schema: Unimplemented keys: \["if"\]$'),
+    # Bounds llguidance crashes on (the process, SIGSEGV) or serves wrongly, never handed to it.
+    (StructuredOutput("json", json.dumps({"type": "object", "properties": {"i": {
+        "type": "integer", "minimum": -9223372036854775807, "maximum": -9223372036854775800}}})),
+     r"^invalid json constraint: /properties/i: maximum -9223372036854775800 is below "),
+    (StructuredOutput("json", json.dumps({"type": "integer", "minimum": 10**20,
+                                          "maximum": 10**20 + 9})),
+     "minimum 100000000000000000000 is outside the 64-bit integer range"),
+    (StructuredOutput("grammar", 'start: "<" call ">"\ncall: %json {"type": "integer", '
+                      '"minimum": -1e20, "maximum": -1e20}', "tools"),
+     r"^invalid tool parameters: /: minimum -1e\+20 is outside the 64-bit integer range$"),
 ])
 def test_a_bad_constraint_is_refused_and_others_are_served(engine, smollm, spec, reason):
     prompt = chat(smollm.tokenizer, "Hi")
@@ -280,6 +291,30 @@ def test_a_dead_end_fails_its_request_alone_with_its_own_fault(engine, smollm):
         cause = failures[0].cause_of(request_id)
         assert isinstance(cause, InvalidRequestError) and cause.param == param
         assert str(cause).startswith(f"{param}: the constraint reached a dead end after 1 ")
+    assert output_ids(chunks["free"]) == output_ids(reference["free"])
+    assert engine.pool.num_in_use == 0 and not engine.has_work()
+
+
+def test_a_constraint_past_the_grammar_engines_limits_fails_its_request_alone(engine, smollm):
+    """An anyOf of 40 objects of 39 properties compiles, and its first mask admits "{", but
+    taking it goes past llguidance's limit on a parser row (6,520 items against 2,000): the
+    request fails with a 400-kind error naming its field, not as a defect of the step, and a
+    free request beside it is answered as alone."""
+    many = {"anyOf": [{"type": "object", "properties": {
+        f"k{j}": {"type": "integer"} for j in range(39)}} for _ in range(40)]}
+    prompt = chat(smollm.tokenizer, "JSON")
+    heavy = constrained("heavy", prompt, StructuredOutput("json", json.dumps(many),
+                                                          "response_format"))
+    free = constrained("free", prompt, None, max_tokens=6)
+    reference = engine.generate([free])
+    for request in (heavy, free):
+        engine.add_request(request)
+    chunks, failures = step_through_failures(engine, [heavy, free])
+    cause = failures[0].cause_of("heavy")
+    assert isinstance(cause, InvalidRequestError) and cause.param == "response_format"
+    assert str(cause).startswith("response_format: the constraint is too complex to follow "
+                                 "after 0 output tokens (Parser Error: Current row has 6520 "
+                                 "items; max is 2000")
     assert output_ids(chunks["free"]) == output_ids(reference["free"])
     assert engine.pool.num_in_use == 0 and not engine.has_work()
 
@@ -608,3 +643,15 @@ def test_masks_go_beside_the_forward_pass_only_where_a_core_is_free(device, spar
     engine = SimpleNamespace(loaded=SimpleNamespace(device=torch.device(device)),
                              host_cores=cores)
     assert LLMEngine._core_beside_forward(engine, prompt_tokens) is beside
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "integer", "minimum": -2**63, "maximum": 2**63 - 1},
+    {"type": "integer", "maximum": -2**63 + 1024},
+    {"type": "number", "minimum": -1e20, "maximum": -1e20},  # a float range: no integer
+    {"enum": [{"type": "integer", "maximum": -1e20}]},  # data, not a schema
+])
+def test_the_64_bit_range_and_float_bounds_are_left_to_llguidance(schema):
+    """Our limits refuse only what llguidance crashes on or gets wrong; the rest is its to
+    judge (it refuses the first two with an error of its own)."""
+    assert schema_fault(schema) is None

@@ -25,6 +25,7 @@ import llguidance
 import llguidance.hf
 
 from contract.request import InvalidRequestError, StructuredOutput
+from contract.schema_limits import grammar_fault, schema_fault
 from workers.structured.closing import (
     CLOSING_WINDOW,
     LOOP_SPAN,
@@ -154,8 +155,8 @@ class GrammarMatcher:
         state = self._estimate.decide(previous, budget, history)
         mask = self._mask.fill(self._matcher)
         if self._matcher.is_error() and not after_drafts:
-            reason = (self._matcher.get_error().splitlines() or ["no reason given"])[0]
-            raise InvalidRequestError(
+            reason = self._reason()
+            raise self._too_complex(reason) or InvalidRequestError(
                 f"{self._param}: the constraint reached a dead end after {position} output "
                 f"tokens: no token may follow, and the output may not end there ({reason})",
                 self._param)
@@ -169,13 +170,31 @@ class GrammarMatcher:
         """Advance over a committed token (:meth:`end` says what ``steered`` is).
 
         Raises:
-            RuntimeError: the constraint rejects it (the sampler masked it: a defect).
+            InvalidRequestError: naming the constraint's field, where taking the token goes past
+                one of llguidance's limits (the token was allowed; following it is too costly).
+            RuntimeError: the constraint rejects it otherwise (the sampler masked it: a
+                defect).
         """
         if not self._matcher.consume_token(token_id):
-            raise RuntimeError(f"the constraint rejected token {token_id}: "
-                               f"{self._matcher.get_error()}")
+            reason = self._reason()
+            raise self._too_complex(reason) or RuntimeError(
+                f"the constraint rejected token {token_id}: {self._matcher.get_error()}")
         self.end(steered)
         self._position += 1
+
+    def _reason(self) -> str:
+        """The first line of llguidance's error (the rest is its state and grammar)."""
+        return (self._matcher.get_error().splitlines() or ["no reason given"])[0]
+
+    def _too_complex(self, reason: str) -> InvalidRequestError | None:
+        """The client's error where ``reason`` is one of llguidance's limits on the work a
+        token may take (``ParserTooComplex``: an ``anyOf`` of many large objects), not a fault
+        of the output; else None."""
+        if not _ENGINE_LIMIT.search(reason):
+            return None
+        return InvalidRequestError(
+            f"{self._param}: the constraint is too complex to follow after {self._position} "
+            f"output tokens ({reason}); simplify it, e.g. fewer anyOf branches", self._param)
 
     def end(self, steered: bool = False) -> None:
         """A token was committed here (EOS, which ends the sequence and is never consumed,
@@ -228,6 +247,9 @@ def _error_message(kind: str, param: str, error: str) -> str:
     return f"invalid {kind} constraint: {error}"
 
 
+_ENGINE_LIMIT = re.compile(r"max is \d+|too complex", re.IGNORECASE)
+"""How llguidance's errors name its limits (``Current row has 6520 items; max is 2000``)."""
+
 _PARAMS = {"json": "response_format", "regex": "structured_outputs",
            "choice": "structured_outputs", "grammar": "structured_outputs"}
 
@@ -238,8 +260,12 @@ def _grammar_text(structured: StructuredOutput, param: str) -> str:
     Raises:
         InvalidRequestError: naming ``param``, for a constraint llguidance cannot read: one
             holding an unpaired UTF-16 surrogate (valid in JSON, but no UTF-8 text can carry
-            it), which llguidance's converters fail on instead of reporting.
+            it), which llguidance's converters fail on instead of reporting; or a JSON Schema
+            whose bounds it crashes on or gets wrong (:mod:`contract.schema_limits`).
     """
+    fault = _schema_fault(structured)
+    if fault:
+        raise InvalidRequestError(_error_message(structured.kind, param, fault), param)
     try:
         return _converted(structured)
     except UnicodeEncodeError as exc:
@@ -247,6 +273,18 @@ def _grammar_text(structured: StructuredOutput, param: str) -> str:
             f"invalid {structured.kind} constraint: it holds an unpaired UTF-16 surrogate "
             f"({exc.object[exc.start:exc.end]!a}), which no UTF-8 text can carry",
             param) from exc
+
+
+def _schema_fault(structured: StructuredOutput) -> str | None:
+    """:mod:`contract.schema_limits`'s objection to the JSON Schemas of ``structured``."""
+    if structured.kind == "grammar":
+        return grammar_fault(structured.spec)
+    if structured.kind != "json":
+        return None
+    try:
+        return schema_fault(json.loads(structured.spec))
+    except (ValueError, RecursionError):
+        return None  # llguidance names the fault
 
 
 def _converted(structured: StructuredOutput) -> str:
