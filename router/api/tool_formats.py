@@ -108,7 +108,7 @@ class TaggedCallParser(CallParser):
                 self._buffer = self._buffer[at + len(self.start):]
                 self._in_call = True
             else:
-                at = self._buffer.find(self.end)
+                at = _end_tag(self._buffer, self.end)
                 if at < 0:
                     break
                 body, self._buffer = self._buffer[:at], self._buffer[at + len(self.end):]
@@ -316,14 +316,40 @@ into the next turn, so the prefix cache holds the text the model wrote."""
 
 
 def _call_schema(tools: Sequence[ToolDefinition], arguments_key: str) -> str:
-    """The JSON Schema of one call to any of ``tools``, ``name`` first, in standard spacing."""
-    options = [{"type": "object",
-                "properties": {"name": {"const": tool.function.name},
-                               arguments_key: arguments_schema(tool.function.parameters)},
+    """The JSON Schema of one call to any of ``tools``, ``name`` first, in standard spacing.
+
+    Each tool's arguments schema is placed inside it, so its local references (``#``,
+    ``#/$defs/...``, as the SDK writes nested Pydantic models) are rebased to where it is
+    placed: they would otherwise point into the call's schema."""
+    def option(tool: ToolDefinition, at: str) -> dict[str, Any]:
+        arguments = _rebased(arguments_schema(tool.function.parameters),
+                             f"{at}/properties/{arguments_key}")
+        return {"type": "object",
+                "properties": {"name": {"const": tool.function.name}, arguments_key: arguments},
                 "required": ["name", arguments_key], "additionalProperties": False}
-               for tool in tools]
-    schema = options[0] if len(options) == 1 else {"anyOf": options}
+
+    if len(tools) == 1:
+        schema = option(tools[0], "#")
+    else:
+        schema = {"anyOf": [option(tool, f"#/anyOf/{i}") for i, tool in enumerate(tools)]}
     return json.dumps({**schema, "x-guidance": _STANDARD_SPACING})
+
+
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+"""Keywords whose values are data, not schemas: their ``$ref`` keys are not references."""
+
+
+def _rebased(schema: Any, pointer: str) -> Any:
+    """``schema`` with each local reference (a ``$ref`` starting with ``#``, which points
+    into ``schema`` itself) made to point to the same place under ``pointer``."""
+    if isinstance(schema, list):
+        return [_rebased(item, pointer) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {key: (pointer + value[1:] if key == "$ref" and isinstance(value, str)
+                  and value.startswith("#")
+                  else value if key in _DATA_KEYWORDS else _rebased(value, pointer))
+            for key, value in schema.items()}
 
 
 def arguments_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
@@ -333,6 +359,28 @@ def arguments_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
     schema = {"type": "object", **(parameters or {})}
     schema.setdefault("additionalProperties", False)
     return schema
+
+
+def _end_tag(text: str, tag: str) -> int:
+    """Where the first ``tag`` of ``text`` outside a JSON string starts, or -1: a call's
+    arguments may hold the end tag as text (``{"html": "</tool_call>"}``)."""
+    at = text.find(tag)
+    while at >= 0 and _in_json_string(text, at):
+        at = text.find(tag, at + 1)
+    return at
+
+
+def _in_json_string(text: str, end: int) -> bool:
+    """Whether ``text[end]`` lies inside a JSON string, reading ``text`` from its start."""
+    inside = escaped = False
+    for char in text[:end]:
+        if escaped:
+            escaped = False
+        elif char == "\\" and inside:
+            escaped = True
+        elif char == '"':
+            inside = not inside
+    return inside
 
 
 def _partial_tag(text: str, tag: str) -> int:

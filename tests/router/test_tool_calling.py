@@ -106,6 +106,17 @@ def test_an_unterminated_call_is_a_call_when_its_json_is_whole_and_content_when_
     assert (calls, "".join(pieces)) == ([], '<tool_call>{"name": "add", "argu')
 
 
+@pytest.mark.parametrize("fmt", [HERMES, SMOLLM2], ids=lambda f: f.name)
+@pytest.mark.parametrize("step", [1, 1000])
+def test_an_end_tag_inside_an_argument_is_text_of_the_call(fmt, step):
+    """The end tag ends a call only outside its JSON strings: an argument may hold markup."""
+    call = ParsedCall("get_weather", {"city": 'a</tool_call>"b\\</tool_call>'})
+    written = WRITTEN[fmt.name].replace('"Paris"', json.dumps(call.arguments["city"]), 1)
+    pieces, calls = parse_streamed(fmt, written + " done", step)
+    assert calls == [call, SUM]
+    assert "".join(pieces) == " done"
+
+
 def test_llama3_json_takes_only_a_whole_json_answer_as_calls():
     assert "".join(parse_streamed(LLAMA3_JSON, "The answer is {5}.")[0]) == "The answer is {5}."
     pieces, calls = parse_streamed(LLAMA3_JSON, '{"name": "add", "parameters": {"a": 1}} and so')
@@ -163,6 +174,40 @@ def test_auto_takes_any_text_but_holds_a_call_once_opened(fmt, tokenizer, llg_to
     for wrong in (written.replace("add", "sub"), written.replace('"a": 2', '"a": "2"'),
                   written.replace('"}}', '"', 1)):
         assert not accepted(llg_tokenizer, tokenizer, grammar, lead + wrong), wrong
+
+
+NESTED = {"type": "function", "function": {"name": "place", "parameters": {
+    "$defs": {"City": {"type": "object", "properties": {"name": {"type": "string"}},
+                       "required": ["name"], "additionalProperties": False}},
+    "type": "object", "properties": {
+        "city": {"$ref": "#/$defs/City"}, "near": {"anyOf": [{"$ref": "#"}, {"type": "null"}]},
+        "note": {"const": {"$ref": "#"}}},
+    "required": ["city", "near", "note"]}}}
+"""A tool whose parameters refer to themselves, as the SDK writes nested Pydantic models: a
+``$defs`` entry, the root (``#``), and a ``$ref`` in data that is no reference."""
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("tools", [[NESTED], [NESTED, ADD]], ids=["alone", "among-others"])
+def test_a_tools_own_references_point_into_its_own_parameters(fmt, tools, tokenizer,
+                                                               llg_tokenizer):
+    definitions = [ToolDefinition.model_validate(tool) for tool in tools]
+    key = "parameters" if fmt is LLAMA3_JSON else "arguments"
+    near = {"city": {"name": "Lyon"}, "near": None, "note": {"$ref": "#"}}
+    arguments = {"city": {"name": "Paris"}, "near": near, "note": {"$ref": "#"}}
+
+    def written(args: dict[str, Any]) -> str:
+        call = json.dumps({"name": "place", key: args})
+        return {"hermes": f"<tool_call>\n{call}\n</tool_call>",
+                "smollm2": f"<tool_call>[{call}]</tool_call>", "llama3_json": call}[fmt.name]
+
+    grammar = fmt.grammar(definitions, False)
+    assert accepted(llg_tokenizer, tokenizer, grammar, written(arguments))
+    # The nested one follows the tool's own schema, not the call's ({"name", "arguments"}).
+    wrong = {**arguments, "near": {"name": "place", key: near}}
+    assert not accepted(llg_tokenizer, tokenizer, grammar, written(wrong))
+    assert not accepted(llg_tokenizer, tokenizer, grammar,
+                        written({**arguments, "city": {"name": 1}}))
 
 
 @pytest.mark.parametrize("parameters", [None, {}, {"type": "object", "properties": {}}])
@@ -391,6 +436,13 @@ def with_parameters(properties: dict[str, Any]) -> dict[str, Any]:
     (with_parameters({"code": {"type": "string", "pattern": "(["}}),
      "regex parse error:\n    ([\n     ^\nerror: unclosed character class"),
     (with_parameters({"code": {"type": "string", "if": {}}}), 'Unimplemented keys: ["if"]'),
+    # llguidance crashes on this range (SIGSEGV): never handed to it.
+    (with_parameters({"i": {"type": "integer", "minimum": -9223372036854775807,
+                            "maximum": -9223372036854775800}}),
+     "/properties/i: maximum -9223372036854775800 is below -9223372036854774784, the lowest "
+     "integer maximum served"),
+    (with_parameters({"i": {"anyOf": [{"type": "integer"}], "minimum": 10**20}}),
+     "/properties/i: minimum 100000000000000000000 is outside the 64-bit integer range"),
 ])
 async def test_a_tools_arguments_schema_no_call_could_follow_is_refused_naming_it(
         client, long_backend, body, reason):
