@@ -18,9 +18,9 @@ request again and is compared with it, token by token, up to the first token tha
 - ``hit16``: alone, after a 17-token prompt put its first block in the cache (the rest of the
   prompt is one chunk starting at token 16, as after a one-block tier load or transfer);
 - ``batch4``, ``batch16``: from an empty cache, beside 3 or 15 other prompts arriving with it;
-- ``threads2``: alone from an empty cache on two threads where the reference ran on --threads
-  (1 by default), as when a prompt's step borrows an idle worker's core
-  (``workers/host_cores.py``).
+- ``threads2``: alone from an empty cache, its prompt's step on two threads where the
+  reference's ran on --threads (1 by default), its decode steps on --threads: as when a
+  prompt's step borrows an idle worker's core (``workers/host_cores.py``).
 
 It reports, per variant and condition, the share of identical outputs, the mean number of
 tokens before the first difference, and the largest and median absolute difference of a
@@ -79,21 +79,34 @@ class Runner:
             ) -> list[tuple[list[int], list[float]]]:
         """Each prompt's output tokens and their logprobs, all submitted together; ``cold``
         empties the prefix cache first."""
-        from contract.request import GenerationRequest, SamplingParams
-
         if cold:
             self.engine.reset_prefix_cache()
-        requests = []
-        for prompt in prompts:
-            self.count += 1
-            requests.append(GenerationRequest(
-                f"invariance-{self.count}", list(prompt),
-                SamplingParams(temperature=0, max_tokens=self.max_tokens, ignore_eos=True,
-                               logprobs=0)))
+        requests = [self.request(prompt) for prompt in prompts]
         chunks = self.engine.generate(requests)
-        return [([t for c in chunks[r.request_id] for t in c.token_ids],
-                 [lp.logprob for c in chunks[r.request_id] for lp in c.logprobs or []])
-                for r in requests]
+        return [_output(chunks[r.request_id]) for r in requests]
+
+    def request(self, prompt: list[int]):
+        from contract.request import GenerationRequest, SamplingParams
+
+        self.count += 1
+        return GenerationRequest(f"invariance-{self.count}", list(prompt), SamplingParams(
+            temperature=0, max_tokens=self.max_tokens, ignore_eos=True, logprobs=0))
+
+    def prompt_on_two_threads(self, prompt: list[int]) -> tuple[list[int], list[float]]:
+        """``prompt`` alone from an empty cache, the steps to its first token on two threads
+        and the rest on the threads set before."""
+        self.engine.reset_prefix_cache()
+        self.engine.add_request(self.request(prompt))
+        threads, chunks = torch.get_num_threads(), []
+        torch.set_num_threads(2)
+        try:
+            while not any(chunk.token_ids for chunk in chunks):
+                chunks += self.engine.step()
+        finally:
+            torch.set_num_threads(threads)
+        while self.engine.has_work():
+            chunks += self.engine.step()
+        return _output(chunks)
 
     def condition(self, name: str, prompt: list[int], others: list[list[int]]
                   ) -> tuple[list[int], list[float]]:
@@ -107,14 +120,15 @@ class Runner:
             self.run([prompt[:17]])
             return self.run([prompt], cold=False)[0]
         if name == "threads2":
-            threads = torch.get_num_threads()
-            torch.set_num_threads(2)
-            try:
-                return self.run([prompt])[0]
-            finally:
-                torch.set_num_threads(threads)
+            return self.prompt_on_two_threads(prompt)
         size = int(name.removeprefix("batch"))
         return self.run([prompt] + others[:size - 1])[0]
+
+
+def _output(chunks) -> tuple[list[int], list[float]]:
+    """A choice's output tokens and their logprobs, from its chunks."""
+    return ([t for c in chunks for t in c.token_ids],
+            [lp.logprob for c in chunks for lp in c.logprobs or []])
 
 
 def compare(output: tuple[list[int], list[float]], reference: tuple[list[int], list[float]]
