@@ -42,10 +42,10 @@ import torch
 
 try:
     from benchmarks import common
-    from benchmarks.quantized_accuracy import VARIANTS, load_variant
+    from benchmarks.quantized_accuracy import VARIANTS, load_variant, parse_variants
 except ImportError:  # run as a script: benchmarks/ is on sys.path, the repo root is not
     import common
-    from quantized_accuracy import VARIANTS, load_variant
+    from quantized_accuracy import VARIANTS, load_variant, parse_variants
 
 CONDITIONS = ("again", "cached", "hit16", "batch4", "batch16", "threads2")
 
@@ -62,10 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.prompts, args.prompt_tokens, args.max_tokens = 1, 40, 4
-    args.variants = [v for v in args.variants.split(",") if v]
-    unknown = set(args.variants) - set(VARIANTS)
-    if unknown:
-        parser.error(f"unknown variants {sorted(unknown)}: use {sorted(VARIANTS)}")
+    args.variants = parse_variants(parser, args.variants)
     return args
 
 

@@ -53,13 +53,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.prompts, args.max_tokens, args.ppl_tokens = 2, 4, 24
-    args.variants = [v for v in args.variants.split(",") if v]
-    unknown = set(args.variants) - set(VARIANTS)
-    if unknown:
-        parser.error(f"unknown variants {sorted(unknown)}: use {sorted(VARIANTS)}")
+    args.variants = parse_variants(parser, args.variants)
     if REFERENCE not in args.variants:
         args.variants.insert(0, REFERENCE)
     return args
+
+
+def parse_variants(parser: argparse.ArgumentParser, text: str) -> list[str]:
+    """The comma-separated ``--variants`` of :data:`VARIANTS`; exits through ``parser`` on an
+    unknown one."""
+    variants = [v for v in text.split(",") if v]
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}: use {sorted(VARIANTS)}")
+    return variants
 
 
 def load_variant(name: str):
