@@ -132,7 +132,8 @@ def tool_use(body: ChatCompletionRequest, chat_template: str) -> ToolUse | None:
 def _refuse_bad_parameters(tools: Sequence[ToolDefinition]) -> None:
     """Refuses a tool whose arguments' schema the calls' grammar cannot hold them to, naming
     the tool and llguidance's reason (the worker, checking the whole grammar, could only name
-    the call's own ``arguments``, or cut the reason short).
+    the call's own ``arguments``, or cut the reason short), or bounds llguidance must never
+    see (:mod:`contract.schema_limits`: it would crash this process).
 
     Raises:
         APIError: 400 naming ``tools[i].function.parameters``.
