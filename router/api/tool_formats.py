@@ -340,16 +340,21 @@ _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
 
 
 def _rebased(schema: Any, pointer: str) -> Any:
-    """``schema`` with each local reference (a ``$ref`` starting with ``#``, which points
+    """``schema`` with each local reference (a ``$ref`` of ``#`` or ``#/...``, which points
     into ``schema`` itself) made to point to the same place under ``pointer``."""
     if isinstance(schema, list):
         return [_rebased(item, pointer) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    return {key: (pointer + value[1:] if key == "$ref" and isinstance(value, str)
-                  and value.startswith("#")
+    return {key: (pointer + value[1:] if key == "$ref" and _is_local_pointer(value)
                   else value if key in _DATA_KEYWORDS else _rebased(value, pointer))
             for key, value in schema.items()}
+
+
+def _is_local_pointer(ref: Any) -> bool:
+    """Whether ``ref`` is a JSON pointer into its own document (``#`` or ``#/...``); a named
+    anchor (``#name``) is left as it is."""
+    return isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))
 
 
 def arguments_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
