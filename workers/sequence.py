@@ -99,7 +99,7 @@ class Sequence:
         self.finished_at: float | None = None
         self.generator: torch.Generator | None = None
         if self.sampling.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.sampling.seed)
+            self.generator = torch.Generator().manual_seed(generator_seed(self.sampling.seed))
 
     @property
     def num_tokens(self) -> int:
@@ -176,3 +176,18 @@ class Sequence:
     def finish(self, reason: FinishReason) -> None:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
+
+
+def generator_seed(seed: int) -> int:
+    """The seed a request's ``seed`` gives its torch generator: SplitMix64 (Steele et al.
+    2014) of ``seed`` mod 2**64.
+
+    torch's CPU generator (MT19937) keeps only a seed's low 32 bits, so seeds 5 and 5 + 2**32
+    would draw the same tokens. Mixed first, every bit of the 64 takes part: two seeds still
+    share a stream with a chance of 2**-32, not for a whole family of them. ``-1`` and
+    ``2**64 - 1``, one value mod 2**64, share one.
+    """
+    z = (seed + 0x9E3779B97F4A7C15) % 2**64
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 % 2**64
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB % 2**64
+    return z ^ (z >> 31)

@@ -9,6 +9,7 @@ from scipy import stats
 
 from contract.request import GenerationRequest, SamplingParams
 from workers.sampler import SamplingRow, filtered_probs, sample
+from workers.sequence import generator_seed
 
 LOGITS = torch.tensor([2.0, 1.5, 1.2, 0.9, 0.3, 0.0, -0.4, -1.0, -2.0, -3.0])
 
@@ -135,6 +136,25 @@ def test_seeded_request_reproduces_in_the_engine_regardless_of_batch(tiny_qwen, 
     alone = run(False)
     assert len(alone) == 12
     assert run(True) == alone
+
+
+def test_every_bit_of_a_seed_chooses_its_stream(tiny_qwen, make_engine):
+    """torch's CPU generator keeps a seed's low 32 bits: seeds 5 and 5 + 2**32 (or 0 and
+    2**63) drew the same tokens. The seed is mixed first (SplitMix64), so they differ; -1 and
+    2**64 - 1, one value mod 2**64, still agree."""
+    assert generator_seed(0) == 0xE220A8397B1DCDAF  # SplitMix64's first output from state 0
+    engine = make_engine(tiny_qwen, num_blocks=32)
+
+    def tokens(seed: int) -> list[int]:
+        chunks = engine.generate([GenerationRequest(f"s{seed}", list(range(100, 120)),
+                                                    SamplingParams(temperature=1.5, seed=seed,
+                                                                   max_tokens=16,
+                                                                   ignore_eos=True))])
+        return [t for c in chunks[f"s{seed}"] for t in c.token_ids]
+
+    assert tokens(5) != tokens(5 + 2**32)
+    assert tokens(0) != tokens(2**63)
+    assert tokens(-1) == tokens(2**64 - 1)
 
 
 def test_a_vanishing_temperature_is_greedy_and_harms_no_neighbour(tiny_qwen, make_engine):
