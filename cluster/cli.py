@@ -206,8 +206,6 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
         pydantic.ValidationError: a flag out of range.
     """
     options = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
-    if "lora_modules" in options:
-        options["lora_modules"] = dict(options["lora_modules"])
     return ClusterConfig(**options)
 
 

@@ -15,6 +15,7 @@ from contract.identity import adapter_name_fault
 from workers import devices
 from workers.config import EngineConfig, MiB
 from workers.host_cores import available_cores
+from workers.model_source import served_name
 from workers.speculative.config import SpeculativeConfig
 from workers.step_time import AUTO
 
@@ -220,6 +221,19 @@ class ClusterConfig(BaseModel):
         # Absolute: the ingress replica does not share the CLI's working directory.
         return None if value is None else str(Path(value).expanduser().absolute())
 
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _one_path_per_name(cls, value: object) -> object:
+        """``--lora-modules`` gives ``(name, path)`` pairs: a name given twice is refused, as
+        a second load of a loaded name is at run time (a dict would keep the last path)."""
+        if not isinstance(value, list | tuple):
+            return value
+        names = [name for name, _ in value]
+        twice = next((name for name in names if names.count(name) > 1), None)
+        if twice is not None:
+            raise ValueError(f"adapter name {twice!r} is given twice")
+        return dict(value)
+
     @field_validator("lora_modules")
     @classmethod
     def _absolute_lora_paths(cls, value: dict[str, str]) -> dict[str, str]:
@@ -232,7 +246,8 @@ class ClusterConfig(BaseModel):
 
     @model_validator(mode="after")
     def _adapter_names_are_names(self) -> ClusterConfig:
-        taken = {self.model, self.served_model_name} & set(self.lora_modules)
+        taken = {self.model, self.served_model_name or served_name(self.model)} & set(
+            self.lora_modules)
         if taken:
             raise ValueError(f"adapter name {taken.pop()!r} is the served model's name")
         for name in self.lora_modules:

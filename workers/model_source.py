@@ -26,8 +26,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer
-
 log = logging.getLogger(__name__)
 
 EMBEDDED_MODEL = "embedded"
@@ -53,6 +51,17 @@ def embedded_gguf_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / EMBEDDED_GGUF
 
 
+def served_name(model: str) -> str:
+    """The name the API serves ``model`` under, as :func:`resolve_source` gives it, without
+    converting or loading anything."""
+    if model == EMBEDDED_MODEL:
+        return EMBEDDED_SERVED_NAME
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        return path.stem
+    return path.name if path.is_dir() else model
+
+
 def resolve_source(model: str) -> tuple[Path, str]:
     """Map a model argument to a directory transformers can load, converting GGUF once.
 
@@ -63,14 +72,14 @@ def resolve_source(model: str) -> tuple[Path, str]:
         FileNotFoundError: a path that does not exist, or a hub id not in the local cache.
     """
     if model == EMBEDDED_MODEL:
-        return _converted_gguf(embedded_gguf_path()), EMBEDDED_SERVED_NAME
+        return _converted_gguf(embedded_gguf_path()), served_name(model)
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {path}")
-        return _converted_gguf(path), path.stem
+        return _converted_gguf(path), served_name(model)
     if path.is_dir():
-        return path, path.name
+        return path, served_name(model)
     from huggingface_hub import snapshot_download
 
     try:
@@ -79,7 +88,7 @@ def resolve_source(model: str) -> tuple[Path, str]:
         raise FileNotFoundError(
             f"model {model!r} is neither a local path nor in the local Hugging Face cache "
             "(this machine is offline; nothing is downloaded)") from exc
-    return Path(local), model
+    return Path(local), served_name(model)
 
 
 def _converted_gguf(gguf: Path) -> Path:
@@ -93,6 +102,8 @@ def _converted_gguf(gguf: Path) -> Path:
 
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                  dtype=torch.float32)
+    from transformers import AutoTokenizer  # here: the CLI imports this module for names
+
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # The weights are plain dequantized floats now; drop the GGUF marker that blocks saving.
     model.hf_quantizer = None
@@ -122,4 +133,6 @@ def load_tokenizer(model: str = EMBEDDED_MODEL) -> Any:
     """The tokenizer alone (for the ingress), from the same source
     :func:`workers.model_loader.load_model` uses."""
     path, _ = resolve_source(model)
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(path)

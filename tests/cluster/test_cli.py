@@ -46,6 +46,11 @@ def test_max_queue_delay_reaches_the_config_and_a_bad_one_is_refused():
                          "to 1"),
     (["--max-queue-delay", "0"], "nalar: cannot serve: --max-queue-delay: Input should be "
                                  "greater than 0"),
+    (["--lora-modules", "dupe=/a1", "dupe=/a2"],
+     "nalar: cannot serve: --lora-modules: adapter name 'dupe' is given twice"),
+    # The embedded model's served name: the adapter could never be reached.
+    (["--lora-modules", "SmolLM2-135M-Instruct=/a1"],
+     "nalar: cannot serve: adapter name 'SmolLM2-135M-Instruct' is the served model's name"),
     (["--gpus-per-worker", "0.5"], "nalar: cannot serve: --gpus-per-worker 0.5 puts 2 workers "
      "on a GPU, and each may use gpu_memory_utilization 0.9 of its memory (1.8 of it in all): "
      "pass --gpu-memory-utilization 0.45 (or less), or a fixed --kv-memory-mib"),
