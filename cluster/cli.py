@@ -247,26 +247,37 @@ def serve_command(args: argparse.Namespace) -> int:
     print(f"starting Nalar Serve: model {config.model}, {workers}, "
           f"index {index}, speculation {_speculation(config)}, {_auth(config)} ...",
           flush=True)
+    # Set before the start: Ray and Serve swallow a KeyboardInterrupt raised while they start
+    # (a Ctrl-C there was ignored), so a signal only asks to stop, once the start is done.
+    stop, started = threading.Event(), threading.Event()
+    previous = {signum: signal.signal(signum, lambda *_: _ask_to_stop(stop, started))
+                for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         start_cluster(config)
-    except PortInUseError as exc:
-        print(f"nalar: cannot serve: {exc}. Stop the other server or pass --port.",
-              file=sys.stderr)
+    except (PortInUseError, NotEnoughGPUsError, TierStoreError) as exc:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        hint = ". Stop the other server or pass --port." if isinstance(exc, PortInUseError) else ""
+        print(f"nalar: cannot serve: {exc}{hint}", file=sys.stderr)
         return 1
-    except (NotEnoughGPUsError, TierStoreError) as exc:
-        print(f"nalar: cannot serve: {exc}", file=sys.stderr)
-        return 1
-    stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    print(f"Nalar Serve is ready: http://{config.host}:{config.port}/v1 "
-          "(Ctrl-C to stop)", flush=True)
-    stop.wait()
-    _drain(config.drain_timeout_s)
+    started.set()
+    if not stop.is_set():
+        print(f"Nalar Serve is ready: http://{config.host}:{config.port}/v1 "
+              "(Ctrl-C to stop)", flush=True)
+        stop.wait()
+        _drain(config.drain_timeout_s)
     print("stopping ...", flush=True)
     stop_cluster()
     print("stopped.", flush=True)
     return 0
+
+
+def _ask_to_stop(stop: threading.Event, started: threading.Event) -> None:
+    """SIGINT or SIGTERM: stop serving (``nalar serve`` waits on ``stop``). Before ``started``,
+    says that the stop comes once the start is done."""
+    if not stop.is_set() and not started.is_set():
+        print("stopping once the start is done ...", flush=True)
+    stop.set()
 
 
 def _drain(timeout_s: float) -> None:
