@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pydantic
 import pytest
 
@@ -118,3 +120,19 @@ def test_idle_cores_are_borrowed_unless_the_flag_says_not():
 
     assert engine().borrow_idle_cores is True
     assert engine("--no-borrow-idle-cores").borrow_idle_cores is False
+
+
+def test_a_signal_during_the_start_asks_to_stop_once_it_is_done(capsys):
+    """Ray and Serve swallow a KeyboardInterrupt while they start, so SIGINT only sets the
+    event ``nalar serve`` checks when the start returns; it says so at once, and only then."""
+    from cluster.cli import _ask_to_stop
+
+    stop, started = threading.Event(), threading.Event()
+    _ask_to_stop(stop, started)
+    _ask_to_stop(stop, started)
+    assert stop.is_set()
+    assert capsys.readouterr().out == "stopping once the start is done ...\n"
+    stop.clear()
+    started.set()
+    _ask_to_stop(stop, started)
+    assert stop.is_set() and capsys.readouterr().out == ""
