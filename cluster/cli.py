@@ -8,6 +8,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 import pydantic
@@ -250,8 +252,7 @@ def serve_command(args: argparse.Namespace) -> int:
     # Set before the start: Ray and Serve swallow a KeyboardInterrupt raised while they start
     # (a Ctrl-C there was ignored), so a signal only asks to stop, once the start is done.
     stop, started = threading.Event(), threading.Event()
-    previous = {signum: signal.signal(signum, lambda *_: _ask_to_stop(stop, started))
-                for signum in (signal.SIGINT, signal.SIGTERM)}
+    previous = _on_stop_signals(lambda: _ask_to_stop(stop, started))
     try:
         start_cluster(config)
     except (PortInUseError, NotEnoughGPUsError, TierStoreError) as exc:
@@ -261,6 +262,7 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"nalar: cannot serve: {exc}{hint}", file=sys.stderr)
         return 1
     started.set()
+    _on_stop_signals(lambda: _ask_to_stop(stop, started))  # ray.init put in its own SIGTERM's
     if not stop.is_set():
         print(f"Nalar Serve is ready: http://{config.host}:{config.port}/v1 "
               "(Ctrl-C to stop)", flush=True)
@@ -270,6 +272,12 @@ def serve_command(args: argparse.Namespace) -> int:
     stop_cluster()
     print("stopped.", flush=True)
     return 0
+
+
+def _on_stop_signals(handler: Callable[[], None]) -> dict[int, Any]:
+    """Calls ``handler`` on SIGINT and SIGTERM from now on; returns the handlers it replaced."""
+    return {signum: signal.signal(signum, lambda *_: handler())
+            for signum in (signal.SIGINT, signal.SIGTERM)}
 
 
 def _ask_to_stop(stop: threading.Event, started: threading.Event) -> None:
