@@ -262,7 +262,7 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"nalar: cannot serve: {exc}{hint}", file=sys.stderr)
         return 1
     started.set()
-    _on_stop_signals(lambda: _ask_to_stop(stop, started))  # ray.init put in its own SIGTERM's
+    _on_stop_signals(lambda: _ask_to_stop(stop, started))  # again: ray.init set SIGTERM's
     if not stop.is_set():
         print(f"Nalar Serve is ready: http://{config.host}:{config.port}/v1 "
               "(Ctrl-C to stop)", flush=True)

@@ -1,5 +1,5 @@
 """What a JSON Schema constraint may hold beyond what its grammar engine checks: bounds that
-llguidance (0.7's JSON Schema compiler) either crashes on or silently gets wrong, refused
+llguidance (1.9's JSON Schema compiler) either crashes on or silently gets wrong, refused
 before it sees them.
 
 - An integer range whose maximum rounds, as a 64-bit float, to -2**63 or below kills the
@@ -19,25 +19,36 @@ from typing import Any
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 
 LOWEST_MAXIMUM = INT64_MIN + 1024
-"""The lowest integer ``maximum`` accepted: a float64 of a larger magnitude rounds to -2**63,
-the crash above (float64 spacing at 2**63 is 2,048, so anything from here up rounds above)."""
+"""The lowest integer ``maximum`` accepted. float64s just above -2**63 are 1,024 apart, so a
+maximum within 512 of it rounds to -2**63, the crash above (probed in subprocesses: up to
+-2**63 + 500 crashed, from + 600 not); from here up it rounds to -2**63 + 1,024 or above."""
 
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
-_DATA = frozenset({"enum", "const", "default", "examples"})
-"""Keywords whose values are data, not schemas: never searched for bounds."""
+DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+"""JSON Schema keywords whose values are data, not schemas: a ``$ref`` or a bound inside them
+is a value."""
 
 
-def schema_fault(schema: Any, where: str = "") -> str | None:
+def schema_fault(schema: Any) -> str | None:
     """Why ``schema`` (a parsed JSON Schema) may not be compiled, or None.
 
     Bounds are checked on every node that may constrain an integer: one whose ``type`` is or
     lists ``integer``, and one without a ``type`` (its bounds reach an integer branch of its
-    ``anyOf``, ``allOf`` or ``$ref``). ``where`` prefixes the JSON pointer the message names.
+    ``anyOf``, ``allOf`` or ``$ref``). A schema nested too deep to walk is left to llguidance,
+    which refuses it.
     """
+    try:
+        return _fault(schema, "")
+    except RecursionError:
+        return None
+
+
+def _fault(schema: Any, where: str) -> str | None:
+    """:func:`schema_fault` of the node at JSON pointer ``where``."""
     if isinstance(schema, list):
         return next((fault for i, item in enumerate(schema)
-                     if (fault := schema_fault(item, f"{where}/{i}"))), None)
+                     if (fault := _fault(item, f"{where}/{i}"))), None)
     if not isinstance(schema, dict):
         return None
     kind = schema.get("type")
@@ -46,8 +57,8 @@ def schema_fault(schema: Any, where: str = "") -> str | None:
             fault = _bound_fault(key, schema.get(key))
             if fault:
                 return f"{where or '/'}: {fault}"
-    return next((fault for key, value in schema.items() if key not in _DATA
-                 if (fault := schema_fault(value, f"{where}/{key}"))), None)
+    return next((fault for key, value in schema.items() if key not in DATA_KEYWORDS
+                 if (fault := _fault(value, f"{where}/{key}"))), None)
 
 
 def grammar_fault(grammar: str) -> str | None:
@@ -58,7 +69,7 @@ def grammar_fault(grammar: str) -> str | None:
         start = len(grammar) - len(grammar[at + len("%json"):].lstrip())
         try:
             schema, _ = decoder.raw_decode(grammar, start)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             schema = None  # llguidance names the fault
         fault = schema_fault(schema)
         if fault:

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from contract.schema_limits import DATA_KEYWORDS
 from router.protocol import ToolDefinition
 
 _NAMES_TOOLS = re.compile(r"\btools\b")
@@ -335,10 +336,6 @@ def _call_schema(tools: Sequence[ToolDefinition], arguments_key: str) -> str:
     return json.dumps({**schema, "x-guidance": _STANDARD_SPACING})
 
 
-_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
-"""Keywords whose values are data, not schemas: their ``$ref`` keys are not references."""
-
-
 def _rebased(schema: Any, pointer: str) -> Any:
     """``schema`` with each local reference (a ``$ref`` of ``#`` or ``#/...``, which points
     into ``schema`` itself) made to point to the same place under ``pointer``."""
@@ -347,7 +344,7 @@ def _rebased(schema: Any, pointer: str) -> Any:
     if not isinstance(schema, dict):
         return schema
     return {key: (pointer + value[1:] if key == "$ref" and _is_local_pointer(value)
-                  else value if key in _DATA_KEYWORDS else _rebased(value, pointer))
+                  else value if key in DATA_KEYWORDS else _rebased(value, pointer))
             for key, value in schema.items()}
 
 

@@ -282,9 +282,10 @@ def _schema_fault(structured: StructuredOutput) -> str | None:
     if structured.kind != "json":
         return None
     try:
-        return schema_fault(json.loads(structured.spec))
+        schema = json.loads(structured.spec)
     except (ValueError, RecursionError):
         return None  # llguidance names the fault
+    return schema_fault(schema)
 
 
 def _converted(structured: StructuredOutput) -> str:
