@@ -62,15 +62,13 @@ class BlockManager:
         return self.prompt_costs.seconds(first_block * self.block_size,
                                          num_blocks * self.block_size)
 
-    def can_admit(self, seq: Sequence, hits: list[Hit], num_new_tokens: int,
-                  keep_free: int = 0) -> bool:
+    def can_admit(self, seq: Sequence, hits: list[Hit], num_new_tokens: int) -> bool:
         """Whether the pool can hold ``hits`` plus blocks for ``num_new_tokens`` more tokens
-        (a second-tier hit needs a fresh block to be loaded into) with ``keep_free`` blocks
-        still available."""
+        (a second-tier hit needs a fresh block to be loaded into)."""
         in_pool = [hit for hit in hits if isinstance(hit, Block)]
         fresh = seq.blocks_needed(len(hits) * self.block_size + num_new_tokens) - len(in_pool)
         taken_from_lru = sum(1 for block in in_pool if self.pool.is_evictable(block))
-        return fresh + taken_from_lru + keep_free <= self.pool.num_available
+        return fresh + taken_from_lru <= self.pool.num_available
 
     def admit(self, seq: Sequence, hits: list[Hit], num_new_tokens: int) -> None:
         """Give ``seq`` its cached prefix and room for its next ``num_new_tokens`` tokens.

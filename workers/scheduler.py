@@ -65,8 +65,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-from workers.block_manager import BlockManager, Hit
-from workers.kv_headroom import KVHeadroom
+from workers.block_manager import BlockManager
 from workers.sequence import Sequence, SequenceStatus
 from workers.step_time import StepTimeTarget
 
@@ -175,8 +174,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
-        self.headroom = KVHeadroom(block_manager.pool.num_blocks * block_manager.block_size,
-                                   max_num_seqs)
         self._step = 0
 
     def add(self, seq: Sequence) -> None:
@@ -189,7 +186,6 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         """Pick this step's sequences; may preempt running ones when blocks run out."""
         self._step += 1
-        self.headroom.stepped()
         self._prompt_tokens = 0
         batch = ScheduledBatch()
         preempted = self._schedule_running(batch)
@@ -349,25 +345,12 @@ class Scheduler:
                 if partial >= self.max_num_partial_prefills:
                     continue  # a shorter request behind it may still finish its prompt now
                 num_tokens = self._chunk(seq, num_tokens, budget, partial + 1)
-            if not self._fits(seq, hits, num_tokens):
+            if not self.blocks.can_admit(seq, hits, num_tokens):
                 return  # out of blocks: the ones behind it wait too (no starvation by size)
             self._admit(seq, hits, num_tokens, batch)
             self._spend(depth, num_tokens)
             in_flight.update(_blocks_in_flight(seq))
             partial += chunked
-
-    def _fits(self, seq: Sequence, hits: list[Hit], num_tokens: int) -> bool:
-        """Whether ``seq`` may be admitted with ``num_tokens`` tokens after its ``hits``: the
-        pool holds them now and, beside running sequences, its whole expected length on top of
-        their expected growth (:mod:`workers.kv_headroom`). Alone, the first chunk is enough:
-        a request longer than the headroom allows still runs."""
-        if not self.blocks.can_admit(seq, hits, num_tokens):
-            return False
-        if not self.running:
-            return True
-        whole = self.headroom.expected_tokens(seq) - len(hits) * self.blocks.block_size
-        return self.blocks.can_admit(seq, hits, whole,
-                                     keep_free=self.headroom.blocks_to_come(self.running))
 
     def _admit(self, seq: Sequence, hits: list, num_tokens: int,
                batch: ScheduledBatch) -> None:
@@ -413,7 +396,6 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.counters.preemptions += 1
-        self.headroom.preempted()
 
 
 def _logit_rows_cap(seq: Sequence, num_tokens: int) -> int:
